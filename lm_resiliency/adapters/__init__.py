@@ -1,0 +1,1 @@
+"""Framework adapters: read a job's topology and attach step-boundary hooks, without touching its loop."""

@@ -1,0 +1,57 @@
+"""What every framework adapter provides to the session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = ["AdapterTopology", "FrameworkAdapter", "StepTimes"]
+
+
+@dataclass(frozen=True)
+class AdapterTopology:
+    """This rank's view of the parallel layout, in global ranks.
+
+    `replica_group`: the ranks holding bitwise-identical state to ours after each step (ours included).
+    `dims`: for each named parallel dimension, the ranks of our group along it.
+    `replicated_dims`: names of the dimensions along which state is identical.
+    """
+
+    replica_group: tuple[int, ...]
+    dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    replicated_dims: tuple[str, ...] = ()
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Phase durations of one optimizer step, in seconds, measured on the training thread."""
+
+    step: int
+    step_s: float
+    input_s: float
+    compute_s: float
+    comm_s: float
+    optimizer_s: float
+
+
+StepSink = Callable[[StepTimes], None]
+
+
+class FrameworkAdapter(Protocol):
+    name: str
+
+    def topology(self) -> AdapterTopology: ...
+
+    def attach(self, on_step: StepSink) -> None:
+        """Install hooks; call `on_step` on the training thread after every optimizer step."""
+        ...
+
+    def note_input_time(self, seconds: float) -> None:
+        """Time spent in an instrumented data loader's next() since the last step."""
+        ...
+
+    def detach(self) -> None:
+        """Remove every hook this adapter installed. Idempotent."""
+        ...

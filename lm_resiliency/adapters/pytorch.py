@@ -1,0 +1,226 @@
+"""The PyTorch adapter: DDP, FSDP2, HSDP and DeviceMesh-based TP/PP/EP.
+
+Topology: a DDP model's process group is one replica group. For DTensor parameters (FSDP2, HSDP, TP)
+the mesh dimensions on which every parameter is `Replicate()` are replica dimensions; ranks that differ
+only along them hold identical shards. `parallelism_info={"replica_group": [...], "dims": {...}}`
+overrides what we read. A plain module with no DDP and no DTensor is its own replica group unless
+`group` names its data-parallel peers.
+
+Hooks (all removable, none changes the math): a forward pre-hook marks the start of compute, an
+optimizer pre/post step hook marks the optimizer phase and the step boundary, and for DDP a comm hook
+that performs exactly DDP's default all-reduce while timing it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lm_resiliency.adapters.base import AdapterTopology, StepSink, StepTimes
+
+__all__ = ["PyTorchAdapter"]
+
+log = logging.getLogger(__name__)
+
+
+class PyTorchAdapter:
+    name = "pytorch"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        group: Any = None,
+        parallelism_info: Mapping[str, Any] | None = None,
+        time_comm: bool = True,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.group = group
+        self.parallelism_info = dict(parallelism_info or {})
+        self._time_comm = time_comm
+        self._handles: list[Any] = []
+        self._on_step: StepSink | None = None
+        self._attached = False
+        # Per-step timing state (training thread; the comm hook's callbacks write comm_end from
+        # the communication thread, a float store that needs no lock).
+        self._step = 0
+        self._t_step_start = time.perf_counter()
+        self._t_fwd: float | None = None
+        self._t_opt: float | None = None
+        self._comm_start: float | None = None
+        self._comm_end: float | None = None
+        self._input_s = 0.0
+
+    # -- topology ---------------------------------------------------------------------------------
+    def topology(self) -> AdapterTopology:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        info = self.parallelism_info
+        if "replica_group" in info:
+            group = _ranks(info["replica_group"], "parallelism_info['replica_group']")
+            if rank not in group:
+                raise ValueError(f"parallelism_info['replica_group'] {group} does not contain rank {rank}")
+            dims = {
+                str(k): _ranks(v, f"parallelism_info['dims'][{k!r}]") for k, v in info.get("dims", {}).items()
+            }
+            return AdapterTopology(group, dims, tuple(info.get("replicated_dims", ())), "parallelism_info")
+        ddp = _find_ddp(self.model)
+        if ddp is not None and dist.is_initialized():
+            pg = getattr(ddp, "process_group", None) or dist.group.WORLD
+            ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
+            return AdapterTopology(ranks, {"dp": ranks}, ("dp",), "ddp")
+        mesh_topo = _mesh_topology(self.model, rank)
+        if mesh_topo is not None:
+            return mesh_topo
+        if self.group is not None and dist.is_initialized():
+            ranks = tuple(sorted(dist.get_process_group_ranks(self.group)))
+            return AdapterTopology(ranks, {"dp": ranks}, ("dp",), "group")
+        return AdapterTopology((rank,), {}, (), "single")
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def attach(self, on_step: StepSink) -> None:
+        if self._attached:
+            raise RuntimeError("PyTorchAdapter already attached")
+        self._attached = True
+        self._on_step = on_step
+        self._handles.append(self.model.register_forward_pre_hook(self._forward_pre))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre))
+            self._handles.append(self.optimizer.register_step_post_hook(self._opt_post))
+        ddp = _find_ddp(self.model)
+        if ddp is not None and self._time_comm:
+            if getattr(ddp, "_comm_hooks", None):
+                log.info("DDP model already has a comm hook; communication time will not be measured")
+            else:
+                pg = getattr(ddp, "process_group", None)
+                ddp.register_comm_hook(pg, self._comm_hook)
+        self._t_step_start = time.perf_counter()
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._on_step = None  # a DDP comm hook cannot be removed: it keeps doing the plain all-reduce
+
+    def note_input_time(self, seconds: float) -> None:
+        self._input_s += seconds
+
+    def _forward_pre(self, module: nn.Module, args: Any) -> None:
+        if self._t_fwd is None:
+            self._t_fwd = time.perf_counter()
+
+    def _comm_hook(self, pg: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        # Exactly DDP's default: divide by the group size, then all-reduce SUM (default_hooks.allreduce_hook).
+        if self._comm_start is None:
+            self._comm_start = time.perf_counter()
+        group = pg if pg is not None else dist.group.WORLD
+        tensor = bucket.buffer()
+        tensor.div_(dist.get_world_size(group))
+        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+        def _done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            self._comm_end = time.perf_counter()
+            out: torch.Tensor = f.value()[0]
+            return out
+
+        done: torch.futures.Future[torch.Tensor] = fut.then(_done)
+        return done
+
+    def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._t_opt = time.perf_counter()
+
+    def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        now = time.perf_counter()
+        self._step += 1
+        t0 = self._t_step_start
+        fwd = self._t_fwd if self._t_fwd is not None else t0
+        opt_start = self._t_opt if self._t_opt is not None else now
+        comm = 0.0
+        if self._comm_start is not None and self._comm_end is not None:
+            comm = max(0.0, self._comm_end - self._comm_start)
+        input_s = self._input_s if self._input_s > 0 else max(0.0, fwd - t0)
+        times = StepTimes(
+            step=self._step,
+            step_s=now - t0,
+            input_s=input_s,
+            compute_s=max(0.0, opt_start - fwd),
+            comm_s=comm,
+            optimizer_s=now - opt_start,
+        )
+        self._t_step_start = now
+        self._t_fwd = self._t_opt = self._comm_start = self._comm_end = None
+        self._input_s = 0.0
+        if self._on_step is not None:
+            self._on_step(times)
+
+    def set_step(self, step: int) -> None:
+        """Start counting from `step` (after a recovery)."""
+        self._step = step
+
+
+def _ranks(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        raise TypeError(f"{where} must be a list of ranks, got {type(value).__name__}")
+    out = []
+    for v in value:
+        if type(v) is not int:
+            raise TypeError(f"{where} must hold ints, got {v!r}")
+        out.append(v)
+    return tuple(sorted(set(out)))
+
+
+def _find_ddp(model: nn.Module) -> Any:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model if isinstance(model, DistributedDataParallel) else None
+
+
+def _mesh_topology(model: nn.Module, rank: int) -> AdapterTopology | None:
+    """Replica group from DTensor parameters: ranks equal to ours on every non-replicated mesh dim."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return None
+    mesh = None
+    replicated: list[bool] | None = None
+    for p in model.parameters():
+        if not isinstance(p, DTensor):
+            continue
+        if mesh is None:
+            mesh = p.device_mesh
+            replicated = [True] * mesh.ndim
+        elif p.device_mesh != mesh:
+            # Parameters on different meshes (e.g. TP on a sub-mesh): judge only those on the first.
+            continue
+        assert replicated is not None
+        for i, placement in enumerate(p.placements):
+            if not isinstance(placement, Replicate):
+                replicated[i] = False
+    if mesh is None or replicated is None:
+        return None
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    coords = mesh.get_coordinate()
+    if coords is None:
+        return None
+    grid = mesh.mesh
+    dims: dict[str, tuple[int, ...]] = {}
+    for i, name in enumerate(names):
+        index = list(coords)
+        members = []
+        for j in range(grid.shape[i]):
+            index[i] = j
+            members.append(int(grid[tuple(index)]))
+        dims[name] = tuple(sorted(members))
+    group = []
+    for pos in torch.nonzero(torch.ones_like(grid), as_tuple=False).tolist():
+        if all(replicated[i] or pos[i] == coords[i] for i in range(grid.ndim)):
+            group.append(int(grid[tuple(pos)]))
+    rep_names = tuple(n for n, r in zip(names, replicated, strict=True) if r)
+    return AdapterTopology(tuple(sorted(group)), dims, rep_names, "device_mesh")

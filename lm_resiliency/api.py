@@ -1,0 +1,507 @@
+"""The composition root: arguments -> settings -> adapter -> runtime -> session.
+
+`enable_resiliency` is the one entry point users call (INTERFACE.md §1). GEMINI (checkpoints) and
+SCOUT (detection) attach to the session through `Session.add_component`; until they are enabled the
+session still runs the runtime (membership, telemetry gossip) and reports peer failures.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, runtime_checkable
+
+from lm_resiliency.adapters.base import AdapterTopology, StepTimes
+from lm_resiliency.adapters.detect import FRAMEWORKS, detect_framework
+from lm_resiliency.config import (
+    DurableCheckpointConfig,
+    Environment,
+    InMemoryCkptConfig,
+    OrchestrationHooks,
+    RecoveryDecision,
+    RecoveryMode,
+    ReplayHarnessConfig,
+    RuntimeConfig,
+    SCOUTFaultReport,
+    read_environment,
+)
+from lm_resiliency.core.membership import EventKind, MembershipEvent
+from lm_resiliency.core.messages import StepTelemetry
+from lm_resiliency.core.taxonomy import FAILURE_KINDS, default_recovery_mode
+from lm_resiliency.core.topology import ParallelDim, Topology, replica_groups_from
+from lm_resiliency.errors import UnsupportedFrameworkError
+from lm_resiliency.runtime.discovery import StoreDiscovery
+from lm_resiliency.runtime.node import ClusterView, RankRuntime
+from lm_resiliency.runtime.transport import ZmqTransport
+
+__all__ = ["ResiliencySession", "Session", "SessionComponent", "enable_resiliency"]
+
+log = logging.getLogger(__name__)
+
+# Options each framework's adapter cannot take: the framework object owns them.
+_FORBIDDEN_OPTIONS = {
+    "deepspeed": ("optimizer", "opt_param_scheduler"),
+    "torchtitan": ("optimizer", "opt_param_scheduler"),
+    "megatron": (),
+    "pytorch": (),
+}
+
+
+@runtime_checkable
+class ResiliencySession(Protocol):
+    """What `enable_resiliency` returns (INTERFACE.md §1)."""
+
+    @property
+    def step_count(self) -> int: ...
+    @property
+    def recovered_step(self) -> int: ...
+    @property
+    def last_recovery_decision(self) -> dict[str, Any] | None: ...
+    def instrument_dataloader(self, dataloader: Any, name: str = "train") -> Any: ...
+    def checkpoint_io(self, kind: str, name: str = "") -> contextlib.AbstractContextManager[None]: ...
+    def prepare_recovery(self, failure_kind: str, all_ranks_accessible: bool = True) -> RecoveryMode: ...
+    def flush_for_restart(self) -> int: ...
+    def close(self) -> None: ...
+
+
+class SessionComponent(Protocol):
+    """A capability plugged into a session (GEMINI, SCOUT). Hooks run on the training thread."""
+
+    name: str
+
+    def on_step(self, session: Session, times: StepTimes) -> None: ...
+    def newest_recoverable_step(self, mode: RecoveryMode) -> int: ...
+    def flush_for_restart(self) -> int: ...
+    def close(self) -> None: ...
+
+
+def enable_resiliency(
+    model: Any,
+    optimizer: Any = None,
+    *,
+    opt_param_scheduler: Any = None,
+    framework: str = "auto",
+    interval: int = 10,
+    enable_checkpoint: bool = True,
+    enable_detection: bool = True,
+    checkpoint: InMemoryCkptConfig | None = None,
+    replay: ReplayHarnessConfig | None = None,
+    group: Any = None,
+    device: Any = None,
+    parallelism_info: dict[str, Any] | None = None,
+    fault_callback: Callable[[dict[str, Any]], None] | None = None,
+    orchestration: OrchestrationHooks | None = None,
+    extra_state_fn: Callable[[], Any] | None = None,
+    load_extra_state_fn: Callable[[Any], None] | None = None,
+    load_fallback: Callable[[int], Any] | None = None,
+    durable_checkpoint: DurableCheckpointConfig | None = None,
+    recovery_mode: RecoveryMode | str | None = None,
+    runtime: RuntimeConfig | None = None,
+    store: Any = None,
+) -> Session:
+    """Attach lm-resiliency to a training job. Call once per rank, after `init_process_group` and after
+    the model and optimizer exist, before the training loop.
+
+    Args:
+        model: an `nn.Module` (DDP, FSDP2, plain), a list of Megatron chunks, a DeepSpeed engine or a
+            TorchTitan trainer.
+        optimizer: the optimizer whose steps delimit training steps.
+        framework: "auto" detects from `model`; or one of "pytorch", "torchtitan", "megatron", "deepspeed".
+        interval: steps between GEMINI captures and SCOUT checks (> 0).
+        runtime: heartbeat and transport settings (ours, beyond the 0.2 interface).
+        store: a torch.distributed Store for discovery; defaults to the default process group's.
+        The other arguments are described in INTERFACE.md §1.
+
+    Returns:
+        The session (see `ResiliencySession`); also a context manager, closed at interpreter exit.
+
+    Raises:
+        ValueError: unknown framework, `interval <= 0`, bad `recovery_mode`.
+        TypeError: an option the framework cannot take, or an argument of the wrong type.
+        UnsupportedFrameworkError: a recognised framework this version has no adapter for.
+        DiscoveryError: peers could not be found through the store.
+    """
+    if framework != "auto" and framework not in FRAMEWORKS:
+        raise ValueError(f"unknown framework {framework!r}; expected 'auto' or one of {list(FRAMEWORKS)}")
+    if type(interval) is not int:
+        raise TypeError(f"interval must be an int, got {type(interval).__name__}")
+    if interval <= 0:
+        raise ValueError(f"interval must be > 0, got {interval}")
+    for name, value, cls in (
+        ("checkpoint", checkpoint, InMemoryCkptConfig),
+        ("replay", replay, ReplayHarnessConfig),
+        ("durable_checkpoint", durable_checkpoint, DurableCheckpointConfig),
+        ("orchestration", orchestration, OrchestrationHooks),
+        ("runtime", runtime, RuntimeConfig),
+    ):
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+    for name, fn in (
+        ("fault_callback", fault_callback),
+        ("extra_state_fn", extra_state_fn),
+        ("load_extra_state_fn", load_extra_state_fn),
+        ("load_fallback", load_fallback),
+    ):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable")
+    mode = RecoveryMode.parse(recovery_mode)
+    fw = detect_framework(model) if framework == "auto" else framework
+    given = {"optimizer": optimizer, "opt_param_scheduler": opt_param_scheduler}
+    bad = [k for k in _FORBIDDEN_OPTIONS[fw] if given.get(k) is not None]
+    if bad:
+        raise TypeError(f"framework {fw!r} cannot take {', '.join(bad)}: the {fw} object owns them")
+    if fw != "pytorch":
+        raise UnsupportedFrameworkError(
+            f"framework {fw!r} was recognised but this version has no {fw} adapter yet; "
+            "wrap the underlying torch modules and optimizer with framework='pytorch'"
+        )
+    from lm_resiliency.adapters.pytorch import PyTorchAdapter
+
+    if optimizer is not None and not hasattr(optimizer, "register_step_post_hook"):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    adapter = PyTorchAdapter(model, optimizer, group=group, parallelism_info=parallelism_info)
+    session = Session(
+        adapter=adapter,
+        framework=fw,
+        interval=interval,
+        env=read_environment(),
+        runtime_config=runtime or RuntimeConfig(),
+        store=store,
+        fault_callback=fault_callback,
+        orchestration=orchestration,
+        recovery_mode=mode,
+        settings={
+            "enable_checkpoint": enable_checkpoint,
+            "enable_detection": enable_detection,
+            "checkpoint": checkpoint or InMemoryCkptConfig(),
+            "replay": replay or ReplayHarnessConfig(),
+            "durable_checkpoint": durable_checkpoint,
+            "device": device,
+            "extra_state_fn": extra_state_fn,
+            "load_extra_state_fn": load_extra_state_fn,
+            "load_fallback": load_fallback,
+            "opt_param_scheduler": opt_param_scheduler,
+        },
+    )
+    try:
+        session._start()
+    except BaseException:
+        session.close()
+        raise
+    return session
+
+
+class Session:
+    """The handle returned by `enable_resiliency`. Use `close()` or a `with` block to stop it."""
+
+    def __init__(
+        self,
+        *,
+        adapter: Any,
+        framework: str,
+        interval: int,
+        env: Environment,
+        runtime_config: RuntimeConfig,
+        store: Any,
+        fault_callback: Callable[[dict[str, Any]], None] | None,
+        orchestration: OrchestrationHooks | None,
+        recovery_mode: RecoveryMode | None,
+        settings: dict[str, Any],
+    ) -> None:
+        self.framework = framework
+        self.interval = interval
+        self.env = env
+        self.settings = settings
+        self._adapter = adapter
+        self._runtime_config = runtime_config
+        self._store = store
+        self._fault_callback = fault_callback
+        self._orchestration = orchestration
+        self._recovery_mode = recovery_mode
+        self._runtime: RankRuntime | None = None
+        self._topology: Topology | None = None
+        self._components: list[SessionComponent] = []
+        self._step_offset = 0
+        self._steps = 0
+        self._recovered_step = -1
+        self._last_decision: RecoveryDecision | None = None
+        self._io: list[tuple[str, str, float]] = []
+        self._reports: list[dict[str, Any]] = []
+        self._reports_lock = threading.Lock()
+        self._closed = False
+        self.rank = 0
+        self.world_size = 1
+
+    # -- startup ----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        local: AdapterTopology = self._adapter.topology()
+        node_id = self.env.node_id()
+        store = self._store
+        if store is None and distributed and self.world_size > 1:
+            store = dist.distributed_c10d._get_default_store()
+        if store is not None:
+            discovery = StoreDiscovery(
+                store, self.env.run_id, self.env.generation, self.rank, self.world_size
+            )
+            key, incarnation = discovery.shared_secret(), discovery.next_incarnation()
+        elif self.world_size == 1:
+            discovery, key, incarnation = None, os.urandom(32), 1
+        else:
+            raise ValueError(
+                "a multi-rank job needs a store: initialise the default process group or pass store="
+            )
+        host = _bind_host(self._runtime_config, self.env)
+        cfg = self._runtime_config
+        self._runtime = RankRuntime(
+            rank=self.rank,
+            world_size=self.world_size,
+            node_id=node_id,
+            key=key,
+            incarnation=incarnation,
+            config=cfg,
+            transport_factory=lambda: ZmqTransport(host, cfg.use_ipc, cfg.send_high_water_mark),
+            replica_group=local.replica_group,
+            dims=local.dims,
+        )
+        self._runtime.add_membership_listener(self._on_membership)
+        ann = self._runtime.start()
+        if discovery is not None:
+            discovery.publish(ann)
+            anns = discovery.wait_all(cfg.discovery_timeout_s)
+            self._runtime.connect_peers(anns.values(), announce=True)
+            self._topology = _assemble_topology(anns, self.world_size)
+        else:
+            self._topology = Topology.build([node_id], [local.replica_group])
+        self._adapter.attach(self._on_step)
+        if self.env.checkpoint_step > 0 and not self._components:
+            log.warning(
+                "restart context asks for step %d but no checkpoint component is enabled; starting fresh",
+                self.env.checkpoint_step,
+            )
+        atexit.register(self.close)
+        log.info(
+            "lm-resiliency enabled on rank %d/%d (node %s, generation %d, replica group %s)",
+            self.rank,
+            self.world_size,
+            node_id,
+            self.env.generation,
+            list(local.replica_group),
+        )
+
+    # -- the training-thread path -----------------------------------------------------------------
+    def _on_step(self, times: StepTimes) -> None:
+        self._steps += 1
+        step = self._step_offset + self._steps
+        rt = self._runtime
+        if rt is not None and not self._closed:
+            rt.set_progress(step)
+            rt.submit(
+                StepTelemetry(
+                    rank=self.rank,
+                    step=step,
+                    step_s=times.step_s,
+                    input_s=times.input_s,
+                    compute_s=times.compute_s,
+                    comm_s=times.comm_s,
+                    optimizer_s=times.optimizer_s,
+                )
+            )
+        for c in self._components:
+            c.on_step(self, times)
+
+    def _on_membership(self, ev: MembershipEvent) -> None:
+        if ev.kind is not EventKind.DIED:
+            return
+        topo = self._topology
+        report = SCOUTFaultReport(
+            kind="process_failure",
+            failed_ranks=(ev.peer,),
+            scope="rank",
+            sources=("heartbeat",),
+            reason="heartbeat_timeout",
+            node=topo.node_of(ev.peer) if topo is not None else None,
+            confidence=1.0,
+        ).to_dict()
+        self._emit_fault(report)
+
+    def _emit_fault(self, report: dict[str, Any]) -> None:
+        with self._reports_lock:
+            self._reports.append(report)
+        for cb in (self._fault_callback, self._orchestration.report_fault if self._orchestration else None):
+            if cb is None:
+                continue
+            try:
+                cb(dict(report))
+            except Exception:  # a user's callback must not take the runtime down; log its trace
+                log.exception("fault callback raised")
+
+    # -- public surface ---------------------------------------------------------------------------
+    @property
+    def step_count(self) -> int:
+        """Completed optimizer steps, the recovered offset included (the loop's start)."""
+        return self._step_offset + self._steps
+
+    @property
+    def recovered_step(self) -> int:
+        return self._recovered_step
+
+    @property
+    def last_recovery_decision(self) -> dict[str, Any] | None:
+        return self._last_decision.to_dict() if self._last_decision is not None else None
+
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise RuntimeError("session not started")
+        return self._topology
+
+    @property
+    def runtime(self) -> RankRuntime:
+        if self._runtime is None:
+            raise RuntimeError("session not started")
+        return self._runtime
+
+    @property
+    def fault_reports(self) -> list[dict[str, Any]]:
+        with self._reports_lock:
+            return [dict(r) for r in self._reports]
+
+    def cluster_view(self) -> ClusterView:
+        """What this rank's runtime knows now: peers' liveness, progress and last telemetry."""
+        return self.runtime.view()
+
+    def wait_for(self, predicate: Callable[[ClusterView], bool], timeout: float) -> bool:
+        return self.runtime.wait_for(predicate, timeout)
+
+    def add_component(self, component: SessionComponent) -> None:
+        self._components.append(component)
+
+    def instrument_dataloader(self, dataloader: Any, name: str = "train") -> Any:
+        """Wrap `dataloader` so the time spent in `next()` counts as the step's input time."""
+        return _TimedLoader(dataloader, name, self._adapter.note_input_time)
+
+    @contextlib.contextmanager
+    def checkpoint_io(self, kind: str, name: str = "") -> Iterator[None]:
+        """Mark framework checkpoint I/O so it is not mistaken for a stall."""
+        if kind not in ("read", "write"):
+            raise ValueError(f"checkpoint_io kind must be 'read' or 'write', got {kind!r}")
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._io.append((kind, name, time.perf_counter() - t0))
+
+    def prepare_recovery(self, failure_kind: str, all_ranks_accessible: bool = True) -> RecoveryMode:
+        """Decide which checkpoint trust level a recovery from `failure_kind` needs."""
+        if failure_kind not in FAILURE_KINDS:
+            raise ValueError(
+                f"unknown failure kind {failure_kind!r}; expected one of {sorted(FAILURE_KINDS)}"
+            )
+        mode = self._recovery_mode or RecoveryMode(default_recovery_mode(failure_kind))
+        newest = self._newest_recoverable(mode)
+        self._last_decision = RecoveryDecision(
+            failure_kind=failure_kind,
+            recovery_mode=mode,
+            checkpoint_source="gemini" if newest >= 0 else "none",
+            checkpoint_step=newest,
+            topology_digest=self.topology.digest() if self._topology else "",
+            all_ranks_accessible=all_ranks_accessible,
+            available=newest >= 0,
+            reason="checkpoint_available" if newest >= 0 else "no_checkpoint_component",
+        )
+        return mode
+
+    def _newest_recoverable(self, mode: RecoveryMode) -> int:
+        return max((c.newest_recoverable_step(mode) for c in self._components), default=-1)
+
+    def flush_for_restart(self) -> int:
+        """Write the newest recoverable state to disk; return its step, or -1 when there is none."""
+        return max((c.flush_for_restart() for c in self._components), default=-1)
+
+    def close(self) -> None:
+        """Stop hooks, components and the runtime. Idempotent; also runs at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.close)
+        self._adapter.detach()
+        for c in reversed(self._components):
+            try:
+                c.close()
+            except Exception:  # closing one component must not leave the others open
+                log.exception("closing component %s failed", getattr(c, "name", c))
+        if self._runtime is not None:
+            self._runtime.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _TimedLoader:
+    """A proxy that times `next()` on the wrapped loader's iterators; everything else passes through."""
+
+    def __init__(self, loader: Any, name: str, sink: Callable[[float], None]) -> None:
+        self._loader = loader
+        self.name = name
+        self._sink = sink
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self._loader)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            finally:
+                self._sink(time.perf_counter() - t0)
+            yield item
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def _assemble_topology(anns: dict[int, Any], world_size: int) -> Topology:
+    groups = replica_groups_from({r: a.replica_group for r, a in anns.items()}, world_size)
+    dim_groups: dict[str, set[tuple[int, ...]]] = {}
+    for a in anns.values():
+        for name, members in a.dims.items():
+            dim_groups.setdefault(name, set()).add(tuple(members))
+    dims = [ParallelDim(n, tuple(sorted(g))) for n, g in sorted(dim_groups.items())]
+    return Topology.build([anns[r].node_id for r in range(world_size)], groups, dims)
+
+
+def _bind_host(cfg: RuntimeConfig, env: Environment) -> str:
+    """The address peers can reach us at: configured, else the interface that routes to MASTER_ADDR."""
+    if cfg.bind_host:
+        return cfg.bind_host
+    if env.bind_host:
+        return env.bind_host
+    master = env.master_addr
+    if not master or master in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 9))  # UDP connect sends nothing; it only selects the route
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"

@@ -1,0 +1,398 @@
+"""Settings: the only reader of TOML policies and of the environment.
+
+Everything is parsed once into frozen, validated dataclasses. A wrong key or a wrong type fails with a
+`ConfigError` that names the key (`checkpoint.interval: expected int, got str`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import socket
+import sys
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lm_resiliency.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+__all__ = [
+    "DurableCheckpointConfig",
+    "Environment",
+    "InMemoryCkptConfig",
+    "OrchestrationHooks",
+    "RecoveryDecision",
+    "RecoveryMode",
+    "ReplayHarnessConfig",
+    "RuntimeConfig",
+    "SCOUTFaultReport",
+    "WorkerPolicy",
+    "load_policy",
+    "parse_policy",
+    "read_environment",
+]
+
+MiB = 1 << 20
+T = TypeVar("T")
+
+
+class RecoveryMode(str, enum.Enum):
+    """Which checkpoint a recovery may use."""
+
+    LATEST = "latest"
+    RECOVERY_VERIFIED = "recovery_verified"
+
+    @classmethod
+    def parse(cls, value: RecoveryMode | str | None, key: str = "recovery_mode") -> RecoveryMode | None:
+        if value is None or isinstance(value, RecoveryMode):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(key, f"expected one of {[m.value for m in cls]}, got {value!r}") from None
+
+
+def _positive(key: str, value: float | int | None, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(key, f"must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class InMemoryCkptConfig:
+    """GEMINI: in-memory checkpoints, peer replication and the durable tier.
+
+    `interval=None` uses the session's `interval`. `replication_jump=-1` lets placement choose the
+    peer; a positive value sends rank r's copy to the rank `jump` slots away on another node.
+    """
+
+    enable: bool = True
+    interval: int | None = None
+    replication_jump: int = -1
+    replication_chunk_size: int = 16 * MiB
+    disk_flush_interval: int = 100
+    disk_folder: str = "./checkpoints"
+    run_id: str | None = None
+    verify_integrity: bool = False
+    skip_replication_if_hsdp: bool = True
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("checkpoint.interval", self.interval)
+        _positive("checkpoint.replication_chunk_size", self.replication_chunk_size, allow_none=False)
+        _positive("checkpoint.disk_flush_interval", self.disk_flush_interval, allow_none=False)
+        if self.replication_jump == 0 or self.replication_jump < -1:
+            raise ConfigError(
+                "checkpoint.replication_jump", f"must be -1 or > 0, got {self.replication_jump}"
+            )
+        if not self.disk_folder:
+            raise ConfigError("checkpoint.disk_folder", "must not be empty")
+
+
+@dataclass(frozen=True)
+class ReplayHarnessConfig:
+    """SCOUT: cadence and thresholds of detection and replay."""
+
+    enable: bool = True
+    interval: int | None = None
+    straggler_ratio: float = 1.5
+    straggler_min_ms: float = 20.0
+    straggler_confirmations: int = 3
+    hang_stall_threshold_s: float = 30.0
+    dataloader_latency_threshold_s: float = 10.0
+    checkpoint_io_latency_threshold_s: float = 120.0
+    temporal_window: int = 16
+    replay_on_ambiguous: bool = True
+    deterministic_replay: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("replay.interval", self.interval)
+        if self.straggler_ratio <= 1.0:
+            raise ConfigError("replay.straggler_ratio", f"must be > 1.0, got {self.straggler_ratio}")
+        _positive("replay.straggler_min_ms", self.straggler_min_ms, allow_none=False)
+        _positive("replay.straggler_confirmations", self.straggler_confirmations, allow_none=False)
+        _positive("replay.hang_stall_threshold_s", self.hang_stall_threshold_s, allow_none=False)
+        _positive("replay.dataloader_latency_threshold_s", self.dataloader_latency_threshold_s, False)
+        _positive("replay.checkpoint_io_latency_threshold_s", self.checkpoint_io_latency_threshold_s, False)
+        _positive("replay.temporal_window", self.temporal_window, allow_none=False)
+
+
+@dataclass(frozen=True)
+class DurableCheckpointConfig:
+    """The disk tier: where and how often GEMINI writes captures for a full-job restart."""
+
+    folder: str = "./checkpoints"
+    interval: int = 100
+    keep_last: int = 2
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.folder:
+            raise ConfigError("durable.folder", "must not be empty")
+        _positive("durable.interval", self.interval, allow_none=False)
+        _positive("durable.keep_last", self.keep_last, allow_none=False)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The per-rank runtime: heartbeats, discovery and transport."""
+
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 5.0
+    discovery_timeout_s: float = 120.0
+    bind_host: str | None = None
+    use_ipc: bool = True
+    send_high_water_mark: int = 10000
+
+    def __post_init__(self) -> None:
+        _positive("runtime.heartbeat_interval_s", self.heartbeat_interval_s, allow_none=False)
+        _positive("runtime.heartbeat_timeout_s", self.heartbeat_timeout_s, allow_none=False)
+        _positive("runtime.discovery_timeout_s", self.discovery_timeout_s, allow_none=False)
+        _positive("runtime.send_high_water_mark", self.send_high_water_mark, allow_none=False)
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ConfigError(
+                "runtime.heartbeat_timeout_s",
+                f"must be at least twice heartbeat_interval_s ({self.heartbeat_interval_s}), "
+                f"got {self.heartbeat_timeout_s}",
+            )
+
+
+@dataclass(frozen=True)
+class OrchestrationHooks:
+    """Callbacks for an external orchestrator. Each is optional and called off the training thread."""
+
+    report_fault: Callable[[dict[str, Any]], None] | None = None
+    report_recovery: Callable[[dict[str, Any]], None] | None = None
+    restart_destination: Callable[[dict[str, Any]], str | None] | None = None
+
+
+@dataclass(frozen=True)
+class RecoveryDecision:
+    """Which checkpoint a recovery uses and why (INTERFACE.md §4)."""
+
+    failure_kind: str
+    recovery_mode: RecoveryMode
+    checkpoint_source: str = "none"  # "gemini" | "durable" | "none"
+    checkpoint_step: int = -1
+    checkpoint_id: str | None = None
+    topology_digest: str = ""
+    all_ranks_accessible: bool = True
+    available: bool = False
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["recovery_mode"] = self.recovery_mode.value
+        return out
+
+
+@dataclass(frozen=True)
+class SCOUTFaultReport:
+    """A fault report (INTERFACE.md §4); `to_dict` drops unset keys."""
+
+    kind: str
+    failed_ranks: tuple[int, ...] = ()
+    scope: str = "rank"
+    sources: tuple[str, ...] = ()
+    straggler_type: str | None = None
+    confirmations: int | None = None
+    steps: tuple[int, ...] = ()
+    stall_duration_s: float | None = None
+    endpoint_kind: str | None = None
+    endpoint_id: str | None = None
+    endpoint_rank: int | None = None
+    confidence: float | None = None
+    reason: str = ""
+    node: str | None = None
+    device: str | None = None
+    incident_id: str | None = None
+    detection_latency_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None or v == ():
+                continue
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+
+@dataclass(frozen=True)
+class WorkerPolicy:
+    """The worker policy TOML (`schema_version = 1`)."""
+
+    schema_version: int = 1
+    interval: int = 10
+    enable_checkpoint: bool = True
+    enable_detection: bool = True
+    adapter: str | None = None
+    recovery_mode: str | None = None
+    checkpoint: InMemoryCkptConfig = field(default_factory=InMemoryCkptConfig)
+    replay: ReplayHarnessConfig = field(default_factory=ReplayHarnessConfig)
+    durable: DurableCheckpointConfig | None = None
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        if self.schema_version != 1:
+            raise ConfigError("schema_version", f"only version 1 is supported, got {self.schema_version}")
+        _positive("interval", self.interval, allow_none=False)
+        RecoveryMode.parse(self.recovery_mode)
+        if self.adapter is not None and ":" not in self.adapter:
+            raise ConfigError("adapter", f"expected 'package.module:factory', got {self.adapter!r}")
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "checkpoint": InMemoryCkptConfig,
+    "replay": ReplayHarnessConfig,
+    "durable": DurableCheckpointConfig,
+    "runtime": RuntimeConfig,
+}
+
+
+def parse_policy(data: Mapping[str, Any], source: str = "<policy>") -> WorkerPolicy:
+    """Build a WorkerPolicy from a parsed TOML mapping. Raises ConfigError naming the key."""
+    if "schema_version" not in data:
+        raise ConfigError("schema_version", f"missing in {source} (expected schema_version = 1)")
+    root: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _SECTIONS:
+            if not isinstance(value, Mapping):
+                raise ConfigError(key, f"expected a [{key}] table, got {type(value).__name__}")
+            root[key] = build_section(_SECTIONS[key], value, prefix=f"{key}.")
+        else:
+            root[key] = value
+    return build_section(WorkerPolicy, root, prefix="", nested_ok=True)
+
+
+def load_policy(path: str | os.PathLike[str]) -> WorkerPolicy:
+    """Read and validate a worker policy TOML file."""
+    p = Path(path)
+    try:
+        text = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError("policy", f"cannot read {p}: {exc.strerror or exc}") from exc
+    try:
+        data = tomllib.loads(text.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError("policy", f"{p} is not valid TOML: {exc}") from exc
+    return parse_policy(data, source=str(p))
+
+
+def build_section(cls: type[T], values: Mapping[str, Any], prefix: str = "", nested_ok: bool = False) -> T:
+    """Construct dataclass `cls` from `values`, checking every key and type against its annotations."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(name, f"unknown key (known: {', '.join(sorted(fields))})")
+        tp = hints[key]
+        if nested_ok and dataclasses.is_dataclass(value):
+            kwargs[key] = value
+            continue
+        kwargs[key] = _coerce(value, tp, name)
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(prefix.rstrip(".") or cls.__name__, str(exc)) from exc
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            if len(args) < len(typing.get_args(tp)):
+                return None
+            raise ConfigError(name, "must not be empty")
+        problems = []
+        for arg in args:
+            try:
+                return _coerce(value, arg, name)
+            except ConfigError as exc:
+                problems.append(exc.problem)
+        raise ConfigError(name, "; ".join(problems))
+    if tp is bool:
+        if type(value) is not bool:
+            raise ConfigError(name, f"expected bool, got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if type(value) is not int:
+            raise ConfigError(name, f"expected int, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if type(value) not in (int, float):
+            raise ConfigError(name, f"expected float, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if type(value) is not str:
+            raise ConfigError(name, f"expected string, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(name, f"cannot be set from a policy file (type {tp})")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Environment: read in one place, once, into a value.
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the process environment says about this worker."""
+
+    generation: int = 0
+    run_id: str = "default"
+    restart_context_path: str | None = None
+    checkpoint_step: int = 0
+    machine_id_path: str = "/etc/machine-id"
+    worker_config_path: str | None = None
+    bind_host: str | None = None
+    master_addr: str | None = None
+    local_rank: int = 0
+    hostname: str = ""
+
+    def node_id(self) -> str:
+        """This machine's identity: the machine-id file's content, or the hostname if it has none."""
+        try:
+            text = Path(self.machine_id_path).read_text().strip()
+        except OSError:
+            text = ""
+        return text or self.hostname
+
+
+def _env_int(environ: Mapping[str, str], key: str, default: int) -> int:
+    raw = environ.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(key, f"expected an integer, got {raw!r}") from None
+
+
+def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
+    """Parse the variables torchrun and our backend set. Raises ConfigError naming a bad variable."""
+    env = os.environ if environ is None else environ
+    return Environment(
+        generation=_env_int(env, "LM_RESILIENCY_GENERATION", 0),
+        run_id=env.get("LM_RESILIENCY_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or "default",
+        restart_context_path=env.get("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT") or None,
+        checkpoint_step=_env_int(env, "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", 0),
+        machine_id_path=env.get("LM_RESILIENCY_MACHINE_ID_PATH") or "/etc/machine-id",
+        worker_config_path=env.get("LM_RESILIENCY_WORKER_CONFIG") or None,
+        bind_host=env.get("LM_RESILIENCY_BIND_HOST") or None,
+        master_addr=env.get("MASTER_ADDR") or None,
+        local_rank=_env_int(env, "LOCAL_RANK", 0),
+        hostname=socket.gethostname(),
+    )

@@ -1,0 +1,122 @@
+"""Heartbeat failure detector (pure).
+
+Each observer judges each peer on its own monotonic clock: a peer is ALIVE while it was heard from in
+the last `timeout` seconds, DEAD after that silence, LEFT after it said goodbye. A newer incarnation of
+a peer (a restarted process) replaces the old one and brings it back to ALIVE; an older incarnation is
+ignored. A peer never heard from is UNKNOWN until `timeout` after the detector started, then DEAD.
+
+Transitions (peer state x event -> state, events emitted):
+    UNKNOWN/DEAD/LEFT  + heartbeat        -> ALIVE  (JOINED, or REJOINED if it had been seen before)
+    ALIVE              + heartbeat        -> ALIVE  (nothing)
+    ALIVE/UNKNOWN      + silence>=timeout -> DEAD   (DIED)
+    any                + goodbye          -> LEFT   (LEFT)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["EventKind", "FailureDetector", "MembershipEvent", "PeerState"]
+
+
+class PeerState(enum.Enum):
+    UNKNOWN = "unknown"
+    ALIVE = "alive"
+    DEAD = "dead"
+    LEFT = "left"
+
+
+class EventKind(enum.Enum):
+    JOINED = "joined"
+    REJOINED = "rejoined"
+    DIED = "died"
+    LEFT = "left"
+
+
+@dataclass(frozen=True)
+class MembershipEvent:
+    kind: EventKind
+    peer: int
+    incarnation: int
+    at: float
+    reason: str
+
+
+@dataclass
+class _Peer:
+    state: PeerState
+    incarnation: int
+    last_heard: float
+    ever_seen: bool = False
+
+
+class FailureDetector:
+    """Tracks liveness of a fixed set of peers. Every method takes `now`; nothing reads a clock."""
+
+    def __init__(self, peers: Iterable[int], timeout: float, now: float) -> None:
+        if timeout <= 0:
+            raise ValueError(f"heartbeat timeout must be > 0, got {timeout}")
+        self.timeout = float(timeout)
+        self._peers = {p: _Peer(PeerState.UNKNOWN, -1, now) for p in peers}
+
+    def add_peer(self, peer: int, now: float) -> None:
+        self._peers.setdefault(peer, _Peer(PeerState.UNKNOWN, -1, now))
+
+    def heard(self, peer: int, incarnation: int, now: float) -> list[MembershipEvent]:
+        """Record any authenticated message from `peer` as a sign of life."""
+        p = self._peers.get(peer)
+        if p is None or incarnation < p.incarnation:
+            return []
+        newer = incarnation > p.incarnation
+        p.last_heard = max(p.last_heard, now)
+        if p.state is PeerState.ALIVE and not newer:
+            return []
+        if p.state is PeerState.LEFT and not newer:
+            return []  # late heartbeat of a peer that said goodbye
+        kind = EventKind.REJOINED if p.ever_seen else EventKind.JOINED
+        was = p.state
+        p.state, p.incarnation, p.ever_seen = PeerState.ALIVE, incarnation, True
+        if was is PeerState.ALIVE:  # a restart we never saw die: report it as a rejoin
+            return [MembershipEvent(EventKind.REJOINED, peer, incarnation, now, "new incarnation")]
+        return [MembershipEvent(kind, peer, incarnation, now, f"heard while {was.value}")]
+
+    def goodbye(self, peer: int, incarnation: int, now: float, reason: str = "") -> list[MembershipEvent]:
+        p = self._peers.get(peer)
+        if p is None or incarnation < p.incarnation or p.state is PeerState.LEFT:
+            return []
+        p.state, p.incarnation, p.ever_seen = PeerState.LEFT, incarnation, True
+        return [MembershipEvent(EventKind.LEFT, peer, incarnation, now, reason or "goodbye")]
+
+    def tick(self, now: float) -> list[MembershipEvent]:
+        """Declare dead every peer silent for `timeout` or longer."""
+        events = []
+        for peer, p in sorted(self._peers.items()):
+            if p.state in (PeerState.ALIVE, PeerState.UNKNOWN) and now - p.last_heard >= self.timeout:
+                silent = now - p.last_heard
+                why = f"silent for {silent:.3f}s" if p.ever_seen else f"never heard in {silent:.3f}s"
+                p.state = PeerState.DEAD
+                events.append(MembershipEvent(EventKind.DIED, peer, p.incarnation, now, why))
+        return events
+
+    def next_deadline(self) -> float | None:
+        """The earliest `now` at which `tick` may declare a death, or None."""
+        pending = [
+            p.last_heard + self.timeout
+            for p in self._peers.values()
+            if p.state in (PeerState.ALIVE, PeerState.UNKNOWN)
+        ]
+        return min(pending) if pending else None
+
+    def state(self, peer: int) -> PeerState:
+        return self._peers[peer].state
+
+    def incarnation(self, peer: int) -> int:
+        return self._peers[peer].incarnation
+
+    def alive(self) -> frozenset[int]:
+        return frozenset(p for p, s in self._peers.items() if s.state is PeerState.ALIVE)
+
+    def snapshot(self) -> dict[int, PeerState]:
+        return {p: s.state for p, s in self._peers.items()}

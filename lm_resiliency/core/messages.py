@@ -1,0 +1,136 @@
+"""Every wire message, as a frozen dataclass.
+
+Rules of this file:
+- One class per message, registered under a short, stable type tag (`TAG`) and a schema version
+  (`VERSION`). Renaming a field is a schema change: bump `VERSION` and teach the codec the old one.
+- Field annotations are the schema the codec enforces. Allowed: `int`, `float`, `str`, `bytes`,
+  `bool`, `X | None`, `tuple[T, ...]` and `dict[str, T]` of those.
+- Bulk bytes (tensor data, checkpoint chunks) go in a field marked `frames=True`: they travel as their
+  own ZeroMQ frames next to the msgpack header and are never copied into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = [
+    "MESSAGE_TYPES",
+    "BulkAck",
+    "BulkChunk",
+    "Goodbye",
+    "Heartbeat",
+    "Message",
+    "PeerAnnouncement",
+    "StepTelemetry",
+    "frames_field",
+    "register",
+]
+
+Buffer = bytes | memoryview
+
+
+def frames_field() -> Any:
+    """Declare a field whose items travel as separate frames (zero-copy)."""
+    return field(default=(), metadata={"frames": True})
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base class: subclasses set `TAG` and `VERSION` and are registered with `register`."""
+
+    TAG: ClassVar[str] = ""
+    VERSION: ClassVar[int] = 1
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {}
+
+
+def register(cls: type[Message]) -> type[Message]:
+    if not cls.TAG or cls.TAG in MESSAGE_TYPES:
+        raise ValueError(f"message tag {cls.TAG!r} of {cls.__name__} is empty or taken")
+    MESSAGE_TYPES[cls.TAG] = cls
+    return cls
+
+
+@register
+@dataclass(frozen=True)
+class PeerAnnouncement(Message):
+    """Where a rank's runtime listens. Written to the job store and sent to peers on (re)join."""
+
+    TAG: ClassVar[str] = "peer"
+    rank: int
+    incarnation: int
+    node_id: str
+    pid: int
+    pub: tuple[str, ...]
+    router: tuple[str, ...]
+    replica_group: tuple[int, ...] = ()
+    dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@register
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Liveness and progress of one rank, published every heartbeat interval."""
+
+    TAG: ClassVar[str] = "hb"
+    rank: int
+    incarnation: int
+    step: int
+    progress: int
+
+
+@register
+@dataclass(frozen=True)
+class Goodbye(Message):
+    """A rank leaving on purpose (close()); peers mark it left at once instead of waiting for silence."""
+
+    TAG: ClassVar[str] = "bye"
+    rank: int
+    incarnation: int
+    reason: str = ""
+
+
+@register
+@dataclass(frozen=True)
+class StepTelemetry(Message):
+    """What one rank measured over one optimizer step. Durations in seconds."""
+
+    TAG: ClassVar[str] = "step"
+    rank: int
+    step: int
+    step_s: float
+    input_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    optimizer_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@register
+@dataclass(frozen=True)
+class BulkChunk(Message):
+    """One chunk of a bulk transfer; the bytes travel in `buffers`."""
+
+    TAG: ClassVar[str] = "bulk"
+    rank: int
+    transfer_id: str
+    index: int
+    count: int
+    total_bytes: int
+    meta: dict[str, str] = field(default_factory=dict)
+    buffers: tuple[Buffer, ...] = frames_field()
+
+
+@register
+@dataclass(frozen=True)
+class BulkAck(Message):
+    """Receipt of one bulk chunk (or of a whole transfer when `index == -1`)."""
+
+    TAG: ClassVar[str] = "ack"
+    rank: int
+    transfer_id: str
+    index: int
+    ok: bool
+    reason: str = ""

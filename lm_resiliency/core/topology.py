@@ -1,0 +1,141 @@
+"""Topology values: ranks, the nodes they run on, and the groups that must agree.
+
+A *replica group* is a set of ranks that hold bitwise-identical state after every optimizer step
+(DDP ranks; HSDP ranks along the replicate dimension with equal shard coordinates). SCOUT compares
+fingerprints inside a replica group; GEMINI places copies on ranks of other nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import msgpack
+
+__all__ = ["ParallelDim", "RankInfo", "Topology", "replica_groups_from"]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    node_id: str
+    local_rank: int = 0
+
+
+@dataclass(frozen=True)
+class ParallelDim:
+    """One named parallel dimension (dp, tp, pp, ep, cp, ...) as the groups of ranks along it."""
+
+    name: str
+    groups: tuple[tuple[int, ...], ...]
+    replicated: bool = False  # ranks along this dimension hold identical state
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The job's layout. Validated on construction; `digest()` is stable across processes."""
+
+    ranks: tuple[RankInfo, ...]
+    replica_groups: tuple[tuple[int, ...], ...]
+    dims: tuple[ParallelDim, ...] = ()
+    _group_of: Mapping[int, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        world = len(self.ranks)
+        if [r.rank for r in self.ranks] != list(range(world)):
+            raise ValueError("ranks must be listed in order 0..world_size-1")
+        group_of: dict[int, tuple[int, ...]] = {}
+        for group in self.replica_groups:
+            if list(group) != sorted(set(group)):
+                raise ValueError(f"replica group {group} must be sorted and without repeats")
+            for r in group:
+                if not 0 <= r < world:
+                    raise ValueError(f"replica group {group} names rank {r} outside world size {world}")
+                if r in group_of:
+                    raise ValueError(f"rank {r} is in two replica groups: {group_of[r]} and {group}")
+                group_of[r] = group
+        missing = [r for r in range(world) if r not in group_of]
+        if missing:
+            raise ValueError(f"ranks {missing} are in no replica group")
+        object.__setattr__(self, "_group_of", group_of)
+
+    @classmethod
+    def build(
+        cls,
+        node_ids: Iterable[str],
+        replica_groups: Iterable[Iterable[int]],
+        dims: Iterable[ParallelDim] = (),
+        local_ranks: Iterable[int] | None = None,
+    ) -> Topology:
+        nodes = list(node_ids)
+        locals_ = list(local_ranks) if local_ranks is not None else _local_ranks(nodes)
+        ranks = tuple(RankInfo(r, n, lr) for r, (n, lr) in enumerate(zip(nodes, locals_, strict=True)))
+        groups = tuple(sorted({tuple(sorted(g)) for g in replica_groups}))
+        return cls(ranks, groups, tuple(dims))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def node_of(self, rank: int) -> str:
+        return self.ranks[rank].node_id
+
+    def nodes(self) -> tuple[str, ...]:
+        """Node ids in order of their lowest rank."""
+        return tuple(dict.fromkeys(r.node_id for r in self.ranks))
+
+    def ranks_on(self, node_id: str) -> tuple[int, ...]:
+        return tuple(r.rank for r in self.ranks if r.node_id == node_id)
+
+    def replica_group_of(self, rank: int) -> tuple[int, ...]:
+        return self._group_of[rank]
+
+    def digest(self) -> str:
+        """A short hash of ranks, node ids and groups; a replaced node changes it."""
+        canon = [
+            [(r.rank, r.node_id, r.local_rank) for r in self.ranks],
+            [list(g) for g in self.replica_groups],
+            [(d.name, [list(g) for g in d.groups], d.replicated) for d in self.dims],
+        ]
+        return hashlib.sha256(msgpack.packb(canon, use_bin_type=True)).hexdigest()[:16]
+
+    def shape_digest(self) -> str:
+        """Like `digest` but blind to which machine a node is: survives a standby replacement."""
+        node_index = {n: i for i, n in enumerate(self.nodes())}
+        canon = [
+            [(r.rank, node_index[r.node_id], r.local_rank) for r in self.ranks],
+            [list(g) for g in self.replica_groups],
+            [(d.name, [list(g) for g in d.groups], d.replicated) for d in self.dims],
+        ]
+        return hashlib.sha256(msgpack.packb(canon, use_bin_type=True)).hexdigest()[:16]
+
+
+def _local_ranks(nodes: list[str]) -> list[int]:
+    seen: dict[str, int] = {}
+    out = []
+    for n in nodes:
+        out.append(seen.get(n, 0))
+        seen[n] = seen.get(n, 0) + 1
+    return out
+
+
+def replica_groups_from(
+    per_rank: Mapping[int, Iterable[int]], world_size: int
+) -> tuple[tuple[int, ...], ...]:
+    """Assemble the replica groups from what each rank reported as its own group.
+
+    Ranks that reported nothing form singleton groups. Raises ValueError when reports contradict.
+    """
+    groups: dict[int, tuple[int, ...]] = {}
+    for rank in range(world_size):
+        reported = tuple(sorted(per_rank.get(rank, ()))) or (rank,)
+        if rank not in reported:
+            raise ValueError(f"rank {rank} reported replica group {reported} that does not contain it")
+        for member in reported:
+            if member in groups and groups[member] != reported:
+                raise ValueError(
+                    f"ranks disagree on the replica group of rank {member}: {groups[member]} vs {reported}"
+                )
+            groups[member] = reported
+    return tuple(sorted(set(groups.values())))

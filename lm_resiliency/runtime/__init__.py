@@ -1,0 +1,1 @@
+"""The shell: one event loop thread per process, ZeroMQ transport, discovery and membership."""

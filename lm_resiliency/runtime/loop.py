@@ -1,0 +1,148 @@
+"""One asyncio event loop on one daemon thread, reached from other threads only through this class.
+
+`LoopThread` is a context manager: entering starts the thread and its root task group, leaving
+cancels every task, waits for them, and joins the thread (within `close(timeout)`). The training
+thread uses `submit` (fire and forget, never blocks) or `call` (wait for a coroutine's result).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from types import TracebackType
+from typing import Any, TypeVar
+
+import anyio
+from anyio.abc import TaskGroup
+
+from lm_resiliency.errors import RuntimeClosedError
+
+__all__ = ["LoopThread"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class LoopThread:
+    """A daemon thread that runs an anyio task group on asyncio until closed."""
+
+    def __init__(self, name: str = "lm-resiliency-runtime") -> None:
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tg: TaskGroup | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._closed = False
+        self._startup_error: BaseException | None = None
+        self.crashed: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> LoopThread:
+        if self._thread is not None:
+            raise RuntimeError("LoopThread already started")
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+        return self
+
+    def _run(self) -> None:
+        try:
+            anyio.run(self._main, backend="asyncio")
+        except BaseException as exc:  # a task crashed the loop: record it for the owner to see
+            self.crashed = exc
+            log.error("runtime loop %s stopped with an error: %r", self._name, exc)
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            self._ready.set()
+            await self._stop.wait()
+            tg.cancel_scope.cancel()
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Cancel every task and join the thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        loop, thread = self._loop, self._thread
+        if loop is not None and self._stop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop already finished
+                loop.call_soon_threadsafe(self._stop.set)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("runtime thread %s did not stop within %.1fs", self._name, timeout)
+
+    def __enter__(self) -> LoopThread:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    # -- bridges -----------------------------------------------------------------------------------
+    def _require_loop(self) -> asyncio.AbstractEventLoop:
+        if self._closed or self._loop is None or not self.alive:
+            raise RuntimeClosedError(f"runtime {self._name} is closed")
+        return self._loop
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` soon in the loop thread. Thread-safe; never blocks; no result."""
+        self._require_loop().call_soon_threadsafe(fn, *args)
+
+    def spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str | None = None) -> None:
+        """Start `fn(*args)` as a task of the root task group. Thread-safe."""
+
+        def _start() -> None:
+            assert self._tg is not None
+            self._tg.start_soon(fn, *args, name=name)
+
+        if self.in_loop_thread():
+            _start()
+        else:
+            self.submit(_start)
+
+    def run_coroutine(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule `coro` on the loop; return a thread-safe future."""
+        try:
+            loop = self._require_loop()
+        except RuntimeClosedError:
+            coro.close()
+            raise
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, timeout: float | None = 30.0) -> T:
+        """Run `await fn(*args)` in the loop thread and wait for its result (not from the loop thread)."""
+        if self.in_loop_thread():
+            raise RuntimeError("LoopThread.call() from the loop thread would deadlock")
+        fut = self.run_coroutine(fn(*args))
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(
+                f"runtime call {getattr(fn, '__name__', fn)} timed out after {timeout}s"
+            ) from None

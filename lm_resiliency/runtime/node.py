@@ -1,0 +1,539 @@
+"""The rank runtime: decode -> core -> effects, on the loop thread.
+
+`RankRuntime` owns one `LoopThread`, one `Transport`, the authentication state and the failure
+detector. The training thread reaches it through `submit*` (non-blocking), `view()` (a snapshot) and
+`wait_for` (a condition with a timeout). Later capabilities plug in through `add_handler` (messages of
+a type tag) and `add_membership_listener` (join/death/leave events); both run in the loop thread.
+
+Nothing a peer sends can crash this runtime: frames that fail authentication or decoding, messages
+that claim another sender, and handler errors are counted and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+
+from lm_resiliency.config import RuntimeConfig
+from lm_resiliency.core import codec
+from lm_resiliency.core.auth import Sealed, Signer, Verifier
+from lm_resiliency.core.clock import Clock
+from lm_resiliency.core.membership import FailureDetector, MembershipEvent, PeerState
+from lm_resiliency.core.messages import (
+    BulkAck,
+    BulkChunk,
+    Goodbye,
+    Heartbeat,
+    Message,
+    PeerAnnouncement,
+    StepTelemetry,
+)
+from lm_resiliency.errors import AuthError, CodecError
+from lm_resiliency.runtime.clock import SystemClock
+from lm_resiliency.runtime.loop import LoopThread
+from lm_resiliency.runtime.transport import DIRECT, Endpoints, PeerUnavailable, Transport
+
+__all__ = ["ClusterView", "PeerView", "RankRuntime"]
+
+log = logging.getLogger(__name__)
+Frame = bytes | memoryview
+Handler = Callable[[Sealed, Message], None]
+MembershipListener = Callable[[MembershipEvent], None]
+
+MAX_BULK_CHUNKS = 1 << 20
+
+
+@dataclass(frozen=True)
+class PeerView:
+    rank: int
+    state: PeerState
+    incarnation: int
+    step: int
+    progress: int
+    telemetry: StepTelemetry | None
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """A consistent snapshot of what this rank's runtime knows about the job."""
+
+    rank: int
+    world_size: int
+    peers: dict[int, PeerView]
+    stats: dict[str, int]
+
+    @property
+    def live(self) -> frozenset[int]:
+        """Ranks known alive, this rank included."""
+        return frozenset(r for r, p in self.peers.items() if p.state is PeerState.ALIVE)
+
+    def telemetry_step(self, rank: int) -> int:
+        t = self.peers[rank].telemetry
+        return t.step if t is not None else -1
+
+
+@dataclass
+class _Transfer:
+    sender: int
+    count: int
+    total_bytes: int
+    chunks: list[Frame | None]
+    received: int = 0
+    received_bytes: int = 0
+
+
+@dataclass
+class _Stats:
+    codec_errors: int = 0
+    impersonation: int = 0
+    handler_errors: int = 0
+    send_failures: int = 0
+    gossip_sent: int = 0
+    direct_sent: int = 0
+    messages_received: int = 0
+    bulk_rejected: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class RankRuntime:
+    """One rank's runtime: authenticated gossip, direct messages, bulk transfers and membership."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        node_id: str,
+        key: bytes,
+        incarnation: int,
+        config: RuntimeConfig,
+        transport_factory: Callable[[], Transport],
+        clock: Clock | None = None,
+        replica_group: Sequence[int] = (),
+        dims: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.config = config
+        self.replica_group = tuple(replica_group)
+        self.dims = {k: tuple(v) for k, v in (dims or {}).items()}
+        self._clock = clock or SystemClock()
+        self._transport_factory = transport_factory
+        self._transport: Transport | None = None
+        self._signer = Signer(key, rank, incarnation)
+        self._verifier = Verifier(key)
+        self._loop = LoopThread(name=f"lm-resiliency-rank{rank}")
+        self._detector = FailureDetector(
+            (r for r in range(world_size) if r != rank), config.heartbeat_timeout_s, self._clock.monotonic()
+        )
+        self._announcement: PeerAnnouncement | None = None
+        self._known: dict[int, PeerAnnouncement] = {}
+        self._handlers: dict[str, list[Handler]] = {}
+        self._listeners: list[MembershipListener] = []
+        self._cond = threading.Condition()
+        self._telemetry: dict[int, StepTelemetry] = {}
+        self._progress: dict[int, tuple[int, int]] = {}
+        self._stats = _Stats()
+        # Training-thread side of submit(): a deque and one pending wake-up at a time.
+        self._outbox: deque[tuple[int | None, Message]] = deque()
+        self._wake_pending = False
+        self._wake: asyncio.Event | None = None
+        self._step = 0
+        self._progress_counter = 0
+        # Bulk transfers.
+        self._incoming: dict[tuple[int, str], _Transfer] = {}
+        self._completed: dict[tuple[int, str], list[Frame]] = {}
+        self._acks: dict[tuple[int, str], asyncio.Future[BulkAck]] = {}
+        self._closed = False
+
+    # -- lifecycle (caller's thread) --------------------------------------------------------------
+    def start(self) -> PeerAnnouncement:
+        """Start the loop thread and bind the transport; return where peers reach us."""
+        self._loop.start()
+        try:
+            endpoints = self._loop.call(self._start_in_loop, timeout=10.0)
+        except BaseException:
+            self._loop.close()
+            raise
+        self._announcement = PeerAnnouncement(
+            rank=self.rank,
+            incarnation=self.incarnation,
+            node_id=self.node_id,
+            pid=os.getpid(),
+            pub=endpoints.pub,
+            router=endpoints.router,
+            replica_group=self.replica_group,
+            dims=self.dims,
+        )
+        with self._cond:
+            self._progress[self.rank] = (0, 0)
+        return self._announcement
+
+    async def _start_in_loop(self) -> Endpoints:
+        self._transport = self._transport_factory()
+        endpoints = await self._transport.start()
+        self._wake = asyncio.Event()
+        self._loop.spawn(self._receive_forever, name="receive")
+        self._loop.spawn(self._publish_forever, name="publish")
+        self._loop.spawn(self._timers_forever, name="timers")
+        return endpoints
+
+    def connect_peers(self, announcements: Iterable[PeerAnnouncement], announce: bool = False) -> None:
+        """Connect to peers found by discovery. With `announce`, tell each where we now are (a rejoin)."""
+        anns = [a for a in announcements if a.rank != self.rank]
+        self._loop.call(self._connect_all, anns, announce, timeout=10.0)
+
+    async def _connect_all(self, anns: list[PeerAnnouncement], announce: bool) -> None:
+        for ann in anns:
+            self._connect(ann)
+        if announce and self._announcement is not None:
+            for ann in anns:
+                await self._send_direct(ann.rank, self._announcement)
+
+    def _connect(self, ann: PeerAnnouncement) -> None:
+        assert self._transport is not None
+        known = self._known.get(ann.rank)
+        if known is not None and known.incarnation > ann.incarnation:
+            return
+        if known is not None and known == ann:
+            return
+        same_node = ann.node_id == self.node_id
+        pub = _pick(ann.pub, same_node and self.config.use_ipc)
+        router = _pick(ann.router, same_node and self.config.use_ipc)
+        self._transport.connect(ann.rank, pub, router)
+        self._known[ann.rank] = ann
+        log.debug(
+            "rank %d connected to rank %d (incarnation %d) at %s", self.rank, ann.rank, ann.incarnation, pub
+        )
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Say goodbye to peers, close every socket and join the loop thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop.alive:
+            with contextlib.suppress(TimeoutError, RuntimeError, concurrent.futures.CancelledError):
+                self._loop.call(self._shutdown, timeout=timeout)
+        self._loop.close(timeout)
+        with self._cond:
+            self._cond.notify_all()
+
+    async def _shutdown(self) -> None:
+        if self._transport is None:
+            return
+        with anyio.move_on_after(0.2):
+            await self._publish(Goodbye(self.rank, self.incarnation, "close"))
+        await self._transport.close()
+
+    def __enter__(self) -> RankRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._loop.alive and not self._closed
+
+    @property
+    def loop(self) -> LoopThread:
+        return self._loop
+
+    @property
+    def announcement(self) -> PeerAnnouncement:
+        if self._announcement is None:
+            raise RuntimeError("runtime not started")
+        return self._announcement
+
+    # -- training-thread API ----------------------------------------------------------------------
+    def set_progress(self, step: int) -> None:
+        """Record a completed step (cheap: two attribute writes, read by the heartbeat task)."""
+        self._step = step
+        self._progress_counter += 1
+
+    def submit(self, msg: Message, peer: int | None = None) -> None:
+        """Hand a message to the runtime: gossip when `peer` is None, else direct. Never blocks."""
+        self._outbox.append((peer, msg))
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                self._loop.submit(self._wakeup)
+            except RuntimeError:
+                self._wake_pending = False
+                raise
+
+    def _wakeup(self) -> None:
+        self._wake_pending = False
+        if self._wake is not None:
+            self._wake.set()
+
+    def view(self) -> ClusterView:
+        with self._cond:
+            return self._view_locked()
+
+    def _view_locked(self) -> ClusterView:
+        peers = {}
+        snapshot = self._detector.snapshot()
+        for r in range(self.world_size):
+            if r == self.rank:
+                state, inc = PeerState.ALIVE if self.alive else PeerState.LEFT, self.incarnation
+                step, prog = self._step, self._progress_counter
+            else:
+                state, inc = snapshot[r], self._detector.incarnation(r)
+                step, prog = self._progress.get(r, (-1, 0))
+            peers[r] = PeerView(r, state, inc, step, prog, self._telemetry.get(r))
+        a = self._verifier.stats
+        s = self._stats
+        stats = {
+            "accepted": a.accepted,
+            "rejected_auth": a.bad_mac + a.malformed,
+            "rejected_replay": a.replayed + a.stale_incarnation,
+            "codec_errors": s.codec_errors,
+            "impersonation": s.impersonation,
+            "handler_errors": s.handler_errors,
+            "send_failures": s.send_failures,
+            "gossip_sent": s.gossip_sent,
+            "direct_sent": s.direct_sent,
+            "bulk_rejected": s.bulk_rejected,
+            **s.extra,
+        }
+        return ClusterView(self.rank, self.world_size, peers, stats)
+
+    def wait_for(self, predicate: Callable[[ClusterView], bool], timeout: float) -> bool:
+        """Block until `predicate(view)` holds (True) or `timeout` passes (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self._view_locked()) or self._closed, timeout) and (
+                predicate(self._view_locked())
+            )
+
+    # -- seams for later capabilities (callbacks run in the loop thread) -------------------------
+    def add_handler(self, tag: str, handler: Handler) -> None:
+        self._handlers.setdefault(tag, []).append(handler)
+
+    def add_membership_listener(self, listener: MembershipListener) -> None:
+        self._listeners.append(listener)
+
+    def send_bulk(
+        self,
+        peer: int,
+        transfer_id: str,
+        buffers: Sequence[Frame],
+        meta: dict[str, str] | None = None,
+        timeout: float = 60.0,
+    ) -> concurrent.futures.Future[BulkAck]:
+        """Send `buffers` (one chunk each) to `peer`; the future resolves with the receiver's ack.
+
+        The buffers are sent without copying: do not modify them until the future resolves."""
+        return self._loop.run_coroutine(self.send_bulk_async(peer, transfer_id, buffers, meta or {}, timeout))
+
+    async def send_bulk_async(
+        self, peer: int, transfer_id: str, buffers: Sequence[Frame], meta: dict[str, str], deadline_s: float
+    ) -> BulkAck:
+        key = (peer, transfer_id)
+        fut: asyncio.Future[BulkAck] = asyncio.get_running_loop().create_future()
+        self._acks[key] = fut
+        total = sum(len(b) for b in buffers)
+        try:
+            with anyio.fail_after(deadline_s):
+                for i, buf in enumerate(buffers):
+                    chunk = BulkChunk(self.rank, transfer_id, i, len(buffers), total, meta, (buf,))
+                    await self._send_direct(peer, chunk, raise_errors=True)
+                return await fut
+        finally:
+            self._acks.pop(key, None)
+
+    def take_transfer(self, sender: int, transfer_id: str) -> list[Frame] | None:
+        """Pop a completed incoming transfer's chunks (zero-copy views), or None if not complete."""
+        with self._cond:
+            return self._completed.pop((sender, transfer_id), None)
+
+    # -- loop-thread internals --------------------------------------------------------------------
+    async def _publish(self, msg: Message) -> None:
+        assert self._transport is not None
+        await self._transport.publish(self._signer.seal(codec.encode(msg)))
+        self._stats.gossip_sent += 1
+
+    async def _send_direct(self, peer: int, msg: Message, raise_errors: bool = False) -> None:
+        assert self._transport is not None
+        try:
+            await self._transport.send(peer, self._signer.seal(codec.encode(msg)))
+            self._stats.direct_sent += 1
+        except PeerUnavailable:
+            self._stats.send_failures += 1
+            if raise_errors:
+                raise
+            log.debug("rank %d: %s to unavailable peer %d dropped", self.rank, type(msg).__name__, peer)
+
+    async def _publish_forever(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._outbox:
+                peer, msg = self._outbox.popleft()
+                if isinstance(msg, StepTelemetry) and peer is None:
+                    self._record_telemetry(msg)
+                if peer is None:
+                    await self._publish(msg)
+                else:
+                    await self._send_direct(peer, msg)
+
+    async def _timers_forever(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        next_beat = self._clock.monotonic()
+        while True:
+            now = self._clock.monotonic()
+            if now >= next_beat:
+                await self._publish(
+                    Heartbeat(self.rank, self.incarnation, self._step, self._progress_counter)
+                )
+                next_beat = now + interval
+            self._apply_events(self._detector.tick(now))
+            deadline = self._detector.next_deadline()
+            wake = next_beat if deadline is None else min(next_beat, deadline)
+            await anyio.sleep(max(0.0, wake - self._clock.monotonic()))
+
+    async def _receive_forever(self) -> None:
+        assert self._transport is not None
+        while True:
+            incoming = await self._transport.recv()
+            self._stats.messages_received += 1
+            try:
+                sealed, frames = self._verifier.open(incoming.frames)
+            except AuthError as exc:
+                log.debug("rank %d rejected a message: %s", self.rank, exc)
+                continue
+            try:
+                msg = codec.decode(frames)
+            except CodecError as exc:
+                self._stats.codec_errors += 1
+                log.warning(
+                    "rank %d dropped a malformed message from rank %d: %s", self.rank, sealed.sender, exc
+                )
+                continue
+            claimed = getattr(msg, "rank", sealed.sender)
+            if (
+                claimed != sealed.sender
+                or not 0 <= sealed.sender < self.world_size
+                or sealed.sender == self.rank
+            ):
+                self._stats.impersonation += 1
+                log.warning(
+                    "rank %d dropped %s claiming rank %s from sender %d",
+                    self.rank,
+                    msg.TAG,
+                    claimed,
+                    sealed.sender,
+                )
+                continue
+            await self._dispatch(sealed, msg, incoming.channel)
+
+    async def _dispatch(self, sealed: Sealed, msg: Message, channel: str) -> None:
+        now = self._clock.monotonic()
+        with self._cond:
+            events = self._detector.heard(sealed.sender, sealed.incarnation, now)
+            if isinstance(msg, Heartbeat):
+                self._progress[msg.rank] = (msg.step, msg.progress)
+            elif isinstance(msg, StepTelemetry):
+                self._telemetry[msg.rank] = msg
+                prev = self._progress.get(msg.rank, (-1, 0))
+                self._progress[msg.rank] = (max(prev[0], msg.step), prev[1])
+            elif isinstance(msg, Goodbye):
+                events += self._detector.goodbye(msg.rank, msg.incarnation, now, msg.reason)
+            self._cond.notify_all()
+        self._apply_events(events)
+        if isinstance(msg, PeerAnnouncement) and channel == DIRECT:
+            self._connect(msg)
+        elif isinstance(msg, BulkChunk):
+            await self._on_bulk_chunk(msg)
+        elif isinstance(msg, BulkAck):
+            fut = self._acks.get((msg.rank, msg.transfer_id))
+            if fut is not None and not fut.done() and msg.index == -1:
+                fut.set_result(msg)
+        for handler in self._handlers.get(msg.TAG, ()):
+            try:
+                handler(sealed, msg)
+            except Exception:  # a plug-in's bug must not kill the runtime; it is logged with its trace
+                self._stats.handler_errors += 1
+                log.exception("rank %d: handler for %s failed", self.rank, msg.TAG)
+
+    def _apply_events(self, events: list[MembershipEvent]) -> None:
+        if not events:
+            return
+        with self._cond:
+            self._cond.notify_all()
+        for ev in events:
+            log.info(
+                "rank %d: peer %d %s (incarnation %d): %s",
+                self.rank,
+                ev.peer,
+                ev.kind.value,
+                ev.incarnation,
+                ev.reason,
+            )
+            for listener in self._listeners:
+                try:
+                    listener(ev)
+                except Exception:  # as for handlers: count, log, carry on
+                    self._stats.handler_errors += 1
+                    log.exception("rank %d: membership listener failed", self.rank)
+
+    def _record_telemetry(self, msg: StepTelemetry) -> None:
+        with self._cond:
+            self._telemetry[self.rank] = msg
+            self._cond.notify_all()
+
+    async def _on_bulk_chunk(self, chunk: BulkChunk) -> None:
+        key = (chunk.rank, chunk.transfer_id)
+        t = self._incoming.get(key)
+        if t is None:
+            if not 0 < chunk.count <= MAX_BULK_CHUNKS or chunk.total_bytes < 0:
+                self._stats.bulk_rejected += 1
+                return
+            t = self._incoming[key] = _Transfer(
+                chunk.rank, chunk.count, chunk.total_bytes, [None] * chunk.count
+            )
+        if (
+            chunk.count != t.count
+            or chunk.total_bytes != t.total_bytes
+            or not 0 <= chunk.index < t.count
+            or len(chunk.buffers) != 1
+        ):
+            self._stats.bulk_rejected += 1
+            return
+        if t.chunks[chunk.index] is None:
+            t.received += 1
+            t.received_bytes += len(chunk.buffers[0])
+        t.chunks[chunk.index] = chunk.buffers[0]
+        if t.received < t.count:
+            return
+        del self._incoming[key]
+        ok = t.received_bytes == t.total_bytes
+        if ok:
+            with self._cond:
+                self._completed[key] = [c for c in t.chunks if c is not None]
+                self._cond.notify_all()
+        else:
+            self._stats.bulk_rejected += 1
+        reason = "" if ok else f"{t.received_bytes} bytes arrived, {t.total_bytes} announced"
+        await self._send_direct(chunk.rank, BulkAck(self.rank, chunk.transfer_id, -1, ok, reason))
+
+
+def _pick(endpoints: Sequence[str], allow_ipc: bool) -> str:
+    for ep in endpoints:
+        if allow_ipc or not ep.startswith("ipc://"):
+            return ep
+    raise ValueError(f"no usable endpoint in {list(endpoints)}")

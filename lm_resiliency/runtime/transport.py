@@ -1,0 +1,219 @@
+"""Transport: how frames move between rank runtimes.
+
+Two channels, both carrying lists of frames:
+- gossip: `publish` fans out to every runtime subscribed to us (ZeroMQ PUB/SUB). Best effort: a slow
+  subscriber drops gossip rather than stalling the publisher.
+- direct: `send` reaches one peer (a DEALER per peer, connected to the peer's ROUTER). Ordered per
+  peer, flow-controlled by the high-water mark; used for requests and bulk transfers.
+
+Every method runs in the loop thread only (ZeroMQ sockets are not thread-safe). `ZmqTransport` is the
+real thing; `lm_resiliency.testing.InMemoryTransport` is its twin, and one contract suite
+(`lm_resiliency.testing.contract`) runs against both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import tempfile
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import zmq
+import zmq.asyncio
+
+__all__ = ["Endpoints", "Incoming", "PeerUnavailable", "Transport", "ZmqTransport"]
+
+log = logging.getLogger(__name__)
+Frame = bytes | memoryview
+
+GOSSIP = "gossip"
+DIRECT = "direct"
+
+
+class PeerUnavailable(ConnectionError):
+    """The peer is not connected (never was, or was disconnected)."""
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Addresses a transport listens on, in order of preference for a peer of the same node."""
+
+    pub: tuple[str, ...]
+    router: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Incoming:
+    channel: str  # GOSSIP or DIRECT
+    frames: list[Frame]
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Moves frame lists between runtimes. All methods are called from the loop thread only."""
+
+    async def start(self) -> Endpoints:
+        """Bind and return where peers can reach us."""
+        ...
+
+    def connect(self, peer: int, pub: str, router: str) -> None:
+        """Subscribe to `peer`'s gossip at `pub` and open a direct channel to `router`.
+
+        Connecting a peer again replaces its previous addresses (a restarted peer)."""
+        ...
+
+    def disconnect(self, peer: int) -> None:
+        """Forget `peer`: stop receiving its gossip; `send` to it raises PeerUnavailable."""
+        ...
+
+    async def publish(self, frames: Sequence[Frame]) -> None: ...
+
+    async def send(self, peer: int, frames: Sequence[Frame]) -> None:
+        """Queue `frames` to `peer`. Raises PeerUnavailable if it is not connected."""
+        ...
+
+    async def recv(self) -> Incoming:
+        """Wait for the next message on either channel."""
+        ...
+
+    async def close(self) -> None:
+        """Release every socket. Idempotent."""
+        ...
+
+
+class ZmqTransport:
+    """ZeroMQ transport: PUB + ROUTER bound on TCP (and IPC), one SUB, one DEALER per peer."""
+
+    def __init__(self, host: str = "127.0.0.1", use_ipc: bool = True, hwm: int = 10000) -> None:
+        self._host = host
+        self._use_ipc = use_ipc
+        self._hwm = hwm
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._dealers: dict[int, zmq.asyncio.Socket] = {}
+        self._subscribed: dict[int, str] = {}
+        self._poller: zmq.asyncio.Poller | None = None
+        self._sub_raw: zmq.Socket[Any] | None = None
+        self._router_raw: zmq.Socket[Any] | None = None
+        self._pending: deque[Incoming] = deque()
+        self._ipc_paths: list[str] = []
+        self._closed = False
+
+    async def start(self) -> Endpoints:
+        self._ctx = zmq.asyncio.Context()
+        self._pub = self._socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, self._hwm)
+        self._router = self._socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.RCVHWM, self._hwm)
+        self._sub = self._socket(zmq.SUB)
+        self._sub.setsockopt(zmq.RCVHWM, self._hwm)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        pub = [self._bind(self._pub, "pub")]
+        router = [self._bind(self._router, "router")]
+        if self._use_ipc:
+            pub.insert(0, self._bind_ipc(self._pub, "pub"))
+            router.insert(0, self._bind_ipc(self._router, "rtr"))
+        # Synchronous shadows of the same sockets: non-blocking reads without a future per message.
+        self._sub_raw = zmq.Socket.shadow(self._sub.underlying)
+        self._router_raw = zmq.Socket.shadow(self._router.underlying)
+        self._poller = zmq.asyncio.Poller()
+        self._poller.register(self._sub, zmq.POLLIN)
+        self._poller.register(self._router, zmq.POLLIN)
+        return Endpoints(tuple(pub), tuple(router))
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        assert self._ctx is not None
+        s = self._ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        return s
+
+    def _bind(self, sock: zmq.asyncio.Socket, what: str) -> str:
+        # Port 0: the kernel picks a free port in the binding process itself (race free).
+        sock.bind(f"tcp://{self._host}:0")
+        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)
+        return endpoint.decode()
+
+    def _bind_ipc(self, sock: zmq.asyncio.Socket, what: str) -> str:
+        # IPC paths are limited to ~107 bytes: keep them short and unique.
+        path = os.path.join(tempfile.gettempdir(), f"lmr-{os.getpid()}-{secrets.token_hex(4)}-{what}")
+        sock.bind(f"ipc://{path}")
+        self._ipc_paths.append(path)
+        return f"ipc://{path}"
+
+    def connect(self, peer: int, pub: str, router: str) -> None:
+        if self._closed or self._sub is None:
+            raise PeerUnavailable("transport is closed")
+        self.disconnect(peer)
+        self._sub.connect(pub)
+        self._subscribed[peer] = pub
+        dealer = self._socket(zmq.DEALER)
+        dealer.setsockopt(zmq.SNDHWM, self._hwm)
+        dealer.connect(router)
+        self._dealers[peer] = dealer
+
+    def disconnect(self, peer: int) -> None:
+        pub = self._subscribed.pop(peer, None)
+        if pub is not None and self._sub is not None:
+            with contextlib.suppress(zmq.ZMQError):  # already gone: nothing to undo
+                self._sub.disconnect(pub)
+        dealer = self._dealers.pop(peer, None)
+        if dealer is not None:
+            dealer.close(linger=0)
+
+    async def publish(self, frames: Sequence[Frame]) -> None:
+        if self._pub is None or self._closed:
+            raise PeerUnavailable("transport is closed")
+        await self._pub.send_multipart(frames)
+
+    async def send(self, peer: int, frames: Sequence[Frame]) -> None:
+        dealer = self._dealers.get(peer)
+        if dealer is None:
+            raise PeerUnavailable(f"peer {peer} is not connected")
+        await dealer.send_multipart(frames)
+
+    async def recv(self) -> Incoming:
+        while not self._pending:
+            if self._poller is None or self._closed:
+                raise PeerUnavailable("transport is closed")
+            ready = dict(await self._poller.poll())
+            # Drain what is there without blocking, bounded so one channel cannot starve the other.
+            if ready.get(self._sub) and self._sub_raw is not None:
+                self._drain(self._sub_raw, GOSSIP, strip_identity=False)
+            if ready.get(self._router) and self._router_raw is not None:
+                self._drain(self._router_raw, DIRECT, strip_identity=True)
+        return self._pending.popleft()
+
+    def _drain(self, raw: zmq.Socket[Any], channel: str, strip_identity: bool, limit: int = 64) -> None:
+        for _ in range(limit):
+            try:
+                parts = raw.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            frames: list[Frame] = [p.buffer for p in parts]
+            if strip_identity:
+                frames = frames[1:]
+            self._pending.append(Incoming(channel, frames))
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for peer in list(self._dealers):
+            self.disconnect(peer)
+        for sock in (self._pub, self._router, self._sub):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        for path in self._ipc_paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._pending.clear()
