@@ -100,7 +100,16 @@ class PyTorchAdapter:
                 log.info("DDP model already has a comm hook; communication time will not be measured")
             else:
                 pg = getattr(ddp, "process_group", None)
-                ddp.register_comm_hook(pg, self._comm_hook)
+
+                def comm_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+                    return self._comm_hook(state, bucket)
+
+                # DDP inspects the annotations at runtime; ours are strings under PEP 563.
+                comm_hook.__annotations__ = {
+                    "bucket": dist.GradBucket,
+                    "return": torch.futures.Future[torch.Tensor],
+                }
+                ddp.register_comm_hook(pg, comm_hook)
         self._t_step_start = time.perf_counter()
 
     def detach(self) -> None:

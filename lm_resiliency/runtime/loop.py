@@ -30,8 +30,14 @@ T = TypeVar("T")
 class LoopThread:
     """A daemon thread that runs an anyio task group on asyncio until closed."""
 
-    def __init__(self, name: str = "lm-resiliency-runtime") -> None:
+    def __init__(
+        self,
+        name: str = "lm-resiliency-runtime",
+        cleanup: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    ) -> None:
+        """`cleanup` runs in the loop after every task was cancelled (close sockets there)."""
         self._name = name
+        self._cleanup = cleanup
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tg: TaskGroup | None = None
@@ -64,11 +70,16 @@ class LoopThread:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            self._ready.set()
-            await self._stop.wait()
-            tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                self._ready.set()
+                await self._stop.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            if self._cleanup is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._cleanup()
 
     def close(self, timeout: float = 1.0) -> None:
         """Cancel every task and join the thread. Idempotent."""

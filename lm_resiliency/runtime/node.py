@@ -135,7 +135,7 @@ class RankRuntime:
         self._transport: Transport | None = None
         self._signer = Signer(key, rank, incarnation)
         self._verifier = Verifier(key)
-        self._loop = LoopThread(name=f"lm-resiliency-rank{rank}")
+        self._loop = LoopThread(name=f"lm-resiliency-rank{rank}", cleanup=self._close_transport)
         self._detector = FailureDetector(
             (r for r in range(world_size) if r != rank), config.heartbeat_timeout_s, self._clock.monotonic()
         )
@@ -236,7 +236,13 @@ class RankRuntime:
             return
         with anyio.move_on_after(0.2):
             await self._publish(Goodbye(self.rank, self.incarnation, "close"))
-        await self._transport.close()
+
+    async def _close_transport(self) -> None:
+        for fut in self._acks.values():
+            if not fut.done():
+                fut.cancel()
+        if self._transport is not None:
+            await self._transport.close()
 
     def __enter__(self) -> RankRuntime:
         return self

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ProcessGroup:
+    """Worker processes started by one test; every one is stopped when the test ends."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+        log = open(log_path, "wb")  # noqa: SIM115 - closed with the process below
+        proc = subprocess.Popen(
+            [sys.executable, *args], env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+        proc._log = log  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+        for p in self.procs:
+            p.wait(timeout=30)
+            p._log.close()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def processes() -> Iterator[ProcessGroup]:
+    group = ProcessGroup()
+    try:
+        yield group
+    finally:
+        group.stop_all()
