@@ -106,7 +106,7 @@ class PyTorchAdapter:
 
                 # DDP inspects the annotations at runtime; ours are strings under PEP 563.
                 comm_hook.__annotations__ = {
-                    "bucket": dist.GradBucket,
+                    "bucket": dist.GradBucket,  # type: ignore[attr-defined]
                     "return": torch.futures.Future[torch.Tensor],
                 }
                 ddp.register_comm_hook(pg, comm_hook)

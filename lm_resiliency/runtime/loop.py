@@ -125,16 +125,19 @@ class LoopThread:
         self._require_loop().call_soon_threadsafe(fn, *args)
 
     def spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str | None = None) -> None:
-        """Start `fn(*args)` as a task of the root task group. Thread-safe."""
+        """Start `fn(*args)` as a task of the root task group. From the loop thread, call it from a
+        task; from another thread it is scheduled and this returns at once."""
+        if self._tg is None:
+            raise RuntimeClosedError(f"runtime {self._name} is not running")
+        if self.in_loop_thread():
+            self._tg.start_soon(fn, *args, name=name)
+            return
 
-        def _start() -> None:
+        async def _start() -> None:
             assert self._tg is not None
             self._tg.start_soon(fn, *args, name=name)
 
-        if self.in_loop_thread():
-            _start()
-        else:
-            self.submit(_start)
+        self.run_coroutine(_start())
 
     def run_coroutine(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule `coro` on the loop; return a thread-safe future."""

@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lm_resiliency import ConfigError, InMemoryCkptConfig, RecoveryMode, load_policy, parse_policy
+from lm_resiliency.cli.main import main as cli_main
+from lm_resiliency.config import RuntimeConfig, SCOUTFaultReport, read_environment
+
+pytestmark = pytest.mark.timeout(30)
+
+GOOD = """
+schema_version = 1
+interval = 5
+enable_detection = false
+recovery_mode = "recovery_verified"
+
+[checkpoint]
+replication_chunk_size = 1048576
+disk_folder = "/tmp/ckpt"
+
+[replay]
+straggler_ratio = 2
+hang_stall_threshold_s = 5.0
+
+[runtime]
+heartbeat_interval_s = 0.1
+heartbeat_timeout_s = 1
+"""
+
+
+def test_good_policy(tmp_path: Path) -> None:
+    p = tmp_path / "policy.toml"
+    p.write_text(GOOD)
+    pol = load_policy(p)
+    assert pol.interval == 5 and not pol.enable_detection
+    assert pol.checkpoint.replication_chunk_size == 1 << 20 and pol.checkpoint.disk_folder == "/tmp/ckpt"
+    assert pol.replay.straggler_ratio == 2.0 and isinstance(pol.replay.straggler_ratio, float)
+    assert pol.runtime.heartbeat_timeout_s == 1.0
+    with pytest.raises(AttributeError):
+        pol.interval = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("interval = 5", "schema_version"),
+        ("schema_version = 2", "schema_version"),
+        ("schema_version = 1\nintervall = 5", "intervall"),
+        ("schema_version = 1\ninterval = '5'", "interval"),
+        ("schema_version = 1\ninterval = 0", "interval"),
+        ("schema_version = 1\ninterval = true", "interval"),
+        ("schema_version = 1\n[checkpoint]\nintervl = 3", "checkpoint.intervl"),
+        ("schema_version = 1\n[checkpoint]\npin_memory = 1", "checkpoint.pin_memory"),
+        ("schema_version = 1\n[checkpoint]\nreplication_jump = 0", "checkpoint.replication_jump"),
+        ("schema_version = 1\n[replay]\nstraggler_ratio = 0.5", "replay.straggler_ratio"),
+        ("schema_version = 1\n[runtime]\nheartbeat_timeout_s = 0.1", "runtime.heartbeat_timeout_s"),
+        ("schema_version = 1\ncheckpoint = 3", "checkpoint"),
+        ("schema_version = 1\nrecovery_mode = 'newest'", "recovery_mode"),
+        ("schema_version = 1\nadapter = 'nocolon'", "adapter"),
+        ("schema_version = 1\n[surprise]\na = 1", "surprise"),
+        ("not toml at all [", "policy"),
+    ],
+)
+def test_bad_policy_names_the_key(tmp_path: Path, text: str, key: str) -> None:
+    p = tmp_path / "policy.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        load_policy(p)
+    assert exc.value.key == key, str(exc.value)
+    assert str(exc.value).startswith(key)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_policy("/nonexistent/policy.toml")
+
+
+def test_dataclasses_validate_directly() -> None:
+    with pytest.raises(ConfigError, match="checkpoint.interval"):
+        InMemoryCkptConfig(interval=0)
+    with pytest.raises(ConfigError, match="recovery_mode"):
+        RecoveryMode.parse("bogus")
+    assert RecoveryMode.parse("latest") is RecoveryMode.LATEST
+    assert parse_policy({"schema_version": 1}).checkpoint == InMemoryCkptConfig()
+    assert RuntimeConfig().heartbeat_timeout_s > RuntimeConfig().heartbeat_interval_s
+
+
+def test_fault_report_dict_drops_unset_keys() -> None:
+    d = SCOUTFaultReport(kind="straggler", failed_ranks=(3,), straggler_type="compute").to_dict()
+    assert d == {
+        "kind": "straggler",
+        "failed_ranks": [3],
+        "scope": "rank",
+        "straggler_type": "compute",
+        "reason": "",
+    }
+
+
+def test_environment(tmp_path: Path) -> None:
+    mid = tmp_path / "machine-id"
+    mid.write_text("abc123\n")
+    env = read_environment(
+        {
+            "LM_RESILIENCY_GENERATION": "3",
+            "LM_RESILIENCY_MACHINE_ID_PATH": str(mid),
+            "TORCHELASTIC_RUN_ID": "r1",
+        }
+    )
+    assert env.generation == 3 and env.node_id() == "abc123" and env.run_id == "r1"
+    with pytest.raises(ConfigError, match="LM_RESILIENCY_GENERATION"):
+        read_environment({"LM_RESILIENCY_GENERATION": "x"})
+
+
+def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["--version"])
+    assert exc.value.code == 0 and "lm-resiliency" in capsys.readouterr().out
+    p = tmp_path / "policy.toml"
+    p.write_text(GOOD)
+    assert cli_main(["check-policy", str(p)]) == 0
+    assert '"interval": 5' in capsys.readouterr().out
+    p.write_text("schema_version = 1\nbogus = 1")
+    assert cli_main(["check-policy", str(p)]) == 2
+    assert "bogus" in capsys.readouterr().err

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import pytest
+
+from lm_resiliency.core.clock import ManualClock
+from lm_resiliency.core.topology import ParallelDim, Topology, replica_groups_from
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_build_nodes_groups_and_digest() -> None:
+    t = Topology.build(["a", "a", "b", "b"], [[0, 2], [1, 3]], [ParallelDim("dp", ((0, 2), (1, 3)), True)])
+    assert t.world_size == 4 and t.nodes() == ("a", "b") and t.ranks_on("b") == (2, 3)
+    assert t.replica_group_of(3) == (1, 3) and [r.local_rank for r in t.ranks] == [0, 1, 0, 1]
+    same = Topology.build(["a", "a", "b", "b"], [[1, 3], [2, 0]], [ParallelDim("dp", ((0, 2), (1, 3)), True)])
+    assert t.digest() == same.digest()
+    replaced = Topology.build(
+        ["a", "a", "c", "c"], [[0, 2], [1, 3]], [ParallelDim("dp", ((0, 2), (1, 3)), True)]
+    )
+    assert replaced.digest() != t.digest() and replaced.shape_digest() == t.shape_digest()
+
+
+@pytest.mark.parametrize(
+    ("groups", "needle"),
+    [([[0, 1], [1, 2]], "two replica groups"), ([[0, 1]], "no replica group"), ([[0, 5], [1, 2]], "outside")],
+)
+def test_invalid_groups(groups: list[list[int]], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        Topology.build(["a", "a", "a"], groups)
+
+
+def test_replica_groups_from_reports() -> None:
+    assert replica_groups_from({0: [0, 1], 1: [1, 0], 2: []}, 3) == ((0, 1), (2,))
+    with pytest.raises(ValueError, match="disagree"):
+        replica_groups_from({0: [0, 1], 1: [1]}, 2)
+    with pytest.raises(ValueError, match="does not contain"):
+        replica_groups_from({0: [1]}, 2)
+
+
+def test_manual_clock() -> None:
+    c = ManualClock(1.0)
+    assert c.advance(0.5) == 1.5
+    with pytest.raises(ValueError):
+        c.advance(-1)
+    with pytest.raises(ValueError):
+        c.set(1.0)

@@ -1,0 +1,208 @@
+"""Rank runtimes in one process, on real ZeroMQ sockets and on the in-memory twin."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+
+from lm_resiliency.config import RuntimeConfig
+from lm_resiliency.core import codec
+from lm_resiliency.core.auth import Signer
+from lm_resiliency.core.membership import EventKind, PeerState
+from lm_resiliency.core.messages import Goodbye, Heartbeat, StepTelemetry
+from lm_resiliency.runtime.node import RankRuntime
+from lm_resiliency.runtime.transport import ZmqTransport
+from lm_resiliency.testing import InMemoryNetwork, InMemoryTransport
+
+pytestmark = pytest.mark.timeout(60)
+KEY = b"j" * 32
+CFG = RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _start(n: int, factory, key: bytes = KEY, nodes: list[str] | None = None) -> list[RankRuntime]:  # type: ignore[no-untyped-def]
+    rts = [
+        RankRuntime(
+            rank=r,
+            world_size=n,
+            node_id=(nodes or ["n0"] * n)[r],
+            key=key,
+            incarnation=1,
+            config=CFG,
+            transport_factory=factory,
+        )
+        for r in range(n)
+    ]
+    anns = [rt.start() for rt in rts]
+    for rt in rts:
+        rt.connect_peers(anns, announce=True)
+    return rts
+
+
+@pytest.fixture(params=["zmq", "memory"])
+def cluster(request: pytest.FixtureRequest) -> Iterator[tuple[list[RankRuntime], InMemoryNetwork | None]]:
+    if request.param == "zmq":
+        rts, net = _start(3, lambda: ZmqTransport("127.0.0.1")), None
+    else:
+        net = InMemoryNetwork()
+        rts = _start(3, lambda: InMemoryTransport(net))
+    try:
+        yield rts, net
+    finally:
+        for rt in rts:
+            rt.close()
+
+
+def test_membership_telemetry_and_goodbye(cluster) -> None:  # type: ignore[no-untyped-def]
+    rts, _ = cluster
+    for rt in rts:
+        assert rt.wait_for(lambda v: len(v.live) == 3, 2.0)
+    rts[1].set_progress(4)
+    rts[1].submit(StepTelemetry(rank=1, step=4, step_s=0.5, compute_s=0.4))
+    for rt in rts:
+        assert rt.wait_for(lambda v: v.telemetry_step(1) == 4, 2.0)
+    assert rts[0].view().peers[1].telemetry.compute_s == 0.4  # type: ignore[union-attr]
+    events = []
+    rts[0].add_membership_listener(events.append)
+    rts[2].close()
+    assert rts[0].wait_for(lambda v: v.peers[2].state is PeerState.LEFT, 2.0)
+    assert [(e.kind, e.peer) for e in events] == [(EventKind.LEFT, 2)]
+
+
+def test_silence_is_death_and_return_is_life() -> None:
+    net = InMemoryNetwork()
+    rts = _start(3, lambda: InMemoryTransport(net))
+    try:
+        _silence(rts, net)
+    finally:
+        for rt in rts:
+            rt.close()
+
+
+def _silence(rts: list[RankRuntime], net: InMemoryNetwork) -> None:
+    for rt in rts:
+        assert rt.wait_for(lambda v: len(v.live) == 3, 2.0)
+    net.partition(rts[2]._transport)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    assert rts[0].wait_for(lambda v: v.peers[2].state is PeerState.DEAD, 2.0)
+    assert time.monotonic() - t0 <= CFG.heartbeat_timeout_s + 0.3
+    net.heal(rts[2]._transport)  # type: ignore[arg-type]
+    assert rts[0].wait_for(lambda v: v.peers[2].state is PeerState.ALIVE, 2.0)
+
+
+def test_close_leaks_no_thread_socket_or_fd_and_is_quick() -> None:
+    before_fds, before_threads = _fds(), set(threading.enumerate())
+    rts = _start(3, lambda: ZmqTransport("127.0.0.1"))
+    assert rts[0].wait_for(lambda v: len(v.live) == 3, 2.0)
+    t0 = time.monotonic()
+    for rt in rts:
+        rt.close()
+        rt.close()  # idempotent
+    assert time.monotonic() - t0 < 3 * 1.0
+    assert set(threading.enumerate()) == before_threads
+    assert _fds() == before_fds
+    assert not [p for p in os.listdir("/tmp") if p.startswith(f"lmr-{os.getpid()}-")]  # ipc files removed
+
+
+def test_hostile_messages_are_counted_and_never_acted_on() -> None:
+    net = InMemoryNetwork()
+    captured: list[tuple[str, list[bytes]]] = []
+
+    def tap(sender: str, frames: list[bytes]) -> list[bytes]:
+        captured.append((sender, frames))
+        return frames
+
+    net.tamper = tap
+    rts = _start(2, lambda: InMemoryTransport(net))
+    try:
+        assert rts[0].wait_for(lambda v: len(v.live) == 2, 2.0)
+        t1 = rts[1]._transport
+        assert t1 is not None
+
+        def inject(frames: list) -> None:  # type: ignore[type-arg]
+            rts[1].loop.call(t1.send, 0, frames)
+
+        genuine = next(f for s, f in reversed(captured) if s == t1.name)  # type: ignore[attr-defined]
+        # 1. a forged goodbye signed with another key
+        inject(Signer(b"x" * 32, 1, 1).seal(codec.encode(Goodbye(1, 1, "forged"))))
+        # 2. a replay of a message rank 1 really sent
+        inject(genuine)
+        # 3. a correctly signed but malformed payload
+        inject(rts[1]._signer.seal([msgpack.packb(["hb", 1, {"rank": "one"}, 0])]))
+        # 4. rank 1's key used to claim to be rank 0
+        inject(rts[1]._signer.seal(codec.encode(Heartbeat(0, 1, 99, 99))))
+        # 5. a plug-in handler that raises
+        rts[0].add_handler("step", lambda sealed, msg: 1 / 0)
+        rts[1].submit(StepTelemetry(rank=1, step=1, step_s=0.1))
+
+        def counted(v) -> bool:  # type: ignore[no-untyped-def]
+            s = v.stats
+            return (
+                s["rejected_auth"] >= 1
+                and s["rejected_replay"] >= 1
+                and s["codec_errors"] >= 1
+                and s["impersonation"] >= 1
+                and s["handler_errors"] >= 1
+            )
+
+        assert rts[0].wait_for(counted, 2.0), str(rts[0].view().stats)
+        v = rts[0].view()
+        assert v.peers[1].state is PeerState.ALIVE  # the forged goodbye did nothing
+        assert v.peers[0].step != 99
+        assert rts[0].alive
+    finally:
+        for rt in rts:
+            rt.close()
+
+
+def test_wrong_job_key_never_joins() -> None:
+    net = InMemoryNetwork()
+    a = RankRuntime(
+        rank=0,
+        world_size=2,
+        node_id="n",
+        key=KEY,
+        incarnation=1,
+        config=CFG,
+        transport_factory=lambda: InMemoryTransport(net),
+    )
+    b = RankRuntime(
+        rank=1,
+        world_size=2,
+        node_id="n",
+        key=b"z" * 32,
+        incarnation=1,
+        config=CFG,
+        transport_factory=lambda: InMemoryTransport(net),
+    )
+    try:
+        anns = [a.start(), b.start()]
+        a.connect_peers(anns, announce=True)
+        b.connect_peers(anns, announce=True)
+        assert a.wait_for(lambda v: v.stats["rejected_auth"] >= 3, 2.0)
+        assert a.view().peers[1].state is not PeerState.ALIVE
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bulk_transfer_zmq() -> None:
+    rts = _start(2, lambda: ZmqTransport("127.0.0.1"))
+    try:
+        data = [os.urandom(1 << 20) for _ in range(5)]
+        ack = rts[0].send_bulk(1, "t1", data).result(10)
+        assert ack.ok
+        got = rts[1].take_transfer(0, "t1")
+        assert got is not None and [bytes(g) for g in got] == data
+        assert rts[1].take_transfer(0, "t1") is None
+    finally:
+        for rt in rts:
+            rt.close()
