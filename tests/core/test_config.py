@@ -78,7 +78,7 @@ def test_missing_file() -> None:
 
 
 def test_dataclasses_validate_directly() -> None:
-    with pytest.raises(ConfigError, match="checkpoint.interval"):
+    with pytest.raises(ConfigError, match=r"checkpoint\.interval"):
         InMemoryCkptConfig(interval=0)
     with pytest.raises(ConfigError, match="recovery_mode"):
         RecoveryMode.parse("bogus")
