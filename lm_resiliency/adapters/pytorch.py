@@ -126,12 +126,14 @@ class PyTorchAdapter:
             self._t_fwd = time.perf_counter()
 
     def _comm_hook(self, pg: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        # Exactly DDP's default: divide by the group size, then all-reduce SUM (default_hooks.allreduce_hook).
+        # Exactly DDP's built-in reducer: multiply by 1/group size, then all-reduce SUM. (Dividing, as
+        # torch's default_hooks.allreduce_hook does, differs in the last bit when the size is not a
+        # power of two, and a resumed run must be bitwise the run it would have been.)
         if self._comm_start is None:
             self._comm_start = time.perf_counter()
         group = pg if pg is not None else dist.group.WORLD
         tensor = bucket.buffer()
-        tensor.div_(dist.get_world_size(group))
+        tensor.mul_(1.0 / dist.get_world_size(group))
         fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
         def _done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:

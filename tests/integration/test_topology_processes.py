@@ -1,0 +1,43 @@
+"""Replica groups read from real DDP, FSDP2, HSDP and FSDP+TP models on 4 gloo processes, and the
+DDP comm hook checked bitwise against DDP's built-in all-reduce on a 3-rank group."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+
+def test_replica_groups_and_bitwise_comm_hook(processes, tmp_path: Path) -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [
+        processes.start(
+            ["tests/integration/workers/topology_worker.py"],
+            {"RANK": str(r), "WORLD_SIZE": "4", "STORE_PORT": str(store.port), "RESULT_DIR": str(tmp_path)},
+            tmp_path / f"rank{r}.log",
+        )
+        for r in range(4)
+    ]
+    deadline = time.monotonic() + 150
+    for r, p in enumerate(procs):
+        rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        assert rc == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for r, out in enumerate(res):
+        assert out["ddp"] == [0, 1, 2, 3]
+        assert out["fsdp2"] == [r]  # shards differ: no replica
+        assert out["hsdp"] == ([0, 2] if r % 2 == 0 else [1, 3])
+        assert out["hsdp_replicated"] == ["dp_replicate"]
+        assert out["hsdp_dims"]["dp_shard"] == ([0, 1] if r < 2 else [2, 3])
+        assert out["fsdp_tp"] == [r]
+        assert out["override"] == [r]
+        if r < 3:
+            assert out["bitwise_equal"], "the session's DDP comm hook changed the training numerics"
+            assert out["comm_measured"]
+        assert out["session_steps"] == 5
+        assert out["session_groups"] == [[0, 1, 2], [3]]
