@@ -35,6 +35,14 @@ REPLAY_WINDOW = 4096
 Frame = bytes | memoryview
 
 
+def frame_digest(buffer: Frame) -> bytes:
+    """The 16-byte XXH3-128 digest that binds a buffer to a message's MAC.
+
+    Producers that already checksum their data (GEMINI at capture time) compute it once and pass it
+    to `Signer.seal`, so bulk bytes are hashed once at the source and once at the receiver."""
+    return xxhash.xxh3_128_digest(buffer)
+
+
 def _digests(buffers: Sequence[Frame]) -> bytes:
     return b"".join(xxhash.xxh3_128_digest(b) for b in buffers)
 
@@ -59,15 +67,22 @@ class Signer:
         self.incarnation = incarnation
         self._seq = 0
 
-    def seal(self, frames: Sequence[Frame]) -> list[Frame]:
-        """Return `[auth, *frames]` for `frames = [header, *buffers]`."""
+    def seal(self, frames: Sequence[Frame], digests: Sequence[bytes] | None = None) -> list[Frame]:
+        """Return `[auth, *frames]` for `frames = [header, *buffers]`.
+
+        `digests`, when given, are the buffers' `frame_digest`s computed earlier by the producer; a
+        wrong one makes every receiver reject the message."""
         self._seq += 1
         header, buffers = frames[0], frames[1:]
         if len(buffers) > 0xFFFF:
             raise ValueError("too many buffers in one message")
-        prefix = _PREFIX.pack(MAGIC, self.sender, self.incarnation, self._seq, len(buffers)) + _digests(
-            buffers
-        )
+        if digests is None:
+            joined = _digests(buffers)
+        elif len(digests) != len(buffers) or any(len(d) != _DIGEST for d in digests):
+            raise ValueError(f"expected {len(buffers)} digests of {_DIGEST} bytes")
+        else:
+            joined = b"".join(digests)
+        prefix = _PREFIX.pack(MAGIC, self.sender, self.incarnation, self._seq, len(buffers)) + joined
         mac = hmac.new(self._key, prefix, hashlib.sha256)
         mac.update(header)
         return [prefix + mac.digest(), *frames]

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 Frame = bytes | memoryview
 Handler = Callable[[Sealed, Message], None]
 MembershipListener = Callable[[MembershipEvent], None]
+# Called with (sender, transfer_id, meta, chunks) when a bulk transfer completes; returning True
+# means the listener took the chunks and the runtime need not keep them for `take_transfer`.
+TransferListener = Callable[[int, str, dict[str, str], list["Frame"]], bool]
 
 MAX_BULK_CHUNKS = 1 << 20
 
@@ -87,6 +90,7 @@ class _Transfer:
     count: int
     total_bytes: int
     chunks: list[Frame | None]
+    meta: dict[str, str] = field(default_factory=dict)
     received: int = 0
     received_bytes: int = 0
 
@@ -143,6 +147,7 @@ class RankRuntime:
         self._known: dict[int, PeerAnnouncement] = {}
         self._handlers: dict[str, list[Handler]] = {}
         self._listeners: list[MembershipListener] = []
+        self._transfer_listeners: list[TransferListener] = []
         self._cond = threading.Condition()
         self._telemetry: dict[int, StepTelemetry] = {}
         self._progress: dict[int, tuple[int, int]] = {}
@@ -332,6 +337,9 @@ class RankRuntime:
     def add_membership_listener(self, listener: MembershipListener) -> None:
         self._listeners.append(listener)
 
+    def add_transfer_listener(self, listener: TransferListener) -> None:
+        self._transfer_listeners.append(listener)
+
     def send_bulk(
         self,
         peer: int,
@@ -339,15 +347,27 @@ class RankRuntime:
         buffers: Sequence[Frame],
         meta: dict[str, str] | None = None,
         timeout: float = 60.0,
+        digests: Sequence[bytes] | None = None,
     ) -> concurrent.futures.Future[BulkAck]:
         """Send `buffers` (one chunk each) to `peer`; the future resolves with the receiver's ack.
 
-        The buffers are sent without copying: do not modify them until the future resolves."""
-        return self._loop.run_coroutine(self.send_bulk_async(peer, transfer_id, buffers, meta or {}, timeout))
+        The buffers are sent without copying: do not modify them until the future resolves.
+        `digests`: the buffers' `core.auth.frame_digest`s if the caller already has them."""
+        return self._loop.run_coroutine(
+            self.send_bulk_async(peer, transfer_id, buffers, meta or {}, timeout, digests)
+        )
 
     async def send_bulk_async(
-        self, peer: int, transfer_id: str, buffers: Sequence[Frame], meta: dict[str, str], deadline_s: float
+        self,
+        peer: int,
+        transfer_id: str,
+        buffers: Sequence[Frame],
+        meta: dict[str, str],
+        deadline_s: float,
+        digests: Sequence[bytes] | None = None,
     ) -> BulkAck:
+        if digests is not None and len(digests) != len(buffers):
+            raise ValueError(f"{len(digests)} digests for {len(buffers)} buffers")
         key = (peer, transfer_id)
         fut: asyncio.Future[BulkAck] = asyncio.get_running_loop().create_future()
         self._acks[key] = fut
@@ -356,7 +376,8 @@ class RankRuntime:
             with anyio.fail_after(deadline_s):
                 for i, buf in enumerate(buffers):
                     chunk = BulkChunk(self.rank, transfer_id, i, len(buffers), total, meta, (buf,))
-                    await self._send_direct(peer, chunk, raise_errors=True)
+                    given = None if digests is None else (digests[i],)
+                    await self._send_direct(peer, chunk, raise_errors=True, digests=given)
                 return await fut
         finally:
             self._acks.pop(key, None)
@@ -372,10 +393,12 @@ class RankRuntime:
         await self._transport.publish(self._signer.seal(codec.encode(msg)))
         self._stats.gossip_sent += 1
 
-    async def _send_direct(self, peer: int, msg: Message, raise_errors: bool = False) -> None:
+    async def _send_direct(
+        self, peer: int, msg: Message, raise_errors: bool = False, digests: Sequence[bytes] | None = None
+    ) -> None:
         assert self._transport is not None
         try:
-            await self._transport.send(peer, self._signer.seal(codec.encode(msg)))
+            await self._transport.send(peer, self._signer.seal(codec.encode(msg), digests))
             self._stats.direct_sent += 1
         except PeerUnavailable:
             self._stats.send_failures += 1
@@ -497,6 +520,18 @@ class RankRuntime:
                     self._stats.handler_errors += 1
                     log.exception("rank %d: membership listener failed", self.rank)
 
+    def _offer_transfer(
+        self, sender: int, transfer_id: str, meta: dict[str, str], chunks: list[Frame]
+    ) -> bool:
+        for listener in self._transfer_listeners:
+            try:
+                if listener(sender, transfer_id, meta, chunks):
+                    return True
+            except Exception:  # as for handlers: count, log, keep the chunks for take_transfer
+                self._stats.handler_errors += 1
+                log.exception("rank %d: transfer listener failed", self.rank)
+        return False
+
     def _record_telemetry(self, msg: StepTelemetry) -> None:
         with self._cond:
             self._telemetry[self.rank] = msg
@@ -510,7 +545,7 @@ class RankRuntime:
                 self._stats.bulk_rejected += 1
                 return
             t = self._incoming[key] = _Transfer(
-                chunk.rank, chunk.count, chunk.total_bytes, [None] * chunk.count
+                chunk.rank, chunk.count, chunk.total_bytes, [None] * chunk.count, dict(chunk.meta)
             )
         if (
             chunk.count != t.count
@@ -529,9 +564,11 @@ class RankRuntime:
         del self._incoming[key]
         ok = t.received_bytes == t.total_bytes
         if ok:
-            with self._cond:
-                self._completed[key] = [c for c in t.chunks if c is not None]
-                self._cond.notify_all()
+            chunks = [c for c in t.chunks if c is not None]
+            if not self._offer_transfer(chunk.rank, chunk.transfer_id, t.meta, chunks):
+                with self._cond:
+                    self._completed[key] = chunks
+                    self._cond.notify_all()
         else:
             self._stats.bulk_rejected += 1
         reason = "" if ok else f"{t.received_bytes} bytes arrived, {t.total_bytes} announced"

@@ -171,13 +171,13 @@ class ZmqTransport:
     async def publish(self, frames: Sequence[Frame]) -> None:
         if self._pub is None or self._closed:
             raise PeerUnavailable("transport is closed")
-        await self._pub.send_multipart(frames)
+        await self._pub.send_multipart(frames, copy=_copy(frames))
 
     async def send(self, peer: int, frames: Sequence[Frame]) -> None:
         dealer = self._dealers.get(peer)
         if dealer is None:
             raise PeerUnavailable(f"peer {peer} is not connected")
-        await dealer.send_multipart(frames)
+        await dealer.send_multipart(frames, copy=_copy(frames))
 
     async def recv(self) -> Incoming:
         while not self._pending:
@@ -217,3 +217,12 @@ class ZmqTransport:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self._pending.clear()
+
+
+ZERO_COPY_THRESHOLD = 1 << 16
+
+
+def _copy(frames: Sequence[Frame]) -> bool:
+    """Copy small messages (cheaper than a zero-copy frame) but never large ones: zmq.asyncio copies
+    every frame of a `copy=True` send, which would cap bulk transfers near memcpy speed."""
+    return all(len(f) < ZERO_COPY_THRESHOLD for f in frames)

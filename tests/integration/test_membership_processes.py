@@ -40,8 +40,11 @@ def test_killed_member_dies_and_restarted_member_rejoins(processes, tmp_path: Pa
         latency = float(store.get(f"member/{r}/saw_dead")) - killed
         assert latency <= 0.5 + 0.3, f"rank {r} noticed the death after {latency:.3f}s"
     restarted = start(2, "r2-restarted")
-    _await(store, [f"member/{r}/saw_rejoin" for r in range(2)] + ["member/2/incarnation2/all_live"],
-           [*survivors, restarted])
+    _await(
+        store,
+        [f"member/{r}/saw_rejoin" for r in range(2)] + ["member/2/incarnation2/all_live"],
+        [*survivors, restarted],
+    )
     assert [int(store.get(f"member/{r}/saw_rejoin")) for r in range(2)] == [2, 2]
     store.set("member/done", b"1")
     for p in (*survivors, restarted):

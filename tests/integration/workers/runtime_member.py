@@ -51,7 +51,9 @@ def main() -> int:
         if not rt.wait_for(lambda v: v.peers[watch].state is PeerState.DEAD, 10.0):
             return 3
         store.set(f"member/{rank}/saw_dead", str(time.time()).encode())
-        if not rt.wait_for(lambda v: v.peers[watch].state is PeerState.ALIVE and v.peers[watch].incarnation > 1, 10.0):
+        if not rt.wait_for(
+            lambda v: v.peers[watch].state is PeerState.ALIVE and v.peers[watch].incarnation > 1, 10.0
+        ):
             return 4
         store.set(f"member/{rank}/saw_rejoin", str(rt.view().peers[watch].incarnation).encode())
     store.wait(["member/done"], datetime.timedelta(seconds=60))

@@ -42,8 +42,9 @@ def train(model: nn.Module, steps: int, rank: int) -> list[torch.Tensor]:
 
 def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore("127.0.0.1", int(os.environ["STORE_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["STORE_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=60)
+    )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     out: dict[str, object] = {"rank": rank}
 
@@ -73,7 +74,9 @@ def main() -> int:
     fully_shard(tp, mesh=mesh3["dp_shard"])
     out["fsdp_tp"] = list(PyTorchAdapter(tp, None).topology().replica_group)
 
-    out["override"] = list(PyTorchAdapter(Block(), None, parallelism_info={"replica_group": [rank]}).topology().replica_group)
+    out["override"] = list(
+        PyTorchAdapter(Block(), None, parallelism_info={"replica_group": [rank]}).topology().replica_group
+    )
 
     # Bitwise: DDP's built-in all-reduce vs ours (the session's comm hook), same data, same init, on a
     # 3-rank subgroup (a size that is not a power of two shows rounding differences). Rank 3 joins
@@ -87,7 +90,9 @@ def main() -> int:
     else:
         ours = Block()
     opt = torch.optim.SGD(ours.parameters(), lr=0.1)
-    session = enable_resiliency(ours, opt, runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0))
+    session = enable_resiliency(
+        ours, opt, runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0)
+    )
     gen = torch.Generator().manual_seed(rank)
     for _ in range(5):
         loss = ours(torch.randn(8, 16, generator=gen)).pow(2).mean()

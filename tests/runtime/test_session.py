@@ -1,0 +1,116 @@
+"""enable_resiliency in one process (no process group): the session surface and its argument checks."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from lm_resiliency import (
+    ConfigError,
+    InMemoryCkptConfig,
+    RecoveryMode,
+    ResiliencySession,
+    UnsupportedFrameworkError,
+    enable_resiliency,
+)
+from lm_resiliency.adapters.detect import detect_framework
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _train(session, model, opt, steps: int, loader=None) -> None:  # type: ignore[no-untyped-def]
+    data = loader if loader is not None else [torch.randn(4, 8) for _ in range(steps)]
+    for x in data:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_single_process_session_surface() -> None:
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with enable_resiliency(model, opt, interval=2) as session:
+        assert isinstance(session, ResiliencySession)
+        assert session.step_count == 0 and session.recovered_step == -1
+        loader = session.instrument_dataloader([torch.randn(4, 8) for _ in range(3)])
+        assert len(loader) == 3
+        _train(session, model, opt, 3, loader)
+        assert session.step_count == 3
+        assert session.wait_for(lambda v: v.telemetry_step(0) == 3, 5.0)
+        tel = session.cluster_view().peers[0].telemetry
+        assert tel is not None and tel.step_s > 0 and tel.input_s > 0
+        with session.checkpoint_io("write", name="dcp"):
+            pass
+        with pytest.raises(ValueError, match="read"):
+            with session.checkpoint_io("append"):
+                pass
+        assert session.prepare_recovery("sdc") is RecoveryMode.RECOVERY_VERIFIED
+        assert session.prepare_recovery("process_failure") is RecoveryMode.LATEST
+        decision = session.last_recovery_decision
+        assert decision is not None and decision["checkpoint_step"] == -1 and not decision["available"]
+        assert decision["recovery_mode"] == "latest" and decision["reason"] == "no_checkpoint_component"
+        with pytest.raises(ValueError, match="unknown failure kind"):
+            session.prepare_recovery("gremlins")
+        assert session.flush_for_restart() == -1
+        assert session.topology.world_size == 1
+    session.close()  # idempotent
+    assert not [t for t in threading.enumerate() if t.name.startswith("lm-resiliency")]
+    _train(session, model, opt, 1)  # hooks are gone: training goes on untouched
+    assert session.step_count == 3
+
+
+def test_configured_recovery_mode_wins() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with enable_resiliency(model, opt, recovery_mode="recovery_verified") as s:
+        assert s.prepare_recovery("hang") is RecoveryMode.RECOVERY_VERIFIED
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "needle"),
+    [
+        ({"framework": "jax"}, ValueError, "unknown framework"),
+        ({"interval": 0}, ValueError, "interval"),
+        ({"interval": "10"}, TypeError, "interval"),
+        ({"checkpoint": {"interval": 3}}, TypeError, "InMemoryCkptConfig"),
+        ({"recovery_mode": "newest"}, ConfigError, "recovery_mode"),
+        ({"fault_callback": 3}, TypeError, "fault_callback"),
+        ({"framework": "deepspeed"}, TypeError, "optimizer"),
+        ({"framework": "megatron"}, UnsupportedFrameworkError, "megatron"),
+    ],
+)
+def test_argument_errors(kwargs: dict, error: type[Exception], needle: str) -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(error, match=needle):
+        enable_resiliency(model, opt, **kwargs)
+    assert not [t for t in threading.enumerate() if t.name.startswith("lm-resiliency")]
+
+
+def test_checkpoint_config_is_accepted() -> None:
+    model = nn.Linear(2, 2)
+    with enable_resiliency(model, None, checkpoint=InMemoryCkptConfig(interval=5)) as s:
+        assert s.settings["checkpoint"].interval == 5
+
+
+def test_framework_detection() -> None:
+    class DeepSpeedEngine(nn.Module):
+        pass
+
+    class Trainer:
+        model_parts: list[nn.Module] = []
+
+    assert detect_framework(DeepSpeedEngine()) == "deepspeed"
+    assert detect_framework(Trainer()) == "torchtitan"
+    assert detect_framework([nn.Linear(1, 1), nn.Linear(1, 1)]) == "megatron"
+    assert detect_framework(nn.Linear(1, 1)) == "pytorch"
+    with pytest.raises(TypeError, match="cannot detect"):
+        detect_framework(object())
+    with pytest.raises(TypeError, match="Megatron"):
+        detect_framework([1, 2])
+    with pytest.raises(UnsupportedFrameworkError, match="deepspeed"):
+        enable_resiliency(DeepSpeedEngine())
