@@ -45,9 +45,8 @@ def test_single_process_session_surface() -> None:
         assert tel is not None and tel.step_s > 0 and tel.input_s > 0
         with session.checkpoint_io("write", name="dcp"):
             pass
-        with pytest.raises(ValueError, match="read"):
-            with session.checkpoint_io("append"):
-                pass
+        with pytest.raises(ValueError, match="read"), session.checkpoint_io("append"):
+            pass
         assert session.prepare_recovery("sdc") is RecoveryMode.RECOVERY_VERIFIED
         assert session.prepare_recovery("process_failure") is RecoveryMode.LATEST
         decision = session.last_recovery_decision
