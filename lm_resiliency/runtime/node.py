@@ -277,6 +277,8 @@ class RankRuntime:
 
     def submit(self, msg: Message, peer: int | None = None) -> None:
         """Hand a message to the runtime: gossip when `peer` is None, else direct. Never blocks."""
+        if peer is None and isinstance(msg, StepTelemetry):
+            self._record_telemetry(msg)  # our own view is current the moment the step ends
         self._outbox.append((peer, msg))
         if not self._wake_pending:
             self._wake_pending = True
@@ -413,8 +415,6 @@ class RankRuntime:
             self._wake.clear()
             while self._outbox:
                 peer, msg = self._outbox.popleft()
-                if isinstance(msg, StepTelemetry) and peer is None:
-                    self._record_telemetry(msg)
                 if peer is None:
                     await self._publish(msg)
                 else:

@@ -1,0 +1,161 @@
+"""CPU demo: a 4-rank DDP job on 2 synthetic nodes, instrumented with one call to enable_resiliency.
+
+    python -m examples.cpu_demo [--steps 30] [--kill-rank 3]
+
+Each rank trains a small MLP with gloo. Every runtime gossips per-step telemetry and heartbeats to
+its peers over ZeroMQ; after training, one rank is SIGKILLed and the others name it from heartbeat
+silence alone. The demo prints what rank 0's runtime saw and a JSON summary, and exits non-zero if
+anything it shows did not happen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def worker() -> int:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from lm_resiliency import RuntimeConfig, enable_resiliency
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    steps, kill = int(os.environ["DEMO_STEPS"]), int(os.environ["DEMO_KILL"])
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["DEMO_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=120)
+    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    faults: list[dict[str, object]] = []
+    session = enable_resiliency(
+        model,
+        opt,
+        interval=1,
+        fault_callback=faults.append,
+        runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0),
+    )
+    session.wait_for(lambda v: len(v.live) == world, 10.0)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        x = torch.randn(64, 128, generator=gen)
+        loss = (model(x) - x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rank == 0 and (step + 1) % 10 == 0:
+            v = session.cluster_view()
+            cells = []
+            for r, p in sorted(v.peers.items()):
+                t = p.telemetry
+                cells.append(
+                    f"r{r}:{p.state.value} step {v.telemetry_step(r)}"
+                    + (f" {t.step_s * 1e3:.1f}ms (comm {t.comm_s * 1e3:.1f})" if t else "")
+                )
+            print(f"[rank 0 view @ step {session.step_count}] " + " | ".join(cells), flush=True)
+    store.set(f"demo/trained/{rank}", b"1")
+    if rank == kill:
+        store.wait(["demo/never"], datetime.timedelta(seconds=120))  # the demo kills us here
+        return 1
+    t0 = time.monotonic()
+    noticed = session.wait_for(lambda v: kill not in v.live, 10.0)
+    summary = {
+        "rank": rank,
+        "steps": session.step_count,
+        "noticed_kill": noticed,
+        "noticed_after_s": round(time.monotonic() - t0, 3),
+        "faults": faults,
+        "topology": {
+            "nodes": list(session.topology.nodes()),
+            "replica_groups": [list(g) for g in session.topology.replica_groups],
+            "digest": session.topology.digest(),
+        },
+        "auth": {
+            k: session.cluster_view().stats[k] for k in ("accepted", "rejected_auth", "rejected_replay")
+        },
+    }
+    store.set(f"demo/summary/{rank}", json.dumps(summary).encode())
+    session.close()
+    os._exit(0)  # skip gloo teardown with a dead peer
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--kill-rank", type=int, default=3)
+    args = ap.parse_args()
+    if os.environ.get("DEMO_ROLE") == "worker":
+        return worker()
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    tmp = Path(tempfile.mkdtemp(prefix="lmr-demo-"))
+    procs = []
+    try:
+        for r in range(args.world):
+            mid = tmp / f"machine-id-{r // 2}"
+            mid.write_text(f"demo-node-{r // 2}\n")
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(ROOT),
+                "OMP_NUM_THREADS": "1",
+                "DEMO_ROLE": "worker",
+                "RANK": str(r),
+                "WORLD_SIZE": str(args.world),
+                "DEMO_PORT": str(store.port),
+                "DEMO_STEPS": str(args.steps),
+                "DEMO_KILL": str(args.kill_rank),
+                "LM_RESILIENCY_MACHINE_ID_PATH": str(mid),
+            }
+            procs.append(subprocess.Popen([sys.executable, "-m", "examples.cpu_demo"], env=env, cwd=ROOT))
+        print(f"started {args.world} ranks on 2 synthetic nodes; training {args.steps} steps", flush=True)
+        keys = [f"demo/trained/{r}" for r in range(args.world)]
+        deadline = time.monotonic() + 300
+        while not store.check(keys):
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                print("a rank failed before the end of training", file=sys.stderr)
+                return 1
+            time.sleep(0.05)
+        print(f"SIGKILL rank {args.kill_rank}", flush=True)
+        procs[args.kill_rank].send_signal(signal.SIGKILL)
+        survivors = [r for r in range(args.world) if r != args.kill_rank]
+        for r in survivors:
+            procs[r].wait(timeout=60)
+        summaries = [json.loads(store.get(f"demo/summary/{r}")) for r in survivors]
+        ok = all(
+            s["noticed_kill"] and [f["failed_ranks"] for f in s["faults"]] == [[args.kill_rank]]
+            for s in summaries
+        )
+        for s in summaries:
+            print(
+                f"rank {s['rank']}: named rank {args.kill_rank} dead after {s['noticed_after_s']}s; "
+                f"reports: {[f['reason'] for f in s['faults']]}",
+                flush=True,
+            )
+        print(json.dumps({"ok": ok, "killed_rank": args.kill_rank, "summaries": summaries}))
+        return 0 if ok else 1
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
