@@ -217,7 +217,7 @@ def bench_fuzz(n: int) -> dict[str, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument(
         "--chunk-mib", type=int, default=16, help="default: InMemoryCkptConfig.replication_chunk_size"
