@@ -282,11 +282,13 @@ class Session:
             self._topology = _assemble_topology(anns, self.world_size)
         else:
             self._topology = Topology.build([node_id], [local.replica_group])
+        self._start_gemini(discovery, node_id)
         self._adapter.attach(self._on_step)
-        if self.env.checkpoint_step > 0 and not self._components:
+        if self.env.checkpoint_step > 0 and self._recovered_step != self.env.checkpoint_step:
             log.warning(
-                "restart context asks for step %d but no checkpoint component is enabled; starting fresh",
+                "restart context asks for step %d but it was not restored (recovered %d)",
                 self.env.checkpoint_step,
+                self._recovered_step,
             )
         atexit.register(self.close)
         log.info(
@@ -297,6 +299,69 @@ class Session:
             self.env.generation,
             list(local.replica_group),
         )
+
+    def _start_gemini(self, discovery: StoreDiscovery | None, node_id: str) -> None:
+        ckpt: InMemoryCkptConfig = self.settings["checkpoint"]
+        if not (self.settings["enable_checkpoint"] and ckpt.enable):
+            return
+        from lm_resiliency.gemini.component import Gemini
+
+        assert self._runtime is not None and self._topology is not None
+        run_id = ckpt.run_id or self.env.run_id
+        durable: DurableCheckpointConfig | None = self.settings["durable_checkpoint"]
+        gem = Gemini(
+            rank=self.rank,
+            world_size=self.world_size,
+            node_id=node_id,
+            run_id=run_id,
+            topology=self._topology,
+            runtime=self._runtime,
+            model=self._adapter.model,
+            optimizer=self._adapter.optimizer,
+            scheduler=self.settings["opt_param_scheduler"],
+            extra_state_fn=self.settings["extra_state_fn"],
+            load_extra_state_fn=self.settings["load_extra_state_fn"],
+            config=ckpt,
+            interval=self.interval,
+            shm_dir=self.env.shm_dir,
+            on_fault=self._emit_fault,
+            disk_folder=durable.folder if durable else None,
+            disk_interval=durable.interval if durable else None,
+            keep_last=durable.keep_last if durable else 2,
+        )
+        self._components.append(gem)
+        # Resume only when this is a restart (or the caller named the run): a fresh job that happens
+        # to share a default run id must not silently load another job's state.
+        restart = (
+            self.env.generation > 0
+            or self.env.checkpoint_step > 0
+            or ckpt.run_id is not None
+            or self.env.explicit_run_id
+        )
+        if not restart:
+            gem.reclaim()
+            return
+        exchange = discovery.exchange if discovery is not None else (lambda name, value, timeout: {0: value})
+        exact = self.env.checkpoint_step if self.env.checkpoint_step > 0 else None
+        step, reason = gem.recover(exchange, exact, timeout=self._runtime_config.discovery_timeout_s)
+        if step >= 0:
+            self._step_offset = step
+            self._recovered_step = step
+            self._adapter.set_step(step)
+        self._last_decision = RecoveryDecision(
+            failure_kind="restart",
+            recovery_mode=self._recovery_mode or RecoveryMode.LATEST,
+            checkpoint_source="gemini" if step >= 0 else "none",
+            checkpoint_step=step,
+            topology_digest=self._topology.digest(),
+            available=step >= 0,
+            reason=reason,
+        )
+
+    @property
+    def gemini(self) -> Any:
+        """The GEMINI component, or None when checkpointing is off."""
+        return next((c for c in self._components if getattr(c, "name", "") == "gemini"), None)
 
     # -- the training-thread path -----------------------------------------------------------------
     def _on_step(self, times: StepTimes) -> None:

@@ -361,6 +361,8 @@ class Environment:
     master_addr: str | None = None
     local_rank: int = 0
     hostname: str = ""
+    explicit_run_id: bool = False
+    shm_dir: str = "/dev/shm/lm_resiliency"
 
     def node_id(self) -> str:
         """This machine's identity: the machine-id file's content, or the hostname if it has none."""
@@ -385,7 +387,10 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
     """Parse the variables torchrun and our backend set. Raises ConfigError naming a bad variable."""
     env = os.environ if environ is None else environ
     return Environment(
-        generation=_env_int(env, "LM_RESILIENCY_GENERATION", 0),
+        # Our backend exports its generation; under plain torchrun, its restart count plays that role.
+        generation=_env_int(env, "LM_RESILIENCY_GENERATION", _env_int(env, "TORCHELASTIC_RESTART_COUNT", 0)),
+        explicit_run_id=bool(env.get("LM_RESILIENCY_RUN_ID")),
+        shm_dir=env.get("LM_RESILIENCY_SHM_DIR") or "/dev/shm/lm_resiliency",
         run_id=env.get("LM_RESILIENCY_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or "default",
         restart_context_path=env.get("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT") or None,
         checkpoint_step=_env_int(env, "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", 0),

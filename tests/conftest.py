@@ -44,3 +44,10 @@ def processes() -> Iterator[ProcessGroup]:
         yield group
     finally:
         group.stop_all()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_checkpoint_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMINI writes to /dev/shm and ./checkpoints by default: keep every test in its own folders."""
+    monkeypatch.setenv("LM_RESILIENCY_SHM_DIR", str(tmp_path / "shm"))
+    monkeypatch.chdir(tmp_path)

@@ -6,9 +6,10 @@ only along them hold identical shards. `parallelism_info={"replica_group": [...]
 overrides what we read. A plain module with no DDP and no DTensor is its own replica group unless
 `group` names its data-parallel peers.
 
-Hooks (all removable, none changes the math): a forward pre-hook marks the start of compute, an
-optimizer pre/post step hook marks the optimizer phase and the step boundary, and for DDP a comm hook
-that performs exactly DDP's default all-reduce while timing it.
+Hooks: a forward pre-hook marks the start of compute, an optimizer pre/post step hook marks the
+optimizer phase and the step boundary, and for DDP a comm hook that averages gradients like DDP but
+with one all-reduce per gradient, so the result does not depend on DDP's bucket layout (which differs
+for one iteration after a restart) and a resumed run is bitwise the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -126,22 +127,28 @@ class PyTorchAdapter:
             self._t_fwd = time.perf_counter()
 
     def _comm_hook(self, pg: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        # Exactly DDP's built-in reducer: multiply by 1/group size, then all-reduce SUM. (Dividing, as
-        # torch's default_hooks.allreduce_hook does, differs in the last bit when the size is not a
-        # power of two, and a resumed run must be bitwise the run it would have been.)
+        # Average the gradients as DDP does (multiply by 1/n, all-reduce SUM), but one all-reduce per
+        # gradient instead of one per bucket: the sum's rounding then depends only on the gradient,
+        # not on which bucket layout DDP happens to use. A fresh DDP (a resumed run) uses its initial
+        # layout for one iteration and a rebuilt one after; per-bucket reduction would make the
+        # resumed run differ from the uninterrupted one in the last bits.
         if self._comm_start is None:
             self._comm_start = time.perf_counter()
         group = pg if pg is not None else dist.group.WORLD
-        tensor = bucket.buffer()
-        tensor.mul_(1.0 / dist.get_world_size(group))
-        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+        buffer = bucket.buffer()
+        buffer.mul_(1.0 / dist.get_world_size(group))
+        futures = [
+            dist.all_reduce(g, group=group, async_op=True).get_future()  # views into `buffer`
+            for g in bucket.gradients()
+        ]
 
-        def _done(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        def _done(f: Any) -> torch.Tensor:
+            for each in f.value():
+                each.value()  # re-raises a failed all-reduce
             self._comm_end = time.perf_counter()
-            out: torch.Tensor = f.value()[0]
-            return out
+            return buffer
 
-        done: torch.futures.Future[torch.Tensor] = fut.then(_done)
+        done: torch.futures.Future[torch.Tensor] = torch.futures.collect_all(futures).then(_done)
         return done
 
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "Heartbeat",
     "Message",
     "PeerAnnouncement",
+    "ReplicaRequest",
     "StepTelemetry",
     "frames_field",
     "register",
@@ -134,3 +135,15 @@ class BulkAck(Message):
     index: int
     ok: bool
     reason: str = ""
+
+
+@register
+@dataclass(frozen=True)
+class ReplicaRequest(Message):
+    """Ask a holder to send the replica of `owner`'s state at `step` (a replaced rank restoring)."""
+
+    TAG: ClassVar[str] = "rreq"
+    rank: int
+    owner: int
+    step: int
+    transfer_id: str

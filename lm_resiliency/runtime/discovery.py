@@ -99,6 +99,27 @@ class StoreDiscovery:
         except Exception:  # only used to word an error message
             return False
 
+    def exchange(self, name: str, value: bytes, timeout: float) -> dict[int, bytes]:
+        """Publish `value` under `name` for this rank and return every rank's value once all are there."""
+        try:
+            self._store.set(self._key(f"{name}/{self.rank}"), value)
+        except Exception as exc:
+            raise DiscoveryError(f"cannot publish {name}: {exc}") from exc
+        keys = [self._key(f"{name}/{r}") for r in range(self.world_size)]
+        deadline = time.monotonic() + timeout
+        delay = 0.002
+        while True:
+            try:
+                if self._store.check(keys):
+                    return {r: bytes(self._store.get(k)) for r, k in enumerate(keys)}
+            except Exception as exc:
+                raise DiscoveryError(f"store unreachable while exchanging {name}: {exc}") from exc
+            if time.monotonic() >= deadline:
+                missing = [r for r, k in enumerate(keys) if not self._safe_check(k)]
+                raise DiscoveryError(f"ranks {missing} did not publish {name} within {timeout:.1f}s")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
     def read(self, rank: int) -> PeerAnnouncement:
         key = self._key(f"peer/{rank}")
         try:

@@ -15,6 +15,7 @@ from lm_resiliency.core.messages import (
     Goodbye,
     Heartbeat,
     PeerAnnouncement,
+    ReplicaRequest,
     StepTelemetry,
 )
 from lm_resiliency.errors import CodecError
@@ -37,6 +38,7 @@ SAMPLES = [
     ),
     BulkChunk(rank=1, transfer_id="t", index=0, count=2, total_bytes=8, meta={"k": "v"}, buffers=(b"abcd",)),
     BulkAck(rank=1, transfer_id="t", index=-1, ok=True),
+    ReplicaRequest(rank=2, owner=2, step=7, transfer_id="x"),
 ]
 
 

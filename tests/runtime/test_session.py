@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,18 +49,30 @@ def test_single_process_session_surface() -> None:
         with pytest.raises(ValueError, match="read"), session.checkpoint_io("append"):
             pass
         assert session.prepare_recovery("sdc") is RecoveryMode.RECOVERY_VERIFIED
+        assert session.gemini.drain(10)
         assert session.prepare_recovery("process_failure") is RecoveryMode.LATEST
         decision = session.last_recovery_decision
-        assert decision is not None and decision["checkpoint_step"] == -1 and not decision["available"]
-        assert decision["recovery_mode"] == "latest" and decision["reason"] == "no_checkpoint_component"
+        assert decision is not None and decision["checkpoint_step"] == 2 and decision["available"]
+        assert decision["recovery_mode"] == "latest" and decision["checkpoint_source"] == "gemini"
         with pytest.raises(ValueError, match="unknown failure kind"):
             session.prepare_recovery("gremlins")
-        assert session.flush_for_restart() == -1
+        assert session.flush_for_restart() == 2
+        assert (Path("checkpoints") / "default" / "step-0000000002" / "rank-00000.pt").exists()
         assert session.topology.world_size == 1
     session.close()  # idempotent
     assert not [t for t in threading.enumerate() if t.name.startswith("lm-resiliency")]
     _train(session, model, opt, 1)  # hooks are gone: training goes on untouched
     assert session.step_count == 3
+
+
+def test_without_checkpoints_nothing_is_recoverable() -> None:
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with enable_resiliency(model, opt, interval=1, enable_checkpoint=False) as s:
+        _train(s, model, opt, 2)
+        s.prepare_recovery("hang")
+        assert s.last_recovery_decision["reason"] == "no_checkpoint_component"  # type: ignore[index]
+        assert s.flush_for_restart() == -1 and s.gemini is None
 
 
 def test_configured_recovery_mode_wins() -> None:

@@ -78,15 +78,26 @@ def main() -> int:
         PyTorchAdapter(Block(), None, parallelism_info={"replica_group": [rank]}).topology().replica_group
     )
 
-    # Bitwise: DDP's built-in all-reduce vs ours (the session's comm hook), same data, same init, on a
-    # 3-rank subgroup (a size that is not a power of two shows rounding differences). Rank 3 joins
-    # the session with a plain module: a job with mixed replica groups.
+    # Bitwise: the session's DDP comm hook must equal a plain per-gradient average (no DDP at all),
+    # whatever DDP's bucket layout, on a 3-rank subgroup (not a power of two, so rounding shows).
+    # Rank 3 joins the session with a plain module: a job with mixed replica groups.
     sub = dist.new_group([0, 1, 2])
     if rank < 3:
         torch.manual_seed(1)
-        ref = train(nn.parallel.DistributedDataParallel(Block(), process_group=sub), 5, rank)
+        plain = Block()
+        popt = torch.optim.SGD(plain.parameters(), lr=0.1)
+        pgen = torch.Generator().manual_seed(rank)
+        for _ in range(5):
+            loss = plain(torch.randn(8, 16, generator=pgen)).pow(2).mean()
+            popt.zero_grad()
+            loss.backward()
+            for p in plain.parameters():
+                p.grad.mul_(1.0 / 3)
+                dist.all_reduce(p.grad, group=sub)
+            popt.step()
+        ref = [p.detach().clone() for p in plain.parameters()]
         torch.manual_seed(1)
-        ours: nn.Module = nn.parallel.DistributedDataParallel(Block(), process_group=sub)
+        ours: nn.Module = nn.parallel.DistributedDataParallel(Block(), process_group=sub, bucket_cap_mb=0.001)
     else:
         ours = Block()
     opt = torch.optim.SGD(ours.parameters(), lr=0.1)

@@ -1,0 +1,1 @@
+"""GEMINI: frequent in-memory checkpoints in shared memory, peer replicas, tiered recovery."""

@@ -1,0 +1,600 @@
+"""GEMINI, the session component: capture into shared memory, replicate to a peer node, recover.
+
+Training thread: every `interval` steps, `on_step` flattens the state and copies its bytes into the
+free one of two shared-memory slots (the only cost training pays). A worker thread then checksums the
+slot, commits it, and replicates it to the holder chosen by `core.gemini.placement` through the
+runtime's authenticated bulk transfers; the holder writes it into its own shared memory.
+
+At startup `recover()` scans local slots and held replicas (verifying every checksum), exchanges the
+inventory through the job store, runs `core.gemini.recovery.plan_recovery` (the same on every rank),
+and restores the chosen step bitwise from local memory or by pulling the replica from its holder.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+
+from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.core.auth import frame_digest
+from lm_resiliency.core.gemini.placement import replica_holders
+from lm_resiliency.core.gemini.recovery import RecoveryPlan, plan_recovery
+from lm_resiliency.core.messages import ReplicaRequest
+from lm_resiliency.core.topology import Topology
+from lm_resiliency.errors import DiscoveryError
+from lm_resiliency.gemini.durable import DurableError, DurableStore
+from lm_resiliency.gemini.state import (
+    TensorSpec,
+    apply_state,
+    collect_state,
+    dtype_from_name,
+    flatten,
+    unflatten,
+)
+from lm_resiliency.runtime.shm import HEADER_SIZE, CorruptSlot, SlotFile, SlotHeader, chunk_digests, n_chunks
+
+__all__ = ["Gemini", "GeminiStats"]
+
+log = logging.getLogger(__name__)
+ALIGN = 64
+Exchange = Callable[[str, bytes, float], dict[int, bytes]]
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class GeminiStats:
+    captures: int = 0
+    skipped_busy: int = 0
+    replicated: int = 0
+    replication_failures: int = 0
+    replicas_received: int = 0
+    replicas_rejected: int = 0
+    rejected_copies: list[str] = field(default_factory=list)
+    capture_block_s_last: float = 0.0
+    bytes_per_capture: int = 0
+    disk_writes: int = 0
+    disk_errors: int = 0
+    last_disk_error: str = ""
+
+
+class Gemini:
+    name = "gemini"
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        node_id: str,
+        run_id: str,
+        topology: Topology,
+        runtime: Any,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        scheduler: Any,
+        extra_state_fn: Callable[[], Any] | None,
+        load_extra_state_fn: Callable[[Any], None] | None,
+        config: InMemoryCkptConfig,
+        interval: int,
+        shm_dir: str,
+        on_fault: Callable[[dict[str, Any]], None] | None = None,
+        disk_folder: str | None = None,
+        disk_interval: int | None = None,
+        keep_last: int = 2,
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.run_id = run_id
+        self.topology = topology
+        self.runtime = runtime
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.extra_state_fn, self.load_extra_state_fn = extra_state_fn, load_extra_state_fn
+        self.config = config
+        self.interval = config.interval or interval
+        self.chunk = config.replication_chunk_size
+        self._on_fault = on_fault
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
+        self.dir = Path(shm_dir) / safe / re.sub(r"[^A-Za-z0-9_.-]", "_", node_id)
+        self.holder = replica_holders(topology, config.replication_jump).get(rank)
+        self.shape = topology.shape_digest()
+        self.stats = GeminiStats()
+        self.disk_interval = disk_interval or config.disk_flush_interval
+        self.durable = DurableStore(disk_folder or config.disk_folder, run_id, rank, keep_last)
+        self._on_disk: set[int] = set()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._own = [SlotFile(self.dir / f"own-r{rank}-s{k}") for k in (0, 1)]
+        self._own_step: dict[int, int] = {}  # slot index -> committed step
+        self._busy: set[int] = set()
+        self._replica_slots: dict[int, list[SlotFile]] = {}
+        self._replica_step: dict[int, dict[int, int]] = {}  # owner -> slot -> step
+        self._restore_waiters: dict[str, threading.Event] = {}
+        self._jobs: queue.Queue[tuple[int, SlotHeader] | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name=f"lm-resiliency-gemini{rank}", daemon=True)
+        self._closed = False
+        self._pending: int | None = None
+        self._hooks: list[Any] = []
+        self._install_boundary_hooks()
+        runtime.add_transfer_listener(self._on_transfer)
+        runtime.add_handler("rreq", self._on_replica_request)
+        self._worker.start()
+
+    # -- recovery (training thread, inside enable_resiliency) -------------------------------------
+    def scan(self) -> dict[str, Any]:
+        """Verify every copy on this node; return the inventory to share."""
+        local: list[int] = []
+        for k, slot in enumerate(self._own):
+            h = self._check(slot.path, owner=self.rank)
+            if h is not None:
+                self._own_step[k] = h.step
+                local.append(h.step)
+        replicas: dict[int, list[int]] = {}
+        for path in sorted(self.dir.glob(f"replica-r*-h{self.rank}-s*")) if self.dir.exists() else []:
+            m = re.fullmatch(rf"replica-r(\d+)-h{self.rank}-s([01])", path.name)
+            if not m:
+                continue
+            owner, k = int(m.group(1)), int(m.group(2))
+            h = self._check(path, owner=owner)
+            if h is not None:
+                self._replica_step.setdefault(owner, {})[k] = h.step
+                replicas.setdefault(owner, []).append(h.step)
+        return {
+            "local": sorted(set(local)),
+            "replicas": {str(o): sorted(set(s)) for o, s in replicas.items()},
+        }
+
+    def _check(self, path: Path, owner: int) -> SlotHeader | None:
+        if not path.exists():
+            return None
+        try:
+            slot = SlotFile.open_existing(path)
+        except CorruptSlot as exc:
+            self._reject(str(exc))
+            return None
+        try:
+            h = slot.read_header()
+            if h.run_id != self.run_id[:64] or h.owner != owner or h.world_size != self.world_size:
+                raise CorruptSlot(f"{path.name}: belongs to another run or topology (run {h.run_id!r})")
+            if h.topology != self.shape:
+                raise CorruptSlot(f"{path.name}: captured with topology {h.topology}, job has {self.shape}")
+            slot.verify(h)
+            return h
+        except CorruptSlot as exc:
+            self._reject(str(exc))
+            return None
+        finally:
+            slot.close()
+
+    def _reject(self, why: str) -> None:
+        self.stats.rejected_copies.append(why)
+        log.warning("rank %d: checkpoint copy skipped: %s", self.rank, why)
+        if self._on_fault is not None:
+            self._on_fault(
+                {
+                    "kind": "checkpoint_corruption",
+                    "failed_ranks": [self.rank],
+                    "scope": "rank",
+                    "sources": ["gemini"],
+                    "reason": "checkpoint_copy_invalid",
+                    "detail": why,
+                }
+            )
+
+    def recover(self, exchange: Exchange, exact_step: int | None, timeout: float = 120.0) -> tuple[int, str]:
+        """Agree with every rank on a step and restore it. Returns (step, reason); step -1: fresh start."""
+        inv = self.scan()
+        raw = exchange("gemini/inventory", msgpack.packb(inv), timeout)
+        local, replicas, disk = {}, {}, {}
+        for r, blob in raw.items():
+            doc = msgpack.unpackb(blob)
+            local[r] = set(doc["local"])
+            replicas[r] = {int(o): set(s) for o, s in doc["replicas"].items()}
+            disk[r] = set(doc.get("disk", ()))
+        allowed = {exact_step} if exact_step is not None and exact_step > 0 else None
+        plan: RecoveryPlan = plan_recovery(self.world_size, local, replicas, disk, allowed=allowed)
+        if plan.step < 0:
+            log.info("rank %d: nothing to recover (%s)", self.rank, plan.reason)
+            return -1, plan.reason
+        src = plan.sources[self.rank]
+        if src.tier == "local":
+            k = next(k for k, s in self._own_step.items() if s == plan.step)
+        elif src.tier == "peer":
+            k = self._pull_from_peer(src.holder, plan.step, timeout)
+        else:
+            k = self._load_from_disk(plan.step)
+        self._restore_from(self._own[k], plan.step)
+        log.info("rank %d restored step %d from %s copy (%s)", self.rank, plan.step, src.tier, plan.reason)
+        return plan.step, f"{src.tier}:{plan.reason}"
+
+    def _pull_from_peer(self, holder: int, step: int, timeout: float) -> int:
+        tid = f"restore-r{self.rank}-s{step}"
+        done = threading.Event()
+        self._restore_waiters[tid] = done
+        self.runtime.submit(ReplicaRequest(self.rank, self.rank, step, tid), peer=holder)
+        if not done.wait(timeout):
+            raise DiscoveryError(f"rank {holder} did not send the replica of rank {self.rank} step {step}")
+        return 0
+
+    def _load_from_disk(self, step: int) -> int:
+        data = self.durable.read(step)
+        if not self._write_file(
+            self._own[0], [data[:HEADER_SIZE], data[HEADER_SIZE:]], len(data), self.rank, step
+        ):
+            raise DurableError(0, f"durable copy of rank {self.rank} step {step} is invalid")
+        self._own_step[0] = step
+        return 0
+
+    def _restore_from(self, slot: SlotFile, step: int) -> None:
+        fresh = SlotFile.open_existing(slot.path)
+        try:
+            h = fresh.read_header()
+            if h.step != step:
+                raise CorruptSlot(f"{slot.path.name}: holds step {h.step}, expected {step}")
+            fresh.verify(h)
+            payload = fresh.payload(h)
+            skeleton, raw_specs = msgpack.unpackb(bytes(payload[: h.index_len]), raw=False)
+            specs = [TensorSpec(d, tuple(s), n) for d, s, n in raw_specs]
+            tensors: list[torch.Tensor] = []
+            raw: torch.Tensor | None = None
+            off = _align(h.index_len)
+            for spec in specs:
+                dt = dtype_from_name(spec.dtype)
+                if spec.nbytes == 0:
+                    tensors.append(torch.empty(spec.shape, dtype=dt))
+                else:
+                    raw = torch.frombuffer(payload, dtype=torch.uint8, count=spec.nbytes, offset=off)
+                    tensors.append(raw.clone().view(dt).reshape(spec.shape))
+                off += _align(spec.nbytes)
+            raw = None
+            del payload
+            state = unflatten(skeleton, tensors)
+        finally:
+            fresh.close()
+        apply_state(state, self.model, self.optimizer, self.scheduler, self.load_extra_state_fn)
+
+    # -- capture (training thread) ----------------------------------------------------------------
+    # The step boundary is after the optimizer step *and* the scheduler step that follows it: a
+    # capture taken between the two would restore a learning rate one step behind. So with a
+    # scheduler the capture waits for its step() (or, for a scheduler that does not step every
+    # iteration, for the next forward, before any parameter changes).
+    def on_step(self, session: Any, times: Any) -> None:
+        step = session.step_count
+        if step % self.interval != 0:
+            return
+        if self.scheduler is None:
+            self.capture(step)
+        else:
+            self._pending = step
+
+    def _take_pending(self) -> None:
+        step, self._pending = self._pending, None
+        if step is not None and not self._closed:
+            self.capture(step)
+
+    def _install_boundary_hooks(self) -> None:
+        self._pending = None
+        self._hooks = []
+        if self.scheduler is None:
+            return
+        # Observe scheduler.step() through a per-instance subclass: patching the instance would put a
+        # function into scheduler.state_dict() (it returns the instance __dict__).
+        sched = self.scheduler
+        base = type(sched)
+        take = self._take_pending
+
+        def step(this: Any, *args: Any, **kwargs: Any) -> Any:
+            result = super(boundary, this).step(*args, **kwargs)  # type: ignore[misc]
+            take()
+            return result
+
+        boundary = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
+        sched.__class__ = boundary
+        self._restore_scheduler = base
+        self._hooks.append(self.model.register_forward_pre_hook(lambda module, args: self._take_pending()))
+
+    def capture(self, step: int) -> bool:
+        """Copy the state at `step` into a free slot; checksum and replication follow off-thread."""
+        import time
+
+        t0 = time.perf_counter()
+        with self._lock:
+            newest = max(self._own_step.items(), key=lambda kv: kv[1], default=(None, -1))[0]
+            free = [k for k in (0, 1) if k != newest and k not in self._busy]
+            if not free:
+                self.stats.skipped_busy += 1
+                return False
+            k = free[0]
+            self._busy.add(k)
+            self._own_step.pop(k, None)
+        try:
+            state = collect_state(self.model, self.optimizer, self.scheduler, self.extra_state_fn, step)
+            skeleton, tensors, specs = flatten(state)
+            index = msgpack.packb(
+                [skeleton, [[s.dtype, list(s.shape), s.nbytes] for s in specs]], use_bin_type=True
+            )
+            payload_len = _align(len(index)) + sum(_align(s.nbytes) for s in specs)
+            header = SlotHeader(
+                step,
+                self.rank,
+                self.world_size,
+                payload_len,
+                len(index),
+                self.chunk,
+                n_chunks(payload_len, self.chunk),
+                self.run_id[:64],
+                self.shape,
+            )
+            slot = self._own[k]
+            slot.ensure_size(header.file_size)
+            slot.begin()
+            view = slot.view()
+            view[HEADER_SIZE : HEADER_SIZE + len(index)] = index
+            del view
+            base = HEADER_SIZE + _align(len(index))
+            buf = torch.frombuffer(slot.view(), dtype=torch.uint8)
+            for t, spec in zip(tensors, specs, strict=True):
+                if spec.nbytes:
+                    buf[base : base + spec.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+                base += _align(spec.nbytes)
+            del buf
+        except BaseException:
+            with self._lock:
+                self._busy.discard(k)
+            raise
+        self.stats.capture_block_s_last = time.perf_counter() - t0
+        self.stats.bytes_per_capture = header.file_size
+        self._jobs.put((k, header))
+        return True
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            k, header = job
+            try:
+                self._commit_and_replicate(k, header)
+            except Exception:  # keep capturing; the next capture retries replication
+                log.exception("rank %d: committing or replicating step %d failed", self.rank, header.step)
+            finally:
+                with self._lock:
+                    self._busy.discard(k)
+                    self._idle.notify_all()
+
+    def _commit_and_replicate(self, k: int, header: SlotHeader) -> None:
+        slot = self._own[k]
+        digests = chunk_digests(slot.payload(header), header.chunk_size)
+        slot.commit(header, digests)
+        with self._lock:
+            self._own_step[k] = header.step
+        self.stats.captures += 1
+        if header.step % self.disk_interval == 0:
+            self._write_durable(slot, header)
+        if self.holder is None or self._closed or not self.runtime.alive:
+            return
+        buffers, frame_digests = self._file_chunks(slot, header, digests)
+        meta = {
+            "kind": "gemini-replica",
+            "owner": str(self.rank),
+            "step": str(header.step),
+            "size": str(header.file_size),
+        }
+        try:
+            ack = self.runtime.send_bulk(
+                self.holder,
+                f"gem-r{self.rank}-s{header.step}",
+                buffers,
+                meta,
+                timeout=120.0,
+                digests=frame_digests,
+            ).result(125.0)
+        except Exception as exc:  # peer gone, timeout: the local copy still stands
+            self.stats.replication_failures += 1
+            log.warning(
+                "rank %d: replica of step %d to rank %s failed: %r", self.rank, header.step, self.holder, exc
+            )
+            return
+        if ack.ok:
+            self.stats.replicated += 1
+        else:
+            self.stats.replication_failures += 1
+            log.warning(
+                "rank %d: rank %s refused replica of step %d: %s",
+                self.rank,
+                self.holder,
+                header.step,
+                ack.reason,
+            )
+
+    def _write_durable(self, slot: SlotFile, header: SlotHeader) -> bool:
+        if header.step in self._on_disk:
+            return True
+        try:
+            self.durable.write(header.step, slot.view()[: header.file_size])
+        except DurableError as exc:
+            self.stats.disk_errors += 1
+            self.stats.last_disk_error = str(exc)
+            log.error("rank %d: %s; memory tiers keep the run recoverable", self.rank, exc)
+            if self._on_fault is not None:
+                self._on_fault(
+                    {
+                        "kind": "io_error",
+                        "failed_ranks": [self.rank],
+                        "scope": "rank",
+                        "sources": ["gemini"],
+                        "reason": "durable_write_failed",
+                        "endpoint_id": str(self.durable.root),
+                        "detail": str(exc),
+                    }
+                )
+            return False
+        self._on_disk.add(header.step)
+        self.stats.disk_writes += 1
+        return True
+
+    def _file_chunks(
+        self, slot: SlotFile, header: SlotHeader, digests: list[bytes]
+    ) -> tuple[list[memoryview], list[bytes]]:
+        view = slot.view()
+        head = view[:HEADER_SIZE]
+        payload = view[HEADER_SIZE : HEADER_SIZE + header.payload_len]
+        table = view[HEADER_SIZE + header.payload_len : header.file_size]
+        chunks = [payload[i : i + header.chunk_size] for i in range(0, header.payload_len, header.chunk_size)]
+        if not chunks:
+            chunks = [payload[0:0]]
+        return [head, *chunks, table], [frame_digest(head), *digests, frame_digest(table)]
+
+    # -- holder side (loop thread) ----------------------------------------------------------------
+    def _on_transfer(self, sender: int, tid: str, meta: dict[str, str], chunks: list[Any]) -> bool:
+        kind = meta.get("kind")
+        if kind == "gemini-replica":
+            owner = int(meta.get("owner", "-1"))
+            if owner != sender:
+                self.stats.replicas_rejected += 1
+                return True
+            self._store_replica(owner, int(meta.get("step", "-1")), int(meta.get("size", "0")), chunks)
+            return True
+        if kind == "gemini-restore" and tid in self._restore_waiters:
+            ok = self._write_file(
+                self._own[0], chunks, int(meta.get("size", "0")), self.rank, int(meta["step"])
+            )
+            if ok:
+                self._own_step[0] = int(meta["step"])
+                self._restore_waiters.pop(tid).set()
+            return True
+        return False
+
+    def _store_replica(self, owner: int, step: int, size: int, chunks: list[Any]) -> None:
+        slots = self._replica_slots.setdefault(
+            owner, [SlotFile(self._replica_path(owner, k)) for k in (0, 1)]
+        )
+        steps = self._replica_step.setdefault(owner, {})
+        newest = max(steps.items(), key=lambda kv: kv[1], default=(None, -1))[0]
+        k = 1 if newest == 0 else 0
+        steps.pop(k, None)
+        if self._write_file(slots[k], chunks, size, owner, step):
+            steps[k] = step
+            self.stats.replicas_received += 1
+        else:
+            self.stats.replicas_rejected += 1
+
+    def _write_file(self, slot: SlotFile, chunks: list[Any], size: int, owner: int, step: int) -> bool:
+        if len(chunks) < 2 or len(chunks[0]) != HEADER_SIZE or sum(len(c) for c in chunks) != size:
+            return False
+        slot.ensure_size(size)
+        slot.begin()
+        off = HEADER_SIZE
+        for c in chunks[1:]:
+            slot.write_raw(off, c)
+            off += len(c)
+        slot.write_raw(0, chunks[0])  # the committed header goes last
+        try:
+            h = slot.read_header()
+        except CorruptSlot as exc:
+            log.warning(
+                "rank %d: received copy of rank %d step %d is invalid: %s", self.rank, owner, step, exc
+            )
+            slot.begin()
+            return False
+        if h.owner != owner or h.step != step or h.run_id != self.run_id[:64]:
+            slot.begin()
+            return False
+        return True
+
+    def _replica_path(self, owner: int, k: int) -> Path:
+        return self.dir / f"replica-r{owner}-h{self.rank}-s{k}"
+
+    def _on_replica_request(self, sealed: Any, msg: Any) -> None:
+        steps = self._replica_step.get(msg.owner, {})
+        k = next((k for k, s in steps.items() if s == msg.step), None)
+        if k is None or msg.owner != msg.rank:
+            log.warning("rank %d: no replica of rank %d step %d to send", self.rank, msg.owner, msg.step)
+            return
+        slots = self._replica_slots.setdefault(
+            msg.owner, [SlotFile(self._replica_path(msg.owner, j)) for j in (0, 1)]
+        )
+        slot = SlotFile.open_existing(slots[k].path)
+        h = slot.read_header()
+        buffers, digests = self._file_chunks(slot, h, slot.digest_table(h))
+        meta = {
+            "kind": "gemini-restore",
+            "owner": str(msg.owner),
+            "step": str(h.step),
+            "size": str(h.file_size),
+        }
+
+        async def send() -> None:
+            try:
+                await self.runtime.send_bulk_async(msg.rank, msg.transfer_id, buffers, meta, 120.0, digests)
+            except Exception as exc:  # the requester times out and reports; nothing to undo here
+                log.warning("rank %d: sending replica to rank %d failed: %r", self.rank, msg.rank, exc)
+
+        self.runtime.loop.spawn(send)
+
+    # -- session component ------------------------------------------------------------------------
+    def newest_recoverable_step(self, mode: Any) -> int:
+        with self._lock:
+            return max(self._own_step.values(), default=-1)
+
+    def flush_for_restart(self, timeout: float = 30.0) -> int:
+        """Write the newest committed capture to disk; return its step, or -1 (nothing, or disk failed)."""
+        self.drain(timeout)
+        with self._lock:
+            if not self._own_step:
+                return -1
+            k, step = max(self._own_step.items(), key=lambda kv: kv[1])
+            self._busy.add(k)
+        try:
+            slot = self._own[k]
+            header = slot.read_header()
+            return step if self._write_durable(slot, header) else -1
+        finally:
+            with self._lock:
+                self._busy.discard(k)
+                self._idle.notify_all()
+
+    def drain(self, timeout: float = 60.0) -> bool:
+        """Wait until every capture handed to the worker is committed and replicated."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._busy, timeout)
+
+    def held_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.dir.glob("*")) if self.dir.exists() else 0
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        if self.scheduler is not None:
+            self.scheduler.__class__ = self._restore_scheduler
+        self.drain(timeout=10.0)
+        self._jobs.put(None)
+        self._worker.join(timeout=5.0)
+        for slot in self._own:
+            slot.close()
+        for slots in self._replica_slots.values():
+            for slot in slots:
+                slot.close()
+
+    def reclaim(self) -> None:
+        """Delete this node's slots of this run (a fresh run must not find an old one's state)."""
+        for path in [*self.dir.glob(f"own-r{self.rank}-s*"), *self.dir.glob(f"replica-r*-h{self.rank}-s*")]:
+            path.unlink(missing_ok=True)
+
+    @staticmethod
+    def reclaim_run(shm_dir: str, run_id: str) -> None:
+        shutil.rmtree(Path(shm_dir) / re.sub(r"[^A-Za-z0-9_.-]", "_", run_id), ignore_errors=True)

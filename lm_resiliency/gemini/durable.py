@@ -1,0 +1,101 @@
+"""The durable tier: committed slots written to disk off the training thread.
+
+Format (versioned, loadable with `torch.load(weights_only=True)`):
+    {"format": "lm_resiliency.gemini.slot/1", "run_id": str, "owner": int, "step": int,
+     "slot": uint8 tensor holding the committed slot file (header, payload, checksums)}
+Files are `<folder>/<run_id>/step-<step>/rank-<rank>.pt`, written to a temporary name, fsynced and
+renamed, so a reader sees a whole file or none. A failing disk raises `DurableError`; the caller
+reports it and training goes on with the memory tiers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+
+import torch
+
+__all__ = ["FORMAT", "DurableError", "DurableStore"]
+
+FORMAT = "lm_resiliency.gemini.slot/1"
+
+
+class DurableError(OSError):
+    """The durable tier failed (read-only, full, I/O error)."""
+
+
+class DurableStore:
+    def __init__(self, folder: str, run_id: str, rank: int, keep_last: int = 2) -> None:
+        self.root = Path(folder) / re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
+        self.run_id = run_id
+        self.rank = rank
+        self.keep_last = keep_last
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step-{step:010d}" / f"rank-{self.rank:05d}.pt"
+
+    def write(self, step: int, slot_bytes: memoryview) -> Path:
+        final = self.path(step)
+        tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            blob = (
+                torch.frombuffer(slot_bytes, dtype=torch.uint8)
+                if len(slot_bytes)
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            with open(tmp, "wb") as f:
+                torch.save(
+                    {"format": FORMAT, "run_id": self.run_id, "owner": self.rank, "step": step, "slot": blob},
+                    f,
+                )
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            dir_fd = os.open(final.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # the disk is failing; the error below says so
+                tmp.unlink(missing_ok=True)
+            raise DurableError(
+                exc.errno, f"durable checkpoint of step {step} to {final} failed: {exc.strerror or exc}"
+            ) from exc
+        self._prune(step)
+        return final
+
+    def _prune(self, newest: int) -> None:
+        mine = sorted(self.steps(), reverse=True)
+        for step in mine[self.keep_last :]:
+            if step < newest:
+                self.path(step).unlink(missing_ok=True)
+
+    def steps(self) -> list[int]:
+        if not self.root.exists():
+            return []
+        out = []
+        for d in self.root.glob("step-*"):
+            m = re.fullmatch(r"step-(\d+)", d.name)
+            if m and (d / f"rank-{self.rank:05d}.pt").exists():
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def read(self, step: int) -> bytes:
+        """The slot bytes of `step`; raises DurableError for a missing or malformed file."""
+        path = self.path(step)
+        try:
+            doc = torch.load(path, weights_only=True, map_location="cpu")
+        except Exception as exc:  # torch.load raises many types for a bad file; translate here
+            raise DurableError(0, f"{path}: cannot load ({type(exc).__name__}: {exc})") from exc
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise DurableError(0, f"{path}: not a {FORMAT} file")
+        if doc.get("owner") != self.rank or doc.get("step") != step or doc.get("run_id") != self.run_id:
+            raise DurableError(0, f"{path}: belongs to another rank, step or run")
+        blob = doc["slot"]
+        if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8:
+            raise DurableError(0, f"{path}: slot is not a byte tensor")
+        return blob.numpy().tobytes()

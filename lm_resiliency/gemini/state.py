@@ -1,0 +1,158 @@
+"""Training state <-> (msgpack skeleton, list of tensors).
+
+`collect_state` gathers model, optimizer, scheduler, RNG (torch CPU and CUDA, Python, NumPy) and the
+caller's extra state. `flatten` replaces every tensor by a reference, so the skeleton is small msgpack
+and the tensors can be copied byte for byte into shared memory; `unflatten` reverses it exactly
+(tuples stay tuples, int dict keys stay ints). Unsupported objects fail with the path to them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+__all__ = ["TensorSpec", "apply_state", "collect_state", "flatten", "unflatten"]
+
+SKELETON_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def collect_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    extra_state_fn: Callable[[], Any] | None,
+    step: int,
+) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "step": step,
+        "model": model.state_dict(),
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+        },
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["rng"]["cuda"] = torch.cuda.get_rng_state_all()
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    if extra_state_fn is not None:
+        state["extra"] = extra_state_fn()
+    return state
+
+
+def apply_state(
+    state: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    load_extra_state_fn: Callable[[Any], None] | None,
+) -> None:
+    model.load_state_dict(state["model"])
+    if optimizer is not None and "optimizer" in state:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and "scheduler" in state:
+        scheduler.load_state_dict(state["scheduler"])
+    rng = state["rng"]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if load_extra_state_fn is not None and "extra" in state:
+        load_extra_state_fn(state["extra"])
+
+
+def flatten(state: Any) -> tuple[bytes, list[torch.Tensor], list[TensorSpec]]:
+    """Return (skeleton, tensors, specs). Tensors are detached, contiguous, on their own device."""
+    tensors: list[torch.Tensor] = []
+    specs: list[TensorSpec] = []
+
+    def walk(obj: Any, path: str) -> Any:
+        if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+            if isinstance(obj, int) and not isinstance(obj, bool) and not -(2**63) <= obj < 2**64:
+                return {"__bigint": str(obj)}
+            return obj
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            if t.is_sparse or t.layout != torch.strided:
+                raise TypeError(f"{path}: only dense tensors can be checkpointed (got {t.layout})")
+            t = t.contiguous()
+            tensors.append(t)
+            specs.append(
+                TensorSpec(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+            )
+            return {"__t": len(tensors) - 1, "device": str(obj.device)}
+        if isinstance(obj, np.ndarray):
+            return {"__np": walk(torch.from_numpy(np.ascontiguousarray(obj)), path)}
+        if isinstance(obj, np.generic):
+            return walk(obj.item(), path)
+        if isinstance(obj, tuple):
+            return {"__tuple": [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        if isinstance(obj, dict):
+            if all(type(k) is str for k in obj) and not any(k.startswith("__") for k in obj):
+                return {k: walk(v, f"{path}.{k}") for k, v in obj.items()}
+            items = []
+            for k, v in obj.items():
+                if not isinstance(k, (str, int, float, bool)) and k is not None:
+                    raise TypeError(
+                        f"{path}: dict key {k!r} of type {type(k).__name__} cannot be checkpointed"
+                    )
+                items.append([k, walk(v, f"{path}[{k!r}]")])
+            return {"__dict": items}
+        raise TypeError(f"{path}: objects of type {type(obj).__name__} cannot be checkpointed")
+
+    tree = walk(state, "state")
+    skeleton = msgpack.packb({"v": SKELETON_VERSION, "tree": tree}, use_bin_type=True)
+    return skeleton, tensors, specs
+
+
+def unflatten(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
+    doc = msgpack.unpackb(skeleton, raw=False, strict_map_key=False)
+    if not isinstance(doc, dict) or doc.get("v") != SKELETON_VERSION:
+        raise ValueError("checkpoint skeleton has an unknown version")
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        if isinstance(obj, dict):
+            if "__t" in obj:
+                t = tensors[obj["__t"]]
+                device = obj.get("device", "cpu")
+                return t if device == "cpu" else t.to(device)
+            if "__np" in obj:
+                return walk(obj["__np"]).numpy()
+            if "__tuple" in obj:
+                return tuple(walk(v) for v in obj["__tuple"])
+            if "__dict" in obj:
+                return {k: walk(v) for k, v in obj["__dict"]}
+            if "__bigint" in obj:
+                return int(obj["__bigint"])
+            return {k: walk(v) for k, v in obj.items()}
+        return obj
+
+    return walk(doc["tree"])
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in checkpoint")
+    return dt

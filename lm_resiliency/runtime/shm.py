@@ -1,0 +1,205 @@
+"""Checkpoint slots in POSIX shared memory (files under /dev/shm), so a copy outlives the process.
+
+Layout of one slot file:
+    [0, 4096)              header (struct below), written last on commit
+    [4096, 4096 + P)       payload: msgpack index (skeleton + tensor specs), padding, tensor bytes
+    [4096 + P, ... + 16*C) XXH3-128 of each `chunk_size` chunk of the payload
+
+Commit protocol: `begin()` marks the header invalid, the payload and checksums are written, then
+`commit()` writes a header whose own checksum covers its fields and the checksum table. A crash at
+any point leaves either the previous committed slot (double buffering) or an invalid one, never a
+torn slot that reads as valid. `verify()` re-hashes every chunk; `CorruptSlot` names what is wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from lm_resiliency.errors import SharedMemoryError
+
+__all__ = ["HEADER_SIZE", "CorruptSlot", "SlotFile", "SlotHeader", "chunk_digests"]
+
+HEADER_SIZE = 4096
+MAGIC = b"LMRGEM01"
+_FMT = struct.Struct("<8sIIqIIQQQI64s32s")  # magic ver state step owner world payload index chunk n run topo
+_DIGEST = 16
+COMMITTED = 1
+
+
+class CorruptSlot(Exception):
+    """A slot that must not be loaded: missing, truncated, torn or failing its checksums."""
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    step: int
+    owner: int
+    world_size: int
+    payload_len: int
+    index_len: int
+    chunk_size: int
+    n_chunks: int
+    run_id: str
+    topology: str
+
+    def pack(self, state: int) -> bytes:
+        return _FMT.pack(
+            MAGIC,
+            1,
+            state,
+            self.step,
+            self.owner,
+            self.world_size,
+            self.payload_len,
+            self.index_len,
+            self.chunk_size,
+            self.n_chunks,
+            self.run_id.encode()[:64],
+            self.topology.encode()[:32],
+        )
+
+    @property
+    def file_size(self) -> int:
+        return HEADER_SIZE + self.payload_len + self.n_chunks * _DIGEST
+
+
+def chunk_digests(payload: memoryview, chunk_size: int) -> list[bytes]:
+    return [
+        xxhash.xxh3_128_digest(payload[i : i + chunk_size]) for i in range(0, len(payload), chunk_size)
+    ] or [xxhash.xxh3_128_digest(b"")]
+
+
+def n_chunks(payload_len: int, chunk_size: int) -> int:
+    return max(1, -(-payload_len // chunk_size))
+
+
+class SlotFile:
+    """One memory-mapped slot file. Not thread-safe: one writer at a time (the capture pipeline)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._mm: mmap.mmap | None = None
+        self.size = 0
+
+    # -- writing ----------------------------------------------------------------------------------
+    def ensure_size(self, size: int) -> None:
+        if self._mm is not None and self.size == size:
+            return
+        self.close()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                # Reserve the pages now: a full /dev/shm fails here with ENOSPC, not later with SIGBUS.
+                os.posix_fallocate(fd, 0, size)
+                mm = mmap.mmap(fd, size)
+            except BaseException:
+                os.close(fd)
+                raise
+        except OSError as exc:
+            raise SharedMemoryError(
+                f"cannot create a {size / 2**20:.1f} MiB checkpoint slot at {self.path}: "
+                f"{exc.strerror or exc} (is /dev/shm large enough? docker: --shm-size)"
+            ) from exc
+        self._fd, self._mm, self.size = fd, mm, size
+
+    def begin(self) -> None:
+        """Invalidate the header before overwriting the payload."""
+        mm = self._require()
+        mm[: _FMT.size] = b"\0" * _FMT.size
+
+    def view(self) -> memoryview:
+        return memoryview(self._require())
+
+    def payload(self, header: SlotHeader) -> memoryview:
+        return self.view()[HEADER_SIZE : HEADER_SIZE + header.payload_len]
+
+    def commit(self, header: SlotHeader, digests: list[bytes]) -> None:
+        mm = self._require()
+        table = b"".join(digests)
+        if len(digests) != header.n_chunks:
+            raise ValueError(f"{len(digests)} digests for {header.n_chunks} chunks")
+        start = HEADER_SIZE + header.payload_len
+        mm[start : start + len(table)] = table
+        fields = header.pack(COMMITTED)
+        mm[: _FMT.size + _DIGEST] = fields + xxhash.xxh3_128_digest(fields + table)
+
+    def write_raw(self, offset: int, data: memoryview | bytes) -> None:
+        mm = self._require()
+        mm[offset : offset + len(data)] = data
+
+    # -- reading ----------------------------------------------------------------------------------
+    @classmethod
+    def open_existing(cls, path: Path) -> SlotFile:
+        slot = cls(path)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise CorruptSlot(f"{path.name}: cannot open ({exc.strerror})") from exc
+        size = os.fstat(fd).st_size
+        if size < HEADER_SIZE:
+            os.close(fd)
+            raise CorruptSlot(f"{path.name}: truncated to {size} bytes")
+        slot._fd, slot._mm, slot.size = fd, mmap.mmap(fd, size), size
+        return slot
+
+    def read_header(self) -> SlotHeader:
+        mm = self._require()
+        raw = bytes(mm[: _FMT.size + _DIGEST])
+        magic, ver, state, step, owner, world, payload, index, chunk, n, run, topo = _FMT.unpack_from(raw)
+        if magic != MAGIC or ver != 1:
+            raise CorruptSlot(f"{self.path.name}: not a committed checkpoint slot (bad magic)")
+        if state != COMMITTED:
+            raise CorruptSlot(f"{self.path.name}: capture was never committed (torn write)")
+        h = SlotHeader(
+            step,
+            owner,
+            world,
+            payload,
+            index,
+            chunk,
+            n,
+            run.rstrip(b"\0").decode(),
+            topo.rstrip(b"\0").decode(),
+        )
+        if chunk <= 0 or n != n_chunks(payload, chunk) or h.file_size > self.size:
+            raise CorruptSlot(f"{self.path.name}: truncated ({self.size} bytes, header needs {h.file_size})")
+        table = bytes(mm[HEADER_SIZE + payload : HEADER_SIZE + payload + n * _DIGEST])
+        if xxhash.xxh3_128_digest(raw[: _FMT.size] + table) != raw[_FMT.size :]:
+            raise CorruptSlot(f"{self.path.name}: header checksum mismatch")
+        return h
+
+    def digest_table(self, header: SlotHeader) -> list[bytes]:
+        start = HEADER_SIZE + header.payload_len
+        table = bytes(self._require()[start : start + header.n_chunks * _DIGEST])
+        return [table[i : i + _DIGEST] for i in range(0, len(table), _DIGEST)]
+
+    def verify(self, header: SlotHeader) -> None:
+        """Re-hash the payload; raise CorruptSlot naming the first bad chunk."""
+        got = chunk_digests(self.payload(header), header.chunk_size)
+        for i, (a, b) in enumerate(zip(got, self.digest_table(header), strict=True)):
+            if a != b:
+                raise CorruptSlot(f"{self.path.name}: chunk {i} fails its checksum (step {header.step})")
+
+    def close(self) -> None:
+        if self._mm is not None:
+            with contextlib.suppress(BufferError):  # a view still exported: the GC will unmap it
+                self._mm.close()
+            self._mm = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _require(self) -> mmap.mmap:
+        if self._mm is None:
+            raise RuntimeError(f"slot {self.path} is not mapped")
+        return self._mm

@@ -1,0 +1,215 @@
+"""GEMINI on a real 4-rank gloo DDP job on 2 synthetic nodes, capturing every step.
+
+Every scenario kills the job mid-run (SIGKILL), restarts all four processes as generation 1, and
+requires the final model and optimizer state to be bitwise equal to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+WORLD, STEPS, PAUSE_AT = 4, 10, 6
+
+
+def _run(
+    processes,
+    tmp: Path,
+    tag: str,
+    shm: Path,
+    generation: int,
+    disk: Path,  # type: ignore[no-untyped-def]
+    pause_rank: int = -1,
+    kill: bool = False,
+) -> list[dict]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    out = tmp / tag
+    out.mkdir()
+    procs = []
+    for r in range(WORLD):
+        mid = tmp / f"machine-id-{r // 2}"
+        mid.write_text(f"node-{r // 2}\n")
+        procs.append(
+            processes.start(
+                ["tests/integration/workers/gemini_worker.py"],
+                {
+                    "RANK": str(r),
+                    "WORLD_SIZE": str(WORLD),
+                    "STORE_PORT": str(store.port),
+                    "RESULT_DIR": str(out),
+                    "STEPS": str(STEPS),
+                    "PAUSE_RANK": str(pause_rank),
+                    "PAUSE_AT": str(PAUSE_AT),
+                    "DISK_FOLDER": str(disk),
+                    "DISK_INTERVAL": "4",
+                    "LM_RESILIENCY_RUN_ID": "gemini-test",
+                    "LM_RESILIENCY_SHM_DIR": str(shm),
+                    "LM_RESILIENCY_GENERATION": str(generation),
+                    "LM_RESILIENCY_MACHINE_ID_PATH": str(mid),
+                },
+                out / f"rank{r}.log",
+            )
+        )
+    deadline = time.monotonic() + 200
+    if kill:
+        while not store.check([f"test/paused/{pause_rank}"]):
+            assert all(p.poll() is None for p in procs), _logs(out)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)  # polling the store the workers write
+        procs[pause_rank].send_signal(signal.SIGKILL)  # the failure...
+        for p in procs:  # ...and the restart of the whole worker group, as torchrun does
+            p.send_signal(signal.SIGKILL)
+            p.wait(30)
+        return []
+    for p in procs:
+        assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, _logs(out)
+    return [json.loads((out / f"report-g{generation}-rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _logs(out: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(out.glob("rank*.log")))
+
+
+def _same(a: Path, b: Path) -> None:
+    sa, sb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+
+    def eq(x: object, y: object, path: str) -> None:
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), f"{path} differs"
+        elif isinstance(x, dict):
+            assert isinstance(y, dict) and x.keys() == y.keys(), f"{path} keys differ"
+            for k in x:
+                eq(x[k], y[k], f"{path}.{k}")
+        elif isinstance(x, (list, tuple)):
+            assert len(x) == len(y), path  # type: ignore[arg-type]
+            for i, (u, v) in enumerate(zip(x, y)):  # type: ignore[call-overload]
+                eq(u, v, f"{path}[{i}]")
+        else:
+            assert x == y, f"{path}: {x!r} != {y!r}"
+
+    eq(sa, sb, a.name)
+
+
+@pytest.fixture
+def shm_root() -> Path:
+    root = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path("/tmp")
+    path = root / f"lmr-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def baseline(processes, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
+    tmp = tmp_path_factory.mktemp("baseline")
+    shm = tmp / "shm"
+    _run(processes, tmp, "run", shm, 0, tmp / "disk")
+    return tmp / "run"
+
+
+def _scenario(
+    processes,
+    tmp: Path,
+    shm: Path,
+    baseline: Path,  # type: ignore[no-untyped-def]
+    damage: Callable[[Path], None] | None = None,
+    disk: Path | None = None,
+) -> list[dict]:
+    disk = disk or tmp / "disk"
+    _run(processes, tmp, "g0", shm, 0, disk, pause_rank=1, kill=True)
+    if damage is not None:
+        damage(shm / "gemini-test")
+    reports = _run(processes, tmp, "g1", shm, 1, disk)
+    for r in range(WORLD):
+        _same(baseline / f"final-rank{r}.pt", tmp / "g1" / f"final-rank{r}.pt")
+    steps = {rep["recovered_step"] for rep in reports}
+    assert len(steps) == 1 and PAUSE_AT - 1 <= steps.pop() <= PAUSE_AT
+    return reports
+
+
+def test_a_worker_sigkill_resumes_from_local_memory_bitwise(
+    processes,
+    tmp_path: Path,
+    shm_root: Path,  # type: ignore[no-untyped-def]
+    baseline: Path,
+) -> None:
+    reports = _scenario(processes, tmp_path, shm_root, baseline)
+    for rep in reports:
+        assert rep["decision"]["reason"].startswith("local"), rep["decision"]
+        assert rep["decision"]["checkpoint_source"] == "gemini" and rep["decision"]["available"]
+        assert rep["rejected_copies"] == []
+        assert rep["replicated"] > 0 and rep["replicas_received"] > 0
+
+
+def test_b_node_memory_wiped_restores_from_peer_replicas_bitwise(
+    processes,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+    shm_root: Path,
+    baseline: Path,
+) -> None:
+    reports = _scenario(
+        processes, tmp_path, shm_root, baseline, damage=lambda run: shutil.rmtree(run / "node-1")
+    )
+    for rep in reports:
+        want = "local" if rep["rank"] < 2 else "peer"
+        assert rep["decision"]["reason"].startswith(want), rep
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncate", "delete"])
+def test_c_damaged_copy_is_skipped_and_another_used_bitwise(
+    processes,
+    tmp_path: Path,
+    shm_root: Path,  # type: ignore[no-untyped-def]
+    baseline: Path,
+    how: str,
+) -> None:
+    def damage(run: Path) -> None:
+        slots = sorted((run / "node-0").glob("own-r0-s*"), key=lambda p: p.stat().st_mtime)
+        newest = slots[-1]
+        if how == "corrupt":
+            with open(newest, "r+b") as f:
+                f.seek(4096 + 200)
+                byte = f.read(1)
+                f.seek(4096 + 200)
+                f.write(bytes([byte[0] ^ 0x10]))
+        elif how == "truncate":
+            os.truncate(newest, newest.stat().st_size // 2)
+        else:
+            newest.unlink()
+
+    reports = _scenario(processes, tmp_path, shm_root, baseline, damage=damage)
+    if how != "delete":
+        assert reports[0]["rejected_copies"], "the damaged copy was not reported"
+        assert any(f["kind"] == "checkpoint_corruption" for f in reports[0]["faults"])
+    assert not reports[0]["decision"]["reason"].startswith("disk")
+
+
+def test_d_read_only_disk_keeps_training_and_reports(
+    processes,
+    tmp_path: Path,
+    shm_root: Path,  # type: ignore[no-untyped-def]
+    baseline: Path,
+) -> None:
+    if os.geteuid() == 0:
+        # root ignores permission bits: make the durable folder a file, so every write fails (ENOTDIR)
+        disk = tmp_path / "disk-is-a-file"
+        disk.write_text("not a directory")
+    else:
+        disk = tmp_path / "ro-disk"
+        disk.mkdir()
+        disk.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    reports = _scenario(processes, tmp_path, shm_root, baseline, disk=disk)
+    for rep in reports:
+        assert rep["disk_errors"] > 0 and rep["disk_writes"] == 0
+        assert any(f["kind"] == "io_error" for f in rep["faults"])

@@ -1,0 +1,101 @@
+"""One rank of a 4-rank DDP job with GEMINI capturing every step.
+
+Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, PAUSE_RANK, PAUSE_AT, DISK_FOLDER, DISK_INTERVAL,
+plus LM_RESILIENCY_{RUN_ID,SHM_DIR,GENERATION,MACHINE_ID_PATH}. Data depends only on (rank, step);
+the model uses dropout, so a bitwise resume needs the RNG state too. In generation 0, PAUSE_RANK
+blocks after step PAUSE_AT (all captures drained) until the test kills the job. At the end it saves
+its final model and optimizer state to RESULT_DIR/final-rank<r>.pt and a JSON report.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lm_resiliency import DurableCheckpointConfig, InMemoryCkptConfig, RuntimeConfig, enable_resiliency
+
+
+def main() -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    steps = int(os.environ["STEPS"])
+    pause_rank, pause_at = int(os.environ.get("PAUSE_RANK", "-1")), int(os.environ.get("PAUSE_AT", "-1"))
+    generation = int(os.environ.get("LM_RESILIENCY_GENERATION", "0"))
+    result_dir = os.environ["RESULT_DIR"]
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["STORE_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=120)
+    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Dropout(0.2), nn.Linear(128, 32))
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    seen = {"batches": 0}
+    faults: list[dict[str, object]] = []
+    session = enable_resiliency(
+        model,
+        opt,
+        opt_param_scheduler=sched,
+        interval=1,
+        checkpoint=InMemoryCkptConfig(replication_chunk_size=1 << 16),
+        durable_checkpoint=DurableCheckpointConfig(
+            folder=os.environ["DISK_FOLDER"], interval=int(os.environ.get("DISK_INTERVAL", "4"))
+        ),
+        extra_state_fn=lambda: dict(seen),
+        load_extra_state_fn=seen.update,
+        fault_callback=faults.append,
+        runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0),
+    )
+    start = session.step_count
+    assert seen["batches"] == start, f"extra state says {seen['batches']} batches, resuming at {start}"
+    for step in range(start + 1, steps + 1):
+        g = torch.Generator().manual_seed(rank * 100_003 + step)
+        x = torch.randn(16, 32, generator=g)
+        seen["batches"] += 1
+        loss = (model(x) - x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if generation == 0 and rank == pause_rank and step == pause_at:
+            session.gemini.drain(30)
+            store.set(f"test/paused/{rank}", b"1")
+            store.wait(["test/never"], datetime.timedelta(seconds=300))  # killed here
+    gem = session.gemini
+    gem.drain(30)
+    torch.save(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
+        os.path.join(result_dir, f"final-rank{rank}.pt"),
+    )
+    report = {
+        "rank": rank,
+        "generation": generation,
+        "recovered_step": session.recovered_step,
+        "decision": session.last_recovery_decision,
+        "rejected_copies": gem.stats.rejected_copies,
+        "captures": gem.stats.captures,
+        "replicated": gem.stats.replicated,
+        "replicas_received": gem.stats.replicas_received,
+        "disk_writes": gem.stats.disk_writes,
+        "disk_errors": gem.stats.disk_errors,
+        "faults": faults,
+        "held_bytes": gem.held_bytes(),
+    }
+    with open(os.path.join(result_dir, f"report-g{generation}-rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    store.set(f"test/done/{rank}", b"1")
+    dist.barrier()
+    session.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
