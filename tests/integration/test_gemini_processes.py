@@ -110,11 +110,17 @@ def shm_root() -> Path:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def baseline(processes, tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted run, shared by every scenario of this module."""
+    from tests.conftest import ProcessGroup
+
     tmp = tmp_path_factory.mktemp("baseline")
-    shm = tmp / "shm"
-    _run(processes, tmp, "run", shm, 0, tmp / "disk")
+    group = ProcessGroup()
+    try:
+        _run(group, tmp, "run", tmp / "shm", 0, tmp / "disk")
+    finally:
+        group.stop_all()
     return tmp / "run"
 
 
