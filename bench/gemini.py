@@ -1,0 +1,172 @@
+"""GEMINI benchmark: ours vs the stock way, measured side by side in one run.
+
+Prints progress, then one JSON object on the last line:
+  capture_block_ratio_vs_torch_save  training-thread blocking time of one capture into shared memory
+                                     / torch.save (+fsync) of the same model+optimizer state (goal <= 0.05)
+  restore_speedup_vs_torch_load      torch.load (page cache warm) + load_state_dict
+                                     / restore from local shared memory, checksums verified (goal >= 13)
+  replica_ratio_vs_raw_zmq           capture replication to a peer process (checksums, auth, written
+                                     into the peer's shared memory, acknowledged) / raw pyzmq (goal >= 0.8)
+  healthy_throughput_ratio           4-rank DDP steps/s capturing every step / not capturing,
+                                     alternating blocks in the same processes (goal >= 0.99)
+  plus the state sizes and step time used.
+
+Usage: python bench/gemini.py [--state-mib 256] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+def spawn_all(mode: str, world: int, env: dict[str, str], tmp: Path) -> dict[str, object]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = []
+    for r in range(world):
+        mid = tmp / f"machine-id-{mode}-{r}"
+        mid.write_text(f"bench-node-{r}\n")
+        full = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "MODE": mode,
+            "RANK": str(r),
+            "WORLD_SIZE": str(world),
+            "STORE_PORT": str(store.port),
+            "LM_RESILIENCY_MACHINE_ID_PATH": str(mid),
+            "LM_RESILIENCY_SHM_DIR": str(tmp / "shm"),
+            **env,
+        }
+        procs.append(
+            subprocess.Popen([sys.executable, str(ROOT / "bench" / "_gemini_worker.py")], env=full, cwd=tmp)
+        )
+    try:
+        for p in procs:
+            if p.wait(900) != 0:
+                raise RuntimeError(f"{mode} worker failed")
+        return json.loads(store.get("bench/result"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def in_process(state_mib: int, reps: int, tmp: Path) -> dict[str, object]:
+    from lm_resiliency import InMemoryCkptConfig, RuntimeConfig, enable_resiliency
+
+    os.environ["LM_RESILIENCY_SHM_DIR"] = str(tmp / "shm")
+    width = 1024
+    rows = (state_mib << 20) // 3 // (4 * width)  # params + 2 AdamW moments ~= state_mib
+    torch.manual_seed(0)
+    model = nn.Linear(width, rows, bias=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    session = enable_resiliency(
+        model,
+        opt,
+        interval=10**9,
+        checkpoint=InMemoryCkptConfig(disk_flush_interval=10**9),
+        runtime=RuntimeConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0),
+    )
+    gem = session.gemini
+    save_path = tmp / "torch_save.pt"
+    blocks, saves, loads, restores = [], [], [], []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        assert gem.capture(i + 1)
+        blocks.append(time.perf_counter() - t0)
+        gem.drain(120)
+        t0 = time.perf_counter()
+        with open(save_path, "wb") as f:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        saves.append(time.perf_counter() - t0)
+        torch.load(save_path, weights_only=True)  # warm the page cache: the baseline's best case
+        t0 = time.perf_counter()
+        sd = torch.load(save_path, weights_only=True)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optimizer"])
+        loads.append(time.perf_counter() - t0)
+        k = next(k for k, s in gem._own_step.items() if s == i + 1)
+        t0 = time.perf_counter()
+        gem._restore_from(gem._own[k], i + 1)
+        restores.append(time.perf_counter() - t0)
+        print(
+            f"rep {i}: capture blocks {blocks[-1] * 1e3:.1f} ms, torch.save {saves[-1] * 1e3:.0f} ms, "
+            f"torch.load {loads[-1] * 1e3:.0f} ms, restore {restores[-1] * 1e3:.1f} ms",
+            flush=True,
+        )
+    state_bytes = gem.stats.bytes_per_capture
+    session.close()
+    return {
+        "state_bytes": state_bytes,
+        "capture_block_s": statistics.median(blocks),
+        "torch_save_s": statistics.median(saves),
+        "capture_block_ratio_vs_torch_save": statistics.median(blocks) / statistics.median(saves),
+        "restore_s": statistics.median(restores),
+        "torch_load_s": statistics.median(loads),
+        "restore_speedup_vs_torch_load": statistics.median(loads) / statistics.median(restores),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--state-mib", type=int, default=256)
+    ap.add_argument("--replica-mib", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--blocks", type=int, default=5)
+    ap.add_argument("--block-steps", type=int, default=20)
+    ap.add_argument("--width", type=int, default=256)
+    args = ap.parse_args()
+    out: dict[str, object] = {}
+    with tempfile.TemporaryDirectory(
+        prefix="lmr-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+    ) as d:
+        tmp = Path(d)
+        disk = Path(tempfile.mkdtemp(prefix="lmr-bench-disk-"))  # torch.save goes to a real disk
+        try:
+            out.update(in_process(args.state_mib, args.reps, disk))
+        finally:
+            import shutil
+
+            shutil.rmtree(disk, ignore_errors=True)
+        print(f"in-process: {out}", flush=True)
+        out.update(spawn_all("replica", 2, {"REPS": str(args.reps), "MIB": str(args.replica_mib)}, tmp))
+        print(f"replica: ratio {out['replica_ratio_vs_raw_zmq']:.2f}", flush=True)
+        out.update(
+            spawn_all(
+                "ddp",
+                4,
+                {"BLOCKS": str(args.blocks), "BLOCK_STEPS": str(args.block_steps), "WIDTH": str(args.width)},
+                tmp,
+            )
+        )
+    out["goals"] = {
+        "capture_block_ratio_vs_torch_save": "<= 0.05",
+        "restore_speedup_vs_torch_load": ">= 13",
+        "replica_ratio_vs_raw_zmq": ">= 0.8",
+        "healthy_throughput_ratio": ">= 0.99",
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
