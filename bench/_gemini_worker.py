@@ -80,7 +80,7 @@ def replica(store: dist.TCPStore, rank: int, reps: int, mib: int) -> None:
                     "replica_gbps": statistics.median(ours) / 1e9,
                     "raw_gbps": statistics.median(raw) / 1e9,
                     "replica_ratio_vs_raw_zmq": statistics.median(ours) / statistics.median(raw),
-                    "note": "ours includes the XXH3 checksums of the capture, computed off the training thread",
+                    "note": "ours includes the capture checksums (XXH3), computed off the training thread",
                 }
             ).encode(),
         )

@@ -340,6 +340,7 @@ class Session:
         )
         if not restart:
             gem.reclaim()
+            gem.prepare()
             return
         exchange = discovery.exchange if discovery is not None else (lambda name, value, timeout: {0: value})
         exact = self.env.checkpoint_step if self.env.checkpoint_step > 0 else None
@@ -357,6 +358,7 @@ class Session:
             available=step >= 0,
             reason=reason,
         )
+        gem.prepare()
 
     @property
     def gemini(self) -> Any:

@@ -135,7 +135,7 @@ class PyTorchAdapter:
         if self._comm_start is None:
             self._comm_start = time.perf_counter()
         group = pg if pg is not None else dist.group.WORLD
-        buffer = bucket.buffer()
+        buffer: torch.Tensor = bucket.buffer()
         buffer.mul_(1.0 / dist.get_world_size(group))
         futures = [
             dist.all_reduce(g, group=group, async_op=True).get_future()  # views into `buffer`

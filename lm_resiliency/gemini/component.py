@@ -264,6 +264,17 @@ class Gemini:
             fresh.close()
         apply_state(state, self.model, self.optimizer, self.scheduler, self.load_extra_state_fn)
 
+    def prepare(self) -> None:
+        """Size and map both slots now (startup), so the first captures pay no page faults."""
+        state = collect_state(self.model, self.optimizer, self.scheduler, self.extra_state_fn, 0)
+        skeleton, _, specs = flatten(state)
+        index_len = len(msgpack.packb([skeleton, [[s.dtype, list(s.shape), s.nbytes] for s in specs]]))
+        payload = _align(index_len + 4096) + sum(_align(s.nbytes) for s in specs)
+        size = HEADER_SIZE + payload + n_chunks(payload, self.chunk) * 16
+        for k, slot in enumerate(self._own):
+            if k not in self._own_step:
+                slot.ensure_size(size)
+
     # -- capture (training thread) ----------------------------------------------------------------
     # The step boundary is after the optimizer step *and* the scheduler step that follows it: a
     # capture taken between the two would restore a learning rate one step behind. So with a
@@ -295,7 +306,7 @@ class Gemini:
         take = self._take_pending
 
         def step(this: Any, *args: Any, **kwargs: Any) -> Any:
-            result = super(boundary, this).step(*args, **kwargs)  # type: ignore[misc]
+            result = super(boundary, this).step(*args, **kwargs)  # type: ignore[misc, arg-type]
             take()
             return result
 

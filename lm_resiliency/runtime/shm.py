@@ -20,6 +20,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from lm_resiliency.errors import SharedMemoryError
@@ -91,7 +92,8 @@ class SlotFile:
 
     # -- writing ----------------------------------------------------------------------------------
     def ensure_size(self, size: int) -> None:
-        if self._mm is not None and self.size == size:
+        """Map at least `size` bytes (a larger existing mapping is kept: no remap, no page faults)."""
+        if self._mm is not None and self.size >= size:
             return
         self.close()
         try:
@@ -101,7 +103,8 @@ class SlotFile:
                 os.ftruncate(fd, size)
                 # Reserve the pages now: a full /dev/shm fails here with ENOSPC, not later with SIGBUS.
                 os.posix_fallocate(fd, 0, size)
-                mm = mmap.mmap(fd, size)
+                # Map the pages in now, so the first capture does not pay a page fault per 4 KiB.
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             except BaseException:
                 os.close(fd)
                 raise
@@ -135,6 +138,13 @@ class SlotFile:
 
     def write_raw(self, offset: int, data: memoryview | bytes) -> None:
         mm = self._require()
+        if len(data) >= 1 << 20:
+            # A numpy copy releases the GIL: the loop thread receiving a replica does not stall the
+            # training thread of this process for the length of a memcpy.
+            dst = np.frombuffer(mm, dtype=np.uint8, count=len(data), offset=offset)
+            np.copyto(dst, np.frombuffer(data, dtype=np.uint8))
+            del dst
+            return
         mm[offset : offset + len(data)] = data
 
     # -- reading ----------------------------------------------------------------------------------

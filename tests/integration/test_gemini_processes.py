@@ -94,7 +94,7 @@ def _same(a: Path, b: Path) -> None:
                 eq(x[k], y[k], f"{path}.{k}")
         elif isinstance(x, (list, tuple)):
             assert len(x) == len(y), path  # type: ignore[arg-type]
-            for i, (u, v) in enumerate(zip(x, y)):  # type: ignore[call-overload]
+            for i, (u, v) in enumerate(zip(x, y, strict=True)):  # type: ignore[call-overload]
                 eq(u, v, f"{path}[{i}]")
         else:
             assert x == y, f"{path}: {x!r} != {y!r}"
