@@ -107,11 +107,15 @@ def ddp(store: dist.TCPStore, rank: int, world: int, blocks: int, block_steps: i
     gem = session.gemini
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(64, width, generator=gen)
-    rates: dict[str, list[float]] = {"on": [], "off": []}
+    rates: dict[str, list[float]] = {"on": [], "off": [], "local": []}
     step_times: list[float] = []
-    for b in range(blocks * 2 + 1):
-        mode = "on" if b % 2 else "off"
-        gem.interval = 1 if mode == "on" else 10**9
+    holder = gem.holder
+    modes = ["off", "on", "local"]
+    for b in range(blocks * 3 + 1):
+        mode = modes[b % 3]
+        gem.interval = 10**9 if mode == "off" else 1
+        gem.drain(60)
+        gem.holder = holder if mode == "on" else None  # "local": capture without replication
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(block_steps):
@@ -134,6 +138,8 @@ def ddp(store: dist.TCPStore, rank: int, world: int, blocks: int, block_steps: i
                     / statistics.median(rates["off"]),
                     "steps_per_s_capture_every_step": statistics.median(rates["on"]),
                     "steps_per_s_without_capture": statistics.median(rates["off"]),
+                    "throughput_ratio_capture_without_replication": statistics.median(rates["local"])
+                    / statistics.median(rates["off"]),
                     "ddp_ranks": world,
                     "ddp_state_bytes_per_rank": state_bytes,
                     "ddp_step_s": statistics.median(step_times),

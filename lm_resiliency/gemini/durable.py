@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -41,11 +42,14 @@ class DurableStore:
         tmp = final.with_name(final.name + f".tmp{os.getpid()}")
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
-            blob = (
-                torch.frombuffer(slot_bytes, dtype=torch.uint8)
-                if len(slot_bytes)
-                else torch.empty(0, dtype=torch.uint8)
-            )
+            with warnings.catch_warnings():
+                # torch.save only reads the tensor; a read-only source buffer is fine here.
+                warnings.simplefilter("ignore", UserWarning)
+                blob = (
+                    torch.frombuffer(slot_bytes, dtype=torch.uint8)
+                    if len(slot_bytes)
+                    else torch.empty(0, dtype=torch.uint8)
+                )
             with open(tmp, "wb") as f:
                 torch.save(
                     {"format": FORMAT, "run_id": self.run_id, "owner": self.rank, "step": step, "slot": blob},

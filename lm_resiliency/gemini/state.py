@@ -102,10 +102,12 @@ def flatten(state: Any) -> tuple[bytes, list[torch.Tensor], list[TensorSpec]]:
             return {"__np": walk(torch.from_numpy(np.ascontiguousarray(obj)), path)}
         if isinstance(obj, np.generic):
             return walk(obj.item(), path)
-        if isinstance(obj, tuple):
-            return {"__tuple": [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            return [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        if isinstance(obj, (tuple, list)):
+            if all(type(v) is float or (type(v) is int and -(2**63) <= v < 2**64) for v in obj):
+                items = list(obj)  # fast path: Python's RNG state is 625 ints, walked every capture
+            else:
+                items = [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+            return {"__tuple": items} if isinstance(obj, tuple) else items
         if isinstance(obj, dict):
             if all(type(k) is str for k in obj) and not any(k.startswith("__") for k in obj):
                 return {k: walk(v, f"{path}.{k}") for k, v in obj.items()}

@@ -1,0 +1,162 @@
+"""GEMINI building blocks in one process: state flattening, shared-memory slots, the durable tier."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lm_resiliency.errors import SharedMemoryError
+from lm_resiliency.gemini.durable import DurableError, DurableStore
+from lm_resiliency.gemini.state import apply_state, collect_state, flatten, unflatten
+from lm_resiliency.runtime.shm import CorruptSlot, SlotFile, SlotHeader, chunk_digests, n_chunks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _eq(a: object, b: object) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b)
+        for k in a:
+            _eq(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _eq(x, y)
+    else:
+        assert a == b and type(a) is type(b)
+
+
+def test_flatten_round_trip_keeps_types_exactly() -> None:
+    state = {
+        "t": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "bools": torch.tensor([True, False]),
+        "ints": {1: "a", 2: (3, 4.5, None)},
+        "np": np.arange(4, dtype=np.uint32),
+        "big": 2**80,
+        "nested": [{"x": b"bytes"}, (1,)],
+        "__weird": 1,
+    }
+    skeleton, tensors, specs = flatten(state)
+    assert [s.nbytes for s in specs] == [12, 4, 0, 2, 16]
+    back = unflatten(skeleton, [t.clone() for t in tensors])
+    _eq(state, back)
+
+
+def test_flatten_names_the_unsupported_object() -> None:
+    with pytest.raises(TypeError, match=r"state\.extra\.fn: objects of type function"):
+        flatten({"extra": {"fn": lambda: 1}})
+    with pytest.raises(TypeError, match="dict key"):
+        flatten({"k": {(1, 2): 3}})
+
+
+def test_collect_and_apply_restore_training_bitwise() -> None:
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+        o = torch.optim.AdamW(m.parameters(), lr=0.1)
+        return m, o, torch.optim.lr_scheduler.StepLR(o, 2, 0.5)
+
+    def train(m, o, s, n: int) -> None:  # type: ignore[no-untyped-def]
+        for _ in range(n):
+            m(torch.randn(3, 4)).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+            s.step()
+            random.random()
+            np.random.rand()
+
+    m, o, s = make()
+    train(m, o, s, 3)
+    skeleton, tensors, _ = flatten(collect_state(m, o, s, lambda: {"pos": 3}, 3))
+    tensors = [t.clone() for t in tensors]  # flatten aliases live tensors; a capture copies them at once
+    train(m, o, s, 3)
+    want = [p.detach().clone() for p in m.parameters()]
+    m2, o2, s2 = make()
+    got_extra: list[object] = []
+    apply_state(unflatten(skeleton, [t.clone() for t in tensors]), m2, o2, s2, got_extra.append)
+    train(m2, o2, s2, 3)
+    assert got_extra == [{"pos": 3}]
+    assert all(torch.equal(a, b) for a, b in zip(want, m2.parameters(), strict=True))
+
+
+def _commit(slot: SlotFile, payload: bytes, step: int = 7, chunk: int = 64) -> SlotHeader:
+    h = SlotHeader(step, 0, 1, len(payload), 0, chunk, n_chunks(len(payload), chunk), "run", "topo")
+    slot.ensure_size(h.file_size)
+    slot.begin()
+    slot.write_raw(4096, payload)
+    slot.commit(h, chunk_digests(slot.payload(h), chunk))
+    return h
+
+
+def test_slot_commit_read_and_every_kind_of_damage(tmp_path: Path) -> None:
+    path = tmp_path / "slot"
+    slot = SlotFile(path)
+    h = _commit(slot, bytes(range(256)) * 4)
+    slot.close()
+    fresh = SlotFile.open_existing(path)
+    assert fresh.read_header() == h
+    fresh.verify(h)
+    fresh.write_raw(4096 + 300, b"\xff")  # a flipped payload byte
+    with pytest.raises(CorruptSlot, match="chunk 4 fails its checksum"):
+        fresh.verify(fresh.read_header())
+    fresh.begin()  # a capture that never committed
+    with pytest.raises(CorruptSlot, match="bad magic|never committed"):
+        fresh.read_header()
+    fresh.close()
+    slot = SlotFile(path)
+    _commit(slot, b"x" * 1000)
+    slot.close()
+    with open(path, "r+b") as f:
+        f.seek(20)
+        f.write(b"\x01")  # the header itself
+    with pytest.raises(CorruptSlot, match="header checksum"):
+        SlotFile.open_existing(path).read_header()
+    slot = SlotFile(path)
+    _commit(slot, b"y" * 1000)
+    slot.close()
+    import os
+
+    os.truncate(path, 4096 + 500)
+    with pytest.raises(CorruptSlot, match="truncated"):
+        SlotFile.open_existing(path).read_header()
+    with pytest.raises(CorruptSlot, match="cannot open"):
+        SlotFile.open_existing(tmp_path / "missing")
+
+
+def test_slot_that_cannot_be_created_fails_clearly(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    with pytest.raises(SharedMemoryError, match=r"cannot create a .* checkpoint slot .*/dev/shm"):
+        SlotFile(blocker / "slot").ensure_size(1 << 20)
+
+
+def test_durable_round_trip_pruning_and_failure(tmp_path: Path) -> None:
+    store = DurableStore(str(tmp_path / "disk"), "run/1", rank=3, keep_last=2)
+    for step in (10, 20, 30):
+        store.write(step, memoryview(bytes([step]) * 5000))
+    assert store.steps() == [20, 30]
+    assert store.read(30) == bytes([30]) * 5000
+    with pytest.raises(DurableError, match="cannot load"):
+        store.read(10)
+    store.path(20).write_bytes(b"garbage")
+    with pytest.raises(DurableError, match="cannot load"):
+        store.read(20)
+    other = DurableStore(str(tmp_path / "disk"), "run/1", rank=4)
+    other.path(30).parent.mkdir(parents=True, exist_ok=True)
+    store.path(30).rename(other.path(30))
+    with pytest.raises(DurableError, match="another rank"):
+        other.read(30)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(DurableError, match="failed"):
+        DurableStore(str(blocker), "run", 0).write(1, memoryview(b"abc"))
