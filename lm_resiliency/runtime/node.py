@@ -25,7 +25,7 @@ import anyio
 
 from lm_resiliency.config import RuntimeConfig
 from lm_resiliency.core import codec
-from lm_resiliency.core.auth import Sealed, Signer, Verifier
+from lm_resiliency.core.auth import BufferCorrupt, Sealed, Signer, Verifier
 from lm_resiliency.core.clock import Clock
 from lm_resiliency.core.membership import FailureDetector, MembershipEvent, PeerState
 from lm_resiliency.core.messages import (
@@ -53,6 +53,7 @@ MembershipListener = Callable[[MembershipEvent], None]
 TransferListener = Callable[[int, str, dict[str, str], list["Frame"]], bool]
 
 MAX_BULK_CHUNKS = 1 << 20
+MAX_RESENDS = 3  # per chunk: a link that corrupts more than this is reported, not retried forever
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ class RankRuntime:
         self._incoming: dict[tuple[int, str], _Transfer] = {}
         self._completed: dict[tuple[int, str], list[Frame]] = {}
         self._acks: dict[tuple[int, str], asyncio.Future[BulkAck]] = {}
+        self._resend: dict[tuple[int, str], Callable[[int], None]] = {}
         self._closed = False
 
     # -- lifecycle (caller's thread) --------------------------------------------------------------
@@ -313,6 +315,7 @@ class RankRuntime:
         stats = {
             "accepted": a.accepted,
             "rejected_auth": a.bad_mac + a.malformed,
+            "corrupt_in_flight": a.corrupt_buffer,
             "rejected_replay": a.replayed + a.stale_incarnation,
             "codec_errors": s.codec_errors,
             "impersonation": s.impersonation,
@@ -374,15 +377,32 @@ class RankRuntime:
         fut: asyncio.Future[BulkAck] = asyncio.get_running_loop().create_future()
         self._acks[key] = fut
         total = sum(len(b) for b in buffers)
+        resent = [0] * len(buffers)
+
+        async def send_chunk(i: int) -> None:
+            chunk = BulkChunk(self.rank, transfer_id, i, len(buffers), total, meta, (buffers[i],))
+            given = None if digests is None else (digests[i],)
+            await self._send_direct(peer, chunk, raise_errors=True, digests=given)
+
+        def resend(i: int) -> None:
+            if not 0 <= i < len(buffers) or fut.done():
+                return
+            resent[i] += 1
+            self._stats.extra["bulk_resent"] = self._stats.extra.get("bulk_resent", 0) + 1
+            if resent[i] > MAX_RESENDS:
+                fut.set_exception(PeerUnavailable(f"chunk {i} of {transfer_id} failed {MAX_RESENDS} resends"))
+                return
+            self._loop.spawn(send_chunk, i)
+
+        self._resend[key] = resend
         try:
             with anyio.fail_after(deadline_s):
-                for i, buf in enumerate(buffers):
-                    chunk = BulkChunk(self.rank, transfer_id, i, len(buffers), total, meta, (buf,))
-                    given = None if digests is None else (digests[i],)
-                    await self._send_direct(peer, chunk, raise_errors=True, digests=given)
+                for i in range(len(buffers)):
+                    await send_chunk(i)
                 return await fut
         finally:
             self._acks.pop(key, None)
+            self._resend.pop(key, None)
 
     def take_transfer(self, sender: int, transfer_id: str) -> list[Frame] | None:
         """Pop a completed incoming transfer's chunks (zero-copy views), or None if not complete."""
@@ -442,6 +462,9 @@ class RankRuntime:
             self._stats.messages_received += 1
             try:
                 sealed, frames = self._verifier.open(incoming.frames)
+            except BufferCorrupt as exc:
+                await self._on_corrupt(exc, incoming.frames)
+                continue
             except AuthError as exc:
                 log.debug("rank %d rejected a message: %s", self.rank, exc)
                 continue
@@ -470,6 +493,18 @@ class RankRuntime:
                 continue
             await self._dispatch(sealed, msg, incoming.channel)
 
+    async def _on_corrupt(self, exc: BufferCorrupt, frames: Sequence[Frame]) -> None:
+        """An authentic bulk chunk arrived damaged: ask its sender for that chunk again."""
+        log.warning("rank %d: %s", self.rank, exc)
+        try:
+            msg = codec.decode([frames[1], *(b"" for _ in frames[2:])])
+        except CodecError:
+            self._stats.codec_errors += 1
+            return
+        if isinstance(msg, BulkChunk) and msg.rank == exc.sealed.sender:
+            reason = "checksum mismatch in flight"
+            await self._send_direct(msg.rank, BulkAck(self.rank, msg.transfer_id, msg.index, False, reason))
+
     async def _dispatch(self, sealed: Sealed, msg: Message, channel: str) -> None:
         now = self._clock.monotonic()
         with self._cond:
@@ -489,9 +524,12 @@ class RankRuntime:
         elif isinstance(msg, BulkChunk):
             await self._on_bulk_chunk(msg)
         elif isinstance(msg, BulkAck):
-            fut = self._acks.get((msg.rank, msg.transfer_id))
+            key = (msg.rank, msg.transfer_id)
+            fut = self._acks.get(key)
             if fut is not None and not fut.done() and msg.index == -1:
                 fut.set_result(msg)
+            elif fut is not None and not fut.done() and not msg.ok and key in self._resend:
+                self._resend[key](msg.index)
         for handler in self._handlers.get(msg.TAG, ()):
             try:
                 handler(sealed, msg)

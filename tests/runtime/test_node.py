@@ -206,3 +206,31 @@ def test_bulk_transfer_zmq() -> None:
     finally:
         for rt in rts:
             rt.close()
+
+
+def test_bulk_chunk_corrupted_in_flight_is_resent() -> None:
+    net = InMemoryNetwork()
+    flipped: list[int] = []
+
+    def corrupt_once(sender: str, frames: list[bytes]) -> list[bytes]:
+        # Flip one byte of the first 64 KiB buffer that passes, once.
+        if not flipped and len(frames) == 3 and len(frames[2]) == 1 << 16:
+            flipped.append(1)
+            damaged = bytearray(frames[2])
+            damaged[100] ^= 0x01
+            return [frames[0], frames[1], bytes(damaged)]
+        return frames
+
+    net.tamper = corrupt_once
+    rts = _start(2, lambda: InMemoryTransport(net))
+    try:
+        data = [os.urandom(1 << 16) for _ in range(4)]
+        ack = rts[0].send_bulk(1, "t", data).result(10)
+        assert ack.ok and flipped
+        got = rts[1].take_transfer(0, "t")
+        assert got is not None and [bytes(g) for g in got] == data
+        assert rts[1].view().stats["corrupt_in_flight"] == 1
+        assert rts[0].view().stats["bulk_resent"] == 1
+    finally:
+        for rt in rts:
+            rt.close()
