@@ -98,7 +98,7 @@ def enable_resiliency(
     orchestration: OrchestrationHooks | None = None,
     extra_state_fn: Callable[[], Any] | None = None,
     load_extra_state_fn: Callable[[Any], None] | None = None,
-    load_fallback: Callable[[int], Any] | None = None,
+    load_fallback: Callable[[int | None], int | None] | None = None,
     durable_checkpoint: DurableCheckpointConfig | None = None,
     recovery_mode: RecoveryMode | str | None = None,
     runtime: RuntimeConfig | None = None,
@@ -115,6 +115,9 @@ def enable_resiliency(
         interval: steps between GEMINI captures and SCOUT checks (> 0).
         runtime: heartbeat and transport settings (ours, beyond the 0.2 interface).
         store: a torch.distributed Store for discovery; defaults to the default process group's.
+        load_fallback: on a restart where no in-memory, replica or durable copy is loadable for every
+            rank, called with the requested step (or None); it restores the caller's own checkpoint
+            and returns the step it restored (or None/-1 to start fresh).
         The other arguments are described in INTERFACE.md §1.
 
     Returns:
@@ -325,6 +328,7 @@ class Session:
             interval=self.interval,
             shm_dir=self.env.shm_dir,
             on_fault=self._emit_fault,
+            load_fallback=self.settings["load_fallback"],
             disk_folder=durable.folder if durable else None,
             disk_interval=durable.interval if durable else None,
             keep_last=durable.keep_last if durable else 2,

@@ -13,9 +13,11 @@ and restores the chosen step bitwise from local memory or by pulling the replica
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import re
 import shutil
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,6 +93,7 @@ class Gemini:
         interval: int,
         shm_dir: str,
         on_fault: Callable[[dict[str, Any]], None] | None = None,
+        load_fallback: Callable[[int | None], Any] | None = None,
         disk_folder: str | None = None,
         disk_interval: int | None = None,
         keep_last: int = 2,
@@ -105,6 +108,7 @@ class Gemini:
         self.interval = config.interval or interval
         self.chunk = config.replication_chunk_size
         self._on_fault = on_fault
+        self.load_fallback = load_fallback
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
         self.dir = Path(shm_dir) / safe / re.sub(r"[^A-Za-z0-9_.-]", "_", node_id)
         self.holder = replica_holders(topology, config.replication_jump).get(rank)
@@ -127,6 +131,8 @@ class Gemini:
         self._pending: int | None = None
         self._hooks: list[Any] = []
         self._install_boundary_hooks()
+        self._previous_sigterm: Any = None
+        self._install_sigterm()
         runtime.add_transfer_listener(self._on_transfer)
         runtime.add_handler("rreq", self._on_replica_request)
         self._worker.start()
@@ -205,6 +211,12 @@ class Gemini:
         allowed = {exact_step} if exact_step is not None and exact_step > 0 else None
         plan: RecoveryPlan = plan_recovery(self.world_size, local, replicas, disk, allowed=allowed)
         if plan.step < 0:
+            if self.load_fallback is not None:
+                # The caller's own checkpoint (e.g. DCP on shared storage): it restores and says which step.
+                got = self.load_fallback(exact_step)
+                if isinstance(got, int) and not isinstance(got, bool) and got >= 0:
+                    log.info("rank %d: restored step %d through load_fallback (%s)", self.rank, got, plan.reason)
+                    return got, f"fallback:{plan.reason}"
             log.info("rank %d: nothing to recover (%s)", self.rank, plan.reason)
             return -1, plan.reason
         src = plan.sources[self.rank]
@@ -274,6 +286,28 @@ class Gemini:
         for k, slot in enumerate(self._own):
             if k not in self._own_step:
                 slot.ensure_size(size)
+
+    def _install_sigterm(self) -> None:
+        """On SIGTERM (torchrun stopping the worker group), write the newest capture to disk first.
+
+        The previous handler runs afterwards: the default one terminates the process as before."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            try:
+                step = self.flush_for_restart(timeout=5.0)
+                log.warning("rank %d: SIGTERM, newest capture (step %d) flushed to disk", self.rank, step)
+            finally:
+                if callable(previous):
+                    previous(signum, frame)
+                elif previous != signal.SIG_IGN:
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        self._previous_sigterm = previous
 
     # -- capture (training thread) ----------------------------------------------------------------
     # The step boundary is after the optimizer step *and* the scheduler step that follows it: a
@@ -588,6 +622,8 @@ class Gemini:
         if self._closed:
             return
         self._closed = True
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
         for h in self._hooks:
             h.remove()
         if self.scheduler is not None:

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lm_resiliency import enable_resiliency
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_sigterm_flushes_the_newest_capture_then_terminates(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests/gemini/sigterm_worker.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == -15, proc.stderr[-2000:]
+    assert "trained" in proc.stdout
+    assert (tmp_path / "checkpoints" / "default" / "step-0000000003" / "rank-00000.pt").exists()
+
+
+def test_load_fallback_is_asked_when_no_copy_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")  # a restart, with nothing in memory or on disk
+    asked: list[object] = []
+
+    def fallback(step: int | None) -> int:
+        asked.append(step)
+        return 42
+
+    model = nn.Linear(2, 2)
+    with enable_resiliency(model, torch.optim.SGD(model.parameters(), lr=0.1), load_fallback=fallback) as s:
+        assert asked == [None]
+        assert s.recovered_step == 42 and s.step_count == 42
+        assert s.last_recovery_decision["reason"].startswith("fallback")  # type: ignore[index]
+
+
+def test_restart_without_any_copy_starts_fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
+    model = nn.Linear(2, 2)
+    with enable_resiliency(model, torch.optim.SGD(model.parameters(), lr=0.1)) as s:
+        assert s.recovered_step == -1 and s.step_count == 0
+        assert not s.last_recovery_decision["available"]  # type: ignore[index]
+
+
+def test_single_process_restart_restores_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Linear(16, 4))
+        return m, torch.optim.AdamW(m.parameters(), lr=0.01)
+
+    def train(s, m, o, upto: int) -> None:  # type: ignore[no-untyped-def]
+        for step in range(s.step_count + 1, upto + 1):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            (m(x) - x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+
+    m, o = make()
+    with enable_resiliency(m, o, interval=1) as s:
+        train(s, m, o, 6)
+    want = [p.detach().clone() for p in m.parameters()]
+    m, o = make()
+    with enable_resiliency(m, o, interval=1) as s:
+        train(s, m, o, 3)
+        s.gemini.drain(10)
+    monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
+    m, o = make()
+    with enable_resiliency(m, o, interval=1) as s:
+        assert s.recovered_step == 3
+        train(s, m, o, 6)
+    assert all(torch.equal(a, b) for a, b in zip(want, m.parameters(), strict=True))
