@@ -18,6 +18,7 @@ __all__ = [
     "MESSAGE_TYPES",
     "BulkAck",
     "BulkChunk",
+    "GeminiInventory",
     "Goodbye",
     "Heartbeat",
     "Message",
@@ -147,3 +148,15 @@ class ReplicaRequest(Message):
     owner: int
     step: int
     transfer_id: str
+
+
+@register
+@dataclass(frozen=True)
+class GeminiInventory(Message):
+    """Which captured steps a rank holds: its own in memory and on disk, and replicas of others."""
+
+    TAG: ClassVar[str] = "ginv"
+    rank: int
+    local: tuple[int, ...]
+    replicas: dict[str, tuple[int, ...]]
+    disk: tuple[int, ...] = ()

@@ -31,7 +31,7 @@ from lm_resiliency.config import InMemoryCkptConfig
 from lm_resiliency.core.auth import frame_digest
 from lm_resiliency.core.gemini.placement import replica_holders
 from lm_resiliency.core.gemini.recovery import RecoveryPlan, plan_recovery
-from lm_resiliency.core.messages import ReplicaRequest
+from lm_resiliency.core.messages import GeminiInventory, ReplicaRequest
 from lm_resiliency.core.topology import Topology
 from lm_resiliency.errors import DiscoveryError
 from lm_resiliency.gemini.durable import DurableError, DurableStore
@@ -135,6 +135,8 @@ class Gemini:
         self._install_sigterm()
         runtime.add_transfer_listener(self._on_transfer)
         runtime.add_handler("rreq", self._on_replica_request)
+        runtime.add_handler("ginv", self._on_inventory)
+        self._inventories: dict[int, GeminiInventory] = {}
         self._worker.start()
 
     # -- recovery (training thread, inside enable_resiliency) -------------------------------------
@@ -215,7 +217,9 @@ class Gemini:
                 # The caller's own checkpoint (e.g. DCP on shared storage): it restores and says which step.
                 got = self.load_fallback(exact_step)
                 if isinstance(got, int) and not isinstance(got, bool) and got >= 0:
-                    log.info("rank %d: restored step %d through load_fallback (%s)", self.rank, got, plan.reason)
+                    log.info(
+                        "rank %d: restored step %d through load_fallback (%s)", self.rank, got, plan.reason
+                    )
                     return got, f"fallback:{plan.reason}"
             log.info("rank %d: nothing to recover (%s)", self.rank, plan.reason)
             return -1, plan.reason
@@ -427,6 +431,7 @@ class Gemini:
         self.stats.captures += 1
         if header.step % self.disk_interval == 0:
             self._write_durable(slot, header)
+        self._announce()
         if self.holder is None or self._closed or not self.runtime.alive:
             return
         buffers, frame_digests = self._file_chunks(slot, header, digests)
@@ -532,6 +537,7 @@ class Gemini:
         if self._write_file(slots[k], chunks, size, owner, step):
             steps[k] = step
             self.stats.replicas_received += 1
+            self._announce()
         else:
             self.stats.replicas_rejected += 1
 
@@ -588,10 +594,44 @@ class Gemini:
 
         self.runtime.loop.spawn(send)
 
+    # -- inventory: who holds which step (gossiped, so any rank can find any copy) ---------------
+    def inventory(self) -> GeminiInventory:
+        with self._lock:
+            local = tuple(sorted(set(self._own_step.values())))
+            replicas = {str(o): tuple(sorted(set(s.values()))) for o, s in self._replica_step.items() if s}
+        return GeminiInventory(self.rank, local, replicas, tuple(sorted(self._on_disk)))
+
+    def _announce(self) -> None:
+        inv = self.inventory()
+        self._inventories[self.rank] = inv
+        if not self._closed and self.runtime.alive:
+            self.runtime.submit(inv)
+
+    def _on_inventory(self, sealed: Any, msg: Any) -> None:
+        self._inventories[msg.rank] = msg
+
+    def cluster_inventory(self) -> dict[int, GeminiInventory]:
+        """The newest inventory heard from every rank (this one included)."""
+        out = dict(self._inventories)
+        out[self.rank] = self.inventory()
+        return out
+
+    def cluster_plan(self) -> RecoveryPlan:
+        """What a recovery would restore now, from the gossiped inventories."""
+        inv = self.cluster_inventory()
+        return plan_recovery(
+            self.world_size,
+            {r: set(i.local) for r, i in inv.items()},
+            {r: {int(o): set(s) for o, s in i.replicas.items()} for r, i in inv.items()},
+            {r: set(i.disk) for r, i in inv.items()},
+        )
+
     # -- session component ------------------------------------------------------------------------
     def newest_recoverable_step(self, mode: Any) -> int:
-        with self._lock:
-            return max(self._own_step.values(), default=-1)
+        """The newest step every rank can load, as far as this rank has heard."""
+        if len(set(self._inventories) | {self.rank}) < self.world_size:
+            return -1 if self.world_size > 1 else max(self._own_step.values(), default=-1)
+        return self.cluster_plan().step
 
     def flush_for_restart(self, timeout: float = 30.0) -> int:
         """Write the newest committed capture to disk; return its step, or -1 (nothing, or disk failed)."""

@@ -12,6 +12,7 @@ from lm_resiliency.core.messages import (
     MESSAGE_TYPES,
     BulkAck,
     BulkChunk,
+    GeminiInventory,
     Goodbye,
     Heartbeat,
     PeerAnnouncement,
@@ -39,6 +40,7 @@ SAMPLES = [
     BulkChunk(rank=1, transfer_id="t", index=0, count=2, total_bytes=8, meta={"k": "v"}, buffers=(b"abcd",)),
     BulkAck(rank=1, transfer_id="t", index=-1, ok=True),
     ReplicaRequest(rank=2, owner=2, step=7, transfer_id="x"),
+    GeminiInventory(rank=1, local=(3, 4), replicas={"0": (3,)}, disk=(2,)),
 ]
 
 

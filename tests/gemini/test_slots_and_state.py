@@ -110,7 +110,7 @@ def test_slot_commit_read_and_every_kind_of_damage(tmp_path: Path) -> None:
     with pytest.raises(CorruptSlot, match="chunk 4 fails its checksum"):
         fresh.verify(fresh.read_header())
     fresh.begin()  # a capture that never committed
-    with pytest.raises(CorruptSlot, match="bad magic|never committed"):
+    with pytest.raises(CorruptSlot, match=r"bad magic|never committed"):
         fresh.read_header()
     fresh.close()
     slot = SlotFile(path)

@@ -156,6 +156,8 @@ def test_a_worker_sigkill_resumes_from_local_memory_bitwise(
         assert rep["decision"]["checkpoint_source"] == "gemini" and rep["decision"]["available"]
         assert rep["rejected_copies"] == []
         assert rep["replicated"] > 0 and rep["replicas_received"] > 0
+        assert rep["cluster_plan_step"] == STEPS and rep["cluster_plan_tiers"] == ["local"]
+        assert rep["held_bytes"] > 0
 
 
 def test_b_node_memory_wiped_restores_from_peer_replicas_bitwise(

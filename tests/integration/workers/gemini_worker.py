@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,10 @@ def main() -> int:
             store.wait(["test/never"], datetime.timedelta(seconds=300))  # killed here
     gem = session.gemini
     gem.drain(30)
+    dist.barrier()  # every rank's last capture is committed and replicated; inventories follow by gossip
+    deadline = time.monotonic() + 10
+    while gem.cluster_plan().step < steps and time.monotonic() < deadline:
+        time.sleep(0.01)  # waiting for gossip to arrive; bounded
     torch.save(
         {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
         os.path.join(result_dir, f"final-rank{rank}.pt"),
@@ -87,6 +92,8 @@ def main() -> int:
         "disk_errors": gem.stats.disk_errors,
         "faults": faults,
         "held_bytes": gem.held_bytes(),
+        "cluster_plan_step": gem.cluster_plan().step,
+        "cluster_plan_tiers": sorted({src.tier for src in gem.cluster_plan().sources.values()}),
     }
     with open(os.path.join(result_dir, f"report-g{generation}-rank{rank}.json"), "w") as f:
         json.dump(report, f)
