@@ -34,6 +34,7 @@ from lm_resiliency.core.gemini.recovery import RecoveryPlan, plan_recovery
 from lm_resiliency.core.messages import GeminiInventory, ReplicaRequest
 from lm_resiliency.core.topology import Topology
 from lm_resiliency.errors import DiscoveryError
+from lm_resiliency.gemini.copier import Completion, Copier, copier_for
 from lm_resiliency.gemini.durable import DurableError, DurableStore
 from lm_resiliency.gemini.state import (
     TensorSpec,
@@ -93,6 +94,7 @@ class Gemini:
         interval: int,
         shm_dir: str,
         on_fault: Callable[[dict[str, Any]], None] | None = None,
+        copier: Copier | None = None,
         load_fallback: Callable[[int | None], Any] | None = None,
         disk_folder: str | None = None,
         disk_interval: int | None = None,
@@ -109,6 +111,9 @@ class Gemini:
         self.chunk = config.replication_chunk_size
         self._on_fault = on_fault
         self.load_fallback = load_fallback
+        self._copier = copier
+        self._pinned: dict[int, Any] = {}  # slot index -> mapping registered with the copier
+        self._fence: Completion | None = None
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
         self.dir = Path(shm_dir) / safe / re.sub(r"[^A-Za-z0-9_.-]", "_", node_id)
         self.holder = replica_holders(topology, config.replication_jump).get(rank)
@@ -125,7 +130,7 @@ class Gemini:
         self._replica_slots: dict[int, list[SlotFile]] = {}
         self._replica_step: dict[int, dict[int, int]] = {}  # owner -> slot -> step
         self._restore_waiters: dict[str, threading.Event] = {}
-        self._jobs: queue.Queue[tuple[int, SlotHeader] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[int, SlotHeader, Completion] | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"lm-resiliency-gemini{rank}", daemon=True)
         self._closed = False
         self._pending: int | None = None
@@ -335,6 +340,8 @@ class Gemini:
     def _install_boundary_hooks(self) -> None:
         self._pending = None
         self._hooks = []
+        if self.optimizer is not None:
+            self._hooks.append(self.optimizer.register_step_pre_hook(self._fence_before_step))
         if self.scheduler is None:
             return
         # Observe scheduler.step() through a per-instance subclass: patching the instance would put a
@@ -352,6 +359,12 @@ class Gemini:
         sched.__class__ = boundary
         self._restore_scheduler = base
         self._hooks.append(self.model.register_forward_pre_hook(lambda module, args: self._take_pending()))
+
+    def _fence_before_step(self, *args: Any) -> None:
+        """Optimizer pre-step: the parameters must not change before an async capture has read them."""
+        fence, self._fence = self._fence, None
+        if fence is not None:
+            fence.fence_device()
 
     def capture(self, step: int) -> bool:
         """Copy the state at `step` into a free slot; checksum and replication follow off-thread."""
@@ -386,25 +399,35 @@ class Gemini:
                 self.shape,
             )
             slot = self._own[k]
+            if self._copier is None:
+                self._copier = copier_for(tensors)
+            if slot.size < header.file_size and k in self._pinned:
+                self._copier.unregister_host(self._pinned.pop(k))  # the mapping is about to grow
             slot.ensure_size(header.file_size)
+            if self._pinned.get(k) is not slot.mapping:
+                self._copier.register_host(slot.mapping, slot.size)
+                self._pinned[k] = slot.mapping
             slot.begin()
             view = slot.view()
             view[HEADER_SIZE : HEADER_SIZE + len(index)] = index
             del view
             base = HEADER_SIZE + _align(len(index))
             buf = torch.frombuffer(slot.view(), dtype=torch.uint8)
+            pairs = []
             for t, spec in zip(tensors, specs, strict=True):
                 if spec.nbytes:
-                    buf[base : base + spec.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+                    pairs.append((buf[base : base + spec.nbytes], t))
                 base += _align(spec.nbytes)
-            del buf
+            completion = self._copier.copy(pairs)
+            self._fence = completion
+            del buf, pairs
         except BaseException:
             with self._lock:
                 self._busy.discard(k)
             raise
         self.stats.capture_block_s_last = time.perf_counter() - t0
         self.stats.bytes_per_capture = header.file_size
-        self._jobs.put((k, header))
+        self._jobs.put((k, header, completion))
         return True
 
     def _work(self) -> None:
@@ -412,8 +435,9 @@ class Gemini:
             job = self._jobs.get()
             if job is None:
                 return
-            k, header = job
+            k, header, completion = job
             try:
+                completion.wait_host()  # an async device-to-host copy must land before the checksums
                 self._commit_and_replicate(k, header)
             except Exception:  # keep capturing; the next capture retries replication
                 log.exception("rank %d: committing or replicating step %d failed", self.rank, header.step)
@@ -671,6 +695,10 @@ class Gemini:
         self.drain(timeout=10.0)
         self._jobs.put(None)
         self._worker.join(timeout=5.0)
+        for mapping in self._pinned.values():
+            if self._copier is not None:
+                self._copier.unregister_host(mapping)
+        self._pinned.clear()
         for slot in self._own:
             slot.close()
         for slots in self._replica_slots.values():

@@ -123,6 +123,11 @@ class SlotFile:
     def view(self) -> memoryview:
         return memoryview(self._require())
 
+    @property
+    def mapping(self) -> mmap.mmap | None:
+        """The current memory map (identity changes when the slot is remapped)."""
+        return self._mm
+
     def payload(self, header: SlotHeader) -> memoryview:
         return self.view()[HEADER_SIZE : HEADER_SIZE + header.payload_len]
 

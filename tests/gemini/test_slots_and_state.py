@@ -160,3 +160,58 @@ def test_durable_round_trip_pruning_and_failure(tmp_path: Path) -> None:
     blocker.write_text("x")
     with pytest.raises(DurableError, match="failed"):
         DurableStore(str(blocker), "run", 0).write(1, memoryview(b"abc"))
+
+
+def test_async_capture_is_fenced_before_the_optimizer_mutates_parameters(tmp_path: Path) -> None:
+    """The GPU path's ordering, with a deferred copier standing in for a side-stream D2H copy."""
+    from lm_resiliency.config import InMemoryCkptConfig
+    from lm_resiliency.core.topology import Topology
+    from lm_resiliency.gemini.component import Gemini
+    from lm_resiliency.testing.copier import DeferredCopier
+
+    class NoRuntime:
+        alive = False
+
+        def add_transfer_listener(self, fn: object) -> None: ...
+        def add_handler(self, tag: str, fn: object) -> None: ...
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    copier = DeferredCopier()
+    gem = Gemini(
+        rank=0,
+        world_size=1,
+        node_id="n",
+        run_id="r",
+        topology=Topology.build(["n"], [[0]]),
+        runtime=NoRuntime(),
+        model=model,
+        optimizer=opt,
+        scheduler=None,
+        extra_state_fn=None,
+        load_extra_state_fn=None,
+        config=InMemoryCkptConfig(),
+        interval=1,
+        shm_dir=str(tmp_path),
+        copier=copier,
+    )
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+        want = [p.detach().clone() for p in model.parameters()]
+        copier.release.clear()  # the worker may not see the bytes until the test says so
+        assert gem.capture(1)
+        assert copier.issued == 1 and copier.registered  # the slot was registered for async copies
+        opt.step()  # the pre-step fence runs the pending copy before the parameters change
+        assert copier.fences == 1 and copier.completed == 1
+        assert not torch.equal(want[0], model.weight)  # the step did change the parameters
+        copier.release.set()
+        assert gem.drain(10)
+        assert copier.host_waits == 1 and copier.completed == 1
+        model2 = torch.nn.Linear(4, 4)
+        gem.model = model2
+        gem.optimizer = None
+        gem._restore_from(gem._own[next(iter(gem._own_step))], 1)
+        assert all(torch.equal(a, b) for a, b in zip(want, model2.parameters(), strict=True))
+    finally:
+        gem.close()

@@ -1,0 +1,136 @@
+"""Moving tensor bytes into a capture slot: synchronously on CPU, asynchronously from a GPU.
+
+`CudaCopier` issues device-to-host copies on a side stream into page-locked shared memory (the slot is
+registered with `cudaHostRegister`), records an event, and returns at once: the training thread pays
+only for issuing the copies. Two fences keep it correct:
+- `fence_device()` (called by the optimizer's pre-step hook) makes the compute stream wait for the
+  copy before the next optimizer step mutates the parameters: a GPU-side wait, no host block;
+- `wait_host()` (called by the worker thread) blocks until the bytes are in host memory, before the
+  slot is checksummed and committed.
+`SyncCopier` is the CPU path: a plain copy, already complete when it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["Completion", "Copier", "CudaCopier", "SyncCopier", "copier_for"]
+
+log = logging.getLogger(__name__)
+
+
+class Completion(Protocol):
+    def wait_host(self) -> None: ...
+    def fence_device(self) -> None: ...
+
+
+class Copier(Protocol):
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Completion:
+        """Copy each source tensor's bytes into its destination (a uint8 view of the slot)."""
+        ...
+
+    def register_host(self, buffer: Any, nbytes: int) -> None:
+        """Page-lock `buffer` for asynchronous copies (no-op where not needed)."""
+        ...
+
+    def unregister_host(self, buffer: Any) -> None: ...
+
+
+class _Done:
+    def wait_host(self) -> None:
+        return None
+
+    def fence_device(self) -> None:
+        return None
+
+
+DONE = _Done()
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class SyncCopier:
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Completion:
+        for dst, src in pairs:
+            dst.copy_(_bytes_of(src))
+        return DONE
+
+    def register_host(self, buffer: Any, nbytes: int) -> None:
+        return None
+
+    def unregister_host(self, buffer: Any) -> None:
+        return None
+
+
+class _CudaCompletion:
+    def __init__(self, event: Any, device: torch.device) -> None:
+        self.event = event
+        self.device = device
+
+    def wait_host(self) -> None:
+        self.event.synchronize()
+
+    def fence_device(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+
+class CudaCopier:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._registered: dict[int, int] = {}
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Completion:
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)  # the copies read the state as the optimizer left it
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                if src.is_cuda:
+                    dst.copy_(_bytes_of(src), non_blocking=True)
+                    src.record_stream(self.stream)  # keep temporaries alive until the copy is done
+                else:
+                    dst.copy_(_bytes_of(src))
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self.stream)
+        return _CudaCompletion(event, self.device)
+
+    def register_host(self, buffer: Any, nbytes: int) -> None:
+        import ctypes
+
+        ptr = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+        if ptr in self._registered:
+            return
+        err = _cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            # Still correct, only slower: copies into pageable memory are synchronous.
+            log.warning("cudaHostRegister of a %d-byte capture slot failed (%s)", nbytes, err)
+            return
+        self._registered[ptr] = nbytes
+
+    def unregister_host(self, buffer: Any) -> None:
+        import ctypes
+
+        try:
+            ptr = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+        except (TypeError, ValueError):  # already unmapped
+            return
+        if self._registered.pop(ptr, None) is not None:
+            _cudart().cudaHostUnregister(ptr)
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def copier_for(tensors: Sequence[torch.Tensor]) -> Copier:
+    """The CUDA copier when any tensor lives on a GPU, else the synchronous one."""
+    device = next((t.device for t in tensors if t.is_cuda), None)
+    if device is None:
+        return SyncCopier()
+    return CudaCopier(device)
