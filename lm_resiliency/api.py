@@ -334,6 +334,7 @@ class Session:
             keep_last=durable.keep_last if durable else 2,
         )
         self._components.append(gem)
+        gem.claim()
         # Resume only when this is a restart (or the caller named the run): a fresh job that happens
         # to share a default run id must not silently load another job's state.
         restart = (

@@ -1,7 +1,7 @@
 """`lm-resiliency`: the command-line entry point.
 
 Subcommands arrive with the capabilities they front (monitor, report, campaign, demo); this version
-offers `--version`, `--help` and `check-policy`.
+offers `--version`, `--help`, `check-policy` and `shm` (GEMINI's shared-memory use and cleanup).
 """
 
 from __future__ import annotations
@@ -24,6 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     check = sub.add_parser("check-policy", help="validate a worker policy TOML file and print its settings")
     check.add_argument("path", help="path to the policy TOML (schema_version = 1)")
+    shm = sub.add_parser("shm", help="list what GEMINI holds in shared memory on this host; --clean reclaims")
+    shm.add_argument("--dir", default="/dev/shm/lm_resiliency", help="GEMINI's shared-memory folder")
+    shm.add_argument("--clean", action="store_true", help="delete runs with no live owner process")
+    shm.add_argument(
+        "--older-than",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="only runs idle for at least S seconds (default 3600)",
+    )
     return parser
 
 
@@ -43,6 +53,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"lm-resiliency: invalid policy: {exc}", file=sys.stderr)
             return 2
         print(json.dumps(dataclasses.asdict(policy), indent=2, sort_keys=True))
+        return 0
+    if args.command == "shm":
+        from lm_resiliency.gemini.hygiene import reclaim_stale_runs, usage
+
+        if args.clean:
+            for u in reclaim_stale_runs(args.dir, args.older_than):
+                print(
+                    f"reclaimed {u.run}/{u.node}: {u.bytes} bytes in {u.files} files (idle {u.idle_s:.0f}s)"
+                )
+        for u in usage(args.dir):
+            owners = ",".join(map(str, u.live_owners)) or "none"
+            print(
+                f"{u.run}/{u.node}: {u.bytes} bytes in {u.files} files, "
+                f"live owner pids: {owners}, idle {u.idle_s:.0f}s"
+            )
         return 0
     parser.print_help()
     return 0

@@ -705,6 +705,16 @@ class Gemini:
             for slot in slots:
                 slot.close()
 
+    def claim(self, stale_after_s: float = 3600.0) -> None:
+        """Record this process as an owner of the node directory; reclaim runs that are over."""
+        from lm_resiliency.gemini.hygiene import reclaim_stale_runs, write_owner
+
+        write_owner(self.dir, self.rank)
+        for u in reclaim_stale_runs(self.dir.parent.parent, stale_after_s, keep_run=self.dir.parent.name):
+            log.info(
+                "reclaimed %d bytes of stale run %s (node %s, idle %.0fs)", u.bytes, u.run, u.node, u.idle_s
+            )
+
     def reclaim(self) -> None:
         """Delete this node's slots of this run (a fresh run must not find an old one's state)."""
         for path in [*self.dir.glob(f"own-r{self.rank}-s*"), *self.dir.glob(f"replica-r*-h{self.rank}-s*")]:

@@ -215,3 +215,35 @@ def test_async_capture_is_fenced_before_the_optimizer_mutates_parameters(tmp_pat
         assert all(torch.equal(a, b) for a, b in zip(want, model2.parameters(), strict=True))
     finally:
         gem.close()
+
+
+def test_stale_runs_are_reclaimed_live_and_recent_ones_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from lm_resiliency.cli.main import main as cli
+    from lm_resiliency.gemini.hygiene import reclaim_stale_runs, usage, write_owner
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(dead.stdout)
+    for run, pid in (("old-dead", dead_pid), ("old-live", os.getpid()), ("new-dead", dead_pid)):
+        node = tmp_path / run / "node-a"
+        write_owner(node, 0)
+        (node / ".owner-r0").write_text(str(pid))
+        (node / "own-r0-s0").write_bytes(b"x" * 1000)
+        if run.startswith("old"):
+            for f in node.iterdir():
+                os.utime(f, (0, 0))
+    by_run = {u.run: u for u in usage(tmp_path)}
+    assert by_run["old-live"].live_owners == (os.getpid(),) and by_run["old-dead"].live_owners == ()
+    assert by_run["old-dead"].bytes >= 1000
+    assert [u.run for u in reclaim_stale_runs(tmp_path, stale_after_s=3600)] == ["old-dead"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new-dead", "old-live"]
+    assert cli(["shm", "--dir", str(tmp_path), "--clean", "--older-than", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "reclaimed new-dead/node-a" in out and "old-live/node-a" in out
