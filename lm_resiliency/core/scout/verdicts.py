@@ -1,0 +1,194 @@
+"""Verdicts from symmetric evidence (pure; time is the `now` argument).
+
+Rules of this file: every function takes the evidence of one replica group (or of the job) and
+returns a `Verdict` or None; nothing here reads a clock or keeps hidden state besides the explicit
+confirmation counters of `StragglerDetector` and `HangDetector`. Reason codes are stable strings
+that reports and tests rely on.
+
+- Fingerprints (`fingerprint_verdict`): replicas must hold bitwise-identical gradients after
+  reduction and parameters after the step. With >= 3 replicas a strict majority names the minority
+  (`sdc`); with 2, or without a majority, the disagreement is `sdc_ambiguous` and needs replay.
+- Stragglers (`StragglerDetector`): per phase (input, compute, communication), a rank whose time is
+  above `ratio` x the median of its peers and more than `min_s` above it, on `confirmations`
+  consecutive steps. Synchronous training equalises step times (everyone waits in the collective for
+  the slowest), so phases, not whole steps, are compared; compute stops at the rank's last gradient
+  handed to communication, before any waiting.
+- Hangs (`hang_verdict`): peers wait inside collective k for `stall_threshold` seconds while a rank
+  never entered it (its collective count is lower): that rank is the culprit.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "PHASES",
+    "HangDetector",
+    "PhaseTimes",
+    "Progress",
+    "StragglerDetector",
+    "Verdict",
+    "fingerprint_verdict",
+    "hang_verdict",
+]
+
+PHASES = ("input", "compute", "communication")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: str  # sdc | sdc_ambiguous | straggler | hang | collective_stall
+    ranks: tuple[int, ...]
+    step: int
+    reason: str
+    detail: str = ""
+    straggler_type: str | None = None
+    confirmations: int | None = None
+    stall_duration_s: float | None = None
+
+
+def fingerprint_verdict(step: int, what: str, fingerprints: Mapping[int, bytes]) -> Verdict | None:
+    """Compare the fingerprints of one replica group at one step. None when they all agree."""
+    counts = Counter(fingerprints.values())
+    if len(counts) <= 1:
+        return None
+    members = sorted(fingerprints)
+    top, top_n = counts.most_common(1)[0]
+    if len(members) >= 3 and top_n * 2 > len(members):
+        minority = tuple(r for r in members if fingerprints[r] != top)
+        return Verdict(
+            "sdc",
+            minority,
+            step,
+            f"{what}_fingerprint_minority",
+            f"{len(minority)} of {len(members)} replicas disagree on {what} at step {step}",
+        )
+    return Verdict(
+        "sdc_ambiguous",
+        tuple(members),
+        step,
+        f"{what}_fingerprint_no_majority",
+        f"replicas {members} disagree on {what} at step {step} with no majority: replay decides",
+    )
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    input: float
+    compute: float
+    communication: float
+
+    def get(self, phase: str) -> float:
+        return float(getattr(self, phase))
+
+
+def _median(values: Sequence[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+class StragglerDetector:
+    """Confirms a slow rank over consecutive steps. One per replica group (or per job)."""
+
+    def __init__(self, ratio: float, min_s: float, confirmations: int) -> None:
+        self.ratio, self.min_s, self.confirmations = ratio, min_s, confirmations
+        self._streak: dict[tuple[int, str], int] = {}
+        self._reported: set[tuple[int, str]] = set()
+
+    def observe(self, step: int, times: Mapping[int, PhaseTimes]) -> list[Verdict]:
+        if len(times) < 3:
+            return []  # with two ranks there is no "the others" to compare against
+        slow_now: set[tuple[int, str]] = set()
+        for phase in PHASES:
+            for r, t in times.items():
+                others = [o.get(phase) for q, o in times.items() if q != r]
+                base = _median(others)
+                value = t.get(phase)
+                if value > self.ratio * base and value - base > self.min_s:
+                    slow_now.add((r, phase))
+        for key in list(self._streak):
+            if key not in slow_now:
+                del self._streak[key]
+                self._reported.discard(key)
+        out = []
+        for key in sorted(slow_now):
+            self._streak[key] = self._streak.get(key, 0) + 1
+            if self._streak[key] >= self.confirmations and key not in self._reported:
+                self._reported.add(key)
+                r, phase = key
+                base = _median([o.get(phase) for q, o in times.items() if q != r])
+                out.append(
+                    Verdict(
+                        "straggler",
+                        (r,),
+                        step,
+                        f"{phase}_straggler",
+                        f"rank {r} {phase} {times[r].get(phase) * 1e3:.1f} ms vs peers' median {base * 1e3:.1f} ms "
+                        f"for {self._streak[key]} steps",
+                        straggler_type=phase,
+                        confirmations=self._streak[key],
+                    )
+                )
+        return out
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a rank's runtime says about its training thread (durations, never wall clocks)."""
+
+    step: int
+    collectives: int  # collectives this rank has entered
+    in_collective_s: float  # how long it has been waiting in the current one (0: not in one)
+    idle_s: float = 0.0  # how long since its training thread last made progress
+
+
+def hang_verdict(now_step: int, progress: Mapping[int, Progress], stall_threshold_s: float) -> Verdict | None:
+    """Name the ranks that never entered the collective their peers are stuck in."""
+    waiting = {r: p for r, p in progress.items() if p.in_collective_s >= stall_threshold_s}
+    if not waiting:
+        return None
+    k = max(p.collectives for p in waiting.values())
+    culprits = tuple(sorted(r for r, p in progress.items() if p.collectives < k and p.in_collective_s == 0))
+    stall = max(p.in_collective_s for p in waiting.values())
+    if culprits:
+        return Verdict(
+            "hang",
+            culprits,
+            now_step,
+            "never_entered_collective",
+            f"ranks {sorted(waiting)} wait in collective #{k} for {stall:.1f}s; "
+            f"ranks {list(culprits)} never entered it",
+            stall_duration_s=stall,
+        )
+    if len(waiting) == len(progress):
+        return Verdict(
+            "collective_stall",
+            tuple(sorted(waiting)),
+            now_step,
+            "all_ranks_stuck_in_collective",
+            f"every rank waits in collective #{k} for {stall:.1f}s",
+            stall_duration_s=stall,
+        )
+    return None
+
+
+class HangDetector:
+    """Reports each distinct hang once (until progress resumes)."""
+
+    def __init__(self, stall_threshold_s: float) -> None:
+        self.stall_threshold_s = stall_threshold_s
+        self._open: tuple[str, tuple[int, ...]] | None = None
+
+    def observe(self, now_step: int, progress: Mapping[int, Progress]) -> Verdict | None:
+        v = hang_verdict(now_step, progress, self.stall_threshold_s)
+        if v is None:
+            self._open = None
+            return None
+        key = (v.kind, v.ranks)
+        if key == self._open:
+            return None
+        self._open = key
+        return v

@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from lm_resiliency.core.scout.verdicts import (
+    HangDetector,
+    PhaseTimes,
+    Progress,
+    StragglerDetector,
+    fingerprint_verdict,
+    hang_verdict,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_fingerprints_agree_minority_and_ambiguous() -> None:
+    assert fingerprint_verdict(5, "params", {0: b"a", 1: b"a", 2: b"a"}) is None
+    v = fingerprint_verdict(5, "grads", {0: b"a", 1: b"a", 2: b"x", 3: b"a"})
+    assert v is not None and (v.kind, v.ranks, v.step, v.reason) == (
+        "sdc",
+        (2,),
+        5,
+        "grads_fingerprint_minority",
+    )
+    v = fingerprint_verdict(6, "params", {0: b"a", 1: b"b"})
+    assert v is not None and v.kind == "sdc_ambiguous" and v.ranks == (0, 1)
+    v = fingerprint_verdict(6, "params", {0: b"a", 1: b"a", 2: b"b", 3: b"b"})
+    assert v is not None and v.kind == "sdc_ambiguous"
+
+
+def pt(i: float = 0.01, c: float = 0.1, m: float = 0.02) -> PhaseTimes:
+    return PhaseTimes(i, c, m)
+
+
+def test_compute_straggler_confirmed_after_n_steps_once() -> None:
+    d = StragglerDetector(ratio=1.5, min_s=0.02, confirmations=3)
+    slow = {0: pt(m=0.2), 1: pt(m=0.2), 2: pt(c=0.3, m=0.001), 3: pt(m=0.2)}  # the others wait in comm
+    assert d.observe(1, slow) == [] and d.observe(2, slow) == []
+    (v,) = d.observe(3, slow)
+    assert (v.kind, v.ranks, v.straggler_type, v.confirmations, v.reason) == (
+        "straggler",
+        (2,),
+        "compute",
+        3,
+        "compute_straggler",
+    )
+    assert d.observe(4, slow) == []  # reported once
+    d.observe(5, {r: pt() for r in range(4)})  # recovered: re-armed
+    for s in (6, 7):
+        assert d.observe(s, slow) == []
+    assert [v.ranks for v in d.observe(8, slow)] == [(2,)]
+
+
+def test_input_straggler_and_streak_broken_by_a_normal_step() -> None:
+    d = StragglerDetector(ratio=1.5, min_s=0.02, confirmations=2)
+    slow = {0: pt(), 1: pt(i=0.2), 2: pt()}
+    assert d.observe(1, slow) == []
+    assert d.observe(2, {0: pt(), 1: pt(), 2: pt()}) == []
+    assert d.observe(3, slow) == []
+    (v,) = d.observe(4, slow)
+    assert v.straggler_type == "input" and v.ranks == (1,)
+
+
+def test_jitter_alone_is_never_a_straggler() -> None:
+    rng = random.Random(3)
+    d = StragglerDetector(ratio=1.5, min_s=0.02, confirmations=3)
+    for step in range(2000):
+        times = {
+            r: pt(0.01 * rng.uniform(0.5, 1.6), 0.1 * rng.uniform(0.8, 1.25), 0.02 * rng.uniform(0.5, 2))
+            for r in range(8)
+        }
+        assert d.observe(step, times) == []
+
+
+def test_hang_names_the_rank_that_never_entered_the_collective() -> None:
+    prog = {
+        0: Progress(9, 40, 3.0),
+        1: Progress(9, 40, 3.2),
+        2: Progress(9, 36, 0.0),
+        3: Progress(9, 40, 2.9),
+    }
+    v = hang_verdict(9, prog, stall_threshold_s=2.5)
+    assert v is not None and (v.kind, v.ranks, v.reason) == ("hang", (2,), "never_entered_collective")
+    assert v.stall_duration_s == 3.2
+    assert hang_verdict(9, prog, stall_threshold_s=5.0) is None
+    stuck = {r: Progress(9, 40, 6.0) for r in range(3)}
+    v = hang_verdict(9, stuck, 5.0)
+    assert v is not None and v.kind == "collective_stall" and v.ranks == (0, 1, 2)
+
+
+def test_hang_detector_reports_once_until_progress() -> None:
+    d = HangDetector(2.0)
+    prog = {0: Progress(1, 4, 2.5), 1: Progress(1, 3, 0.0)}
+    assert d.observe(1, prog) is not None
+    assert d.observe(1, prog) is None
+    assert d.observe(2, {0: Progress(2, 5, 0.0), 1: Progress(2, 5, 0.0)}) is None
+    assert d.observe(3, prog) is not None
