@@ -286,6 +286,7 @@ class Session:
         else:
             self._topology = Topology.build([node_id], [local.replica_group])
         self._start_gemini(discovery, node_id)
+        self._start_scout()
         self._adapter.attach(self._on_step)
         if self.env.checkpoint_step > 0 and self._recovered_step != self.env.checkpoint_step:
             log.warning(
@@ -364,6 +365,31 @@ class Session:
             reason=reason,
         )
         gem.prepare()
+
+    def _start_scout(self) -> None:
+        replay: ReplayHarnessConfig = self.settings["replay"]
+        if not (self.settings["enable_detection"] and replay.enable):
+            return
+        from lm_resiliency.scout.component import Scout
+
+        assert self._runtime is not None and self._topology is not None
+        scout = Scout(
+            rank=self.rank,
+            topology=self._topology,
+            runtime=self._runtime,
+            adapter=self._adapter,
+            config=replay,
+            interval=self.interval,
+            emit=self._emit_fault,
+            heartbeat_s=self._runtime_config.heartbeat_interval_s,
+        )
+        scout._step_source = lambda: self.step_count  # type: ignore[attr-defined]
+        self._components.append(scout)
+
+    @property
+    def scout(self) -> Any:
+        """The SCOUT component, or None when detection is off."""
+        return next((c for c in self._components if getattr(c, "name", "") == "scout"), None)
 
     @property
     def gemini(self) -> Any:

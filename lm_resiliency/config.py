@@ -114,6 +114,7 @@ class ReplayHarnessConfig:
     temporal_window: int = 16
     replay_on_ambiguous: bool = True
     deterministic_replay: bool = True
+    report_dir: str | None = None  # ours: fault reports appended as JSON lines (reports-rank<R>.jsonl)
 
     def __post_init__(self) -> None:
         _positive("replay.interval", self.interval)

@@ -57,8 +57,14 @@ class PyTorchAdapter:
         self._t_fwd: float | None = None
         self._t_opt: float | None = None
         self._comm_start: float | None = None
+        self._comm_last_call: float | None = None
         self._comm_end: float | None = None
         self._input_s = 0.0
+        # Progress for out-of-band hang detection (read by the runtime thread; plain attribute writes).
+        self.collectives = 0
+        self.outstanding = 0
+        self.in_collective_since: float | None = None
+        self.last_progress = time.monotonic()
 
     # -- topology ---------------------------------------------------------------------------------
     def topology(self) -> AdapterTopology:
@@ -132,8 +138,14 @@ class PyTorchAdapter:
         # not on which bucket layout DDP happens to use. A fresh DDP (a resumed run) uses its initial
         # layout for one iteration and a rebuilt one after; per-bucket reduction would make the
         # resumed run differ from the uninterrupted one in the last bits.
+        now = time.perf_counter()
         if self._comm_start is None:
-            self._comm_start = time.perf_counter()
+            self._comm_start = now
+        self._comm_last_call = now
+        self.collectives += 1
+        self.outstanding += 1
+        if self.in_collective_since is None:
+            self.in_collective_since = time.monotonic()
         group = pg if pg is not None else dist.group.WORLD
         buffer: torch.Tensor = bucket.buffer()
         buffer.mul_(1.0 / dist.get_world_size(group))
@@ -143,6 +155,10 @@ class PyTorchAdapter:
         ]
 
         def _done(f: Any) -> torch.Tensor:
+            self.outstanding -= 1
+            if self.outstanding <= 0:
+                self.outstanding = 0
+                self.in_collective_since = None
             for each in f.value():
                 each.value()  # re-raises a failed all-reduce
             self._comm_end = time.perf_counter()
@@ -160,20 +176,25 @@ class PyTorchAdapter:
         t0 = self._t_step_start
         fwd = self._t_fwd if self._t_fwd is not None else t0
         opt_start = self._t_opt if self._t_opt is not None else now
+        # Compute ends when this rank handed its last gradient to communication; what follows until
+        # the optimizer is waiting for the collective (for the slowest peer, in synchronous training).
         comm = 0.0
-        if self._comm_start is not None and self._comm_end is not None:
-            comm = max(0.0, self._comm_end - self._comm_start)
+        compute_end = opt_start
+        if self._comm_last_call is not None and self._comm_end is not None:
+            compute_end = self._comm_last_call
+            comm = max(0.0, opt_start - self._comm_last_call)
         input_s = self._input_s if self._input_s > 0 else max(0.0, fwd - t0)
         times = StepTimes(
             step=self._step,
             step_s=now - t0,
             input_s=input_s,
-            compute_s=max(0.0, opt_start - fwd),
+            compute_s=max(0.0, compute_end - fwd),
             comm_s=comm,
             optimizer_s=now - opt_start,
         )
         self._t_step_start = now
-        self._t_fwd = self._t_opt = self._comm_start = self._comm_end = None
+        self.last_progress = time.monotonic()
+        self._t_fwd = self._t_opt = self._comm_start = self._comm_end = self._comm_last_call = None
         self._input_s = 0.0
         if self._on_step is not None:
             self._on_step(times)

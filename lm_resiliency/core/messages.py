@@ -18,11 +18,13 @@ __all__ = [
     "MESSAGE_TYPES",
     "BulkAck",
     "BulkChunk",
+    "Evidence",
     "GeminiInventory",
     "Goodbye",
     "Heartbeat",
     "Message",
     "PeerAnnouncement",
+    "Progress",
     "ReplicaRequest",
     "StepTelemetry",
     "frames_field",
@@ -160,3 +162,28 @@ class GeminiInventory(Message):
     local: tuple[int, ...]
     replicas: dict[str, tuple[int, ...]]
     disk: tuple[int, ...] = ()
+
+
+@register
+@dataclass(frozen=True)
+class Evidence(Message):
+    """SCOUT fingerprints of one step: gradients after reduction, parameters after the step."""
+
+    TAG: ClassVar[str] = "evid"
+    rank: int
+    step: int
+    grads: bytes
+    params: bytes
+
+
+@register
+@dataclass(frozen=True)
+class Progress(Message):
+    """Out-of-band progress of a rank's training thread, published by its runtime thread."""
+
+    TAG: ClassVar[str] = "prog"
+    rank: int
+    step: int
+    collectives: int
+    in_collective_s: float
+    idle_s: float

@@ -12,10 +12,12 @@ from lm_resiliency.core.messages import (
     MESSAGE_TYPES,
     BulkAck,
     BulkChunk,
+    Evidence,
     GeminiInventory,
     Goodbye,
     Heartbeat,
     PeerAnnouncement,
+    Progress,
     ReplicaRequest,
     StepTelemetry,
 )
@@ -41,6 +43,8 @@ SAMPLES = [
     BulkAck(rank=1, transfer_id="t", index=-1, ok=True),
     ReplicaRequest(rank=2, owner=2, step=7, transfer_id="x"),
     GeminiInventory(rank=1, local=(3, 4), replicas={"0": (3,)}, disk=(2,)),
+    Evidence(rank=0, step=3, grads=b"g" * 16, params=b"p" * 16),
+    Progress(rank=2, step=3, collectives=9, in_collective_s=0.5, idle_s=0.1),
 ]
 
 

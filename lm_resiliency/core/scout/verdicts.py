@@ -126,8 +126,8 @@ class StragglerDetector:
                         (r,),
                         step,
                         f"{phase}_straggler",
-                        f"rank {r} {phase} {times[r].get(phase) * 1e3:.1f} ms vs peers' median {base * 1e3:.1f} ms "
-                        f"for {self._streak[key]} steps",
+                        f"rank {r} {phase} {times[r].get(phase) * 1e3:.1f} ms vs peers' median "
+                        f"{base * 1e3:.1f} ms for {self._streak[key]} steps",
                         straggler_type=phase,
                         confirmations=self._streak[key],
                     )

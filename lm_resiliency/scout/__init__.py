@@ -1,0 +1,1 @@
+"""SCOUT: evidence on the training thread, verdicts on the runtime thread, reports to the caller."""

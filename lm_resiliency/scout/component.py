@@ -1,0 +1,249 @@
+"""SCOUT, the session component.
+
+Training thread (cheap): every `interval` steps, fingerprints of the gradients just before the
+optimizer step (after reduction) and of the parameters after it, sent as `Evidence`; per-step phase
+times already travel as `StepTelemetry`. Runtime thread: publishes `Progress` every heartbeat (so a
+hung training thread is still described), collects evidence from the replica group, runs the pure
+verdict functions of `core.scout.verdicts`, and reports each verdict once: to `fault_callback`, to
+`OrchestrationHooks.report_fault`, and as a JSON line in `report_dir`.
+
+Certification: a step is recovery-verified when its fingerprints agreed across the replica group
+and no SDC was open; an SDC revokes certificates from its step on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from lm_resiliency.config import ReplayHarnessConfig, SCOUTFaultReport
+from lm_resiliency.core.messages import Evidence, Progress, StepTelemetry
+from lm_resiliency.core.scout.verdicts import (
+    HangDetector,
+    PhaseTimes,
+    StragglerDetector,
+    Verdict,
+    fingerprint_verdict,
+)
+from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
+from lm_resiliency.core.topology import Topology
+from lm_resiliency.scout.fingerprint import fingerprint
+
+__all__ = ["Scout"]
+
+log = logging.getLogger(__name__)
+KEEP_STEPS = 64
+
+
+class Scout:
+    name = "scout"
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        topology: Topology,
+        runtime: Any,
+        adapter: Any,
+        config: ReplayHarnessConfig,
+        interval: int,
+        emit: Callable[[dict[str, Any]], None],
+        heartbeat_s: float,
+    ) -> None:
+        self.rank = rank
+        self.topology = topology
+        self.group = topology.replica_group_of(rank)
+        self.runtime = runtime
+        self.adapter = adapter
+        self.config = config
+        self.interval = config.interval or interval
+        self._emit = emit
+        self._heartbeat_s = heartbeat_s
+        self._stragglers = StragglerDetector(
+            config.straggler_ratio, config.straggler_min_ms / 1e3, config.straggler_confirmations
+        )
+        self._hangs = HangDetector(config.hang_stall_threshold_s)
+        self._evidence: dict[int, dict[int, Evidence]] = {}
+        self._times: dict[int, dict[int, PhaseTimes]] = {}
+        self._progress: dict[int, Progress] = {}
+        self._reported: set[tuple[str, tuple[int, ...], int]] = set()
+        self._agreed: set[int] = set()
+        self._sdc_from: int | None = None
+        self._lock = threading.Lock()
+        self.verdicts: list[Verdict] = []
+        self._grads_fp: bytes | None = None
+        self._report_path = (
+            Path(config.report_dir) / f"reports-rank{rank}.jsonl" if config.report_dir else None
+        )
+        self._handles: list[Any] = []
+        opt = getattr(adapter, "optimizer", None)
+        if opt is not None:
+            self._handles.append(opt.register_step_pre_hook(self._before_step))
+        runtime.add_handler("evid", lambda sealed, msg: self._on_evidence(msg))
+        runtime.add_handler("step", lambda sealed, msg: self._on_times(msg))
+        runtime.add_handler("prog", lambda sealed, msg: self._on_progress(msg))
+        runtime.loop.spawn(self._progress_forever, name="scout-progress")
+        self._closed = False
+
+    # -- training thread --------------------------------------------------------------------------
+    def _due(self, step: int) -> bool:
+        return self.config.enable and len(self.group) > 1 and step % self.interval == 0
+
+    def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        step = self._session_step() + 1
+        if self._due(step):
+            self._grads_fp = fingerprint(p.grad for g in opt.param_groups for p in g["params"])
+
+    def _session_step(self) -> int:
+        return int(getattr(self, "_step_source", lambda: 0)())
+
+    def on_step(self, session: Any, times: Any) -> None:
+        step = session.step_count
+        if not self._due(step):
+            return
+        params = fingerprint(p for p in self.adapter.model.parameters())
+        ev = Evidence(self.rank, step, self._grads_fp or b"", params)
+        self._grads_fp = None
+        self._on_evidence_local(ev)
+        self.runtime.submit(ev)
+
+    # -- runtime thread ---------------------------------------------------------------------------
+    def _on_evidence_local(self, ev: Evidence) -> None:
+        self.runtime.loop.submit(self._on_evidence, ev)
+
+    def _on_evidence(self, ev: Evidence) -> None:
+        if ev.rank not in self.group:
+            return
+        per_step = self._evidence.setdefault(ev.step, {})
+        per_step[ev.rank] = ev
+        if set(per_step) >= self._live_group():
+            self._judge_fingerprints(ev.step, per_step)
+            del self._evidence[ev.step]
+        for old in [s for s in self._evidence if s < ev.step - KEEP_STEPS]:
+            del self._evidence[old]
+
+    def _live_group(self) -> set[int]:
+        live = self.runtime.view().live
+        return {r for r in self.group if r in live}
+
+    def _judge_fingerprints(self, step: int, per_step: dict[int, Evidence]) -> None:
+        verdict = fingerprint_verdict(step, "grads", {r: e.grads for r, e in per_step.items()})
+        if verdict is None:
+            verdict = fingerprint_verdict(step, "params", {r: e.params for r, e in per_step.items()})
+        with self._lock:
+            if verdict is None:
+                if self._sdc_from is None:
+                    self._agreed.add(step)
+            else:
+                self._sdc_from = step if self._sdc_from is None else min(self._sdc_from, step)
+                self._agreed = {s for s in self._agreed if s < step}
+        if verdict is not None:
+            self._report(verdict)
+
+    def _on_times(self, msg: StepTelemetry) -> None:
+        if msg.rank not in self.group or len(self.group) < 3:
+            return
+        per_step = self._times.setdefault(msg.step, {})
+        per_step[msg.rank] = PhaseTimes(msg.input_s, msg.compute_s, msg.comm_s)
+        if set(per_step) >= self._live_group():
+            for v in self._stragglers.observe(msg.step, per_step):
+                self._report(v)
+            del self._times[msg.step]
+        for old in [s for s in self._times if s < msg.step - KEEP_STEPS]:
+            del self._times[old]
+
+    def _on_progress(self, msg: Progress) -> None:
+        self._progress[msg.rank] = msg
+
+    def _own_progress(self) -> Progress:
+        a = self.adapter
+        since = getattr(a, "in_collective_since", None)
+        now = time.monotonic()
+        return Progress(
+            self.rank,
+            self._session_step(),
+            int(getattr(a, "collectives", 0)),
+            0.0 if since is None else now - since,
+            now - float(getattr(a, "last_progress", now)),
+        )
+
+    async def _progress_forever(self) -> None:
+        while True:
+            own = self._own_progress()
+            self._progress[self.rank] = own
+            self.runtime.submit(own)
+            live = self._live_group()
+            evidence = {
+                r: ProgressValue(p.step, p.collectives, p.in_collective_s, p.idle_s)
+                for r, p in self._progress.items()
+                if r in live
+            }
+            if len(evidence) > 1 and self.config.enable:
+                v = self._hangs.observe(own.step, evidence)
+                if v is not None:
+                    self._report(v)
+            await anyio.sleep(self._heartbeat_s)
+
+    # -- reports ----------------------------------------------------------------------------------
+    def _report(self, v: Verdict) -> None:
+        key = (v.kind, v.ranks, v.step if v.kind not in ("hang", "collective_stall") else -1)
+        with self._lock:
+            if key in self._reported:
+                return
+            self._reported.add(key)
+            self.verdicts.append(v)
+        kind = {"sdc_ambiguous": "sdc", "collective_stall": "hang"}.get(v.kind, v.kind)
+        report = SCOUTFaultReport(
+            kind=kind,
+            failed_ranks=v.ranks,
+            scope="rank",
+            sources=("scout",),
+            straggler_type=v.straggler_type,
+            confirmations=v.confirmations,
+            steps=(v.step,) if v.step >= 0 else (),
+            stall_duration_s=v.stall_duration_s,
+            confidence=0.5 if v.kind in ("sdc_ambiguous", "collective_stall") else 1.0,
+            reason=v.reason,
+            node=self.topology.node_of(v.ranks[0]) if v.ranks else None,
+            detection_latency_s=v.stall_duration_s,
+        ).to_dict()
+        report["detail"] = v.detail
+        report["reported_by"] = self.rank
+        log.warning(
+            "rank %d SCOUT verdict: %s %s at step %d: %s", self.rank, v.kind, list(v.ranks), v.step, v.detail
+        )
+        if self._report_path is not None:
+            try:
+                self._report_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self._report_path, "a") as f:
+                    f.write(json.dumps({"time": time.time(), "pid": os.getpid(), **report}) + "\n")
+            except OSError as exc:
+                log.error("cannot append the fault report to %s: %s", self._report_path, exc)
+        self._emit(report)
+
+    # -- certification ----------------------------------------------------------------------------
+    def certified(self, step: int) -> bool:
+        """True when the fingerprints of `step` agreed across the replica group and no SDC was open."""
+        with self._lock:
+            return step in self._agreed
+
+    def newest_recoverable_step(self, mode: Any) -> int:
+        return -1
+
+    def flush_for_restart(self) -> int:
+        return -1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._handles:
+            h.remove()

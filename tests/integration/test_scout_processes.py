@@ -1,0 +1,109 @@
+"""SCOUT on a real 4-rank gloo DDP job: each fault injected by the workers, found by SCOUT alone."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+WORLD = 4
+
+
+def _run(
+    processes,
+    tmp: Path,
+    scenario: str,
+    steps: int,
+    culprit: int = -1,
+    at: int = -1,  # type: ignore[no-untyped-def]
+    wait_all: bool = True,
+) -> tuple[list[dict], dist.TCPStore]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [
+        processes.start(
+            ["tests/integration/workers/scout_worker.py"],
+            {
+                "RANK": str(r),
+                "WORLD_SIZE": str(WORLD),
+                "STORE_PORT": str(store.port),
+                "RESULT_DIR": str(tmp),
+                "STEPS": str(steps),
+                "SCENARIO": scenario,
+                "CULPRIT": str(culprit),
+                "AT_STEP": str(at),
+                "REPORT_DIR": str(tmp / "reports"),
+            },
+            tmp / f"rank{r}.log",
+        )
+        for r in range(WORLD)
+    ]
+    expect = [r for r in range(WORLD) if wait_all or r != culprit]
+    deadline = time.monotonic() + 200
+    while not all((tmp / f"rank{r}.json").exists() for r in expect):
+        if wait_all:
+            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            assert not bad, (tmp / f"rank{bad[0]}.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "workers did not report"
+        time.sleep(0.05)  # polling files the workers write atomically
+    if wait_all:
+        for p in procs:
+            assert p.wait(60) == 0
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in expect], store
+
+
+def _kinds(res: dict) -> list[tuple[str, list[int]]]:
+    return [(f["kind"], f["failed_ranks"]) for f in res["faults"]]
+
+
+def test_bit_flip_in_a_gradient_after_reduction_is_named_sdc_and_not_certified(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    results, _ = _run(processes, tmp_path, "sdc", steps=12, culprit=2, at=6)
+    for res in results:
+        sdc = [f for f in res["faults"] if f["kind"] == "sdc"]
+        assert sdc and sdc[0]["failed_ranks"] == [2] and sdc[0]["steps"] == [6], res["faults"]
+        assert sdc[0]["reason"] == "grads_fingerprint_minority"
+        assert res["certified"]["5"] and not res["certified"]["6"], res["certified"]
+    lines = (tmp_path / "reports" / "reports-rank0.jsonl").read_text().splitlines()
+    assert any(json.loads(line)["kind"] == "sdc" for line in lines)
+
+
+def test_compute_slowdown_is_named_a_compute_straggler_within_3_steps(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    results, _ = _run(processes, tmp_path, "compute", steps=15, culprit=1)
+    for res in results:
+        found = [f for f in res["faults"] if f["kind"] == "straggler"]
+        assert [(f["failed_ranks"], f["straggler_type"]) for f in found] == [([1], "compute")], res["faults"]
+        assert found[0]["confirmations"] == 3
+        assert res["first_seen_step"]["straggler:[1]"] <= 3 + 2  # evidence of step 3 lands during step 4-5
+
+
+def test_slow_data_loader_is_named_an_input_straggler(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    results, _ = _run(processes, tmp_path, "input", steps=15, culprit=3)
+    for res in results:
+        found = [(f["failed_ranks"], f["straggler_type"]) for f in res["faults"] if f["kind"] == "straggler"]
+        assert found == [([3], "input")], res["faults"]
+
+
+def test_rank_that_never_enters_a_collective_is_named_before_gloo_times_out(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    results, store = _run(processes, tmp_path, "hang", steps=50, culprit=0, at=8, wait_all=False)
+    stalled_at = float(store.get("test/stalled_at"))
+    for res in results:
+        hang = [f for f in res["faults"] if f["kind"] == "hang"]
+        assert hang and hang[0]["failed_ranks"] == [0] and hang[0]["reason"] == "never_entered_collective", (
+            res
+        )
+        latency = res["hang_seen_at"] - stalled_at
+        assert latency <= 2 * 2.0, f"hang named {latency:.2f}s after the stall (threshold 2s)"
+        assert latency < 30.0  # gloo's timeout in this job
+
+
+def test_clean_run_of_500_steps_with_jitter_has_no_verdict(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    results, _ = _run(processes, tmp_path, "clean", steps=500)
+    for res in results:
+        assert res["faults"] == [], res["faults"]

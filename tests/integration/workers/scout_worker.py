@@ -1,0 +1,120 @@
+"""One rank of a 4-rank gloo DDP job with SCOUT checking every step, and one injected fault.
+
+Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, SCENARIO (clean|sdc|compute|input|hang),
+CULPRIT, AT_STEP, REPORT_DIR. Faults are injected by this script, never told to SCOUT. Writes
+RESULT_DIR/rank<r>.json with every fault report and the step at which this rank first saw it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lm_resiliency import ReplayHarnessConfig, RuntimeConfig, enable_resiliency
+
+
+class Source:
+    """Batches that depend on (rank, step); a slow loader on the culprit in the input scenario."""
+
+    def __init__(self, rank: int, slow: bool) -> None:
+        self.rank, self.slow = rank, slow
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        step = 0
+        while True:
+            step += 1
+            if self.slow:
+                time.sleep(0.08)
+            yield torch.randn(32, 128, generator=torch.Generator().manual_seed(self.rank * 7919 + step))
+
+
+def main() -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    steps, scenario = int(os.environ["STEPS"]), os.environ["SCENARIO"]
+    culprit, at = int(os.environ.get("CULPRIT", "-1")), int(os.environ.get("AT_STEP", "-1"))
+    out_dir = os.environ["RESULT_DIR"]
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["STORE_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=120)
+    )
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
+    )
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 128))
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    faults: list[dict[str, object]] = []
+    current = {"step": 0}
+    result: dict[str, object] = {"rank": rank, "first_seen_step": {}}
+    written = threading.Event()
+
+    def write_result() -> None:
+        result["faults"] = list(faults)
+        tmp = os.path.join(out_dir, f"rank{rank}.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, os.path.join(out_dir, f"rank{rank}.json"))
+        written.set()
+
+    def on_fault(report: dict[str, object]) -> None:
+        faults.append(report)
+        key = f"{report['kind']}:{report.get('failed_ranks')}"
+        result["first_seen_step"].setdefault(key, current["step"])  # type: ignore[union-attr]
+        if report["kind"] == "hang":
+            result["hang_seen_at"] = time.time()
+            write_result()  # this rank's training thread is stuck in the collective: report from here
+
+    session = enable_resiliency(
+        model,
+        opt,
+        interval=1,
+        enable_checkpoint=False,
+        fault_callback=on_fault,
+        replay=ReplayHarnessConfig(
+            straggler_ratio=1.5,
+            straggler_min_ms=20.0,
+            straggler_confirmations=3,
+            hang_stall_threshold_s=2.0,
+            report_dir=os.environ["REPORT_DIR"],
+        ),
+        runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0),
+    )
+    if scenario == "compute" and rank == culprit:
+        model.module[0].register_forward_hook(lambda m, i, o: time.sleep(0.06))  # ~3x this job's compute
+    jitter = random.Random(rank)
+    loader = session.instrument_dataloader(Source(rank, scenario == "input" and rank == culprit))
+    for step, x in zip(range(1, steps + 1), loader, strict=False):
+        current["step"] = step
+        if scenario == "hang" and rank == culprit and step == at:
+            store.set("test/stalled_at", str(time.time()).encode())
+            threading.Event().wait(600)  # never enters this step's collective; killed by the test
+        time.sleep(jitter.uniform(0, 0.004))  # timing jitter on every rank
+        loss = (model(x) - x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        if scenario == "sdc" and rank == culprit and step == at:
+            g = next(model.parameters()).grad
+            g.view(-1).view(torch.int32)[7] ^= 1 << 3  # one bit, after the all-reduce
+        opt.step()
+    if scenario == "sdc":
+        result["certified"] = {str(s): session.scout.certified(s) for s in range(max(1, at - 2), steps + 1)}
+    dist.barrier()
+    time.sleep(0.3)  # a benchmark-free grace: let the last step's gossip land before reading verdicts
+    write_result()
+    session.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
