@@ -437,8 +437,19 @@ class RankRuntime:
                 peer, msg = self._outbox.popleft()
                 if peer is None:
                     await self._publish(msg)
+                    self._loopback(msg)
                 else:
                     await self._send_direct(peer, msg)
+
+    def _loopback(self, msg: Message) -> None:
+        """Our own gossip reaches our own handlers too: every rank judges the same evidence set."""
+        sealed = Sealed(self.rank, self.incarnation, 0)
+        for handler in self._handlers.get(msg.TAG, ()):
+            try:
+                handler(sealed, msg)
+            except Exception:  # as for peers' messages: count, log, carry on
+                self._stats.handler_errors += 1
+                log.exception("rank %d: handler for own %s failed", self.rank, msg.TAG)
 
     async def _timers_forever(self) -> None:
         interval = self.config.heartbeat_interval_s

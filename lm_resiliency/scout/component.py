@@ -112,13 +112,9 @@ class Scout:
         params = fingerprint(p for p in self.adapter.model.parameters())
         ev = Evidence(self.rank, step, self._grads_fp or b"", params)
         self._grads_fp = None
-        self._on_evidence_local(ev)
-        self.runtime.submit(ev)
+        self.runtime.submit(ev)  # gossiped, and looped back to our own handlers
 
     # -- runtime thread ---------------------------------------------------------------------------
-    def _on_evidence_local(self, ev: Evidence) -> None:
-        self.runtime.loop.submit(self._on_evidence, ev)
-
     def _on_evidence(self, ev: Evidence) -> None:
         if ev.rank not in self.group:
             return
@@ -178,9 +174,9 @@ class Scout:
     async def _progress_forever(self) -> None:
         while True:
             own = self._own_progress()
-            self._progress[self.rank] = own
             self.runtime.submit(own)
             live = self._live_group()
+            self._progress[self.rank] = own
             evidence = {
                 r: ProgressValue(p.step, p.collectives, p.in_collective_s, p.idle_s)
                 for r, p in self._progress.items()
