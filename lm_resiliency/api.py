@@ -237,6 +237,7 @@ class Session:
         self._reports: list[dict[str, Any]] = []
         self._reports_lock = threading.Lock()
         self._closed = False
+        self._detection_paused = False
         self.rank = 0
         self.world_size = 1
 
@@ -384,6 +385,7 @@ class Session:
             heartbeat_s=self._runtime_config.heartbeat_interval_s,
         )
         scout._step_source = lambda: self.step_count  # type: ignore[attr-defined]
+        scout._paused = lambda: self._detection_paused  # type: ignore[attr-defined]
         self._components.append(scout)
 
     @property
@@ -397,10 +399,21 @@ class Session:
         return next((c for c in self._components if getattr(c, "name", "") == "gemini"), None)
 
     # -- the training-thread path -----------------------------------------------------------------
+    def pause_detection(self, paused: bool = True) -> None:
+        """Stop (or resume) per-step telemetry and SCOUT evidence; GEMINI and heartbeats go on.
+
+        For side-by-side overhead measurements and maintenance windows."""
+        self._detection_paused = paused
+
     def _on_step(self, times: StepTimes) -> None:
         self._steps += 1
         step = self._step_offset + self._steps
         rt = self._runtime
+        if self._detection_paused:
+            for c in self._components:
+                if getattr(c, "name", "") != "scout":
+                    c.on_step(self, times)
+            return
         if rt is not None and not self._closed:
             rt.set_progress(step)
             rt.submit(

@@ -99,7 +99,7 @@ class Scout:
 
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         step = self._session_step() + 1
-        if self._due(step):
+        if self._due(step) and not getattr(self, "_paused", lambda: False)():
             self._grads_fp = fingerprint(p.grad for g in opt.param_groups for p in g["params"])
 
     def _session_step(self) -> int:

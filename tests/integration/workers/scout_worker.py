@@ -91,6 +91,27 @@ def main() -> int:
     )
     if scenario == "compute" and rank == culprit:
         model.module[0].register_forward_hook(lambda m, i, o: time.sleep(0.06))  # ~3x this job's compute
+    if scenario == "throughput":  # bench/scout.py: alternate blocks with detection on and paused
+        x = torch.randn(32, 128, generator=torch.Generator().manual_seed(rank))
+        rates: dict[str, list[float]] = {"on": [], "off": []}
+        for b in range(2 * int(os.environ.get("BLOCKS", "5")) + 1):
+            mode = "on" if b % 2 else "off"
+            session.pause_detection(mode == "off")
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                loss = (model(x) - x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            dist.barrier()
+            if b:
+                rates[mode].append(steps / (time.perf_counter() - t0))
+        result["rates"] = rates
+        write_result()
+        session.close()
+        dist.destroy_process_group()
+        return 0
     jitter = random.Random(rank)
     loader = session.instrument_dataloader(Source(rank, scenario == "input" and rank == culprit))
     for step, x in zip(range(1, steps + 1), loader, strict=False):

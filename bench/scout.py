@@ -1,0 +1,124 @@
+"""SCOUT benchmark on a real 4-rank gloo DDP job (processes on this host).
+
+Prints progress, then one JSON object on the last line:
+  healthy_throughput_ratio  steps/s with fingerprints + gossip every step / with detection paused,
+                            alternating blocks in the same processes (goal >= 0.99)
+  detect_steps_straggler    steps from the first slow step to the compute-straggler verdict
+  detect_s_hang             seconds from a rank's stall to the hang verdict (threshold 2 s)
+  detect_steps_sdc          steps from the bit flip to the SDC verdict
+  false_positives           verdicts over a clean run with timing jitter (--clean-steps)
+
+The fault scenarios use tests/integration/workers/scout_worker.py, the same job the tests run.
+Usage: python bench/scout.py [--clean-steps 500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "integration" / "workers" / "scout_worker.py"
+sys.path.insert(0, str(ROOT))
+
+import torch.distributed as dist  # noqa: E402
+
+
+def run(
+    scenario: str,
+    steps: int,
+    culprit: int = -1,
+    at: int = -1,
+    extra: dict[str, str] | None = None,
+    wait_all: bool = True,
+) -> tuple[list[dict], float]:
+    tmp = Path(tempfile.mkdtemp(prefix=f"lmr-scout-{scenario}-"))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = []
+    for r in range(4):
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "RANK": str(r),
+            "WORLD_SIZE": "4",
+            "STORE_PORT": str(store.port),
+            "RESULT_DIR": str(tmp),
+            "STEPS": str(steps),
+            "SCENARIO": scenario,
+            "CULPRIT": str(culprit),
+            "AT_STEP": str(at),
+            "REPORT_DIR": str(tmp / "reports"),
+            **(extra or {}),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER)],
+                env=env,
+                cwd=tmp,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    expect = [r for r in range(4) if wait_all or r != culprit]
+    try:
+        deadline = time.monotonic() + 600
+        while not all((tmp / f"rank{r}.json").exists() for r in expect):
+            if time.monotonic() > deadline or (wait_all and any(p.poll() not in (None, 0) for p in procs)):
+                raise RuntimeError(f"scenario {scenario} failed; see {tmp}")
+            time.sleep(0.05)
+        stalled = float(store.get("test/stalled_at")) if scenario == "hang" else 0.0
+        return [json.loads((tmp / f"rank{r}.json").read_text()) for r in expect], stalled
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clean-steps", type=int, default=500)
+    ap.add_argument("--block-steps", type=int, default=40)
+    ap.add_argument("--blocks", type=int, default=5)
+    args = ap.parse_args()
+    out: dict[str, object] = {}
+    res, _ = run("throughput", args.block_steps, extra={"BLOCKS": str(args.blocks)})
+    on = statistics.median(res[0]["rates"]["on"])
+    off = statistics.median(res[0]["rates"]["off"])
+    out.update(
+        healthy_throughput_ratio=on / off, steps_per_s_detection_on=on, steps_per_s_detection_paused=off
+    )
+    print(f"throughput: {out}", flush=True)
+    res, _ = run("compute", 15, culprit=1)
+    seen = [r["first_seen_step"].get("straggler:[1]") for r in res]
+    out["detect_steps_straggler"] = max(s for s in seen if s is not None) if all(seen) else None
+    res, stalled = run("hang", 60, culprit=0, at=8, wait_all=False)
+    out["detect_s_hang"] = max(r["hang_seen_at"] for r in res) - stalled
+    out["hang_stall_threshold_s"] = 2.0
+    res, _ = run("sdc", 12, culprit=2, at=6)
+    seen = [r["first_seen_step"].get("sdc:[2]") for r in res]
+    out["detect_steps_sdc"] = (
+        (max(s for s in seen if s is not None) - 6) if all(s is not None for s in seen) else None
+    )
+    res, _ = run("clean", args.clean_steps)
+    out["false_positives"] = sum(len(r["faults"]) for r in res)
+    out["clean_steps"] = args.clean_steps
+    out["goals"] = {
+        "healthy_throughput_ratio": ">= 0.99",
+        "detect_steps_straggler": "<= 3 (+ gossip)",
+        "detect_s_hang": "<= 2 x threshold",
+        "false_positives": "== 0",
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
