@@ -387,6 +387,9 @@ class Session:
         scout._step_source = lambda: self.step_count  # type: ignore[attr-defined]
         scout._paused = lambda: self._detection_paused  # type: ignore[attr-defined]
         self._components.append(scout)
+        gem = self.gemini
+        if gem is not None:
+            gem.certifier = scout.certified
 
     @property
     def scout(self) -> Any:
@@ -520,6 +523,14 @@ class Session:
             )
         mode = self._recovery_mode or RecoveryMode(default_recovery_mode(failure_kind))
         newest = self._newest_recoverable(mode)
+        if newest >= 0:
+            reason = "recovery_verified_step" if mode is RecoveryMode.RECOVERY_VERIFIED else "latest_step"
+        elif self.gemini is None:
+            reason = "no_checkpoint_component"
+        elif mode is RecoveryMode.RECOVERY_VERIFIED:
+            reason = "no_certified_step_loadable_by_every_rank"
+        else:
+            reason = "no_step_loadable_by_every_rank"
         self._last_decision = RecoveryDecision(
             failure_kind=failure_kind,
             recovery_mode=mode,
@@ -528,7 +539,7 @@ class Session:
             topology_digest=self.topology.digest() if self._topology else "",
             all_ranks_accessible=all_ranks_accessible,
             available=newest >= 0,
-            reason="checkpoint_available" if newest >= 0 else "no_checkpoint_component",
+            reason=reason,
         )
         return mode
 

@@ -111,6 +111,7 @@ class Gemini:
         self.chunk = config.replication_chunk_size
         self._on_fault = on_fault
         self.load_fallback = load_fallback
+        self.certifier: Callable[[int], bool] | None = None  # set by the session when SCOUT runs
         self._copier = copier
         self._pinned: dict[int, Any] = {}  # slot index -> mapping registered with the copier
         self._fence: Completion | None = None
@@ -372,8 +373,17 @@ class Gemini:
 
         t0 = time.perf_counter()
         with self._lock:
-            newest = max(self._own_step.items(), key=lambda kv: kv[1], default=(None, -1))[0]
-            free = [k for k in (0, 1) if k != newest and k not in self._busy]
+            # Keep the newest recovery-verified capture (SCOUT certified it); without certificates,
+            # keep the newest one. After an SDC the certified slot stays put while the other rotates.
+            certified = {
+                k: s for k, s in self._own_step.items() if self.certifier is not None and self.certifier(s)
+            }
+            pool = certified or self._own_step
+            keep = max(pool.items(), key=lambda kv: kv[1], default=(None, -1))[0]
+            free = sorted(
+                (k for k in (0, 1) if k != keep and k not in self._busy),
+                key=lambda k: self._own_step.get(k, -1),
+            )
             if not free:
                 self.stats.skipped_busy += 1
                 return False
@@ -652,10 +662,28 @@ class Gemini:
 
     # -- session component ------------------------------------------------------------------------
     def newest_recoverable_step(self, mode: Any) -> int:
-        """The newest step every rank can load, as far as this rank has heard."""
+        """The newest step every rank can load, as far as this rank has heard.
+
+        With `mode == "recovery_verified"`, only steps that `certifier` (SCOUT) certified count."""
+        allowed = None
+        if str(getattr(mode, "value", mode)) == "recovery_verified":
+            if self.certifier is None:
+                return -1
+            allowed = {s for i in self.cluster_inventory().values() for s in i.local if self.certifier(s)}
         if len(set(self._inventories) | {self.rank}) < self.world_size:
-            return -1 if self.world_size > 1 else max(self._own_step.values(), default=-1)
-        return self.cluster_plan().step
+            if self.world_size > 1:
+                return -1
+            steps = [s for s in self._own_step.values() if allowed is None or s in allowed]
+            return max(steps, default=-1)
+        inv = self.cluster_inventory()
+        plan = plan_recovery(
+            self.world_size,
+            {r: set(i.local) for r, i in inv.items()},
+            {r: {int(o): set(s) for o, s in i.replicas.items()} for r, i in inv.items()},
+            {r: set(i.disk) for r, i in inv.items()},
+            allowed=allowed,
+        )
+        return plan.step
 
     def flush_for_restart(self, timeout: float = 30.0) -> int:
         """Write the newest committed capture to disk; return its step, or -1 (nothing, or disk failed)."""

@@ -68,6 +68,11 @@ def test_bit_flip_in_a_gradient_after_reduction_is_named_sdc_and_not_certified(
         assert sdc and sdc[0]["failed_ranks"] == [2] and sdc[0]["steps"] == [6], res["faults"]
         assert sdc[0]["reason"] == "grads_fingerprint_minority"
         assert res["certified"]["5"] and not res["certified"]["6"], res["certified"]
+        # After SDC, recovery goes back to the last certified capture; after a crash, the latest.
+        assert res["sdc_decision"]["recovery_mode"] == "recovery_verified"
+        assert res["sdc_decision"]["checkpoint_step"] == 5, res["sdc_decision"]
+        assert res["crash_decision"]["recovery_mode"] == "latest"
+        assert res["crash_decision"]["checkpoint_step"] == 12, res["crash_decision"]
     lines = (tmp_path / "reports" / "reports-rank0.jsonl").read_text().splitlines()
     assert any(json.loads(line)["kind"] == "sdc" for line in lines)
 

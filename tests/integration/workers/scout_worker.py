@@ -78,7 +78,7 @@ def main() -> int:
         model,
         opt,
         interval=1,
-        enable_checkpoint=False,
+        enable_checkpoint=scenario == "sdc",
         fault_callback=on_fault,
         replay=ReplayHarnessConfig(
             straggler_ratio=1.5,
@@ -129,6 +129,13 @@ def main() -> int:
         opt.step()
     if scenario == "sdc":
         result["certified"] = {str(s): session.scout.certified(s) for s in range(max(1, at - 2), steps + 1)}
+        session.gemini.drain(30)
+        dist.barrier()
+        time.sleep(0.3)  # let the last inventories land (gossip), bounded
+        session.prepare_recovery("sdc")
+        result["sdc_decision"] = session.last_recovery_decision
+        session.prepare_recovery("process_failure")
+        result["crash_decision"] = session.last_recovery_decision
     dist.barrier()
     time.sleep(0.3)  # a benchmark-free grace: let the last step's gossip land before reading verdicts
     write_result()
