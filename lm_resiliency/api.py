@@ -103,6 +103,7 @@ def enable_resiliency(
     recovery_mode: RecoveryMode | str | None = None,
     runtime: RuntimeConfig | None = None,
     store: Any = None,
+    health_source: Any = None,
 ) -> Session:
     """Attach lm-resiliency to a training job. Call once per rank, after `init_process_group` and after
     the model and optimizer exist, before the training loop.
@@ -115,6 +116,8 @@ def enable_resiliency(
         interval: steps between GEMINI captures and SCOUT checks (> 0).
         runtime: heartbeat and transport settings (ours, beyond the 0.2 interface).
         store: a torch.distributed Store for discovery; defaults to the default process group's.
+        health_source: a `lm_resiliency.scout.health.HealthSource` (hardware telemetry); default: NVML
+            where an NVIDIA driver and GPU are present, none elsewhere; False disables it.
         load_fallback: on a restart where no in-memory, replica or durable copy is loadable for every
             rank, called with the requested step (or None); it restores the caller's own checkpoint
             and returns the step it restored (or None/-1 to start fresh).
@@ -189,6 +192,7 @@ def enable_resiliency(
             "load_extra_state_fn": load_extra_state_fn,
             "load_fallback": load_fallback,
             "opt_param_scheduler": opt_param_scheduler,
+            "health_source": health_source,
         },
     )
     try:
@@ -374,7 +378,15 @@ class Session:
         from lm_resiliency.scout.component import Scout
 
         assert self._runtime is not None and self._topology is not None
+        from lm_resiliency.scout.health import default_health_source
+
+        health = self.settings["health_source"]
+        if health is None:
+            health = default_health_source()
+        elif health is False:
+            health = None
         scout = Scout(
+            health=health,
             rank=self.rank,
             topology=self._topology,
             runtime=self._runtime,

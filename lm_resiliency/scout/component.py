@@ -36,6 +36,7 @@ from lm_resiliency.core.scout.verdicts import (
 from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
 from lm_resiliency.core.topology import Topology
 from lm_resiliency.scout.fingerprint import fingerprint
+from lm_resiliency.scout.health import HealthEvent, HealthSource
 
 __all__ = ["Scout"]
 
@@ -57,6 +58,8 @@ class Scout:
         interval: int,
         emit: Callable[[dict[str, Any]], None],
         heartbeat_s: float,
+        health: HealthSource | None = None,
+        health_interval_s: float = 1.0,
     ) -> None:
         self.rank = rank
         self.topology = topology
@@ -67,6 +70,9 @@ class Scout:
         self.interval = config.interval or interval
         self._emit = emit
         self._heartbeat_s = heartbeat_s
+        self.health = health
+        self._health_interval_s = health_interval_s
+        self._health_reported: set[tuple[str, str, str]] = set()
         self._stragglers = StragglerDetector(
             config.straggler_ratio, config.straggler_min_ms / 1e3, config.straggler_confirmations
         )
@@ -91,6 +97,8 @@ class Scout:
         runtime.add_handler("step", lambda sealed, msg: self._on_times(msg))
         runtime.add_handler("prog", lambda sealed, msg: self._on_progress(msg))
         runtime.loop.spawn(self._progress_forever, name="scout-progress")
+        if health is not None:
+            runtime.loop.spawn(self._health_forever, name="scout-health")
         self._closed = False
 
     # -- training thread --------------------------------------------------------------------------
@@ -188,6 +196,43 @@ class Scout:
                     self._report(v)
             await anyio.sleep(self._heartbeat_s)
 
+    async def _health_forever(self) -> None:
+        assert self.health is not None
+        while True:
+            try:
+                events = await anyio.to_thread.run_sync(self.health.poll)
+            except Exception:  # a telemetry bug must not stop detection; it is logged with its trace
+                log.exception("rank %d: health source failed", self.rank)
+                events = []
+            for ev in events:
+                self._report_health(ev)
+            await anyio.sleep(self._health_interval_s)
+
+    def _report_health(self, ev: HealthEvent) -> None:
+        key = (ev.kind, ev.device, ev.detail if ev.fatal else "")
+        if key in self._health_reported:
+            return
+        self._health_reported.add(key)
+        reason = f"{ev.kind}_fatal" if ev.kind == "xid" and ev.fatal else ev.kind
+        report = SCOUTFaultReport(
+            kind="hardware",
+            failed_ranks=(self.rank,),
+            scope="rank",
+            sources=("health",),
+            confidence=1.0 if ev.fatal else 0.3,
+            reason=reason,
+            node=self.topology.node_of(self.rank),
+            device=ev.device,
+        ).to_dict()
+        report["fatal"] = ev.fatal
+        report["detail"] = ev.detail
+        report["reported_by"] = self.rank
+        (log.error if ev.fatal else log.warning)(
+            "rank %d hardware: %s on %s: %s", self.rank, ev.kind, ev.device, ev.detail
+        )
+        self._write_report(report)
+        self._emit(report)
+
     # -- reports ----------------------------------------------------------------------------------
     def _report(self, v: Verdict) -> None:
         key = (v.kind, v.ranks, v.step if v.kind not in ("hang", "collective_stall") else -1)
@@ -216,14 +261,18 @@ class Scout:
         log.warning(
             "rank %d SCOUT verdict: %s %s at step %d: %s", self.rank, v.kind, list(v.ranks), v.step, v.detail
         )
-        if self._report_path is not None:
-            try:
-                self._report_path.parent.mkdir(parents=True, exist_ok=True)
-                with open(self._report_path, "a") as f:
-                    f.write(json.dumps({"time": time.time(), "pid": os.getpid(), **report}) + "\n")
-            except OSError as exc:
-                log.error("cannot append the fault report to %s: %s", self._report_path, exc)
+        self._write_report(report)
         self._emit(report)
+
+    def _write_report(self, report: dict[str, Any]) -> None:
+        if self._report_path is None:
+            return
+        try:
+            self._report_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self._report_path, "a") as f:
+                f.write(json.dumps({"time": time.time(), "pid": os.getpid(), **report}) + "\n")
+        except OSError as exc:
+            log.error("cannot append the fault report to %s: %s", self._report_path, exc)
 
     # -- certification ----------------------------------------------------------------------------
     def certified(self, step: int) -> bool:
@@ -243,3 +292,5 @@ class Scout:
         self._closed = True
         for h in self._handles:
             h.remove()
+        if self.health is not None:
+            self.health.close()

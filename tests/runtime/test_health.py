@@ -1,0 +1,128 @@
+"""Hardware telemetry: the NVML source's logic against a stand-in NVML, and a scripted source in a session."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from lm_resiliency import enable_resiliency
+from lm_resiliency.scout.health import (
+    HealthEvent,
+    NvmlHealthSource,
+    ScriptedHealthSource,
+    default_health_source,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def fake_nvml() -> types.SimpleNamespace:
+    """The part of pynvml NvmlHealthSource uses, for a machine without an NVIDIA GPU."""
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_NotSupported(NVMLError):
+        pass
+
+    class NVMLError_Timeout(NVMLError):
+        pass
+
+    state = types.SimpleNamespace(
+        ecc=0, nvlink=0, temp=60, reasons=0, xids=[], remap_failure=False, shut=False
+    )
+
+    def wait(events: object, timeout_ms: int) -> object:
+        if not state.xids:
+            raise NVMLError_Timeout()
+        return types.SimpleNamespace(eventData=state.xids.pop(0), device="h0")
+
+    def nvlink(h: object, link: int, kind: int) -> int:
+        if link > 0:
+            raise NVMLError_NotSupported()
+        return state.nvlink
+
+    return types.SimpleNamespace(
+        state=state,
+        NVMLError=NVMLError,
+        NVMLError_NotSupported=NVMLError_NotSupported,
+        NVMLError_Timeout=NVMLError_Timeout,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: setattr(state, "shut", True),
+        nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: f"h{i}",
+        nvmlDeviceGetUUID=lambda h: b"GPU-1234",
+        nvmlEventSetCreate=lambda: "set",
+        nvmlEventSetFree=lambda s: None,
+        nvmlDeviceRegisterEvents=lambda h, kind, s: None,
+        nvmlEventTypeXidCriticalError=8,
+        nvmlEventSetWait_v2=wait,
+        nvmlDeviceGetTotalEccErrors=lambda h, t, c: state.ecc,
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1,
+        NVML_VOLATILE_ECC=0,
+        nvmlDeviceGetRemappedRows=lambda h: (0, 1, 0, state.remap_failure),
+        nvmlDeviceGetNvLinkErrorCounter=nvlink,
+        NVML_NVLINK_MAX_LINKS=4,
+        NVML_NVLINK_ERROR_DL_REPLAY=0,
+        NVML_NVLINK_ERROR_DL_CRC_FLIT=2,
+        nvmlDeviceGetTemperature=lambda h, s: state.temp,
+        NVML_TEMPERATURE_GPU=0,
+        nvmlDeviceGetCurrentClocksEventReasons=lambda h: state.reasons,
+        nvmlClocksEventReasonHwSlowdown=0x8,
+        nvmlClocksEventReasonHwThermalSlowdown=0x40,
+        nvmlClocksEventReasonHwPowerBrakeSlowdown=0x80,
+    )
+
+
+def test_nvml_source_turns_counters_and_events_into_health_events() -> None:
+    nvml = fake_nvml()
+    nvml.state.ecc = 2  # errors the device had before we started do not count
+    src = NvmlHealthSource(nvml=nvml, temp_limit_c=85)
+    assert src.poll() == []
+    nvml.state.xids += [13, 79]
+    nvml.state.ecc = 3
+    nvml.state.nvlink = 5
+    nvml.state.temp = 91
+    nvml.state.reasons = 0x40
+    nvml.state.remap_failure = True
+    got = {(e.kind, e.fatal) for e in src.poll()}
+    assert got == {
+        ("xid", False),
+        ("xid", True),
+        ("ecc_uncorrectable", True),
+        ("row_remap_failure", True),
+        ("nvlink_errors", False),
+        ("thermal", False),
+        ("hw_slowdown", False),
+    }
+    assert all(e.device == "GPU-1234" for e in src.poll())
+    src.close()
+    assert nvml.state.shut and src.poll() == []
+
+
+def test_no_nvml_here_means_no_source() -> None:
+    assert default_health_source() is None  # this machine has no NVIDIA driver
+
+
+def test_fatal_event_becomes_a_hardware_report_naming_the_device() -> None:
+    source = ScriptedHealthSource()
+    reports: list[dict] = []
+    model = nn.Linear(2, 2)
+    with enable_resiliency(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        fault_callback=reports.append,
+        health_source=source,
+    ) as s:
+        source.push(HealthEvent("xid", "GPU-abcd", True, "XID 79", 79.0))
+        source.push(HealthEvent("thermal", "GPU-abcd", False, "92 C", 92.0))
+        deadline = __import__("time").monotonic() + 10
+        while len(reports) < 2 and __import__("time").monotonic() < deadline:
+            s.wait_for(lambda v: False, 0.05)  # the health task polls every second
+    fatal = [r for r in reports if r.get("fatal")]
+    assert fatal and fatal[0]["kind"] == "hardware" and fatal[0]["device"] == "GPU-abcd"
+    assert fatal[0]["reason"] == "xid_fatal" and fatal[0]["failed_ranks"] == [0]
+    assert any(r["reason"] == "thermal" and not r["fatal"] for r in reports)
