@@ -27,6 +27,7 @@ __all__ = [
     "Progress",
     "ReplicaRequest",
     "StepTelemetry",
+    "Vote",
     "frames_field",
     "register",
 ]
@@ -187,3 +188,21 @@ class Progress(Message):
     collectives: int
     in_collective_s: float
     idle_s: float
+
+
+@register
+@dataclass(frozen=True)
+class Vote(Message):
+    """A rank's vote for a SCOUT verdict; the group acts once a majority voted for the same key."""
+
+    TAG: ClassVar[str] = "vote"
+    rank: int
+    key: str
+    kind: str
+    ranks: tuple[int, ...]
+    step: int
+    reason: str
+    detail: str = ""
+    straggler_type: str | None = None
+    confirmations: int | None = None
+    stall_duration_s: float | None = None

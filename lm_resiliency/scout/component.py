@@ -25,7 +25,8 @@ from typing import Any
 import anyio
 
 from lm_resiliency.config import ReplayHarnessConfig, SCOUTFaultReport
-from lm_resiliency.core.messages import Evidence, Progress, StepTelemetry
+from lm_resiliency.core.messages import Evidence, Progress, StepTelemetry, Vote
+from lm_resiliency.core.scout.consensus import VoteBook
 from lm_resiliency.core.scout.verdicts import (
     HangDetector,
     PhaseTimes,
@@ -96,6 +97,10 @@ class Scout:
         runtime.add_handler("evid", lambda sealed, msg: self._on_evidence(msg))
         runtime.add_handler("step", lambda sealed, msg: self._on_times(msg))
         runtime.add_handler("prog", lambda sealed, msg: self._on_progress(msg))
+        runtime.add_handler("vote", lambda sealed, msg: self._on_vote(msg))
+        self._book = VoteBook()
+        self._candidates: dict[str, Vote] = {}
+        self._acted: set[str] = set()
         runtime.loop.spawn(self._progress_forever, name="scout-progress")
         if health is not None:
             runtime.loop.spawn(self._health_forever, name="scout-health")
@@ -235,11 +240,55 @@ class Scout:
 
     # -- reports ----------------------------------------------------------------------------------
     def _report(self, v: Verdict) -> None:
+        """Vote for a verdict this rank reached; acting waits for a majority of the group."""
         key = (v.kind, v.ranks, v.step if v.kind not in ("hang", "collective_stall") else -1)
         with self._lock:
             if key in self._reported:
                 return
             self._reported.add(key)
+        vote_key = f"{key[0]}:{','.join(map(str, key[1]))}@{key[2]}"
+        self.runtime.submit(
+            Vote(
+                self.rank,
+                vote_key,
+                v.kind,
+                v.ranks,
+                v.step,
+                v.reason,
+                v.detail,
+                v.straggler_type,
+                v.confirmations,
+                v.stall_duration_s,
+            )
+        )  # gossiped to the group and looped back to our own _on_vote
+
+    def _on_vote(self, vote: Vote) -> None:
+        if vote.rank not in self.group:
+            return
+        self._candidates.setdefault(vote.key, vote)
+        self._book.vote(vote.rank, vote.key)
+        if vote.key in self._acted:
+            return
+        quorum = len(self._live_group() | {vote.rank}) or 1
+        if self._book.count(vote.key, self.group) * 2 > quorum:
+            self._acted.add(vote.key)
+            c = self._candidates[vote.key]
+            self._act(
+                Verdict(
+                    c.kind,
+                    c.ranks,
+                    c.step,
+                    c.reason,
+                    c.detail,
+                    c.straggler_type,
+                    c.confirmations,
+                    c.stall_duration_s,
+                ),
+                voters=self._book.count(vote.key, self.group),
+            )
+
+    def _act(self, v: Verdict, voters: int) -> None:
+        with self._lock:
             self.verdicts.append(v)
         kind = {"sdc_ambiguous": "sdc", "collective_stall": "hang"}.get(v.kind, v.kind)
         report = SCOUTFaultReport(
@@ -258,6 +307,7 @@ class Scout:
         ).to_dict()
         report["detail"] = v.detail
         report["reported_by"] = self.rank
+        report["votes"] = voters
         log.warning(
             "rank %d SCOUT verdict: %s %s at step %d: %s", self.rank, v.kind, list(v.ranks), v.step, v.detail
         )

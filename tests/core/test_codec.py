@@ -20,6 +20,7 @@ from lm_resiliency.core.messages import (
     Progress,
     ReplicaRequest,
     StepTelemetry,
+    Vote,
 )
 from lm_resiliency.errors import CodecError
 
@@ -45,6 +46,7 @@ SAMPLES = [
     GeminiInventory(rank=1, local=(3, 4), replicas={"0": (3,)}, disk=(2,)),
     Evidence(rank=0, step=3, grads=b"g" * 16, params=b"p" * 16),
     Progress(rank=2, step=3, collectives=9, in_collective_s=0.5, idle_s=0.1),
+    Vote(rank=1, key="sdc:2@6", kind="sdc", ranks=(2,), step=6, reason="grads_fingerprint_minority"),
 ]
 
 
