@@ -27,7 +27,7 @@ from typing import Any
 import msgpack
 import torch
 
-from lm_resiliency.config import InMemoryCkptConfig
+from lm_resiliency.config import InMemoryCkptConfig, SCOUTFaultReport
 from lm_resiliency.core.auth import frame_digest
 from lm_resiliency.core.gemini.placement import replica_holders
 from lm_resiliency.core.gemini.recovery import RecoveryPlan, plan_recovery
@@ -194,17 +194,12 @@ class Gemini:
     def _reject(self, why: str) -> None:
         self.stats.rejected_copies.append(why)
         log.warning("rank %d: checkpoint copy skipped: %s", self.rank, why)
+        self._fault("checkpoint_corruption", "checkpoint_copy_invalid", why)
+
+    def _fault(self, kind: str, reason: str, detail: str, **extra: str) -> None:
         if self._on_fault is not None:
-            self._on_fault(
-                {
-                    "kind": "checkpoint_corruption",
-                    "failed_ranks": [self.rank],
-                    "scope": "rank",
-                    "sources": ["gemini"],
-                    "reason": "checkpoint_copy_invalid",
-                    "detail": why,
-                }
-            )
+            report = SCOUTFaultReport(kind, (self.rank,), "rank", ("gemini",), reason=reason).to_dict()
+            self._on_fault({**report, "detail": detail, **extra})
 
     def recover(self, exchange: Exchange, exact_step: int | None, timeout: float = 120.0) -> tuple[int, str]:
         """Agree with every rank on a step and restore it. Returns (step, reason); step -1: fresh start."""
@@ -511,18 +506,7 @@ class Gemini:
             self.stats.disk_errors += 1
             self.stats.last_disk_error = str(exc)
             log.error("rank %d: %s; memory tiers keep the run recoverable", self.rank, exc)
-            if self._on_fault is not None:
-                self._on_fault(
-                    {
-                        "kind": "io_error",
-                        "failed_ranks": [self.rank],
-                        "scope": "rank",
-                        "sources": ["gemini"],
-                        "reason": "durable_write_failed",
-                        "endpoint_id": str(self.durable.root),
-                        "detail": str(exc),
-                    }
-                )
+            self._fault("io_error", "durable_write_failed", str(exc), endpoint_id=str(self.durable.root))
             return False
         self._on_disk.add(header.step)
         self.stats.disk_writes += 1
