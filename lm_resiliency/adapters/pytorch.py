@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch import nn
 
 from lm_resiliency.adapters.base import AdapterTopology, StepSink, StepTimes
@@ -61,7 +62,9 @@ class PyTorchAdapter:
         self._comm_end: float | None = None
         self._input_s = 0.0
         # Progress for out-of-band hang detection (read by the runtime thread; plain attribute writes).
-        self.collectives = 0
+        # (collectives entered, hash chain over them): one tuple, replaced whole, so the runtime thread
+        # never reads a count from one collective with the chain of another.
+        self.collective_state: tuple[int, bytes] = (0, b"")
         self.outstanding = 0
         self.in_collective_since: float | None = None
         self.last_progress = time.monotonic()
@@ -142,12 +145,17 @@ class PyTorchAdapter:
         if self._comm_start is None:
             self._comm_start = now
         self._comm_last_call = now
-        self.collectives += 1
         self.outstanding += 1
         if self.in_collective_since is None:
             self.in_collective_since = time.monotonic()
         group = pg if pg is not None else dist.group.WORLD
         buffer: torch.Tensor = bucket.buffer()
+        # What this collective is, chained onto all before it: peers that entered as many collectives
+        # must hold the same chain, or one of them issued a different collective (desync).
+        n_grads, size = len(bucket.gradients()), dist.get_world_size(group)
+        sig = f"allreduce:{buffer.numel()}:{buffer.dtype}:{n_grads}:{size}"
+        count, chain = self.collective_state
+        self.collective_state = (count + 1, xxhash.xxh3_64_digest(chain + sig.encode()))
         buffer.mul_(1.0 / dist.get_world_size(group))
         futures = [
             dist.all_reduce(g, group=group, async_op=True).get_future()  # views into `buffer`

@@ -188,6 +188,7 @@ class Progress(Message):
     collectives: int
     in_collective_s: float
     idle_s: float
+    chain: bytes = b""  # hash chain over every collective entered (op, size, dtype, group)
 
 
 @register

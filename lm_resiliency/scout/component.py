@@ -32,6 +32,7 @@ from lm_resiliency.core.scout.verdicts import (
     PhaseTimes,
     StragglerDetector,
     Verdict,
+    desync_verdict,
     fingerprint_verdict,
 )
 from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
@@ -176,12 +177,14 @@ class Scout:
         a = self.adapter
         since = getattr(a, "in_collective_since", None)
         now = time.monotonic()
+        count, chain = getattr(a, "collective_state", (0, b""))
         return Progress(
             self.rank,
             self._session_step(),
-            int(getattr(a, "collectives", 0)),
+            int(count),
             0.0 if since is None else now - since,
             now - float(getattr(a, "last_progress", now)),
+            bytes(chain),
         )
 
     async def _progress_forever(self) -> None:
@@ -199,6 +202,10 @@ class Scout:
                 v = self._hangs.observe(own.step, evidence)
                 if v is not None:
                     self._report(v)
+                chains = {r: (p.collectives, p.chain) for r, p in self._progress.items() if r in live}
+                d = desync_verdict(own.step, chains) if len(self.group) >= 3 else None
+                if d is not None:
+                    self._report(d)
             await anyio.sleep(self._heartbeat_s)
 
     async def _health_forever(self) -> None:

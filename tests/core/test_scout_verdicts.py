@@ -9,6 +9,7 @@ from lm_resiliency.core.scout.verdicts import (
     PhaseTimes,
     Progress,
     StragglerDetector,
+    desync_verdict,
     fingerprint_verdict,
     hang_verdict,
 )
@@ -98,3 +99,16 @@ def test_hang_detector_reports_once_until_progress() -> None:
     assert d.observe(1, prog) is None
     assert d.observe(2, {0: Progress(2, 5, 0.0), 1: Progress(2, 5, 0.0)}) is None
     assert d.observe(3, prog) is not None
+
+
+def test_collective_desync_names_the_rank_whose_chain_differs() -> None:
+    chains = {0: (40, b"a"), 1: (40, b"a"), 2: (40, b"b"), 3: (39, b"z")}
+    v = desync_verdict(7, chains)
+    assert v is not None and (v.kind, v.ranks, v.reason) == (
+        "collective_desync",
+        (2,),
+        "collective_sequence_minority",
+    )
+    assert desync_verdict(7, {0: (40, b"a"), 1: (41, b"b")}) is None  # different counts: not comparable
+    v = desync_verdict(7, {0: (5, b"a"), 1: (5, b"b")})
+    assert v is not None and v.kind == "collective_desync_ambiguous"

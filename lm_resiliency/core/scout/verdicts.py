@@ -13,6 +13,8 @@ that reports and tests rely on.
   consecutive steps. Synchronous training equalises step times (everyone waits in the collective for
   the slowest), so phases, not whole steps, are compared; compute stops at the rank's last gradient
   handed to communication, before any waiting.
+- Desync (`desync_verdict`): ranks that entered the same number of collectives carry the same hash
+  chain of (op, size, dtype, group) unless one issued a different collective.
 - Hangs (`hang_verdict`): peers wait inside collective k for `stall_threshold` seconds while a rank
   never entered it (its collective count is lower): that rank is the culprit.
 """
@@ -30,6 +32,7 @@ __all__ = [
     "Progress",
     "StragglerDetector",
     "Verdict",
+    "desync_verdict",
     "fingerprint_verdict",
     "hang_verdict",
 ]
@@ -172,6 +175,28 @@ def hang_verdict(now_step: int, progress: Mapping[int, Progress], stall_threshol
             f"every rank waits in collective #{k} for {stall:.1f}s",
             stall_duration_s=stall,
         )
+    return None
+
+
+def desync_verdict(now_step: int, chains: Mapping[int, tuple[int, bytes]]) -> Verdict | None:
+    """Collective desync: ranks that entered the same number of collectives must have entered the same
+    ones (op, size, dtype, group, in order), so their hash chains must be equal. `chains` maps a rank
+    to (collectives entered, hash chain)."""
+    by_count: dict[int, dict[int, bytes]] = {}
+    for r, (count, chain) in chains.items():
+        if count > 0 and chain:
+            by_count.setdefault(count, {})[r] = chain
+    for count, group in sorted(by_count.items()):
+        v = fingerprint_verdict(now_step, "collective", group)
+        if v is not None:
+            kind = "collective_desync" if v.kind == "sdc" else "collective_desync_ambiguous"
+            return Verdict(
+                kind,
+                v.ranks,
+                now_step,
+                v.reason.replace("fingerprint", "sequence"),
+                f"after {count} collectives: {v.detail}",
+            )
     return None
 
 
