@@ -103,8 +103,14 @@ class Scout:
         self._candidates: dict[str, Vote] = {}
         self._acted: set[str] = set()
         runtime.loop.spawn(self._progress_forever, name="scout-progress")
+        self._health_stop = threading.Event()
+        self._health_thread: threading.Thread | None = None
         if health is not None:
-            runtime.loop.spawn(self._health_forever, name="scout-health")
+            # Its own thread: NVML calls block, and a pooled worker thread would outlive close().
+            self._health_thread = threading.Thread(
+                target=self._health_forever, name=f"lm-resiliency-health{rank}", daemon=True
+            )
+            self._health_thread.start()
         self._closed = False
 
     # -- training thread --------------------------------------------------------------------------
@@ -208,17 +214,19 @@ class Scout:
                     self._report(d)
             await anyio.sleep(self._heartbeat_s)
 
-    async def _health_forever(self) -> None:
+    def _health_forever(self) -> None:
         assert self.health is not None
-        while True:
+        while not self._health_stop.wait(self._health_interval_s):
             try:
-                events = await anyio.to_thread.run_sync(self.health.poll)
+                events = self.health.poll()
             except Exception:  # a telemetry bug must not stop detection; it is logged with its trace
                 log.exception("rank %d: health source failed", self.rank)
-                events = []
+                continue
             for ev in events:
-                self._report_health(ev)
-            await anyio.sleep(self._health_interval_s)
+                try:
+                    self.runtime.loop.submit(self._report_health, ev)
+                except RuntimeError:  # the runtime closed under us
+                    return
 
     def _report_health(self, ev: HealthEvent) -> None:
         key = (ev.kind, ev.device, ev.detail if ev.fatal else "")
@@ -349,5 +357,8 @@ class Scout:
         self._closed = True
         for h in self._handles:
             h.remove()
+        self._health_stop.set()
+        if self._health_thread is not None:
+            self._health_thread.join(timeout=5.0)
         if self.health is not None:
             self.health.close()
