@@ -33,7 +33,7 @@ from lm_resiliency.core.gemini.placement import replica_holders
 from lm_resiliency.core.gemini.recovery import RecoveryPlan, plan_recovery
 from lm_resiliency.core.messages import GeminiInventory, ReplicaRequest
 from lm_resiliency.core.topology import Topology
-from lm_resiliency.errors import DiscoveryError
+from lm_resiliency.errors import DiscoveryError, SharedMemoryError
 from lm_resiliency.gemini.copier import Completion, Copier, copier_for
 from lm_resiliency.gemini.durable import DurableError, DurableStore
 from lm_resiliency.gemini.state import (
@@ -68,6 +68,7 @@ class GeminiStats:
     rejected_copies: list[str] = field(default_factory=list)
     capture_block_s_last: float = 0.0
     bytes_per_capture: int = 0
+    capture_failures: int = 0
     disk_writes: int = 0
     disk_errors: int = 0
     last_disk_error: str = ""
@@ -324,14 +325,31 @@ class Gemini:
         if step % self.interval != 0:
             return
         if self.scheduler is None:
-            self.capture(step)
+            self._capture_from_hook(step)
         else:
             self._pending = step
 
     def _take_pending(self) -> None:
         step, self._pending = self._pending, None
         if step is not None and not self._closed:
+            self._capture_from_hook(step)
+
+    def _capture_from_hook(self, step: int) -> None:
+        """Captures run inside the user's optimizer/scheduler calls: a capture that cannot be taken
+        (shared memory full, state we cannot serialise) is reported, never raised into training."""
+        try:
             self.capture(step)
+        except (SharedMemoryError, TypeError, ValueError) as exc:
+            self.stats.capture_failures += 1
+            if self.stats.capture_failures in (1, 10, 100) or self.stats.capture_failures % 1000 == 0:
+                log.error(
+                    "rank %d: capture of step %d failed (%d so far): %s",
+                    self.rank,
+                    step,
+                    self.stats.capture_failures,
+                    exc,
+                )
+                self._fault("checkpoint_capture_failed", "capture_failed", str(exc))
 
     def _install_boundary_hooks(self) -> None:
         self._pending = None

@@ -80,3 +80,30 @@ def test_single_process_restart_restores_bitwise(monkeypatch: pytest.MonkeyPatch
         assert s.recovered_step == 3
         train(s, m, o, 6)
     assert all(torch.equal(a, b) for a, b in zip(want, m.parameters(), strict=True))
+
+
+def test_unserialisable_extra_state_fails_at_enable_naming_the_path() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"state\.extra\.bad: objects of type set"):
+        enable_resiliency(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), extra_state_fn=lambda: {"bad": {1}}
+        )
+
+
+def test_a_capture_that_cannot_be_taken_is_reported_not_raised_into_training() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reports: list[dict] = []
+    calls = {"n": 0}
+
+    def extra() -> dict:
+        calls["n"] += 1
+        return {"pos": calls["n"]} if calls["n"] < 3 else {"bad": {1, 2}}  # breaks mid-run
+
+    with enable_resiliency(model, opt, interval=1, fault_callback=reports.append, extra_state_fn=extra) as s:
+        for _ in range(4):
+            model(torch.randn(4, 2)).sum().backward()
+            opt.step()  # from the 2nd step on the capture inside this hook fails: training goes on
+        assert s.step_count == 4 and s.gemini.stats.capture_failures == 3
+    assert reports and reports[0]["kind"] == "checkpoint_capture_failed"
+    assert "state.extra.bad: objects of type set" in reports[0]["detail"]
