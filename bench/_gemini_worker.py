@@ -52,6 +52,7 @@ def replica(store: dist.TCPStore, rank: int, reps: int, mib: int) -> None:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(store.get("bench/raw").decode())
         ours, raw, size = [], [], 0
+        phases: list[tuple[float, float]] = []
         for i in range(reps + 1):
             assert gem.capture(i + 1)
             t0 = time.perf_counter()
@@ -72,6 +73,7 @@ def replica(store: dist.TCPStore, rank: int, reps: int, mib: int) -> None:
             if i:  # the first rep warms both paths
                 ours.append(size / dt_ours)
                 raw.append(size / dt_raw)
+                phases.append((gem.stats.commit_s_last, gem.stats.replication_s_last))
         store.set(
             "bench/result",
             json.dumps(
@@ -80,6 +82,8 @@ def replica(store: dist.TCPStore, rank: int, reps: int, mib: int) -> None:
                     "replica_gbps": statistics.median(ours) / 1e9,
                     "raw_gbps": statistics.median(raw) / 1e9,
                     "replica_ratio_vs_raw_zmq": statistics.median(ours) / statistics.median(raw),
+                    "replica_commit_s": statistics.median(p[0] for p in phases),
+                    "replica_send_s": statistics.median(p[1] for p in phases),
                     "note": "ours includes the capture checksums (XXH3), computed off the training thread",
                 }
             ).encode(),

@@ -19,6 +19,7 @@ import re
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,8 @@ class GeminiStats:
     capture_block_s_last: float = 0.0
     bytes_per_capture: int = 0
     capture_failures: int = 0
+    commit_s_last: float = 0.0  # checksumming + committing the last capture (worker thread)
+    replication_s_last: float = 0.0  # sending the last capture to its holder, until acknowledged
     disk_writes: int = 0
     disk_errors: int = 0
     last_disk_error: str = ""
@@ -145,6 +148,11 @@ class Gemini:
         runtime.add_handler("ginv", self._on_inventory)
         self._inventories: dict[int, GeminiInventory] = {}
         self._worker.start()
+        self._rx: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._rx_thread = threading.Thread(
+            target=self._receive_writes, name=f"lm-resiliency-gemini-rx{rank}", daemon=True
+        )
+        self._rx_thread.start()
 
     # -- recovery (training thread, inside enable_resiliency) -------------------------------------
     def scan(self) -> dict[str, Any]:
@@ -382,7 +390,6 @@ class Gemini:
 
     def capture(self, step: int) -> bool:
         """Copy the state at `step` into a free slot; checksum and replication follow off-thread."""
-        import time
 
         t0 = time.perf_counter()
         with self._lock:
@@ -471,8 +478,10 @@ class Gemini:
 
     def _commit_and_replicate(self, k: int, header: SlotHeader) -> None:
         slot = self._own[k]
+        t0 = time.perf_counter()
         digests = chunk_digests(slot.payload(header), header.chunk_size)
         slot.commit(header, digests)
+        self.stats.commit_s_last = time.perf_counter() - t0
         with self._lock:
             self._own_step[k] = header.step
         self.stats.captures += 1
@@ -488,6 +497,7 @@ class Gemini:
             "step": str(header.step),
             "size": str(header.file_size),
         }
+        t0 = time.perf_counter()
         try:
             ack = self.runtime.send_bulk(
                 self.holder,
@@ -503,6 +513,7 @@ class Gemini:
                 "rank %d: replica of step %d to rank %s failed: %r", self.rank, header.step, self.holder, exc
             )
             return
+        self.stats.replication_s_last = time.perf_counter() - t0
         if ack.ok:
             self.stats.replicated += 1
         else:
@@ -550,17 +561,36 @@ class Gemini:
             if owner != sender:
                 self.stats.replicas_rejected += 1
                 return True
-            self._store_replica(owner, int(meta.get("step", "-1")), int(meta.get("size", "0")), chunks)
+            # Writing into shared memory (and, the first time, reserving it) takes long for a large
+            # state: do it on the receiving thread, never on the runtime loop (heartbeats would stall).
+            self._rx.put(
+                lambda: self._store_replica(
+                    owner, int(meta.get("step", "-1")), int(meta.get("size", "0")), chunks
+                )
+            )
             return True
         if kind == "gemini-restore" and tid in self._restore_waiters:
-            ok = self._write_file(
-                self._own[0], chunks, int(meta.get("size", "0")), self.rank, int(meta["step"])
+            self._rx.put(
+                lambda: self._store_restored(tid, int(meta.get("size", "0")), int(meta["step"]), chunks)
             )
-            if ok:
-                self._own_step[0] = int(meta["step"])
-                self._restore_waiters.pop(tid).set()
             return True
         return False
+
+    def _store_restored(self, tid: str, size: int, step: int, chunks: list[Any]) -> None:
+        if self._write_file(self._own[0], chunks, size, self.rank, step):
+            self._own_step[0] = step
+            self._restore_waiters.pop(tid).set()
+
+    def _receive_writes(self) -> None:
+        while True:
+            job = self._rx.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # a failed write loses one copy, never the runtime; logged with its trace
+                self.stats.replicas_rejected += 1
+                log.exception("rank %d: writing a received checkpoint copy failed", self.rank)
 
     def _store_replica(self, owner: int, step: int, size: int, chunks: list[Any]) -> None:
         slots = self._replica_slots.setdefault(
@@ -725,6 +755,8 @@ class Gemini:
         self.drain(timeout=10.0)
         self._jobs.put(None)
         self._worker.join(timeout=5.0)
+        self._rx.put(None)
+        self._rx_thread.join(timeout=5.0)
         for mapping in self._pinned.values():
             if self._copier is not None:
                 self._copier.unregister_host(mapping)
