@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,8 +22,15 @@ class ProcessGroup:
     def start(self, args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
         log = open(log_path, "wb")  # noqa: SIM115 - closed with the process below
+        # A session of its own: stopping the test's process stops everything it started (torchrun's
+        # workers included).
         proc = subprocess.Popen(
-            [sys.executable, *args], env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+            [sys.executable, *args],
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
         )
         proc._log = log  # type: ignore[attr-defined]
         self.procs.append(proc)
@@ -30,8 +38,8 @@ class ProcessGroup:
 
     def stop_all(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # the whole session already exited
+                os.killpg(p.pid, signal.SIGKILL)
         for p in self.procs:
             p.wait(timeout=30)
             p._log.close()  # type: ignore[attr-defined]
