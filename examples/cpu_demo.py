@@ -1,11 +1,13 @@
 """CPU demo: a 4-rank DDP job on 2 synthetic nodes, instrumented with one call to enable_resiliency.
 
-    python -m examples.cpu_demo [--steps 30] [--kill-rank 3]
+    python -m examples.cpu_demo [--steps 30] [--kill-rank 3] [--slow-rank 2]
 
-Each rank trains a small MLP with gloo. Every runtime gossips per-step telemetry and heartbeats to
-its peers over ZeroMQ; after training, one rank is SIGKILLed and the others name it from heartbeat
-silence alone. The demo prints what rank 0's runtime saw and a JSON summary, and exits non-zero if
-anything it shows did not happen.
+Each rank trains a small MLP with gloo, GEMINI capturing every step into shared memory and
+replicating it to the other node, SCOUT comparing what the replicas compute and how long they take.
+Midway, one rank's forward pass is slowed 3x for a few steps (SCOUT names it a compute straggler);
+after training, one rank is SIGKILLed and the others name it from heartbeat silence alone. The demo
+prints what rank 0's runtime saw and a JSON summary, and exits non-zero if anything it shows did not
+happen.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +36,7 @@ def worker() -> int:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     steps, kill = int(os.environ["DEMO_STEPS"]), int(os.environ["DEMO_KILL"])
+    slow = int(os.environ["DEMO_SLOW"])
     store = dist.TCPStore(
         "127.0.0.1", int(os.environ["DEMO_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=120)
     )
@@ -51,6 +55,14 @@ def worker() -> int:
         runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0),
     )
     session.wait_for(lambda v: len(v.live) == world, 10.0)
+    if rank == slow:
+        import time as _time
+
+        def slow_forward(module: object, args: object, out: object) -> None:
+            if steps // 3 <= session.step_count < steps // 3 + 6:
+                _time.sleep(0.05)  # an injected fault: SCOUT is not told
+
+        model.module[0].register_forward_hook(slow_forward)
     gen = torch.Generator().manual_seed(rank)
     for step in range(steps):
         x = torch.randn(64, 128, generator=gen)
@@ -74,9 +86,17 @@ def worker() -> int:
         return 1
     t0 = time.monotonic()
     noticed = session.wait_for(lambda v: kill not in v.live, 10.0)
+    gem = session.gemini
+    gem.drain(30)
     summary = {
         "rank": rank,
         "steps": session.step_count,
+        "gemini": {
+            "captures": gem.stats.captures,
+            "replicated": gem.stats.replicated,
+            "replicas_held": gem.stats.replicas_received,
+            "bytes_in_shm_on_node": gem.held_bytes(),
+        },
         "noticed_kill": noticed,
         "noticed_after_s": round(time.monotonic() - t0, 3),
         "faults": faults,
@@ -99,6 +119,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--kill-rank", type=int, default=3)
+    ap.add_argument("--slow-rank", type=int, default=2)
     args = ap.parse_args()
     if os.environ.get("DEMO_ROLE") == "worker":
         return worker()
@@ -121,6 +142,8 @@ def main() -> int:
                 "DEMO_PORT": str(store.port),
                 "DEMO_STEPS": str(args.steps),
                 "DEMO_KILL": str(args.kill_rank),
+                "DEMO_SLOW": str(args.slow_rank),
+                "LM_RESILIENCY_SHM_DIR": str(tmp / "shm"),
                 "LM_RESILIENCY_MACHINE_ID_PATH": str(mid),
             }
             procs.append(subprocess.Popen([sys.executable, "-m", "examples.cpu_demo"], env=env, cwd=ROOT))
@@ -138,14 +161,21 @@ def main() -> int:
         for r in survivors:
             procs[r].wait(timeout=60)
         summaries = [json.loads(store.get(f"demo/summary/{r}")) for r in survivors]
+
+        def named(s: dict[str, object], kind: str) -> list[object]:
+            return [f["failed_ranks"] for f in s["faults"] if f["kind"] == kind]  # type: ignore[attr-defined,index]
+
         ok = all(
-            s["noticed_kill"] and [f["failed_ranks"] for f in s["faults"]] == [[args.kill_rank]]
+            s["noticed_kill"]
+            and named(s, "process_failure") == [[args.kill_rank]]
+            and named(s, "straggler") == [[args.slow_rank]]
+            and s["gemini"]["captures"] > 0
             for s in summaries
         )
         for s in summaries:
             print(
-                f"rank {s['rank']}: named rank {args.kill_rank} dead after {s['noticed_after_s']}s; "
-                f"reports: {[f['reason'] for f in s['faults']]}",
+                f"rank {s['rank']}: compute straggler named {named(s, 'straggler')}; "
+                f"rank {args.kill_rank} named dead after {s['noticed_after_s']}s; GEMINI {s['gemini']}",
                 flush=True,
             )
         print(json.dumps({"ok": ok, "killed_rank": args.kill_rank, "summaries": summaries}))
@@ -155,6 +185,7 @@ def main() -> int:
             if p.poll() is None:
                 p.kill()
             p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
