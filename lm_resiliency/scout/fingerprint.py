@@ -23,6 +23,9 @@ def fingerprint(tensors: Iterable[torch.Tensor | None]) -> bytes:
             h.update(b"\0none")
             continue
         t = t.detach()
+        to_local = getattr(t, "to_local", None)  # a DTensor: this rank's shard is what replicas share
+        if callable(to_local):
+            t = to_local()
         if t.is_cuda:
             words = t.contiguous().reshape(-1).view(torch.uint8)
             pad = (-words.numel()) % 4

@@ -126,3 +126,22 @@ def test_framework_detection() -> None:
         detect_framework([1, 2])
     with pytest.raises(UnsupportedFrameworkError, match="deepspeed"):
         enable_resiliency(DeepSpeedEngine())
+
+
+def test_fsdp2_model_trains_with_dtensor_capture_reported_unsupported() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        reports: list[dict] = []
+        with enable_resiliency(model, opt, interval=1, fault_callback=reports.append) as s:
+            _train(s, model, opt, 2)
+            assert s.step_count == 2 and s.gemini is None
+        assert [r["reason"] for r in reports] == ["dtensor_state_not_supported"]
+    finally:
+        dist.destroy_process_group()
