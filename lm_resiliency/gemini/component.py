@@ -51,6 +51,7 @@ __all__ = ["Gemini", "GeminiStats"]
 
 log = logging.getLogger(__name__)
 ALIGN = 64
+CAPTURE_WAIT_S = 2.0  # the longest a capture waits for a free slot before it is skipped
 Exchange = Callable[[str, bytes, float], dict[int, bytes]]
 
 
@@ -388,22 +389,29 @@ class Gemini:
         if fence is not None:
             fence.fence_device()
 
+    def _free_slots(self) -> list[int]:
+        """Slots a capture may overwrite (lock held): never a busy one, never the one to keep.
+
+        Keep the newest recovery-verified capture (SCOUT certified it); without certificates, keep
+        the newest one. After an SDC the certified slot stays put while the other rotates."""
+        certified = {
+            k: s for k, s in self._own_step.items() if self.certifier is not None and self.certifier(s)
+        }
+        pool = certified or self._own_step
+        keep = max(pool.items(), key=lambda kv: kv[1], default=(None, -1))[0]
+        return sorted(
+            (k for k in (0, 1) if k != keep and k not in self._busy), key=lambda k: self._own_step.get(k, -1)
+        )
+
     def capture(self, step: int) -> bool:
         """Copy the state at `step` into a free slot; checksum and replication follow off-thread."""
 
         t0 = time.perf_counter()
-        with self._lock:
-            # Keep the newest recovery-verified capture (SCOUT certified it); without certificates,
-            # keep the newest one. After an SDC the certified slot stays put while the other rotates.
-            certified = {
-                k: s for k, s in self._own_step.items() if self.certifier is not None and self.certifier(s)
-            }
-            pool = certified or self._own_step
-            keep = max(pool.items(), key=lambda kv: kv[1], default=(None, -1))[0]
-            free = sorted(
-                (k for k in (0, 1) if k != keep and k not in self._busy),
-                key=lambda k: self._own_step.get(k, -1),
-            )
+        with self._idle:
+            # A slot still being committed or replicated is busy. Wait briefly for one (backpressure
+            # when the worker lags), then skip this capture rather than stall training for long.
+            self._idle.wait_for(lambda: bool(self._free_slots()), CAPTURE_WAIT_S)
+            free = self._free_slots()
             if not free:
                 self.stats.skipped_busy += 1
                 return False

@@ -74,10 +74,14 @@ def test_single_process_restart_restores_bitwise(monkeypatch: pytest.MonkeyPatch
     with enable_resiliency(m, o, interval=1) as s:
         train(s, m, o, 3)
         s.gemini.drain(10)
+        # A capture finding both slots busy is skipped (never overwrite the only committed copy), so
+        # under load the newest capture may be step 2.
+        expected = s.gemini.newest_recoverable_step("latest")
+        assert expected >= 2
     monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
     m, o = make()
     with enable_resiliency(m, o, interval=1) as s:
-        assert s.recovered_step == 3
+        assert s.recovered_step == expected
         train(s, m, o, 6)
     assert all(torch.equal(a, b) for a, b in zip(want, m.parameters(), strict=True))
 
