@@ -382,6 +382,12 @@ class Session:
             available=step >= 0,
             reason=reason,
         )
+        hook = self._orchestration.report_recovery if self._orchestration is not None else None
+        if hook is not None:
+            try:
+                hook(self._last_decision.to_dict())
+            except Exception:  # the orchestrator's bug must not fail the restart; logged with its trace
+                log.exception("report_recovery hook raised")
         gem.prepare()
 
     def _start_scout(self) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lm_resiliency import enable_resiliency
+from lm_resiliency import OrchestrationHooks, enable_resiliency
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,8 +80,12 @@ def test_single_process_restart_restores_bitwise(monkeypatch: pytest.MonkeyPatch
         assert expected >= 2
     monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
     m, o = make()
-    with enable_resiliency(m, o, interval=1) as s:
+    recoveries: list[dict] = []
+    hooks = OrchestrationHooks(report_recovery=recoveries.append)
+    with enable_resiliency(m, o, interval=1, orchestration=hooks) as s:
         assert s.recovered_step == expected
+        assert [r["checkpoint_step"] for r in recoveries] == [expected]
+        assert recoveries[0]["checkpoint_source"] == "gemini" and recoveries[0]["available"]
         train(s, m, o, 6)
     assert all(torch.equal(a, b) for a, b in zip(want, m.parameters(), strict=True))
 
