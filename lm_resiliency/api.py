@@ -8,6 +8,7 @@ session still runs the runtime (membership, telemetry gossip) and reports peer f
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import logging
 import os
@@ -237,7 +238,8 @@ class Session:
         self._steps = 0
         self._recovered_step = -1
         self._last_decision: RecoveryDecision | None = None
-        self._io: list[tuple[str, str, float]] = []
+        # Recent framework checkpoint I/O (kind, name, seconds): bounded, for checkpoint-stall checks.
+        self._io: collections.deque[tuple[str, str, float]] = collections.deque(maxlen=64)
         self._reports: list[dict[str, Any]] = []
         self._reports_lock = threading.Lock()
         self._closed = False
@@ -406,6 +408,8 @@ class Session:
             health = None
         scout = Scout(
             health=health,
+            step_source=lambda: self.step_count,
+            paused=lambda: self._detection_paused,
             rank=self.rank,
             topology=self._topology,
             runtime=self._runtime,
@@ -415,8 +419,6 @@ class Session:
             emit=self._emit_fault,
             heartbeat_s=self._runtime_config.heartbeat_interval_s,
         )
-        scout._step_source = lambda: self.step_count  # type: ignore[attr-defined]
-        scout._paused = lambda: self._detection_paused  # type: ignore[attr-defined]
         self._components.append(scout)
         gem = self.gemini
         if gem is not None:

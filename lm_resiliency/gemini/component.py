@@ -16,7 +16,6 @@ import logging
 import os
 import queue
 import re
-import shutil
 import signal
 import threading
 import time
@@ -690,14 +689,15 @@ class Gemini:
         out[self.rank] = self.inventory()
         return out
 
-    def cluster_plan(self) -> RecoveryPlan:
-        """What a recovery would restore now, from the gossiped inventories."""
+    def cluster_plan(self, allowed: set[int] | None = None) -> RecoveryPlan:
+        """What a recovery would restore now (only `allowed` steps, if given), from gossiped inventories."""
         inv = self.cluster_inventory()
         return plan_recovery(
             self.world_size,
             {r: set(i.local) for r, i in inv.items()},
             {r: {int(o): set(s) for o, s in i.replicas.items()} for r, i in inv.items()},
             {r: set(i.disk) for r, i in inv.items()},
+            allowed=allowed,
         )
 
     # -- session component ------------------------------------------------------------------------
@@ -715,15 +715,7 @@ class Gemini:
                 return -1
             steps = [s for s in self._own_step.values() if allowed is None or s in allowed]
             return max(steps, default=-1)
-        inv = self.cluster_inventory()
-        plan = plan_recovery(
-            self.world_size,
-            {r: set(i.local) for r, i in inv.items()},
-            {r: {int(o): set(s) for o, s in i.replicas.items()} for r, i in inv.items()},
-            {r: set(i.disk) for r, i in inv.items()},
-            allowed=allowed,
-        )
-        return plan.step
+        return self.cluster_plan(allowed).step
 
     def flush_for_restart(self, timeout: float = 30.0) -> int:
         """Write the newest committed capture to disk; return its step, or -1 (nothing, or disk failed)."""
@@ -789,7 +781,3 @@ class Gemini:
         """Delete this node's slots of this run (a fresh run must not find an old one's state)."""
         for path in [*self.dir.glob(f"own-r{self.rank}-s*"), *self.dir.glob(f"replica-r*-h{self.rank}-s*")]:
             path.unlink(missing_ok=True)
-
-    @staticmethod
-    def reclaim_run(shm_dir: str, run_id: str) -> None:
-        shutil.rmtree(Path(shm_dir) / re.sub(r"[^A-Za-z0-9_.-]", "_", run_id), ignore_errors=True)

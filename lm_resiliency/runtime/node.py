@@ -295,6 +295,11 @@ class RankRuntime:
         if self._wake is not None:
             self._wake.set()
 
+    def live(self) -> frozenset[int]:
+        """Ranks alive now, this one included (cheaper than `view()` for per-message checks)."""
+        with self._cond:
+            return self._detector.alive() | {self.rank}
+
     def view(self) -> ClusterView:
         with self._cond:
             return self._view_locked()

@@ -62,6 +62,8 @@ class Scout:
         heartbeat_s: float,
         health: HealthSource | None = None,
         health_interval_s: float = 1.0,
+        step_source: Callable[[], int] = lambda: 0,
+        paused: Callable[[], bool] = lambda: False,
     ) -> None:
         self.rank = rank
         self.topology = topology
@@ -72,6 +74,8 @@ class Scout:
         self.interval = config.interval or interval
         self._emit = emit
         self._heartbeat_s = heartbeat_s
+        self._session_step = step_source
+        self._paused = paused
         self.health = health
         self._health_interval_s = health_interval_s
         self._health_reported: set[tuple[str, str, str]] = set()
@@ -119,11 +123,8 @@ class Scout:
 
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         step = self._session_step() + 1
-        if self._due(step) and not getattr(self, "_paused", lambda: False)():
+        if self._due(step) and not self._paused():
             self._grads_fp = fingerprint(p.grad for g in opt.param_groups for p in g["params"])
-
-    def _session_step(self) -> int:
-        return int(getattr(self, "_step_source", lambda: 0)())
 
     def on_step(self, session: Any, times: Any) -> None:
         step = session.step_count
@@ -147,7 +148,7 @@ class Scout:
             del self._evidence[old]
 
     def _live_group(self) -> set[int]:
-        live = self.runtime.view().live
+        live = self.runtime.live()
         return {r for r in self.group if r in live}
 
     def _judge_fingerprints(self, step: int, per_step: dict[int, Evidence]) -> None:
