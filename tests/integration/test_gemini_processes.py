@@ -154,7 +154,10 @@ def test_a_worker_sigkill_resumes_from_local_memory_bitwise(
     for rep in reports:
         assert rep["decision"]["reason"].startswith("local"), rep["decision"]
         assert rep["decision"]["checkpoint_source"] == "gemini" and rep["decision"]["available"]
-        assert rep["rejected_copies"] == []
+        # A rank killed in the middle of a capture leaves that slot torn: it must be skipped (and is
+        # reported), never a copy failing its checksums.
+        assert all("bad magic" in r or "never committed" in r for r in rep["rejected_copies"]), rep
+
         assert rep["replicated"] > 0 and rep["replicas_received"] > 0
         assert rep["cluster_plan_step"] == STEPS and rep["cluster_plan_tiers"] == ["local"]
         assert rep["held_bytes"] > 0
