@@ -12,7 +12,12 @@ Prints progress, then one JSON object on the last line:
                                      alternating blocks in the same processes (goal >= 0.99)
   plus the state sizes and step time used.
 
-Usage: python bench/gemini.py [--state-mib 256] [--reps 5]
+With `--device cuda` (a GPU machine) it measures the GPU path instead: capture blocking time of a
+CUDA model's state (asynchronous device-to-host copies on a side stream into registered shared memory)
+vs torch.save, restore vs torch.load, and `healthy_throughput_ratio` of one GPU training a model with a
+capture every step vs none, alternating blocks in one process.
+
+Usage: python bench/gemini.py [--state-mib 256] [--reps 5] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -68,17 +73,23 @@ def spawn_all(mode: str, world: int, env: dict[str, str], tmp: Path) -> dict[str
                 p.wait()
 
 
-def in_process(state_mib: int, reps: int, tmp: Path) -> dict[str, object]:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def in_process(state_mib: int, reps: int, tmp: Path, device: torch.device, shm: Path) -> dict[str, object]:
     from lm_resiliency import InMemoryCkptConfig, RuntimeConfig, enable_resiliency
 
-    os.environ["LM_RESILIENCY_SHM_DIR"] = str(tmp / "shm")
+    os.environ["LM_RESILIENCY_SHM_DIR"] = str(shm / "shm")
     width = 1024
     rows = (state_mib << 20) // 3 // (4 * width)  # params + 2 AdamW moments ~= state_mib
     torch.manual_seed(0)
-    model = nn.Linear(width, rows, bias=False)
+    model = nn.Linear(width, rows, bias=False).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, width)).sum().backward()
+    model(torch.randn(2, width, device=device)).sum().backward()
     opt.step()
+    _sync(device)
     session = enable_resiliency(
         model,
         opt,
@@ -90,10 +101,12 @@ def in_process(state_mib: int, reps: int, tmp: Path) -> dict[str, object]:
     save_path = tmp / "torch_save.pt"
     blocks, saves, loads, warm_loads, restores = [], [], [], [], []
     for i in range(reps):
+        _sync(device)
         t0 = time.perf_counter()
         assert gem.capture(i + 1)
         blocks.append(time.perf_counter() - t0)
         gem.drain(120)
+        _sync(device)
         t0 = time.perf_counter()
         with open(save_path, "wb") as f:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
@@ -108,15 +121,18 @@ def in_process(state_mib: int, reps: int, tmp: Path) -> dict[str, object]:
         sd = torch.load(save_path, weights_only=True)
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optimizer"])
+        _sync(device)
         loads.append(time.perf_counter() - t0)
         t0 = time.perf_counter()  # and the baseline's best case: the same file, page cache warm
         sd = torch.load(save_path, weights_only=True)
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optimizer"])
+        _sync(device)
         warm_loads.append(time.perf_counter() - t0)
         k = next(k for k, s in gem._own_step.items() if s == i + 1)
         t0 = time.perf_counter()
         gem._restore_from(gem._own[k], i + 1)
+        _sync(device)
         restores.append(time.perf_counter() - t0)
         print(
             f"rep {i}: capture blocks {blocks[-1] * 1e3:.1f} ms, torch.save {saves[-1] * 1e3:.0f} ms, "
@@ -139,6 +155,90 @@ def in_process(state_mib: int, reps: int, tmp: Path) -> dict[str, object]:
     }
 
 
+def gpu_throughput(
+    blocks: int, block_steps: int, width: int, layers: int, tmp: Path, device: torch.device
+) -> dict[str, object]:
+    """One GPU, one process: steps/s capturing every step vs not, alternating blocks."""
+    from lm_resiliency import InMemoryCkptConfig, RuntimeConfig, enable_resiliency
+
+    os.environ["LM_RESILIENCY_SHM_DIR"] = str(tmp / "shm-gpu")
+    torch.manual_seed(0)
+    blocks_ = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)]
+    model = nn.Sequential(*blocks_).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = torch.randn(8192 if device.type == "cuda" else 64, width, device=device)
+    session = enable_resiliency(
+        model,
+        opt,
+        interval=1,
+        enable_detection=False,
+        checkpoint=InMemoryCkptConfig(disk_flush_interval=10**9),
+        runtime=RuntimeConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0),
+    )
+    gem = session.gemini
+
+    def run(n: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            loss = model(batch).pow(2).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        _sync(device)
+        return n / (time.perf_counter() - t0)
+
+    gem.interval = 10**9  # warm-up without captures
+    run(5)
+    gem.interval = 1
+    run(5)  # the first captures allocate and register the slots
+    gem.drain(120)
+    on, on10, off, block_ms = [], [], [], []
+    for _ in range(blocks):
+        gem.interval = 10**9
+        off.append(run(block_steps))
+        gem.drain(120)
+        gem.interval = 1
+        on.append(run(block_steps))
+        block_ms.append(gem.stats.capture_block_s_last * 1e3)
+        gem.drain(120)
+        gem.interval = 10
+        on10.append(run(block_steps))
+        gem.drain(120)
+        print(
+            f"gpu block: capture every step {on[-1]:.2f} steps/s, every 10 {on10[-1]:.2f}, "
+            f"none {off[-1]:.2f} steps/s",
+            flush=True,
+        )
+    stats = gem.stats
+    state_bytes = stats.bytes_per_capture
+    registered = bool(getattr(gem._copier, "_registered", None))
+    session.close()
+    # The copy engine's raw rate into page-locked memory, for the same bytes: the floor of a capture.
+    flat = torch.empty(state_bytes, dtype=torch.uint8, device=device)
+    host = torch.empty(state_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    rates = []
+    for _ in range(3):
+        _sync(device)
+        t0 = time.perf_counter()
+        host.copy_(flat, non_blocking=True)
+        _sync(device)
+        rates.append(state_bytes / (time.perf_counter() - t0) / 1e9)
+    return {
+        "gpu_state_bytes": state_bytes,
+        "gpu_step_s": 1 / statistics.median(off),
+        "gpu_steps_per_s_capture": statistics.median(on),
+        "gpu_steps_per_s_plain": statistics.median(off),
+        "healthy_throughput_ratio": statistics.median(on) / statistics.median(off),
+        "healthy_throughput_ratio_interval_10": statistics.median(on10) / statistics.median(off),
+        "gpu_capture_block_ms": statistics.median(block_ms),
+        "gpu_raw_d2h_pinned_gbps": statistics.median(rates),
+        "gpu_slots_page_locked": registered,
+        "gpu_captures_skipped_busy": stats.skipped_busy,
+        "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--state-mib", type=int, default=256)
@@ -147,7 +247,11 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--block-steps", type=int, default=20)
     ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--gpu-width", type=int, default=4096)
+    ap.add_argument("--gpu-layers", type=int, default=4)
     args = ap.parse_args()
+    device = torch.device(args.device)
     out: dict[str, object] = {}
     with tempfile.TemporaryDirectory(
         prefix="lmr-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -155,12 +259,19 @@ def main() -> None:
         tmp = Path(d)
         disk = Path(tempfile.mkdtemp(prefix="lmr-bench-disk-"))  # torch.save goes to a real disk
         try:
-            out.update(in_process(args.state_mib, args.reps, disk))
+            out.update(in_process(args.state_mib, args.reps, disk, device, tmp))
         finally:
             import shutil
 
             shutil.rmtree(disk, ignore_errors=True)
         print(f"in-process: {out}", flush=True)
+        if device.type == "cuda":
+            out["device"] = "cuda"
+            out.update(
+                gpu_throughput(args.blocks, args.block_steps, args.gpu_width, args.gpu_layers, tmp, device)
+            )
+            print(json.dumps(out))
+            return
         out.update(spawn_all("replica", 2, {"REPS": str(args.reps), "MIB": str(args.replica_mib)}, tmp))
         print(f"replica: ratio {out['replica_ratio_vs_raw_zmq']:.2f}", flush=True)
         out.update(

@@ -1,4 +1,6 @@
-"""`lm-resiliency-quickstart`: one CPU process trains, checkpoints, is killed, is resumed; prints JSON.
+"""`lm-resiliency-quickstart`: one process trains, checkpoints, is killed, is resumed; prints JSON.
+
+CPU by default; `--device cuda` runs the same on a GPU (the asynchronous capture path).
 
 It runs the same small training three times in child processes: uninterrupted; then killed with
 SIGKILL after `--kill-at` steps (GEMINI captured every step into shared memory); then restarted as
@@ -24,14 +26,15 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _train(steps: int, kill_at: int, out: str) -> int:
+def _train(steps: int, kill_at: int, out: str, device_name: str) -> int:
     import torch
     from torch import nn
 
     from lm_resiliency import enable_resiliency
 
+    device = torch.device(device_name)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.1), nn.Linear(128, 32))
+    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.1), nn.Linear(128, 32)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     seen = {"batches": 0}
     with enable_resiliency(
@@ -39,7 +42,7 @@ def _train(steps: int, kill_at: int, out: str) -> int:
     ) as session:
         start = session.step_count
         for step in range(start + 1, steps + 1):
-            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step))
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step)).to(device)
             seen["batches"] += 1
             loss = (model(x) - x).pow(2).mean()
             opt.zero_grad()
@@ -51,7 +54,7 @@ def _train(steps: int, kill_at: int, out: str) -> int:
         session.gemini.drain(30)
         torch.save(
             {
-                "params": [p.detach() for p in model.parameters()],
+                "params": [p.detach().cpu() for p in model.parameters()],
                 "start": start,
                 "recovered": session.recovered_step,
                 "decision": session.last_recovery_decision,
@@ -70,10 +73,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--kill-at", type=int, default=17)
+    ap.add_argument(
+        "--device", default="cpu", help="torch device to train on (cuda exercises the GPU capture path)"
+    )
     ap.add_argument("--child", nargs=3, metavar=("STEPS", "KILL_AT", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        return _train(int(args.child[0]), int(args.child[1]), args.child[2])
+        return _train(int(args.child[0]), int(args.child[1]), args.child[2], args.device)
     if not 0 < args.kill_at < args.steps:
         ap.error("--kill-at must be between 0 and --steps")
     work = Path(tempfile.mkdtemp(prefix="lmr-quickstart-"))
@@ -89,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.executable,
             "-m",
             "lm_resiliency.cli.quickstart",
+            "--device",
+            args.device,
             "--child",
             str(args.steps),
             str(kill_at),
@@ -112,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         a, b = torch.load(base, weights_only=False), torch.load(resumed, weights_only=False)
         equal = all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
         summary = {
+            "device": args.device,
             "steps": args.steps,
             "killed_at_step": args.kill_at,
             "killed_exit_code": killed_rc,

@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,12 @@ class Gemini:
         self._restore_waiters: dict[str, threading.Event] = {}
         self._jobs: queue.Queue[tuple[int, SlotHeader, Completion] | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"lm-resiliency-gemini{rank}", daemon=True)
+        # Checksums of a large capture on several cores (xxhash releases the GIL), so committing keeps
+        # up with a capture every step; none on small machines, where the cores train.
+        n_hash = min(8, (os.cpu_count() or 1) // 4)
+        self._hash_pool = (
+            ThreadPoolExecutor(n_hash, thread_name_prefix=f"lm-resiliency-hash{rank}") if n_hash > 1 else None
+        )
         self._closed = False
         self._pending: int | None = None
         self._hooks: list[Any] = []
@@ -192,7 +199,7 @@ class Gemini:
                 raise CorruptSlot(f"{path.name}: belongs to another run or topology (run {h.run_id!r})")
             if h.topology != self.shape:
                 raise CorruptSlot(f"{path.name}: captured with topology {h.topology}, job has {self.shape}")
-            slot.verify(h)
+            slot.verify(h, self._hash_pool)
             return h
         except CorruptSlot as exc:
             self._reject(str(exc))
@@ -268,7 +275,7 @@ class Gemini:
             h = fresh.read_header()
             if h.step != step:
                 raise CorruptSlot(f"{slot.path.name}: holds step {h.step}, expected {step}")
-            fresh.verify(h)
+            fresh.verify(h, self._hash_pool)
             payload = fresh.payload(h)
             skeleton, raw_specs = msgpack.unpackb(bytes(payload[: h.index_len]), raw=False)
             specs = [TensorSpec(d, tuple(s), n) for d, s, n in raw_specs]
@@ -486,7 +493,7 @@ class Gemini:
     def _commit_and_replicate(self, k: int, header: SlotHeader) -> None:
         slot = self._own[k]
         t0 = time.perf_counter()
-        digests = chunk_digests(slot.payload(header), header.chunk_size)
+        digests = chunk_digests(slot.payload(header), header.chunk_size, self._hash_pool)
         slot.commit(header, digests)
         self.stats.commit_s_last = time.perf_counter() - t0
         with self._lock:
@@ -757,6 +764,8 @@ class Gemini:
         self._worker.join(timeout=5.0)
         self._rx.put(None)
         self._rx_thread.join(timeout=5.0)
+        if self._hash_pool is not None:
+            self._hash_pool.shutdown(wait=True)
         for mapping in self._pinned.values():
             if self._copier is not None:
                 self._copier.unregister_host(mapping)

@@ -13,6 +13,7 @@ only for issuing the copies. Two fences keep it correct:
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -106,10 +107,14 @@ class CudaCopier:
         ptr = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
         if ptr in self._registered:
             return
+        nbytes = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE  # a mapping covers whole pages
         err = _cudart().cudaHostRegister(ptr, nbytes, 0)
         if int(err) != 0:
-            # Still correct, only slower: copies into pageable memory are synchronous.
-            log.warning("cudaHostRegister of a %d-byte capture slot failed (%s)", nbytes, err)
+            # The failure stays as the runtime's "last error" and would be reported by the next kernel
+            # launch as if that kernel had failed: clear it. Still correct, only slower: copies into
+            # pageable memory are synchronous.
+            _clear_last_cuda_error()
+            log.warning("cudaHostRegister of a %d-byte capture slot failed (error %d)", nbytes, int(err))
             return
         self._registered[ptr] = nbytes
 
@@ -126,6 +131,24 @@ class CudaCopier:
 
 def _cudart() -> Any:
     return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def _clear_last_cuda_error() -> None:
+    """cudaGetLastError() of the CUDA runtime torch loaded (torch's binding does not expose it)."""
+    import ctypes
+
+    fn = getattr(_cudart(), "cudaGetLastError", None)
+    if fn is not None:
+        fn()
+        return
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line and "/" in line}
+        for path in sorted(paths):
+            ctypes.CDLL(path).cudaGetLastError()
+            return
+    except OSError as exc:
+        log.warning("could not clear the CUDA error left by cudaHostRegister: %s", exc)
 
 
 def copier_for(tensors: Sequence[torch.Tensor]) -> Copier:

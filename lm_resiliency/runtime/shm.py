@@ -17,6 +17,7 @@ import contextlib
 import mmap
 import os
 import struct
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,10 +72,14 @@ class SlotHeader:
         return HEADER_SIZE + self.payload_len + self.n_chunks * _DIGEST
 
 
-def chunk_digests(payload: memoryview, chunk_size: int) -> list[bytes]:
-    return [
-        xxhash.xxh3_128_digest(payload[i : i + chunk_size]) for i in range(0, len(payload), chunk_size)
-    ] or [xxhash.xxh3_128_digest(b"")]
+def chunk_digests(payload: memoryview, chunk_size: int, pool: Executor | None = None) -> list[bytes]:
+    """XXH3-128 of each chunk; on `pool`'s threads when given (xxhash releases the GIL)."""
+    starts = range(0, len(payload), chunk_size)
+    if not starts:
+        return [xxhash.xxh3_128_digest(b"")]
+    if pool is None or len(starts) < 4:
+        return [xxhash.xxh3_128_digest(payload[i : i + chunk_size]) for i in starts]
+    return list(pool.map(lambda i: xxhash.xxh3_128_digest(payload[i : i + chunk_size]), starts))
 
 
 def n_chunks(payload_len: int, chunk_size: int) -> int:
@@ -95,6 +100,8 @@ class SlotFile:
         """Map at least `size` bytes (a larger existing mapping is kept: no remap, no page faults)."""
         if self._mm is not None and self.size >= size:
             return
+        # Whole pages: page-locking a mapping for asynchronous GPU copies (cudaHostRegister) wants them.
+        size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
         self.close()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,9 +205,9 @@ class SlotFile:
         table = bytes(self._require()[start : start + header.n_chunks * _DIGEST])
         return [table[i : i + _DIGEST] for i in range(0, len(table), _DIGEST)]
 
-    def verify(self, header: SlotHeader) -> None:
+    def verify(self, header: SlotHeader, pool: Executor | None = None) -> None:
         """Re-hash the payload; raise CorruptSlot naming the first bad chunk."""
-        got = chunk_digests(self.payload(header), header.chunk_size)
+        got = chunk_digests(self.payload(header), header.chunk_size, pool)
         for i, (a, b) in enumerate(zip(got, self.digest_table(header), strict=True)):
             if a != b:
                 raise CorruptSlot(f"{self.path.name}: chunk {i} fails its checksum (step {header.step})")

@@ -247,3 +247,16 @@ def test_stale_runs_are_reclaimed_live_and_recent_ones_kept(
     assert cli(["shm", "--dir", str(tmp_path), "--clean", "--older-than", "0"]) == 0
     out = capsys.readouterr().out
     assert "reclaimed new-dead/node-a" in out and "old-live/node-a" in out
+
+
+def test_checksums_on_a_thread_pool_equal_the_serial_ones() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lm_resiliency.runtime.shm import chunk_digests
+
+    payload = memoryview(bytes(range(256)) * 4099)  # 17 chunks of 64 KiB, the last one short
+    serial = chunk_digests(payload, 1 << 16)
+    with ThreadPoolExecutor(3) as pool:
+        assert chunk_digests(payload, 1 << 16, pool) == serial
+        assert chunk_digests(memoryview(b""), 1 << 16, pool) == chunk_digests(memoryview(b""), 1 << 16)
+    assert len(serial) == 17

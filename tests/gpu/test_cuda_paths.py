@@ -1,0 +1,137 @@
+"""GPU paths on a real CUDA device: the asynchronous capture copier and its fence, on-device
+fingerprints, a killed CUDA training resumed bitwise from shared memory, and the NVML health source.
+
+Skipped where there is no GPU (CI); run on a GPU machine with `pytest tests/gpu`.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from lm_resiliency.gemini.copier import CudaCopier, copier_for
+from lm_resiliency.scout.fingerprint import fingerprint
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_async_copy_lands_the_pre_fence_bytes_even_when_the_tensor_changes_right_after() -> None:
+    dev = torch.device("cuda")
+    n = 64 << 20  # 256 MiB of float32: the copy takes long enough for a missing fence to show
+    src = torch.randn(n, device=dev)
+    expected = src.cpu().view(torch.uint8).clone()
+    buf = mmap.mmap(-1, n * 4)
+    copier = copier_for([src])
+    assert isinstance(copier, CudaCopier)
+    copier.register_host(buf, n * 4)
+    assert copier._registered, "cudaHostRegister of the slot failed"
+    dst = torch.frombuffer(buf, dtype=torch.uint8)
+    completion = copier.copy([(dst, src)])
+    completion.fence_device()  # what the optimizer pre-step hook does
+    src.mul_(2.0).add_(1.0)  # the "optimizer" mutates right away on the compute stream
+    completion.wait_host()
+    assert torch.equal(dst, expected)
+    torch.cuda.synchronize()
+    assert not torch.equal(src.cpu().view(torch.uint8), expected)
+    del dst
+    copier.unregister_host(buf)
+    assert not copier._registered
+    buf.close()
+
+
+def test_slot_files_are_page_locked_and_a_failed_registration_leaves_no_cuda_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from lm_resiliency.gemini.copier import _cudart
+    from lm_resiliency.runtime.shm import SlotFile
+
+    dev = torch.device("cuda")
+    # Slots live on tmpfs (/dev/shm) in production: the kernel refuses long-term pins of pages of a
+    # disk-backed file, so cudaHostRegister of a slot under /tmp on a disk fails (and is only slower).
+    shm_dir = Path(tempfile.mkdtemp(dir="/dev/shm")) if Path("/dev/shm").is_dir() else tmp_path
+    slot = SlotFile(shm_dir / "slot-0")
+    slot.ensure_size(116_496)  # an odd payload size, as a small model gives
+    copier = CudaCopier(dev)
+    copier.register_host(slot.mapping, slot.size)
+    assert copier._registered, "cudaHostRegister of a shared-memory slot failed"
+    src = torch.randn(1000, device=dev)
+    dst = torch.frombuffer(slot.mapping, dtype=torch.uint8, count=4000, offset=8192)
+    done = copier.copy([(dst, src)])
+    done.wait_host()
+    assert torch.equal(dst, src.cpu().view(torch.uint8))
+    del dst
+    # Register a buffer behind the copier's back: its own registration then fails (already
+    # registered); the next kernel must not inherit that error.
+    other = mmap.mmap(-1, 1 << 20)
+    import ctypes
+
+    view = ctypes.c_char.from_buffer(other)
+    ptr = ctypes.addressof(view)
+    del view  # no export left: the mapping can close
+    assert int(_cudart().cudaHostRegister(ptr, 1 << 20, 0)) == 0
+    copier.register_host(other, 1 << 20)
+    assert ptr not in copier._registered
+    assert float((torch.ones(4, device=dev) * 2).sum()) == 8.0
+    _cudart().cudaHostUnregister(ptr)
+    copier.unregister_host(slot.mapping)
+    slot.close()
+    other.close()
+    shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def test_device_fingerprints_are_bitwise() -> None:
+    dev = torch.device("cuda")
+    x = torch.randn(1 << 20, device=dev)
+    assert fingerprint([x]) == fingerprint([x.clone()])
+    flipped = x.clone()
+    flipped.view(torch.int32)[12345] ^= 1 << 3  # one bit of one element
+    assert fingerprint([x]) != fingerprint([flipped])
+    swapped = x.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert fingerprint([x]) != fingerprint([swapped])
+    odd = torch.randn(7, dtype=torch.float16, device=dev)  # 14 bytes: padded to whole words
+    assert fingerprint([odd]) == fingerprint([odd.clone()]) != fingerprint([odd + 1])
+
+
+def test_cuda_training_killed_and_resumed_is_bitwise_equal(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = subprocess.run(
+        [sys.executable, "-m", "lm_resiliency.cli.quickstart", "--device", "cuda", "--steps", "30"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    summary = json.loads(out.stdout[out.stdout.index("{") :])
+    assert summary["bitwise_equal_to_uninterrupted"] and summary["resumed_at_step"] == 17
+    assert summary["recovery_decision"]["checkpoint_source"] == "gemini"
+
+
+def test_nvml_source_reads_the_real_device() -> None:
+    pynvml = pytest.importorskip("pynvml")
+    from lm_resiliency.scout.health import NvmlHealthSource, default_health_source
+
+    try:
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+    except pynvml.NVMLError as exc:
+        pytest.skip(f"NVML not usable here: {exc}")
+    source = default_health_source()
+    assert isinstance(source, NvmlHealthSource)
+    try:
+        assert source.indices and all(name.startswith("GPU-") for name in source.names.values())
+        events = [e for _ in range(3) for e in source.poll()]
+        assert not [e for e in events if e.fatal], events  # a healthy device raises no fatal event
+        print("NVML devices:", source.names, "unsupported queries:", sorted(source._unsupported))
+    finally:
+        source.close()
+    source.close()  # idempotent
