@@ -10,11 +10,13 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from lm_resiliency.adapters.base import AdapterTopology, StepTimes
@@ -35,7 +37,7 @@ from lm_resiliency.core.membership import EventKind, MembershipEvent
 from lm_resiliency.core.messages import StepTelemetry
 from lm_resiliency.core.taxonomy import FAILURE_KINDS, default_recovery_mode
 from lm_resiliency.core.topology import ParallelDim, Topology, replica_groups_from
-from lm_resiliency.errors import UnsupportedFrameworkError
+from lm_resiliency.errors import ConfigError, UnsupportedFrameworkError
 from lm_resiliency.runtime.discovery import StoreDiscovery
 from lm_resiliency.runtime.node import ClusterView, RankRuntime
 from lm_resiliency.runtime.transport import ZmqTransport
@@ -43,6 +45,9 @@ from lm_resiliency.runtime.transport import ZmqTransport
 __all__ = ["ResiliencySession", "Session", "SessionComponent", "enable_resiliency"]
 
 log = logging.getLogger(__name__)
+
+# Verdicts the torchrun backend's leader acts on (restart in place, or replace the culprit's node).
+BACKEND_ACTIONABLE = frozenset({"sdc", "hardware", "hang"})
 
 # Options each framework's adapter cannot take: the framework object owns them.
 _FORBIDDEN_OPTIONS = {
@@ -242,6 +247,8 @@ class Session:
         self._io: collections.deque[tuple[str, str, float]] = collections.deque(maxlen=64)
         self._reports: list[dict[str, Any]] = []
         self._reports_lock = threading.Lock()
+        self._control: Any = None  # ControlChannel under the torchrun backend
+        self._context: dict[str, Any] | None = None  # the backend's restart context, when restarted
         self._closed = False
         self._detection_paused = False
         self.rank = 0
@@ -292,8 +299,10 @@ class Session:
             self._topology = _assemble_topology(anns, self.world_size)
         else:
             self._topology = Topology.build([node_id], [local.replica_group])
+        self._check_restart_context()
         self._start_gemini(discovery, node_id)
         self._start_scout()
+        self._connect_backend()
         self._adapter.attach(self._on_step)
         if self.env.checkpoint_step > 0 and self._recovered_step != self.env.checkpoint_step:
             log.warning(
@@ -310,6 +319,63 @@ class Session:
             self.env.generation,
             list(local.replica_group),
         )
+
+    def _check_restart_context(self) -> None:
+        """The backend's restart context must describe this job: same topology, same world."""
+        path = self.env.restart_context_path
+        if not path:
+            return
+        try:
+            ctx = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT", f"cannot read {path}: {exc}") from exc
+        if not isinstance(ctx, dict) or ctx.get("schema_version") != 1:
+            raise ConfigError("restart context", f"{path}: not a schema_version 1 restart context")
+        assert self._topology is not None
+        # The shape (ranks per node, replica groups, parallel dims), not the machines: a standby that
+        # replaced a node has another machine id but must fit the same layout.
+        want = ctx.get("topology_digest") or ""
+        if want and want != self._topology.shape_digest():
+            raise ConfigError(
+                "restart context",
+                f"{path} was planned for topology {want} but this job has {self._topology.shape_digest()}: "
+                "the job's parallel layout changed between generations",
+            )
+        expected = ctx.get("expected_world_size")
+        if isinstance(expected, int) and expected != self.world_size:
+            raise ConfigError(
+                "restart context", f"{path} expects world size {expected}, the job has {self.world_size}"
+            )
+        self._context = ctx
+
+    def _connect_backend(self) -> None:
+        """Under the torchrun backend: feed the leader inventories and actionable verdicts."""
+        if not self.env.control_store:
+            return
+        from lm_resiliency.runtime.control import ControlChannel
+
+        channel = ControlChannel(self.env.control_store, self.env.run_id)
+        self._control = channel
+        gem = self.gemini
+        if gem is None:
+            return
+        digest = self.topology.shape_digest()
+
+        def publish(inv: Any) -> None:
+            cert = gem.certifier
+            doc = {
+                "local": list(inv.local),
+                "replicas": {o: list(s) for o, s in inv.replicas.items()},
+                "disk": list(inv.disk),
+                "certified": [s for s in inv.local if cert is not None and cert(s)],
+                "scout": cert is not None,
+                "topology": digest,
+                "generation": self.env.generation,
+            }
+            channel.publish_inventory(self.rank, doc)
+
+        gem.on_inventory = publish
+        publish(gem.inventory())
 
     def _start_gemini(self, discovery: StoreDiscovery | None, node_id: str) -> None:
         ckpt: InMemoryCkptConfig = self.settings["checkpoint"]
@@ -484,6 +550,8 @@ class Session:
     def _emit_fault(self, report: dict[str, Any]) -> None:
         with self._reports_lock:
             self._reports.append(report)
+        if self._control is not None and report.get("kind") in BACKEND_ACTIONABLE:
+            self._control.post_verdict(self.env.generation, report)
         for cb in (self._fault_callback, self._orchestration.report_fault if self._orchestration else None):
             if cb is None:
                 continue
@@ -598,6 +666,8 @@ class Session:
                 log.exception("closing component %s failed", getattr(c, "name", c))
         if self._runtime is not None:
             self._runtime.close()
+        if self._control is not None:
+            self._control.close()
 
     def __enter__(self) -> Session:
         return self

@@ -15,6 +15,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -229,6 +230,33 @@ class SCOUTFaultReport:
         return out
 
 
+FAILURE_ACTIONS = (
+    "sdc",
+    "hardware",
+    "node_lost",
+    "process_failure",
+    "hang",
+    "straggler",
+    "data_stall",
+    "checkpoint_stall",
+)
+
+
+@dataclass(frozen=True)
+class RecoveryPolicyConfig:
+    """What the torchrun backend's leader does per failure kind: the kinds listed replace the
+    culprit's node with a standby (and quarantine it); every other kind restarts in place."""
+
+    replace_node_on: tuple[str, ...] = ("sdc", "hardware", "node_lost")
+
+    def __post_init__(self) -> None:
+        for kind in self.replace_node_on:
+            if kind not in FAILURE_ACTIONS:
+                raise ConfigError(
+                    "recovery.replace_node_on", f"unknown failure kind {kind!r} (known: {FAILURE_ACTIONS})"
+                )
+
+
 @dataclass(frozen=True)
 class WorkerPolicy:
     """The worker policy TOML (`schema_version = 1`)."""
@@ -243,6 +271,7 @@ class WorkerPolicy:
     replay: ReplayHarnessConfig = field(default_factory=ReplayHarnessConfig)
     durable: DurableCheckpointConfig | None = None
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    recovery: RecoveryPolicyConfig = field(default_factory=RecoveryPolicyConfig)
 
     def __post_init__(self) -> None:
         if self.schema_version != 1:
@@ -258,7 +287,24 @@ _SECTIONS: dict[str, type[Any]] = {
     "replay": ReplayHarnessConfig,
     "durable": DurableCheckpointConfig,
     "runtime": RuntimeConfig,
+    "recovery": RecoveryPolicyConfig,
 }
+
+
+def policy_to_dict(policy: WorkerPolicy) -> dict[str, Any]:
+    """A JSON-ready, canonical form of a policy (what nodes compare by digest)."""
+
+    def plain(v: Any) -> Any:
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, tuple | list):
+            return [plain(x) for x in v]
+        if isinstance(v, Enum):
+            return v.value
+        return v
+
+    out: dict[str, Any] = plain(policy)
+    return out
 
 
 def parse_policy(data: Mapping[str, Any], source: str = "<policy>") -> WorkerPolicy:
@@ -337,6 +383,10 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if type(value) not in (int, float):
             raise ConfigError(name, f"expected float, got {type(value).__name__} {value!r}")
         return float(value)
+    if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(name, f"expected a list, got {type(value).__name__} {value!r}")
+        return tuple(_coerce(v, typing.get_args(tp)[0], f"{name}[{i}]") for i, v in enumerate(value))
     if tp is str:
         if type(value) is not str:
             raise ConfigError(name, f"expected string, got {type(value).__name__} {value!r}")
@@ -364,6 +414,7 @@ class Environment:
     hostname: str = ""
     explicit_run_id: bool = False
     shm_dir: str = "/dev/shm/lm_resiliency"
+    control_store: str | None = None  # set by the torchrun backend: tcp://HOST:PORT or file://PATH
 
     def node_id(self) -> str:
         """This machine's identity: the machine-id file's content, or the hostname if it has none."""
@@ -392,6 +443,7 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         generation=_env_int(env, "LM_RESILIENCY_GENERATION", _env_int(env, "TORCHELASTIC_RESTART_COUNT", 0)),
         explicit_run_id=bool(env.get("LM_RESILIENCY_RUN_ID")),
         shm_dir=env.get("LM_RESILIENCY_SHM_DIR") or "/dev/shm/lm_resiliency",
+        control_store=env.get("LM_RESILIENCY_CONTROL_STORE") or None,
         run_id=env.get("LM_RESILIENCY_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or "default",
         restart_context_path=env.get("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT") or None,
         checkpoint_step=_env_int(env, "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", 0),

@@ -117,6 +117,8 @@ class Gemini:
         self._on_fault = on_fault
         self.load_fallback = load_fallback
         self.certifier: Callable[[int], bool] | None = None  # set by the session when SCOUT runs
+        # Called with every new inventory (worker/receiver threads): the torchrun backend's feed.
+        self.on_inventory: Callable[[GeminiInventory], None] | None = None
         self._copier = copier
         self._pinned: dict[int, Any] = {}  # slot index -> mapping registered with the copier
         self._fence: Completion | None = None
@@ -686,6 +688,12 @@ class Gemini:
         self._inventories[self.rank] = inv
         if not self._closed and self.runtime.alive:
             self.runtime.submit(inv)
+        sink = self.on_inventory
+        if sink is not None:
+            try:
+                sink(inv)
+            except Exception:  # the feed is advisory; captures go on
+                log.exception("rank %d: publishing the inventory failed", self.rank)
 
     def _on_inventory(self, sealed: Any, msg: Any) -> None:
         self._inventories[msg.rank] = msg

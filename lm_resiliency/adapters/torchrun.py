@@ -1,0 +1,739 @@
+"""`torchrun --rdzv-backend=lm_resiliency`: our own rendezvous handler with a leader-elected agent.
+
+Every agent runs the same code. One JSON document in the control store (`core/rendezvous/state.py`)
+holds the rendezvous and changes only by compare-and-set; a background "pulse" thread per agent bumps
+this node's heartbeat counter, judges the others' counters on its own monotonic clock, elects a
+leader when the leader's counter stalls, and -- on the leader -- turns lost nodes, worker exits and
+agreed SCOUT verdicts into the next generation (same-node restart, or quarantine and admission of
+the oldest live standby), choosing the step every rank restores from the GEMINI inventories the
+workers publish. `num_nodes_waiting()` tells torchrun to restart the local workers when a restart
+began or a newer generation is out.
+
+The control store is a TCPStore hosted by a small detached process (`lm_resiliency.runtime.store_host`)
+that outlives any one agent, so the leader's agent can die without taking the store with it; it exits
+when the run closes or every heartbeat stopped. Losing the store's host machine is not survived.
+
+Each generation, slot 0's agent serves a fresh worker TCPStore on a kernel-chosen port
+(`use_agent_store`), so no worker ever reads a dead peer's address from an earlier generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+)
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+from lm_resiliency.core.gemini.recovery import plan_recovery
+from lm_resiliency.core.rendezvous import state as rs
+
+__all__ = ["BACKEND", "LmResiliencyRendezvousHandler", "create_handler", "rendezvous_handler_creator"]
+
+log = logging.getLogger(__name__)
+
+BACKEND = "lm_resiliency"
+_OURS = {
+    "lm_resiliency_restart_context_path": str,
+    "lm_resiliency_worker_config": str,
+    "lm_resiliency_join_timeout_ms": int,
+    "lm_resiliency_poll_interval_ms": int,
+    "lm_resiliency_heartbeat_timeout_ms": int,
+}
+_TORCH = {
+    "store_type",
+    "read_timeout",
+    "timeout",
+    "is_host",
+    "join_timeout",
+    "last_call_timeout",
+    "local_addr",
+}
+_DEFAULTS = {
+    "lm_resiliency_join_timeout_ms": 300_000,
+    "lm_resiliency_poll_interval_ms": 250,
+    "lm_resiliency_heartbeat_timeout_ms": 10_000,
+}
+# Failure kinds whose culprit node is quarantined and replaced by a standby (the rest restart in place).
+DEFAULT_REPLACE_ON = ("sdc", "hardware", "node_lost")
+CONTROL_ENV = "LM_RESILIENCY_CONTROL_STORE"
+_TERMINAL_KEY = "torchelastic/agent/terminal_state/num_members"
+
+
+def rendezvous_handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The `torchrun.handlers` entry point: called with no arguments, returns the creator."""
+    return create_handler
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    return LmResiliencyRendezvousHandler(params)
+
+
+def _bool(name: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "y", "t"):
+        return True
+    if text in ("0", "false", "no", "n", "f"):
+        return False
+    raise ValueError(f"--rdzv-conf {name}={raw!r}: expected true or false")
+
+
+def parse_conf(config: dict[str, Any]) -> dict[str, Any]:
+    """Validate `--rdzv-conf`; ValueError naming the bad key."""
+    out: dict[str, Any] = dict(_DEFAULTS)
+    for key, raw in config.items():
+        if key in _OURS:
+            tp = _OURS[key]
+            if tp is int:
+                try:
+                    value = int(raw)
+                except (TypeError, ValueError):
+                    raise ValueError(f"--rdzv-conf {key}={raw!r}: expected an integer") from None
+                if value <= 0:
+                    raise ValueError(f"--rdzv-conf {key}={raw!r}: must be > 0")
+                out[key] = value
+            else:
+                out[key] = str(raw)
+        elif key in _TORCH:
+            out[key] = raw
+        else:
+            known = ", ".join(sorted({*_OURS, *_TORCH}))
+            raise ValueError(f"--rdzv-conf: unknown key {key!r} (known: {known})")
+    if not out.get("lm_resiliency_restart_context_path"):
+        raise ValueError("--rdzv-conf lm_resiliency_restart_context_path is required (a per-node JSON path)")
+    store_type = str(out.get("store_type", "tcp")).lower()
+    if store_type not in ("tcp", "file"):
+        raise ValueError(f"--rdzv-conf store_type={store_type!r}: expected tcp or file")
+    out["store_type"] = store_type
+    if "is_host" in out:
+        out["is_host"] = _bool("is_host", out["is_host"])
+    for key in ("read_timeout", "timeout"):
+        if key in out:
+            try:
+                out[key] = float(out[key])
+            except (TypeError, ValueError):
+                raise ValueError(f"--rdzv-conf {key}={out[key]!r}: expected seconds") from None
+    return out
+
+
+def policy_digest(path: str | None) -> tuple[str, tuple[str, ...]]:
+    """Digest of the parsed worker policy (whitespace and key order do not matter) and its
+    failure kinds that replace a node."""
+    if not path:
+        return "", DEFAULT_REPLACE_ON
+    from lm_resiliency.config import load_policy, policy_to_dict
+
+    policy = load_policy(path)
+    canon = json.dumps(policy_to_dict(policy), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest(), tuple(policy.recovery.replace_node_on)
+
+
+def node_identity() -> str:
+    from lm_resiliency.config import read_environment
+
+    return read_environment().node_id()
+
+
+def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
+    """tmp + fsync + rename, mode 0600: a reader sees the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, json.dumps(doc, indent=2, sort_keys=True).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    with contextlib.suppress(OSError):
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+class _Control:
+    """The control store and our keys in it."""
+
+    def __init__(self, store: Store, run_id: str) -> None:
+        self.store = store
+        self.prefix = f"lmr/{run_id}/"
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    def read(self) -> tuple[bytes, rs.RdzvState] | None:
+        k = self.key("state")
+        if not self.store.check([k]):
+            return None
+        raw = self.store.get(k)
+        return raw, rs.decode(raw)
+
+    def update(self, fn: Callable[[rs.RdzvState], rs.RdzvState]) -> rs.RdzvState:
+        """Apply `fn` by compare-and-set until it sticks (or `fn` changes nothing)."""
+        k = self.key("state")
+        for _ in range(1000):
+            got = self.read()
+            if got is None:
+                raise RendezvousError("the rendezvous state is missing from the control store")
+            raw, cur = got
+            new = fn(cur)
+            if new == cur:
+                return cur
+            enc = rs.encode(new)
+            if self.store.compare_set(k, raw.decode(), enc) == enc.encode():
+                return new
+        raise RendezvousError("could not update the rendezvous state (too much contention)")
+
+    def init(self, fresh: rs.RdzvState) -> rs.RdzvState:
+        k = self.key("state")
+        got = self.store.compare_set(k, "", rs.encode(fresh))
+        return rs.decode(got)
+
+    def beat(self, node: str) -> int:
+        return int(self.store.add(self.key(f"hb/{node}"), 1))
+
+    def counter(self, node: str) -> int:
+        return int(self.store.add(self.key(f"hb/{node}"), 0))
+
+    def json_get(self, name: str) -> Any:
+        k = self.key(name)
+        if not self.store.check([k]):
+            return None
+        try:
+            return json.loads(self.store.get(k))
+        except ValueError:
+            log.warning("ignoring a malformed %s in the control store", name)
+            return None
+
+
+def _local_host(host: str) -> bool:
+    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0"):
+        return True
+    try:
+        mine: set[Any] = {socket.gethostname(), socket.getfqdn()}
+        mine |= {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}
+        theirs = {a[4][0] for a in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return host in mine or bool(mine & theirs)
+
+
+def connect_control_store(conf: dict[str, Any], endpoint: str, run_id: str, join_timeout_s: float) -> Store:
+    """A client of the run's control store; starts the detached store host when there is none."""
+    read_timeout = timedelta(seconds=float(conf.get("read_timeout", 60.0)))
+    if conf["store_type"] == "file":
+        from torch.distributed import FileStore  # type: ignore[attr-defined]
+
+        if not endpoint:
+            raise ValueError("--rdzv-endpoint must name the store file with store_type=file")
+        store: Store = FileStore(endpoint, -1)
+        store.set_timeout(read_timeout)
+        return store
+    host, _, port_s = endpoint.rpartition(":")
+    if not host or not port_s.isdigit():
+        raise ValueError(f"--rdzv-endpoint={endpoint!r}: expected HOST:PORT")
+    port = int(port_s)
+    may_host = bool(conf.get("is_host", _local_host(host)))
+    deadline = time.monotonic() + join_timeout_s
+    spawned = False
+    while True:
+        if _port_open(host, port):
+            try:
+                store = TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=read_timeout)
+                store.set_timeout(read_timeout)
+                return store
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                if time.monotonic() > deadline:
+                    raise RendezvousError(f"cannot reach the control store at {endpoint}: {exc}") from exc
+        elif may_host and not spawned:
+            spawned = True
+            _spawn_store_host(host, port, run_id)
+        if time.monotonic() > deadline:
+            raise RendezvousError(f"no control store answers at {endpoint} (lm_resiliency_join_timeout_ms)")
+        time.sleep(0.05)
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _spawn_store_host(host: str, port: int, run_id: str) -> None:
+    bind = "0.0.0.0" if host not in ("localhost", "127.0.0.1") else host
+    subprocess.Popen(
+        [sys.executable, "-m", "lm_resiliency.runtime.store_host", bind, str(port), run_id],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # outlives this agent: the leader may die, the store must not
+        close_fds=True,
+    )
+
+
+def _agent_logging() -> None:
+    """The agent's decisions are what an operator reads: show them unless logging is configured."""
+    ours = logging.getLogger("lm_resiliency")
+    if not ours.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[lm_resiliency %(asctime)s] %(levelname)s %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+
+
+class LmResiliencyRendezvousHandler(RendezvousHandler):
+    def __init__(self, params: RendezvousParameters, node_id: str | None = None) -> None:
+        _agent_logging()
+        if params.backend != BACKEND:
+            raise ValueError(f"backend {params.backend!r} is not {BACKEND!r}")
+        self.params = params
+        self.conf = parse_conf(dict(params.config))
+        self.run_id = params.run_id
+        self.min_nodes, self.max_nodes = params.min_nodes, params.max_nodes
+        self.node_id = node_id or node_identity()
+        self.addr = params.local_addr or self.conf.get("local_addr") or socket.gethostname()
+        self.poll_s = self.conf["lm_resiliency_poll_interval_ms"] / 1000.0
+        self.heartbeat_timeout_s = self.conf["lm_resiliency_heartbeat_timeout_ms"] / 1000.0
+        self.join_timeout_s = self.conf["lm_resiliency_join_timeout_ms"] / 1000.0
+        self.context_path = Path(self.conf["lm_resiliency_restart_context_path"])
+        self.worker_config = self.conf.get("lm_resiliency_worker_config")
+        self.policy_digest, self.replace_on = policy_digest(self.worker_config)
+        self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or _nproc_from_argv()
+        self._control: _Control | None = None
+        self._pulse: _Pulse | None = None
+        self._generation = -1  # the generation this agent's workers belong to
+        self._slot: int | None = None
+        self._worker_store: TCPStore | None = None
+        self._agent_store: Store | None = None
+        self._closed = False
+        self.timings: list[float] = []  # seconds spent in each next_rendezvous that returned
+
+    # -- torchrun's interface -------------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # workers connect to the fresh per-generation store as clients
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        t0 = time.monotonic()
+        control = self._connect()
+        if self._pulse is None:
+            try:
+                control.update(
+                    lambda s: rs.register(
+                        s, self.node_id, self.addr, self.local_world_size, self.policy_digest
+                    )
+                )
+            except rs.RendezvousRefused as exc:
+                raise RendezvousError(f"[{exc.code}] {exc}") from exc
+            self._pulse = _Pulse(self)
+            self._pulse.start()
+            log.info("node %s registered with run %s", self.node_id, self.run_id)
+        else:
+            gen = self._generation
+            control.update(lambda s: rs.arrive(s, self.node_id, gen))
+        self._close_worker_store()
+        state = self._wait_for_assignment(control, t0)
+        return self._assign(control, state, t0)
+
+    def is_closed(self) -> bool:
+        got = self._safe_read()
+        return got is not None and got.phase == rs.CLOSED
+
+    def set_closed(self) -> None:
+        if self._control is not None:
+            self._control.update(rs.close)
+
+    def num_nodes_waiting(self) -> int:
+        """1 when this agent must restart its workers: a restart began or a newer generation is out."""
+        pulse = self._pulse
+        s = pulse.state if pulse is not None else None
+        if s is None or self._generation < 0:
+            return 0
+        if s.generation > self._generation:
+            return 1
+        if s.phase == rs.RESTARTING and s.pending.get("from_generation") == self._generation:
+            return 1
+        return 0
+
+    def shutdown(self) -> bool:
+        """Close the run when this generation's agents all passed torch's exit barrier (success);
+        otherwise only stop heart-beating."""
+        try:
+            if self._agent_store is not None and self._control is not None and self._slot is not None:
+                s = self._safe_read()
+                done = self._agent_store.add(_TERMINAL_KEY, 0) if s is not None else 0
+                if s is not None and s.generation == self._generation and done >= len(s.slots):
+                    self._control.update(rs.close)
+                    log.info("run %s closed after generation %d succeeded", self.run_id, s.generation)
+        except Exception:  # shutdown runs on every exit path: never raise from it
+            log.exception("closing the rendezvous failed")
+        finally:
+            self._stop()
+        return True
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _connect(self) -> _Control:
+        if self._control is None:
+            store = connect_control_store(self.conf, self.params.endpoint, self.run_id, self.join_timeout_s)
+            control = _Control(store, self.run_id)
+            nonce = f"{self.run_id}-{os.getpid()}-{time.time_ns()}"
+            fresh = rs.RdzvState.new(nonce, self.min_nodes, self.max_nodes, self.policy_digest)
+            control.init(fresh)
+            self._control = control
+        return self._control
+
+    def _safe_read(self) -> rs.RdzvState | None:
+        try:
+            got = self._control.read() if self._control is not None else None
+        except Exception:
+            return None
+        return got[1] if got is not None else None
+
+    def _wait_for_assignment(self, control: _Control, t0: float) -> rs.RdzvState:
+        announced = False
+        while True:
+            got = control.read()
+            if got is None:
+                raise RendezvousError("the rendezvous state vanished from the control store")
+            s = got[1]
+            role = rs.role_of(s, self.node_id)
+            if s.phase == rs.CLOSED:
+                log.info("run %s closed: node %s (%s) exits", self.run_id, self.node_id, role)
+                self._stop()
+                raise SystemExit(0)
+            if role == "active" and s.phase == rs.RUNNING and s.generation > self._generation:
+                return s
+            if role in ("standby", "quarantined") and not announced:
+                log.info("node %s parked as %s in run %s", self.node_id, role, self.run_id)
+                announced = True
+            forming = s.generation < 0
+            if forming and role == "active" and time.monotonic() - t0 > self.join_timeout_s:
+                raise RendezvousError(
+                    f"only {sum(n is not None for n in s.slots)} of {s.min_nodes} nodes joined run "
+                    f"{self.run_id} within lm_resiliency_join_timeout_ms"
+                )
+            time.sleep(self.poll_s / 2)
+
+    def _assign(self, control: _Control, s: rs.RdzvState, t0: float) -> RendezvousInfo:
+        slot = s.slot_of(self.node_id)
+        assert slot is not None
+        gen = s.generation
+        master_key = f"worker_master/g{gen}"
+        if slot == 0:
+            self._worker_store = TCPStore(self.addr, 0, is_master=True, wait_for_workers=False)
+            control.store.set(control.key(master_key), f"{self.addr}:{self._worker_store.port}")
+        deadline = time.monotonic() + self.join_timeout_s
+        while not control.store.check([control.key(master_key)]):
+            cur = control.read()
+            if cur is not None and (cur[1].generation != gen or cur[1].phase == rs.CLOSED):
+                return self.next_rendezvous_again(control, t0)
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"slot 0 never published the worker store of generation {gen}")
+            time.sleep(self.poll_s / 4)
+        host, _, port = control.store.get(control.key(master_key)).decode().rpartition(":")
+        self._generation, self._slot = gen, slot
+        self._agent_store = PrefixStore(control.key(f"agent/g{gen}/"), control.store)
+        self._publish_context(s, slot)
+        self.timings.append(time.monotonic() - t0)
+        log.info(
+            "node %s: generation %d, slot %d of %d (rendezvous %.3f s)",
+            self.node_id,
+            gen,
+            slot,
+            len(s.slots),
+            self.timings[-1],
+        )
+        return RendezvousInfo(self._agent_store, slot, len(s.slots), RendezvousStoreInfo(host, int(port)))
+
+    def next_rendezvous_again(self, control: _Control, t0: float) -> RendezvousInfo:
+        """The generation moved on while we waited for its worker store: take the newer one."""
+        state = self._wait_for_assignment(control, t0)
+        return self._assign(control, state, t0)
+
+    def _publish_context(self, s: rs.RdzvState, slot: int) -> None:
+        plan = dict(s.plan)
+        step = int(plan.get("checkpoint_step", -1))
+        env = os.environ
+        env["LM_RESILIENCY_GENERATION"] = str(s.generation)
+        env["LM_RESILIENCY_RUN_ID"] = self.run_id
+        env["LM_RESILIENCY_NODE_ID"] = self.node_id
+        env["LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"] = str(max(step, 0))
+        env[CONTROL_ENV] = _store_address(self.conf, self.params.endpoint)
+        env["LM_RESILIENCY_AGENT_PID"] = str(os.getpid())
+        boot = str(Path(__file__).resolve().parent.parent / "_boot")
+        paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != boot]
+        env["PYTHONPATH"] = os.pathsep.join([boot, *paths])
+        if self.worker_config:
+            env["LM_RESILIENCY_WORKER_CONFIG"] = str(Path(self.worker_config).resolve())
+        if s.generation == 0:  # no context in generation 0: a stale file from another run must go
+            with contextlib.suppress(FileNotFoundError):
+                self.context_path.unlink()
+            env.pop("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT", None)
+            return
+        lws = s.nodes[self.node_id].local_world_size
+        doc = {
+            "schema_version": 1,
+            "plan_id": f"{self.run_id}-g{s.generation}",
+            "run_id": self.run_id,
+            "generation": s.generation,
+            "node_id": self.node_id,
+            "logical_node_slot": slot,
+            "first_global_rank": s.first_global_rank(slot),
+            "local_world_size": lws,
+            "expected_world_size": s.world_size(),
+            "topology_digest": plan.get("topology_digest", ""),
+            "recovery_mode": plan.get("recovery_mode", "latest"),
+            "checkpoint_source": plan.get("checkpoint_source", "gemini"),
+            "checkpoint_step": step,
+            "checkpoint_id": plan.get("checkpoint_id", ""),
+            "reason_code": plan.get("reason_code", "restart"),
+            "failure_kind": plan.get("failure_kind", "process_failure"),
+            "culprits": plan.get("culprits", []),
+            "admitted": plan.get("admitted", []),
+            "leader": s.leader,
+            "term": s.term,
+        }
+        write_json_atomic(self.context_path, doc)
+        env["LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT"] = str(self.context_path.resolve())
+
+    def _close_worker_store(self) -> None:
+        self._worker_store = None  # dropping the server object stops it
+
+    def _stop(self) -> None:
+        if self._pulse is not None:
+            self._pulse.stop()
+        self._close_worker_store()
+
+
+def _store_address(conf: dict[str, Any], endpoint: str) -> str:
+    return f"{conf['store_type']}://{endpoint}"
+
+
+def _nproc_from_argv() -> int:
+    """torchrun's --nproc-per-node of this agent (the handler is built before workers exist)."""
+    argv = sys.argv
+    for i, a in enumerate(argv):
+        for flag in ("--nproc-per-node", "--nproc_per_node"):
+            if a == flag and i + 1 < len(argv):
+                v = argv[i + 1]
+            elif a.startswith(flag + "="):
+                v = a.split("=", 1)[1]
+            else:
+                continue
+            if v.isdigit():
+                return int(v)
+    return 1
+
+
+class _Pulse:
+    """Heartbeats, liveness, election and -- on the leader -- the decisions; one daemon thread."""
+
+    def __init__(self, handler: LmResiliencyRendezvousHandler) -> None:
+        self.h = handler
+        self.state: rs.RdzvState | None = None
+        self._stop_evt = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lm-resiliency-rdzv", daemon=True)
+        self._liveness = rs.Liveness(handler.heartbeat_timeout_s)
+        # A connection of its own: a TCPStore client is not shared across threads.
+        self._control: _Control | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop_evt.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        h = self.h
+        try:
+            store = connect_control_store(h.conf, h.params.endpoint, h.run_id, h.join_timeout_s)
+        except Exception:
+            log.exception("the rendezvous pulse cannot reach the control store")
+            return
+        self._control = _Control(store, h.run_id)
+        while not self._stop_evt.is_set():
+            try:
+                self._tick(time.monotonic())
+            except Exception:  # the store may be briefly unreachable; keep beating
+                log.warning("rendezvous pulse failed", exc_info=True)
+            self._stop_evt.wait(h.poll_s)
+
+    def _tick(self, now: float) -> None:
+        control = self._control
+        assert control is not None
+        h = self.h
+        control.beat(h.node_id)
+        got = control.read()
+        if got is None:
+            return
+        s = got[1]
+        for node in s.nodes:
+            self._liveness.observe(node, control.counter(node), now)
+        live = self._liveness.live(now) | {h.node_id}
+        if s.leader != h.node_id:
+            if s.leader is None or s.leader not in live:
+                s = control.update(lambda cur: rs.elect(cur, h.node_id, live))
+                if s.leader == h.node_id:
+                    log.info("node %s leads run %s (term %d)", h.node_id, h.run_id, s.term)
+            self.state = s
+            return
+        s = self._lead(control, s, live, now)
+        self.state = s
+
+    def _lead(self, control: _Control, s: rs.RdzvState, live: set[str], now: float) -> rs.RdzvState:
+        h = self.h
+        dead = self._liveness.dead(now) - {h.node_id}
+        for node in sorted(dead):
+            if node in s.standbys or s.slot_of(node) is not None:
+                log.warning("node %s lost its heartbeat (> %.1f s)", node, h.heartbeat_timeout_s)
+                s = control.update(partial(_if_leader, me=h.node_id, fn=rs.mark_dead, args=(node,)))
+        s = self._apply_verdicts(control, s)
+        if s.phase in (rs.FORMING, rs.RESTARTING):
+            before = s
+
+            def step(cur: rs.RdzvState) -> rs.RdzvState:
+                if cur.leader != h.node_id:
+                    return cur
+                formed = rs.form(cur, live)
+                if formed.phase != rs.RUNNING:
+                    return formed
+                return rs.form(cur, live, self._plan(control, cur, formed))
+
+            s = control.update(step)
+            if s.phase == rs.RUNNING and s.generation != before.generation:
+                log.info(
+                    "run %s: generation %d published (slots %s, plan %s)",
+                    h.run_id,
+                    s.generation,
+                    list(s.slots),
+                    dict(s.plan),
+                )
+        return s
+
+    def _apply_verdicts(self, control: _Control, s: rs.RdzvState) -> rs.RdzvState:
+        """Agreed SCOUT verdicts that workers posted: restart, or quarantine the culprits' nodes."""
+        h = self.h
+        if s.phase != rs.RUNNING:
+            return s
+        n = int(control.store.add(control.key(f"verdicts/g{s.generation}/n"), 0))
+        for i in range(n):
+            v = control.json_get(f"verdicts/g{s.generation}/{i}")
+            if not isinstance(v, dict):
+                continue
+            kind = str(v.get("kind", "unknown"))
+            ranks = [int(r) for r in v.get("failed_ranks", []) if isinstance(r, int)]
+            culprits = {n for n in (_node_of_rank(s, r) for r in ranks) if n is not None}
+            quarantine = kind in h.replace_on and bool(culprits)
+            log.warning("run %s: verdict %s on ranks %s -> %s", h.run_id, kind, ranks, sorted(culprits))
+            args = (s.generation, kind, str(v.get("reason", kind)), culprits, quarantine)
+            s = control.update(partial(_if_leader, me=h.node_id, fn=rs.request_restart, args=args))
+            if s.phase != rs.RUNNING:
+                break
+        return s
+
+    def _plan(self, control: _Control, old: rs.RdzvState, new: rs.RdzvState) -> dict[str, Any]:
+        """The step every rank of the new generation restores, from the workers' GEMINI inventories."""
+        pending = dict(old.pending)
+        kind = str(pending.get("failure_kind", "none"))
+        mode = "recovery_verified" if kind in ("sdc", "hardware") else "latest"
+        plan: dict[str, Any] = {
+            "failure_kind": kind,
+            "reason_code": str(pending.get("reason", "startup")),
+            "culprits": list(pending.get("culprits", [])),
+            "recovery_mode": mode,
+            "checkpoint_source": "none",
+            "checkpoint_step": -1,
+            "admitted": [
+                {"slot": i, "node": n}
+                for i, n in enumerate(new.slots)
+                if old.generation >= 0 and n not in old.slots
+            ],
+        }
+        if old.generation < 0:
+            return plan
+        world = new.world_size()
+        invs: dict[int, Any] = {}
+        for r in range(world):
+            inv = control.json_get(f"inv/{r}")
+            if isinstance(inv, dict):
+                invs[r] = inv
+        if not invs:
+            return plan
+        keeps = {n for n in new.slots if n is not None and n in old.slots}  # same machine, same shm
+        local: dict[int, set[int]] = {}
+        replicas: dict[int, dict[int, set[int]]] = {}
+        certified: set[int] | None = None
+        for r, inv in invs.items():
+            node = _node_of_rank(old, r)
+            if node in keeps and _node_of_rank(new, r) == node:
+                local[r] = {int(x) for x in inv.get("local", [])}
+            if node in keeps:
+                replicas[r] = {int(o): {int(x) for x in st} for o, st in inv.get("replicas", {}).items()}
+            cert = {int(x) for x in inv.get("certified", [])}
+            if inv.get("scout"):
+                certified = cert if certified is None else certified & cert
+        allowed = certified if mode == "recovery_verified" and certified is not None else None
+        rp = plan_recovery(world, local, replicas, allowed=allowed)
+        if rp.step >= 0:
+            plan["checkpoint_source"] = "gemini"
+            plan["checkpoint_step"] = rp.step
+            plan["checkpoint_id"] = f"gemini-step-{rp.step}"
+            plan["sources"] = sorted({src.tier for src in rp.sources.values()})
+        plan["plan_reason"] = rp.reason
+        digests = {str(inv.get("topology", "")) for inv in invs.values()} - {""}
+        if len(digests) == 1:
+            plan["topology_digest"] = digests.pop()
+        return plan
+
+
+def _node_of_rank(s: rs.RdzvState, rank: int) -> str | None:
+    for i, n in enumerate(s.slots):
+        if n is None:
+            continue
+        first = s.first_global_rank(i)
+        if first <= rank < first + s.nodes[n].local_world_size:
+            return n
+    return None
+
+
+def _if_leader(
+    cur: rs.RdzvState, me: str, fn: Callable[..., rs.RdzvState], args: tuple[Any, ...]
+) -> rs.RdzvState:
+    """Only the leader of the current term decides: a deposed leader's update changes nothing."""
+    return fn(cur, *args) if cur.leader == me else cur

@@ -1,0 +1,1 @@
+"""Pure rendezvous logic for the torchrun backend: state, transitions, election, liveness."""

@@ -1,0 +1,356 @@
+"""The torchrun rendezvous as a pure state machine.
+
+One JSON document in the control store holds the whole rendezvous; every change is a pure function
+of the current state (and, for liveness, of counters and a literal `now`), applied by compare-and-set.
+Because the leader's identity and term live inside the document, a deposed leader's write fails:
+compare-and-set is the fence.
+
+Life of a run:
+- `forming`: nodes register; the first `min_nodes` (by arrival) take the logical slots, later ones
+  park as standbys (arrival order). When every slot is held, the leader publishes generation 0.
+- `running`: generation g trains. A worker failure, a lost node or an agreed verdict moves it to
+- `restarting`: every slot holder must arrive (its agent stopped its workers and re-entered the
+  rendezvous) or be declared dead. Dead or quarantined slots are filled by the oldest live standby;
+  previous holders keep their slots (stable ranks). Then generation g+1 is published.
+- `closed`: the job succeeded; parked and quarantined nodes exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Set
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+__all__ = [
+    "CLOSED",
+    "FORMING",
+    "PHASES",
+    "RESTARTING",
+    "RUNNING",
+    "Liveness",
+    "NodeInfo",
+    "RdzvState",
+    "RendezvousRefused",
+    "arrive",
+    "close",
+    "decode",
+    "elect",
+    "encode",
+    "form",
+    "mark_dead",
+    "register",
+    "request_restart",
+    "role_of",
+]
+
+FORMING, RUNNING, RESTARTING, CLOSED = "forming", "running", "restarting", "closed"
+PHASES = (FORMING, RUNNING, RESTARTING, CLOSED)
+SCHEMA = 1
+
+
+class RendezvousRefused(Exception):
+    """A node may not take part (its policy differs from the run's); `.code` is a stable reason."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    arrival: int  # registration order: the oldest standby is admitted first; the oldest node leads
+    addr: str
+    local_world_size: int
+
+
+@dataclass(frozen=True)
+class RdzvState:
+    nonce: str  # the run's identity in the store: a leftover store of another run is never used
+    min_nodes: int
+    max_nodes: int
+    policy_digest: str = ""
+    term: int = 0
+    leader: str | None = None
+    generation: int = -1  # -1 until the first generation is published
+    phase: str = FORMING
+    slots: tuple[str | None, ...] = ()
+    nodes: Mapping[str, NodeInfo] = field(default_factory=dict)
+    standbys: tuple[str, ...] = ()
+    excluded: Mapping[str, str] = field(default_factory=dict)  # node -> reason (quarantine)
+    arrived: tuple[str, ...] = ()  # slot holders back in the rendezvous since the restart began
+    pending: Mapping[str, Any] = field(default_factory=dict)  # why the current restart happens
+    plan: Mapping[str, Any] = field(default_factory=dict)  # what the published generation restores
+    next_arrival: int = 0
+    history: tuple[Mapping[str, Any], ...] = ()  # one entry per published generation
+
+    @staticmethod
+    def new(nonce: str, min_nodes: int, max_nodes: int, policy_digest: str = "") -> RdzvState:
+        if not 1 <= min_nodes <= max_nodes:
+            raise ValueError(f"need 1 <= min_nodes <= max_nodes, got {min_nodes}:{max_nodes}")
+        return RdzvState(nonce, min_nodes, max_nodes, policy_digest, slots=(None,) * min_nodes)
+
+    def slot_of(self, node: str) -> int | None:
+        for i, n in enumerate(self.slots):
+            if n == node:
+                return i
+        return None
+
+    def first_global_rank(self, slot: int) -> int:
+        return sum(self.nodes[n].local_world_size for n in self.slots[:slot] if n is not None)
+
+    def world_size(self) -> int:
+        return sum(self.nodes[n].local_world_size for n in self.slots if n is not None)
+
+
+def role_of(s: RdzvState, node: str) -> str:
+    """`active` (holds a slot), `standby`, `quarantined`, or `unknown`."""
+    if node in s.excluded:
+        return "quarantined"
+    if s.slot_of(node) is not None:
+        return "active"
+    if node in s.standbys:
+        return "standby"
+    return "unknown"
+
+
+def register(s: RdzvState, node: str, addr: str, local_world_size: int, policy_digest: str = "") -> RdzvState:
+    """A node's agent joins (or re-joins after its own restart: same node id, same arrival)."""
+    if s.policy_digest and policy_digest != s.policy_digest:
+        raise RendezvousRefused(
+            "policy_mismatch",
+            f"node {node} runs worker policy {policy_digest[:12] or '<none>'} but the run uses "
+            f"{s.policy_digest[:12]}: every node must run the same lm_resiliency_worker_config",
+        )
+    if s.phase == CLOSED:
+        return s
+    nodes = dict(s.nodes)
+    known = nodes.get(node)
+    arrival = known.arrival if known is not None else s.next_arrival
+    nodes[node] = NodeInfo(node, arrival, addr, local_world_size)
+    out = replace(s, nodes=nodes, next_arrival=max(s.next_arrival, arrival + 1))
+    if node in s.excluded or s.slot_of(node) is not None or node in s.standbys:
+        return out
+    if s.phase == FORMING and None in s.slots:
+        slots = list(s.slots)
+        slots[slots.index(None)] = node
+        return replace(out, slots=tuple(slots))
+    return replace(out, standbys=(*s.standbys, node))
+
+
+def elect(s: RdzvState, me: str, live: Set[str]) -> RdzvState:
+    """`me` takes the lead when there is no live leader and `me` is the oldest live, trusted node."""
+    if s.leader is not None and s.leader in live:
+        return s
+    candidates = [n for n in live if n in s.nodes and n not in s.excluded]
+    if not candidates or min(candidates, key=lambda n: s.nodes[n].arrival) != me:
+        return s
+    return replace(s, leader=me, term=s.term + 1)
+
+
+def request_restart(
+    s: RdzvState,
+    generation: int,
+    failure_kind: str,
+    reason: str,
+    culprits: Iterable[str] = (),
+    quarantine: bool = False,
+) -> RdzvState:
+    """Generation `generation` failed. Requests about an older generation are already handled."""
+    if s.phase == CLOSED or generation != s.generation:
+        return s
+    culprits = tuple(sorted(set(culprits)))
+    excluded = dict(s.excluded)
+    if quarantine:
+        for c in culprits:
+            excluded.setdefault(c, failure_kind)
+    if s.phase == RESTARTING:  # a second report of the same failure: only widen it
+        pending = dict(s.pending)
+        pending["culprits"] = sorted(set(pending.get("culprits", ())) | set(culprits))
+        pending["quarantine"] = bool(pending.get("quarantine")) or quarantine
+        return replace(s, pending=pending, excluded=excluded)
+    if s.phase != RUNNING:
+        return s
+    pending = {
+        "failure_kind": failure_kind,
+        "reason": reason,
+        "culprits": list(culprits),
+        "quarantine": quarantine,
+        "from_generation": generation,
+    }
+    return replace(s, phase=RESTARTING, arrived=(), pending=pending, excluded=excluded)
+
+
+def arrive(s: RdzvState, node: str, generation: int) -> RdzvState:
+    """A slot holder's agent re-entered the rendezvous after its workers of `generation` stopped."""
+    if generation != s.generation:
+        return s
+    if s.phase == RUNNING:  # the first to notice: its own workers failed
+        s = request_restart(s, generation, "process_failure", "worker_exit", (node,))
+    if s.phase != RESTARTING or node in s.arrived:
+        return s
+    return replace(s, arrived=(*s.arrived, node))
+
+
+def mark_dead(s: RdzvState, node: str) -> RdzvState:
+    """The node's heartbeats stopped: a standby leaves the list, a slot holder's slot is freed."""
+    if s.phase == CLOSED:
+        return s
+    if node in s.standbys:
+        return replace(s, standbys=tuple(n for n in s.standbys if n != node))
+    slot = s.slot_of(node)
+    if slot is None:
+        return s
+    if s.phase == RUNNING:
+        s = request_restart(s, s.generation, "node_lost", "heartbeat_lost", (node,))
+    elif s.pending.get("failure_kind") == "process_failure":
+        # Peers' workers exited first (their collectives broke), but the root cause is this node.
+        s = replace(
+            s,
+            pending={
+                **s.pending,
+                "failure_kind": "node_lost",
+                "reason": "heartbeat_lost",
+                "culprits": [node],
+            },
+        )
+    slots = list(s.slots)
+    slots[slot] = None
+    return replace(s, slots=tuple(slots), arrived=tuple(n for n in s.arrived if n != node))
+
+
+def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) -> RdzvState:
+    """The leader publishes the next generation once every slot is held by a ready node.
+
+    Quarantined holders lose their slot; holes are filled by the oldest live standbys. A holder is
+    ready when it arrived (restarting) or registered (forming). Returns `s` unchanged when not ready.
+    """
+    if s.phase not in (FORMING, RESTARTING):
+        return s
+    slots = list(s.slots)
+    for i, n in enumerate(slots):
+        if n is not None and (n in s.excluded or n not in live):
+            slots[i] = None
+    standbys = [n for n in s.standbys if n in live and n not in s.excluded]
+    standbys.sort(key=lambda n: s.nodes[n].arrival)
+    admitted: list[tuple[int, str]] = []
+    for i, n in enumerate(slots):
+        if n is None and standbys:
+            slots[i] = standbys.pop(0)
+            admitted.append((i, slots[i]))  # type: ignore[arg-type]
+    if None in slots:
+        return replace(s, slots=tuple(slots), standbys=tuple(n for n in s.standbys if n not in slots))
+    if s.phase == RESTARTING:
+        waiting = [n for n in slots if n not in s.arrived and n not in dict(admitted).values()]
+        if waiting:
+            return replace(s, slots=tuple(slots), standbys=tuple(n for n in s.standbys if n not in slots))
+    generation = s.generation + 1
+    entry = {
+        "generation": generation,
+        "slots": list(slots),
+        "admitted": [{"slot": i, "node": n} for i, n in admitted],
+        "failure_kind": s.pending.get("failure_kind", "none"),
+        "reason": s.pending.get("reason", "startup"),
+        "culprits": list(s.pending.get("culprits", ())),
+    }
+    return replace(
+        s,
+        generation=generation,
+        phase=RUNNING,
+        slots=tuple(slots),
+        standbys=tuple(n for n in s.standbys if n not in slots),
+        arrived=(),
+        pending={},
+        plan=dict(plan or {}),
+        history=(*s.history, entry)[-64:],
+    )
+
+
+def close(s: RdzvState) -> RdzvState:
+    return s if s.phase == CLOSED else replace(s, phase=CLOSED)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Encoding: one JSON document.
+
+
+def encode(s: RdzvState) -> str:
+    doc = {
+        "schema": SCHEMA,
+        "nonce": s.nonce,
+        "min_nodes": s.min_nodes,
+        "max_nodes": s.max_nodes,
+        "policy_digest": s.policy_digest,
+        "term": s.term,
+        "leader": s.leader,
+        "generation": s.generation,
+        "phase": s.phase,
+        "slots": list(s.slots),
+        "nodes": {n: [i.arrival, i.addr, i.local_world_size] for n, i in sorted(s.nodes.items())},
+        "standbys": list(s.standbys),
+        "excluded": dict(s.excluded),
+        "arrived": list(s.arrived),
+        "pending": dict(s.pending),
+        "plan": dict(s.plan),
+        "next_arrival": s.next_arrival,
+        "history": [dict(h) for h in s.history],
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def decode(raw: str | bytes) -> RdzvState:
+    """Parse the stored document; ValueError naming what is wrong."""
+    try:
+        doc = json.loads(raw)
+        if doc.get("schema") != SCHEMA:
+            raise ValueError(f"rendezvous state schema {doc.get('schema')!r}, expected {SCHEMA}")
+        if doc["phase"] not in PHASES:
+            raise ValueError(f"unknown rendezvous phase {doc['phase']!r}")
+        return RdzvState(
+            nonce=str(doc["nonce"]),
+            min_nodes=int(doc["min_nodes"]),
+            max_nodes=int(doc["max_nodes"]),
+            policy_digest=str(doc["policy_digest"]),
+            term=int(doc["term"]),
+            leader=doc["leader"],
+            generation=int(doc["generation"]),
+            phase=doc["phase"],
+            slots=tuple(doc["slots"]),
+            nodes={n: NodeInfo(n, int(a), str(addr), int(lws)) for n, (a, addr, lws) in doc["nodes"].items()},
+            standbys=tuple(doc["standbys"]),
+            excluded=dict(doc["excluded"]),
+            arrived=tuple(doc["arrived"]),
+            pending=dict(doc["pending"]),
+            plan=dict(doc["plan"]),
+            next_arrival=int(doc["next_arrival"]),
+            history=tuple(doc["history"]),
+        )
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"malformed rendezvous state: {exc!r}") from exc
+
+
+# ---------------------------------------------------------------------------------------------------
+# Liveness: heartbeat counters judged on the observer's own monotonic clock (no wall-clock compare).
+
+
+class Liveness:
+    """A node is live while its counter keeps moving; `now` is the observer's monotonic time."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._seen: dict[str, tuple[int, float]] = {}
+
+    def observe(self, node: str, counter: int, now: float) -> None:
+        last = self._seen.get(node)
+        if last is None or counter != last[0]:
+            self._seen[node] = (counter, now)
+
+    def live(self, now: float) -> set[str]:
+        return {n for n, (_, t) in self._seen.items() if now - t <= self.timeout_s}
+
+    def dead(self, now: float) -> set[str]:
+        return {n for n, (_, t) in self._seen.items() if now - t > self.timeout_s}
+
+    def forget(self, node: str) -> None:
+        self._seen.pop(node, None)

@@ -1,0 +1,94 @@
+"""A DDP job under `torchrun --rdzv-backend=lm_resiliency`: one call to enable_resiliency.
+
+FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
+  worker  -- rank FAULT_RANK's worker dies (SIGKILL)
+  node    -- rank FAULT_RANK's whole node dies: its agent, then (parent-death signal) its worker
+  leader  -- the node of the current leader dies the same way
+  sdc     -- rank FAULT_RANK flips a bit of a gradient after reduction (SCOUT must name it)
+Rank 0 writes the final parameters to OUT and each generation's start to OUT.gen<g>.json.
+"""
+
+import json
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lm_resiliency import InMemoryCkptConfig, ReplayHarnessConfig, enable_resiliency
+
+STEPS = int(os.environ.get("STEPS", "24"))
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+gen = int(os.environ.get("LM_RESILIENCY_GENERATION", "0"))
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+session = enable_resiliency(
+    model,
+    opt,
+    opt_param_scheduler=sched,
+    interval=1,
+    checkpoint=InMemoryCkptConfig(disk_flush_interval=10**6),
+    replay=ReplayHarnessConfig(hang_stall_threshold_s=30.0),
+)
+start = session.step_count
+print(f"rank {rank} generation {gen} starts at step {start} (recovered {session.recovered_step})", flush=True)
+if rank == 0:
+    with open(f"{os.environ['OUT']}.gen{gen}.json", "w") as f:
+        json.dump(
+            {
+                "generation": gen,
+                "start": start,
+                "env_step": int(os.environ.get("LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", "0")),
+                "decision": session.last_recovery_decision,
+                "context": os.environ.get("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT"),
+            },
+            f,
+        )
+fault = os.environ.get("FAULT", "") if gen == 0 else ""
+fault_rank = int(os.environ.get("FAULT_RANK", "1"))
+fault_step = int(os.environ.get("FAULT_STEP", "10"))
+
+
+def kill_my_node() -> None:
+    os.kill(int(os.environ["LM_RESILIENCY_AGENT_PID"]), signal.SIGKILL)
+    signal.pause()  # the parent-death signal ends this worker
+
+
+def leader_is_me() -> bool:
+    from torch.distributed import TCPStore
+
+    host, port = os.environ["LM_RESILIENCY_CONTROL_STORE"].split("://", 1)[1].rsplit(":", 1)
+    store = TCPStore(host, int(port), is_master=False, wait_for_workers=False)
+    run = os.environ["LM_RESILIENCY_RUN_ID"]
+    state = json.loads(store.get(f"lmr/{run}/state"))
+    return state["leader"] == os.environ["LM_RESILIENCY_NODE_ID"]
+
+
+for step in range(start + 1, STEPS + 1):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank * 1000 + step))
+    loss = (model(x) - x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    if fault == "sdc" and rank == fault_rank and step == fault_step:
+        with torch.no_grad():
+            p = next(model.parameters())
+            p.grad.view(-1)[3] += 1.0  # after reduction: only this replica's copy changes
+    opt.step()
+    sched.step()
+    if step == fault_step and fault in ("worker", "node") and rank == fault_rank:
+        session.gemini.drain(10)
+        if fault == "worker":
+            os.kill(os.getpid(), signal.SIGKILL)
+        kill_my_node()
+    if step == fault_step and fault == "leader":
+        session.gemini.drain(10)
+        if leader_is_me():
+            kill_my_node()
+if rank == 0:
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.environ["OUT"])
+session.close()
+dist.destroy_process_group()
