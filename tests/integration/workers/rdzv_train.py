@@ -5,6 +5,7 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
   node    -- rank FAULT_RANK's whole node dies: its agent, then (parent-death signal) its worker
   leader  -- the node of the current leader dies the same way
   sdc     -- rank FAULT_RANK flips a bit of a gradient after reduction (SCOUT must name it)
+  repeat  -- in each generation g < FAULT_REPEAT, rank g % world dies two steps after its start
 Rank 0 writes the final parameters to OUT and each generation's start to OUT.gen<g>.json.
 """
 
@@ -51,6 +52,8 @@ if rank == 0:
 fault = os.environ.get("FAULT", "") if gen == 0 else ""
 fault_rank = int(os.environ.get("FAULT_RANK", "1"))
 fault_step = int(os.environ.get("FAULT_STEP", "10"))
+if os.environ.get("FAULT") == "repeat" and gen < int(os.environ.get("FAULT_REPEAT", "10")):
+    fault, fault_rank, fault_step = "worker", gen % world, start + 2
 
 
 def kill_my_node() -> None:

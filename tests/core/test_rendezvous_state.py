@@ -1,0 +1,164 @@
+"""The rendezvous state machine: pure transitions with literal values and `now`."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lm_resiliency.core.rendezvous import state as rs
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _formed(nodes: list[str], min_nodes: int = 2) -> rs.RdzvState:
+    s = rs.RdzvState.new("nonce", min_nodes, len(nodes), "pol")
+    for n in nodes:
+        s = rs.register(s, n, f"{n}.addr", 2, "pol")
+    s = rs.elect(s, nodes[0], set(nodes))
+    return rs.form(s, set(nodes))
+
+
+def test_first_min_nodes_take_slots_the_rest_park_and_generation_zero_forms() -> None:
+    s = rs.RdzvState.new("nonce", 2, 4, "pol")
+    s = rs.register(s, "a", "ha", 2, "pol")
+    assert rs.form(s, {"a"}).phase == rs.FORMING  # not every slot held yet
+    for n in "bcd":
+        s = rs.register(s, n, f"h{n}", 2, "pol")
+    assert s.slots == ("a", "b") and s.standbys == ("c", "d")
+    assert rs.role_of(s, "c") == "standby" and rs.role_of(s, "a") == "active"
+    s = rs.form(rs.elect(s, "a", {"a", "b", "c", "d"}), {"a", "b", "c", "d"})
+    assert s.phase == rs.RUNNING and s.generation == 0 and s.world_size() == 4
+    assert s.first_global_rank(1) == 2
+
+
+def test_a_different_policy_is_refused_with_a_reason_code() -> None:
+    s = rs.RdzvState.new("nonce", 1, 2, "pol-A")
+    with pytest.raises(rs.RendezvousRefused) as info:
+        rs.register(s, "x", "hx", 1, "pol-B")
+    assert info.value.code == "policy_mismatch" and "same lm_resiliency_worker_config" in str(info.value)
+
+
+def test_re_registration_after_an_agent_restart_keeps_arrival_and_slot() -> None:
+    s = _formed(["a", "b", "c"])
+    again = rs.register(s, "b", "hb2", 2, "pol")
+    assert again.slots == s.slots and again.nodes["b"].arrival == s.nodes["b"].arrival
+    assert again.nodes["b"].addr == "hb2"
+
+
+def test_worker_exit_restarts_in_place_once_every_holder_arrived() -> None:
+    s = _formed(["a", "b", "c"])
+    s = rs.arrive(s, "b", 0)  # b's worker died: a restart begins
+    assert s.phase == rs.RESTARTING and s.pending["culprits"] == ["b"]
+    assert rs.form(s, {"a", "b", "c"}).phase == rs.RESTARTING  # a has not stopped its workers yet
+    s = rs.arrive(s, "a", 0)
+    s = rs.arrive(s, "a", 0)  # idempotent
+    s = rs.form(s, {"a", "b", "c"}, {"checkpoint_step": 7})
+    assert s.phase == rs.RUNNING and s.generation == 1 and s.slots == ("a", "b")
+    assert s.plan["checkpoint_step"] == 7 and s.history[-1]["failure_kind"] == "process_failure"
+    assert rs.arrive(s, "a", 0) == s  # a late report about generation 0 changes nothing
+
+
+def test_lost_node_is_replaced_by_the_oldest_live_standby_in_its_slot() -> None:
+    s = _formed(["a", "b", "c", "d"])
+    s = rs.mark_dead(s, "a")
+    assert s.phase == rs.RESTARTING and s.slots == (None, "b")
+    assert s.pending["failure_kind"] == "node_lost"
+    s = rs.arrive(s, "b", 0)
+    s = rs.form(s, {"b", "c", "d"})
+    assert s.slots == ("c", "b") and s.standbys == ("d",) and s.generation == 1
+    assert s.history[-1]["admitted"] == [{"slot": 0, "node": "c"}]
+
+
+def test_peers_exiting_first_do_not_hide_the_lost_node() -> None:
+    s = _formed(["a", "b", "c"])
+    s = rs.arrive(s, "a", 0)  # a's worker saw its peer die and exited first
+    s = rs.mark_dead(s, "b")
+    assert s.pending["failure_kind"] == "node_lost" and s.pending["culprits"] == ["b"]
+
+
+def test_quarantined_culprit_is_excluded_and_replaced() -> None:
+    s = _formed(["a", "b", "c"])
+    s = rs.request_restart(s, 0, "sdc", "fingerprint_minority", ["b"], quarantine=True)
+    assert s.excluded == {"b": "sdc"} and rs.role_of(s, "b") == "quarantined"
+    s = rs.arrive(rs.arrive(s, "a", 0), "b", 0)
+    s = rs.form(s, {"a", "b", "c"})
+    assert s.slots == ("a", "c") and s.generation == 1
+    assert rs.register(s, "b", "hb", 2, "pol").slots == s.slots  # coming back does not give it a slot
+
+
+def test_without_a_standby_a_lost_slot_waits() -> None:
+    s = _formed(["a", "b"])
+    s = rs.mark_dead(s, "b")
+    s = rs.form(rs.arrive(s, "a", 0), {"a"})
+    assert s.phase == rs.RESTARTING and s.slots == ("a", None)
+    s = rs.register(s, "b", "hb", 2, "pol")  # the node's agent came back (same machine id)
+    assert s.standbys == ("b",)
+    s = rs.form(s, {"a", "b"})
+    assert s.phase == rs.RUNNING and s.slots == ("a", "b")
+
+
+def test_election_oldest_live_node_takes_over_with_a_new_term() -> None:
+    s = _formed(["a", "b", "c"])
+    assert s.leader == "a" and s.term == 1
+    assert rs.elect(s, "b", {"a", "b", "c"}) == s  # a live leader stays
+    assert rs.elect(s, "c", {"b", "c"}) == s  # b is older than c: c does not take over
+    s2 = rs.elect(s, "b", {"b", "c"})
+    assert s2.leader == "b" and s2.term == 2
+
+
+def test_liveness_uses_counters_on_the_observers_clock() -> None:
+    live = rs.Liveness(timeout_s=3.0)
+    live.observe("a", 5, now=100.0)
+    live.observe("b", 9, now=100.0)
+    live.observe("a", 6, now=102.5)
+    live.observe("b", 9, now=102.5)  # stuck counter
+    assert live.live(102.9) == {"a", "b"}  # b's counter last moved at 100.0
+    assert live.dead(103.1) == {"b"} and live.live(103.1) == {"a"}
+    live.observe("b", 10, now=104.0)  # it moves again: live again
+    assert live.live(104.0) == {"a", "b"}
+
+
+def test_encode_decode_round_trip_and_malformed_documents() -> None:
+    s = rs.mark_dead(_formed(["a", "b", "c"]), "a")
+    assert rs.decode(rs.encode(s)) == s
+    with pytest.raises(ValueError, match="malformed"):
+        rs.decode(b'{"schema": 1, "phase": "running"}')
+    with pytest.raises(ValueError, match="schema"):
+        rs.decode(b'{"schema": 9}')
+    with pytest.raises(ValueError):
+        rs.decode(b"not json")
+
+
+def test_closed_run_ignores_further_changes() -> None:
+    s = rs.close(_formed(["a", "b"]))
+    assert rs.mark_dead(s, "a") == s and rs.arrive(s, "a", 0) == s
+    assert rs.request_restart(s, 0, "sdc", "x") == s and rs.form(s, {"a", "b"}) == s
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["kill", "arrive", "register", "form"]), st.integers(0, 4)), max_size=40
+    )
+)
+def test_any_event_sequence_keeps_slots_unique_and_trusted(events: list[tuple[str, int]]) -> None:
+    names = [f"n{i}" for i in range(5)]
+    s = _formed(names[:3])
+    alive = set(names[:3])
+    for op, i in events:
+        n = names[i]
+        if op == "kill":
+            s, alive = rs.mark_dead(s, n), alive - {n}
+        elif op == "arrive":
+            s = rs.arrive(s, n, s.generation)
+        elif op == "register":
+            s, alive = rs.register(s, n, "h", 2, "pol"), alive | {n}
+        else:
+            s = rs.form(s, alive)
+        held = [x for x in s.slots if x is not None]
+        assert len(held) == len(set(held))
+        assert not set(held) & set(s.standbys)
+        assert not set(held) & set(s.excluded)
+        if s.phase == rs.RUNNING:
+            assert None not in s.slots

@@ -1,0 +1,216 @@
+"""Real torchrun with `--rdzv-backend=lm_resiliency` on localhost: synthetic nodes (one agent each,
+its own machine-id file), 2 active + 1 standby, one gloo worker per node.
+
+Every run must end with every agent exiting 0 (the standby too) and no process of the run left
+behind (workers, the detached control-store host); faulted runs must end bitwise equal to an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ProcessGroup
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+WORKER = "tests/integration/workers/rdzv_train.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _procs_tagged(tag: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if tag.encode() in (d / "cmdline").read_bytes():
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+class Job:
+    def __init__(
+        self, group: ProcessGroup, tmp: Path, name: str, nodes: int = 3, nnodes: str = "2:3"
+    ) -> None:
+        self.group, self.tmp, self.name = group, tmp / name, name
+        self.tmp.mkdir(parents=True)
+        self.nodes, self.nnodes = nodes, nnodes
+        self.run_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.port = _free_port()
+        self.out = self.tmp / "final.pt"
+        self.procs: list = []
+
+    def start(self, env: dict[str, str] | None = None, policies: list[str | None] | None = None) -> None:
+        for n in range(self.nodes):
+            mid = self.tmp / f"machine-id-{n}"
+            mid.write_text(f"{self.name}-node-{n}\n")
+            conf = [
+                f"lm_resiliency_restart_context_path={self.tmp / f'context-{n}.json'}",
+                "lm_resiliency_poll_interval_ms=100",
+                "lm_resiliency_heartbeat_timeout_ms=3000",
+                "lm_resiliency_join_timeout_ms=60000",
+            ]
+            if policies and policies[n]:
+                conf.append(f"lm_resiliency_worker_config={policies[n]}")
+            full = {
+                "LM_RESILIENCY_MACHINE_ID_PATH": str(mid),
+                "LM_RESILIENCY_SHM_DIR": str(self.tmp / "shm"),
+                "OUT": str(self.out),
+                **(env or {}),
+            }
+            args = [
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={self.nnodes}",
+                "--nproc-per-node=1",
+                "--rdzv-backend=lm_resiliency",
+                f"--rdzv-endpoint=127.0.0.1:{self.port}",
+                f"--rdzv-id={self.run_id}",
+                "--local-addr=127.0.0.1",
+                "--rdzv-conf=" + ",".join(conf),
+                "--max-restarts=30",
+                "--monitor-interval=0.1",
+                WORKER,
+                self.run_id,  # tags the workers' command lines
+            ]
+            self.procs.append(self.group.start(args, full, self.tmp / f"agent-{n}.log"))
+
+    def log(self, n: int) -> str:
+        return (self.tmp / f"agent-{n}.log").read_text(errors="replace")
+
+    def logs(self) -> str:
+        return "\n".join(f"===== agent {n}\n{self.log(n)[-6000:]}" for n in range(self.nodes))
+
+    def wait(self, timeout: float = 240.0, killed: tuple[int, ...] = ()) -> None:
+        deadline = time.monotonic() + timeout
+        for n, p in enumerate(self.procs):
+            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if n in killed:
+                assert rc == -signal.SIGKILL, self.logs()
+            else:
+                assert rc == 0, f"agent {n} exited {rc}\n{self.logs()}"
+        # Nothing of the run is left: workers die with their agents, the store host after closing.
+        until = time.monotonic() + 20.0
+        while _procs_tagged(self.run_id) and time.monotonic() < until:
+            time.sleep(0.2)
+        left = _procs_tagged(self.run_id)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"processes left behind: {left}\n{self.logs()}"
+
+    def generations(self) -> dict[int, dict]:
+        out = {}
+        for f in self.tmp.glob("final.pt.gen*.json"):
+            doc = json.loads(f.read_text())
+            out[doc["generation"]] = doc
+        return out
+
+    def final(self) -> dict[str, torch.Tensor]:
+        return torch.load(self.out)
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    group = ProcessGroup()
+    try:
+        job = Job(group, tmp_path_factory.mktemp("rdzv"), "baseline")
+        job.start()
+        job.wait()
+        gens = job.generations()
+        assert list(gens) == [0], job.logs()
+        assert "parked as standby" in job.log(2) or "parked as standby" in job.logs()
+        return job.final()
+    finally:
+        group.stop_all()
+
+
+def test_worker_sigkill_restarts_in_place_from_local_memory(processes, tmp_path, baseline) -> None:  # type: ignore[no-untyped-def]
+    job = Job(processes, tmp_path, "worker")
+    job.start({"FAULT": "worker", "FAULT_RANK": "1", "FAULT_STEP": "10"})
+    job.wait()
+    gens = job.generations()
+    assert sorted(gens) == [0, 1], job.logs()
+    g1 = gens[1]
+    assert g1["start"] == 10 and g1["env_step"] == 10, g1
+    ctx_path = Path(g1["context"])
+    ctx = json.loads(ctx_path.read_text())
+    assert ctx_path.stat().st_mode & 0o777 == 0o600
+    assert ctx["generation"] == 1 and ctx["checkpoint_step"] == 10 and ctx["checkpoint_source"] == "gemini"
+    assert ctx["reason_code"] == "worker_exit" and ctx["admitted"] == []
+    assert ctx["expected_world_size"] == 2 and ctx["logical_node_slot"] in (0, 1)
+    assert g1["decision"]["reason"].startswith("local:"), g1
+    assert _equal(job.final(), baseline)
+
+
+def test_node_sigkill_admits_the_standby_which_restores_from_a_peer(processes, tmp_path, baseline) -> None:  # type: ignore[no-untyped-def]
+    job = Job(processes, tmp_path, "node")
+    job.start({"FAULT": "node", "FAULT_RANK": "1", "FAULT_STEP": "10"})
+    # The node whose worker holds rank 1 is killed: it is the agent that exits first.
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and all(p.poll() is None for p in job.procs):
+        time.sleep(0.2)
+    lost = next(n for n, p in enumerate(job.procs) if p.poll() is not None)
+    job.wait(killed=(lost,))
+    gens = job.generations()
+    assert sorted(gens) == [0, 1], job.logs()
+    ctx = json.loads(Path(gens[1]["context"]).read_text())
+    assert ctx["failure_kind"] == "node_lost" and ctx["checkpoint_step"] == 10
+    assert ctx["culprits"] == [f"node-node-{lost}"] and len(ctx["admitted"]) == 1
+    assert "peer" in " ".join(job.logs().split("plan_reason")[1:2]) or "local+peer" in job.logs()
+    assert _equal(job.final(), baseline)
+
+
+def test_leader_agent_killed_new_leader_elected_and_run_completes(processes, tmp_path, baseline) -> None:  # type: ignore[no-untyped-def]
+    job = Job(processes, tmp_path, "leader")
+    job.start({"FAULT": "leader", "FAULT_STEP": "10"})
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and all(p.poll() is None for p in job.procs):
+        time.sleep(0.2)
+    lost = next(n for n, p in enumerate(job.procs) if p.poll() is not None)
+    job.wait(killed=(lost,))
+    assert "leads run" in job.log(lost) and "(term 2)" in job.logs(), job.logs()
+    assert sorted(job.generations()) == [0, 1]
+    assert _equal(job.final(), baseline)
+
+
+def test_ten_consecutive_worker_kills_all_recover_without_extra_generations(
+    processes, tmp_path, baseline
+) -> None:  # type: ignore[no-untyped-def]
+    job = Job(processes, tmp_path, "repeat")
+    job.start({"FAULT": "repeat", "FAULT_REPEAT": "10"})
+    job.wait(timeout=280)
+    gens = job.generations()
+    assert sorted(gens) == list(range(11)), job.logs()
+    assert [gens[g]["start"] for g in range(11)] == [0, *range(2, 21, 2)], gens
+    assert _equal(job.final(), baseline)
+
+
+def test_a_node_with_a_different_policy_is_refused(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+    a.write_text("schema_version = 1\ninterval = 1\n")
+    b.write_text("schema_version = 1\ninterval = 2\n")
+    job = Job(processes, tmp_path, "policy", nodes=2, nnodes="1:2")
+    job.start({"STEPS": "4"}, policies=[str(a), str(b)])
+    assert job.procs[1].wait(timeout=120) != 0
+    assert "policy_mismatch" in job.log(1) and "same lm_resiliency_worker_config" in job.log(1), job.log(1)
+    assert job.procs[0].wait(timeout=200) == 0, job.logs()
