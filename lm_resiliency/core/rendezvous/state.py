@@ -232,6 +232,7 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
     for i, n in enumerate(slots):
         if n is not None and (n in s.excluded or n not in live):
             slots[i] = None
+    cleared = replace(s, slots=tuple(slots))  # what is kept when not ready: holes, never admissions
     standbys = [n for n in s.standbys if n in live and n not in s.excluded]
     standbys.sort(key=lambda n: s.nodes[n].arrival)
     admitted: list[tuple[int, str]] = []
@@ -240,11 +241,11 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
             slots[i] = standbys.pop(0)
             admitted.append((i, slots[i]))  # type: ignore[arg-type]
     if None in slots:
-        return replace(s, slots=tuple(slots), standbys=tuple(n for n in s.standbys if n not in slots))
+        return cleared
     if s.phase == RESTARTING:
-        waiting = [n for n in slots if n not in s.arrived and n not in dict(admitted).values()]
-        if waiting:
-            return replace(s, slots=tuple(slots), standbys=tuple(n for n in s.standbys if n not in slots))
+        newcomers = {n for _, n in admitted}
+        if any(n not in s.arrived and n not in newcomers for n in slots):
+            return cleared
     generation = s.generation + 1
     entry = {
         "generation": generation,

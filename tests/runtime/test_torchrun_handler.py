@@ -1,0 +1,202 @@
+"""The rendezvous handler in one process: a real TCPStore, threads as agents."""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+from lm_resiliency.adapters import torchrun as tr
+from lm_resiliency.core.rendezvous import state as rs
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _params(port: int, tmp: Path, name: str, **conf: Any) -> RendezvousParameters:
+    base = {
+        "lm_resiliency_restart_context_path": str(tmp / f"ctx-{name}.json"),
+        "lm_resiliency_poll_interval_ms": "50",
+        "lm_resiliency_heartbeat_timeout_ms": "1500",
+        "lm_resiliency_join_timeout_ms": "20000",
+        "timeout": 900,
+        **conf,
+    }
+    return RendezvousParameters(
+        "lm_resiliency", f"127.0.0.1:{port}", "unit-run", 2, 3, local_addr="127.0.0.1", **base
+    )
+
+
+@pytest.fixture
+def store() -> Any:
+    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield s
+
+
+def _start_in_order(store: Any, threads: dict[str, threading.Thread]) -> None:
+    """Start agents one after the other, each once the previous one registered (arrival order)."""
+    control = tr._Control(store, "unit-run")
+    for n, t in threads.items():
+        t.start()
+        for _ in range(400):
+            got = control.read() if store.check([control.key("state")]) else None
+            if got is not None and n in got[1].nodes:
+                break
+            threading.Event().wait(0.02)
+
+
+@pytest.fixture(autouse=True)
+def _own_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    # next_rendezvous exports the worker environment into os.environ: keep it inside this test.
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+
+
+def test_entry_point_is_registered_and_returns_a_creator() -> None:
+    from torch.distributed.elastic.rendezvous.registry import handler_registry
+
+    assert "lm_resiliency" in handler_registry._registry
+    assert tr.rendezvous_handler_creator() is tr.create_handler
+
+
+@pytest.mark.parametrize(
+    ("conf", "match"),
+    [
+        ({"lm_resiliency_restart_context_path": "/tmp/x.json", "bogus_key": "1"}, "unknown key 'bogus_key'"),
+        ({}, "lm_resiliency_restart_context_path is required"),
+        (
+            {"lm_resiliency_restart_context_path": "/x", "lm_resiliency_poll_interval_ms": "fast"},
+            "lm_resiliency_poll_interval_ms='fast': expected an integer",
+        ),
+        (
+            {"lm_resiliency_restart_context_path": "/x", "lm_resiliency_heartbeat_timeout_ms": "0"},
+            "must be > 0",
+        ),
+        ({"lm_resiliency_restart_context_path": "/x", "store_type": "etcd"}, "store_type='etcd'"),
+        ({"lm_resiliency_restart_context_path": "/x", "is_host": "maybe"}, "is_host='maybe'"),
+    ],
+)
+def test_rdzv_conf_is_validated_and_errors_name_the_key(conf: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        tr.parse_conf(conf)
+
+
+def test_bad_policy_file_fails_with_its_key(tmp_path: Path, store: Any) -> None:
+    bad = tmp_path / "p.toml"
+    bad.write_text("schema_version = 1\ninterval = 'often'\n")
+    with pytest.raises(Exception, match="interval"):
+        tr.LmResiliencyRendezvousHandler(
+            _params(store.port, tmp_path, "a", lm_resiliency_worker_config=str(bad)), node_id="a"
+        )
+
+
+def test_agents_as_threads_form_restart_and_close(tmp_path: Path, store: Any) -> None:
+    handlers = {
+        n: tr.LmResiliencyRendezvousHandler(_params(store.port, tmp_path, n), node_id=n) for n in "abc"
+    }
+    infos: dict[str, Any] = {}
+    exits: dict[str, Any] = {}
+
+    def agent(n: str) -> None:
+        try:
+            infos[n] = handlers[n].next_rendezvous()
+        except SystemExit as exc:
+            exits[n] = exc.code
+
+    threads = {n: threading.Thread(target=agent, args=(n,)) for n in "abc"}
+    _start_in_order(store, threads)
+    for n in "ab":
+        threads[n].join(30)
+    assert sorted(infos) == ["a", "b"]  # c registered last: it is the parked standby
+    assert {infos[n].rank for n in "ab"} == {0, 1} and infos["a"].world_size == 2
+    assert infos["a"].bootstrap_store_info.master_port == infos["b"].bootstrap_store_info.master_port
+    assert threads["c"].is_alive()
+    assert not (tmp_path / "ctx-a.json").exists()  # no context in generation 0
+    assert os.environ["LM_RESILIENCY_GENERATION"] == "0"
+
+    # a's workers fail: a re-enters; b is told to restart through num_nodes_waiting(), then re-enters.
+    ta = threading.Thread(target=agent, args=("a",))
+    ta.start()
+    handlers["b"]._pulse.state = None
+    for _ in range(200):
+        if handlers["b"].num_nodes_waiting() == 1:
+            break
+        threading.Event().wait(0.05)
+    assert handlers["b"].num_nodes_waiting() == 1
+    infos["b"] = handlers["b"].next_rendezvous()
+    ta.join(30)
+    assert infos["a"].store is not None and handlers["a"]._generation == 1
+    ctx = (tmp_path / "ctx-a.json").read_text()
+    assert '"generation": 1' in ctx and '"reason_code": "worker_exit"' in ctx
+    assert oct((tmp_path / "ctx-a.json").stat().st_mode & 0o777) == "0o600"
+    assert handlers["b"].num_nodes_waiting() == 0
+
+    # Success: both pass torch's exit barrier, shutdown closes the run, the standby exits 0.
+    for n in "ab":
+        infos[n].store.add(tr._TERMINAL_KEY, 1)
+    for n in "ab":
+        assert handlers[n].shutdown()
+    threads["c"].join(30)
+    assert exits == {"c": 0}
+    assert handlers["a"].is_closed()
+    handlers["c"].shutdown()
+
+
+def test_a_different_policy_is_refused_at_registration(tmp_path: Path, store: Any) -> None:
+    p1, p2 = tmp_path / "p1.toml", tmp_path / "p2.toml"
+    p1.write_text("schema_version = 1\n")
+    p2.write_text("schema_version = 1\n[recovery]\nreplace_node_on = ['sdc']\n")
+    a = tr.LmResiliencyRendezvousHandler(
+        _params(store.port, tmp_path, "a", lm_resiliency_worker_config=str(p1)), node_id="a"
+    )
+    b = tr.LmResiliencyRendezvousHandler(
+        _params(store.port, tmp_path, "b", lm_resiliency_worker_config=str(p2)), node_id="b"
+    )
+    a._connect()  # a creates the run with its policy
+    with pytest.raises(RendezvousError, match="policy_mismatch"):
+        b.next_rendezvous()
+    a.shutdown()
+    b.shutdown()
+
+
+def test_lost_leader_is_replaced_by_the_next_oldest_node(tmp_path: Path, store: Any) -> None:
+    handlers = {
+        n: tr.LmResiliencyRendezvousHandler(_params(store.port, tmp_path, n), node_id=n) for n in "abc"
+    }
+    infos: dict[str, Any] = {}
+
+    def agent(n: str) -> None:
+        try:
+            infos[n] = handlers[n].next_rendezvous()
+        except SystemExit:
+            infos[n] = "exit"
+
+    by_name = {n: threading.Thread(target=agent, args=(n,)) for n in "abc"}
+    _start_in_order(store, by_name)
+    threads = list(by_name.values())
+    threads[0].join(30)
+    threads[1].join(30)
+    control = tr._Control(store, "unit-run")
+    leader = control.read()[1].leader  # type: ignore[index]
+    assert leader == "a"
+    handlers["a"]._pulse.stop()  # a's agent "dies": its heartbeat stops
+    for _ in range(200):  # b takes the lead, and tells its agent to restart its workers
+        if handlers["b"].num_nodes_waiting() == 1:
+            break
+        threading.Event().wait(0.05)
+    s = control.read()[1]  # type: ignore[index]
+    assert s.leader == "b" and s.term == 2 and s.phase == rs.RESTARTING
+    info_b = handlers["b"].next_rendezvous()  # b's agent re-enters; the standby fills a's slot
+    threads[2].join(30)
+    s = control.read()[1]  # type: ignore[index]
+    assert s.generation == 1 and s.slots == ("c", "b"), s
+    assert s.history[-1]["failure_kind"] == "node_lost" and s.history[-1]["culprits"] == ["a"]
+    assert infos["c"].rank == 0 and info_b.rank == 1  # the standby took the lost node's slot
+    control.update(rs.close)
+    for h in handlers.values():
+        h.shutdown()
