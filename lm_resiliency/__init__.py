@@ -28,6 +28,7 @@ _EXPORTS = {
     "WorkerPolicy": "lm_resiliency.config",
     "load_policy": "lm_resiliency.config",
     "parse_policy": "lm_resiliency.config",
+    "policy_kwargs": "lm_resiliency.config",
     "AuthError": "lm_resiliency.errors",
     "CodecError": "lm_resiliency.errors",
     "ConfigError": "lm_resiliency.errors",
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
         WorkerPolicy,
         load_policy,
         parse_policy,
+        policy_kwargs,
     )
     from lm_resiliency.errors import (
         AuthError,
@@ -102,4 +104,5 @@ __all__ = [
     "enable_resiliency",
     "load_policy",
     "parse_policy",
+    "policy_kwargs",
 ]

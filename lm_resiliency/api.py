@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -268,7 +269,7 @@ class Session:
             store = dist.distributed_c10d._get_default_store()
         if store is not None:
             discovery = StoreDiscovery(
-                store, self.env.run_id, self.env.generation, self.rank, self.world_size
+                store, self.env.run_id, self._round(distributed), self.rank, self.world_size
             )
             key, incarnation = discovery.shared_secret(), discovery.next_incarnation()
         elif self.world_size == 1:
@@ -319,6 +320,25 @@ class Session:
             self.env.generation,
             list(local.replica_group),
         )
+
+    def _round(self, distributed: bool) -> int | str:
+        """A name for this start of the job that every rank agrees on (the store keys' scope).
+
+        Our backend exports one generation to every worker and a fresh store per generation. Under
+        other launchers TORCHELASTIC_RESTART_COUNT differs between agents (membership restarts are
+        free) and c10d may reuse the store across rounds: agree over the process group instead --
+        the highest restart count (a restart is a restart for everyone) and rank 0's nonce."""
+        if self.env.control_store or not distributed or self.world_size == 1:
+            return self.env.generation
+        import torch.distributed as dist
+
+        mine = [self.env.generation, os.urandom(8).hex()]
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine)
+        generation = max(int(g) for g, _ in everyone)
+        if generation != self.env.generation:
+            self.env = dataclasses.replace(self.env, generation=generation)
+        return f"{generation}-{everyone[0][1]}"
 
     def _check_restart_context(self) -> None:
         """The backend's restart context must describe this job: same topology, same world."""

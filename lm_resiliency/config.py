@@ -291,6 +291,20 @@ _SECTIONS: dict[str, type[Any]] = {
 }
 
 
+def policy_kwargs(policy: WorkerPolicy) -> dict[str, Any]:
+    """The `enable_resiliency` keyword arguments a worker policy stands for."""
+    return {
+        "interval": policy.interval,
+        "enable_checkpoint": policy.enable_checkpoint,
+        "enable_detection": policy.enable_detection,
+        "checkpoint": policy.checkpoint,
+        "replay": policy.replay,
+        "durable_checkpoint": policy.durable,
+        "recovery_mode": policy.recovery_mode,
+        "runtime": policy.runtime,
+    }
+
+
 def policy_to_dict(policy: WorkerPolicy) -> dict[str, Any]:
     """A JSON-ready, canonical form of a policy (what nodes compare by digest)."""
 

@@ -41,7 +41,7 @@ class Store(Protocol):
 class StoreDiscovery:
     """Generation-scoped peer discovery and key exchange for one rank."""
 
-    def __init__(self, store: Store, run_id: str, generation: int, rank: int, world_size: int) -> None:
+    def __init__(self, store: Store, run_id: str, generation: int | str, rank: int, world_size: int) -> None:
         self._store = store
         self._prefix = f"lm_resiliency/{run_id}/g{generation}/"
         self.rank = rank
