@@ -54,7 +54,6 @@ def run(backend: str, kill: str, tmp: Path, heartbeat_ms: int, steps: int) -> di
             "OMP_NUM_THREADS": "1",
             "LM_RESILIENCY_MACHINE_ID_PATH": str(mid),
             "LM_RESILIENCY_SHM_DIR": str(tmp / "shm"),
-            "LM_RESILIENCY_RUN_ID": run_id,
             "TIMES": str(times),
             "KILL": kill,
             "STEPS": str(steps),

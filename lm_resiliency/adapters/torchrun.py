@@ -489,7 +489,6 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         step = int(plan.get("checkpoint_step", -1))
         env = os.environ
         env["LM_RESILIENCY_GENERATION"] = str(s.generation)
-        env["LM_RESILIENCY_RUN_ID"] = self.run_id
         env["LM_RESILIENCY_NODE_ID"] = self.node_id
         env["LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"] = str(max(step, 0))
         env[CONTROL_ENV] = _store_address(self.conf, self.params.endpoint)

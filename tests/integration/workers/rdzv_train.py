@@ -66,7 +66,7 @@ def leader_is_me() -> bool:
 
     host, port = os.environ["LM_RESILIENCY_CONTROL_STORE"].split("://", 1)[1].rsplit(":", 1)
     store = TCPStore(host, int(port), is_master=False, wait_for_workers=False)
-    run = os.environ["LM_RESILIENCY_RUN_ID"]
+    run = os.environ["TORCHELASTIC_RUN_ID"]
     state = json.loads(store.get(f"lmr/{run}/state"))
     return state["leader"] == os.environ["LM_RESILIENCY_NODE_ID"]
 
