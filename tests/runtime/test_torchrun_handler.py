@@ -200,3 +200,47 @@ def test_lost_leader_is_replaced_by_the_next_oldest_node(tmp_path: Path, store: 
     control.update(rs.close)
     for h in handlers.values():
         h.shutdown()
+
+
+def test_manager_reads_decisions_and_publishes_a_replacement(tmp_path: Path, store: Any) -> None:
+    from lm_resiliency.manager import RunManager
+
+    handlers = {
+        n: tr.LmResiliencyRendezvousHandler(_params(store.port, tmp_path, n), node_id=n) for n in "abc"
+    }
+    infos: dict[str, Any] = {}
+
+    def agent(n: str) -> None:
+        try:
+            infos[n] = handlers[n].next_rendezvous()
+        except SystemExit:
+            infos[n] = "exit"
+
+    by_name = {n: threading.Thread(target=agent, args=(n,)) for n in "abc"}
+    _start_in_order(store, by_name)
+    by_name["a"].join(30)
+    by_name["b"].join(30)
+    m = RunManager(f"127.0.0.1:{store.port}", "unit-run")
+    assert m.state()["generation"] == 0 and m.decisions()[-1]["slots"] == ["a", "b"]
+    with pytest.raises(ValueError, match="unknown nodes"):
+        m.publish_plan("replace", culprits=["zz"])
+    with pytest.raises(ValueError, match="action"):
+        m.publish_plan("reboot")
+    out = m.publish_plan("replace", culprits=["b"], failure_kind="hardware", reason="ecc")
+    assert out["phase"] == rs.RESTARTING and out["excluded"] == {"b": "hardware"}
+    assert m.incidents()[-1]["failure_kind"] == "hardware"
+    for _ in range(200):  # both agents are told to restart their workers
+        if handlers["a"].num_nodes_waiting() == 1 and handlers["b"].num_nodes_waiting() == 1:
+            break
+        threading.Event().wait(0.05)
+    ta = threading.Thread(target=agent, args=("a",))
+    ta.start()
+    with pytest.raises(SystemExit):  # b is quarantined: it parks until the run closes
+        tb_control = tr._Control(store, "unit-run")
+        threading.Timer(2.0, lambda: tb_control.update(rs.close)).start()
+        handlers["b"].next_rendezvous()
+    ta.join(30)
+    by_name["c"].join(30)
+    assert m.decisions()[-1]["slots"] == ["a", "c"] and m.decisions()[-1]["failure_kind"] == "hardware"
+    for h in handlers.values():
+        h.shutdown()
