@@ -13,6 +13,8 @@ import signal
 import sys
 from pathlib import Path
 
+from lm_resiliency._proc import pid_alive
+
 __all__ = ["boot", "chain_next_sitecustomize", "die_with_agent"]
 
 _PR_SET_PDEATHSIG = 1
@@ -28,18 +30,8 @@ def die_with_agent(agent_pid: int) -> bool:
             return False
     except (OSError, AttributeError):
         return False
-    if os.getppid() == 1 or not _alive(agent_pid):  # the agent died before we asked
+    if os.getppid() == 1 or not pid_alive(agent_pid):  # the agent died before we asked
         os._exit(1)
-    return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lm_resiliency._proc import pid_alive
+
 __all__ = ["RunUsage", "reclaim_stale_runs", "usage", "write_owner"]
 
 
@@ -32,16 +34,6 @@ def write_owner(node_dir: Path, rank: int) -> None:
     (node_dir / f".owner-r{rank}").write_text(str(os.getpid()))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def usage(shm_dir: str | Path, now: float | None = None) -> list[RunUsage]:
     root = Path(shm_dir)
     now = time.time() if now is None else now
@@ -56,7 +48,7 @@ def usage(shm_dir: str | Path, now: float | None = None) -> list[RunUsage]:
                         pid = int(f.read_text().strip() or "0")
                     except (OSError, ValueError):
                         continue
-                    if pid > 0 and _alive(pid):
+                    if pid > 0 and pid_alive(pid):
                         owners.append(pid)
             newest = max((f.stat().st_mtime for f in files), default=node.stat().st_mtime)
             out.append(

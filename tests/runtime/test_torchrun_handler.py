@@ -51,6 +51,37 @@ def _start_in_order(store: Any, threads: dict[str, threading.Thread]) -> None:
             threading.Event().wait(0.02)
 
 
+class _Agents:
+    """Agents a, b, c as threads, registered in that order: a and b take the slots, c parks."""
+
+    def __init__(self, store: Any, tmp: Path) -> None:
+        self.handlers = {
+            n: tr.LmResiliencyRendezvousHandler(_params(store.port, tmp, n), node_id=n) for n in "abc"
+        }
+        self.infos: dict[str, Any] = {}
+        self.exits: dict[str, Any] = {}
+        self.threads = {n: threading.Thread(target=self.run, args=(n,)) for n in "abc"}
+        _start_in_order(store, self.threads)
+        for n in "ab":
+            self.threads[n].join(30)
+
+    def run(self, n: str) -> None:
+        try:
+            self.infos[n] = self.handlers[n].next_rendezvous()
+        except SystemExit as exc:
+            self.exits[n] = exc.code
+
+    def again(self, n: str) -> threading.Thread:
+        """n's agent re-enters the rendezvous (its workers stopped)."""
+        t = threading.Thread(target=self.run, args=(n,))
+        t.start()
+        return t
+
+    def shutdown(self) -> None:
+        for h in self.handlers.values():
+            h.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _own_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     # next_rendezvous exports the worker environment into os.environ: keep it inside this test.
@@ -96,22 +127,8 @@ def test_bad_policy_file_fails_with_its_key(tmp_path: Path, store: Any) -> None:
 
 
 def test_agents_as_threads_form_restart_and_close(tmp_path: Path, store: Any) -> None:
-    handlers = {
-        n: tr.LmResiliencyRendezvousHandler(_params(store.port, tmp_path, n), node_id=n) for n in "abc"
-    }
-    infos: dict[str, Any] = {}
-    exits: dict[str, Any] = {}
-
-    def agent(n: str) -> None:
-        try:
-            infos[n] = handlers[n].next_rendezvous()
-        except SystemExit as exc:
-            exits[n] = exc.code
-
-    threads = {n: threading.Thread(target=agent, args=(n,)) for n in "abc"}
-    _start_in_order(store, threads)
-    for n in "ab":
-        threads[n].join(30)
+    agents = _Agents(store, tmp_path)
+    handlers, infos, exits, threads = agents.handlers, agents.infos, agents.exits, agents.threads
     assert sorted(infos) == ["a", "b"]  # c registered last: it is the parked standby
     assert {infos[n].rank for n in "ab"} == {0, 1} and infos["a"].world_size == 2
     assert infos["a"].bootstrap_store_info.master_port == infos["b"].bootstrap_store_info.master_port
@@ -120,8 +137,7 @@ def test_agents_as_threads_form_restart_and_close(tmp_path: Path, store: Any) ->
     assert os.environ["LM_RESILIENCY_GENERATION"] == "0"
 
     # a's workers fail: a re-enters; b is told to restart through num_nodes_waiting(), then re-enters.
-    ta = threading.Thread(target=agent, args=("a",))
-    ta.start()
+    ta = agents.again("a")
     handlers["b"]._pulse.state = None
     for _ in range(200):
         if handlers["b"].num_nodes_waiting() == 1:
@@ -165,22 +181,8 @@ def test_a_different_policy_is_refused_at_registration(tmp_path: Path, store: An
 
 
 def test_lost_leader_is_replaced_by_the_next_oldest_node(tmp_path: Path, store: Any) -> None:
-    handlers = {
-        n: tr.LmResiliencyRendezvousHandler(_params(store.port, tmp_path, n), node_id=n) for n in "abc"
-    }
-    infos: dict[str, Any] = {}
-
-    def agent(n: str) -> None:
-        try:
-            infos[n] = handlers[n].next_rendezvous()
-        except SystemExit:
-            infos[n] = "exit"
-
-    by_name = {n: threading.Thread(target=agent, args=(n,)) for n in "abc"}
-    _start_in_order(store, by_name)
-    threads = list(by_name.values())
-    threads[0].join(30)
-    threads[1].join(30)
+    agents = _Agents(store, tmp_path)
+    handlers, infos, threads = agents.handlers, agents.infos, list(agents.threads.values())
     control = tr._Control(store, "unit-run")
     leader = control.read()[1].leader  # type: ignore[index]
     assert leader == "a"
@@ -205,21 +207,8 @@ def test_lost_leader_is_replaced_by_the_next_oldest_node(tmp_path: Path, store: 
 def test_manager_reads_decisions_and_publishes_a_replacement(tmp_path: Path, store: Any) -> None:
     from lm_resiliency.manager import RunManager
 
-    handlers = {
-        n: tr.LmResiliencyRendezvousHandler(_params(store.port, tmp_path, n), node_id=n) for n in "abc"
-    }
-    infos: dict[str, Any] = {}
-
-    def agent(n: str) -> None:
-        try:
-            infos[n] = handlers[n].next_rendezvous()
-        except SystemExit:
-            infos[n] = "exit"
-
-    by_name = {n: threading.Thread(target=agent, args=(n,)) for n in "abc"}
-    _start_in_order(store, by_name)
-    by_name["a"].join(30)
-    by_name["b"].join(30)
+    agents = _Agents(store, tmp_path)
+    handlers, by_name = agents.handlers, agents.threads
     m = RunManager(f"127.0.0.1:{store.port}", "unit-run")
     assert m.state()["generation"] == 0 and m.decisions()[-1]["slots"] == ["a", "b"]
     with pytest.raises(ValueError, match="unknown nodes"):
@@ -233,8 +222,7 @@ def test_manager_reads_decisions_and_publishes_a_replacement(tmp_path: Path, sto
         if handlers["a"].num_nodes_waiting() == 1 and handlers["b"].num_nodes_waiting() == 1:
             break
         threading.Event().wait(0.05)
-    ta = threading.Thread(target=agent, args=("a",))
-    ta.start()
+    ta = agents.again("a")
     with pytest.raises(SystemExit):  # b is quarantined: it parks until the run closes
         tb_control = tr._Control(store, "unit-run")
         threading.Timer(2.0, lambda: tb_control.update(rs.close)).start()
