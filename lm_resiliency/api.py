@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -207,6 +208,10 @@ def enable_resiliency(
     except BaseException:
         session.close()
         raise
+    # Marks the model for zero-import instrumentation (worker_boot): a script that enabled its own
+    # session is not instrumented a second time.
+    with contextlib.suppress(Exception):
+        object.__setattr__(model, "_lm_resiliency_session", weakref.ref(session))
     return session
 
 

@@ -2,20 +2,37 @@
 
 - Workers die with their agent: a SIGKILLed agent must not leave workers hung in a collective
   (Linux parent-death signal; a worker whose agent is already gone exits at once).
+- Zero-import instrumentation: with a worker policy (`LM_RESILIENCY_WORKER_CONFIG`), an unmodified
+  DDP script is instrumented without calling `enable_resiliency`. When torch is imported, the
+  optimizers and LR schedulers the script creates are noted; at the first forward of a
+  DistributedDataParallel model (the loop has begun; its optimizer and scheduler exist), the session
+  is enabled with the policy's settings, which restores the recovered step before that forward runs.
+  A script that calls `enable_resiliency` itself is left alone. `LM_RESILIENCY_AUTO_INSTRUMENT=0`
+  turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from lm_resiliency._proc import pid_alive
 
-__all__ = ["boot", "chain_next_sitecustomize", "die_with_agent"]
+__all__ = [
+    "auto_instrument",
+    "boot",
+    "chain_next_sitecustomize",
+    "die_with_agent",
+    "instrument_on_torch_import",
+]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -39,6 +56,95 @@ def boot() -> None:
     raw = os.environ.get("LM_RESILIENCY_AGENT_PID", "")
     if raw.isdigit():
         die_with_agent(int(raw))
+    policy = os.environ.get("LM_RESILIENCY_WORKER_CONFIG")
+    if policy and os.environ.get("LM_RESILIENCY_AUTO_INSTRUMENT", "1") != "0":
+        instrument_on_torch_import(policy)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `then()` right after the module `name` has been executed (first import only)."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, then = spec.loader, self.then
+        run = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            try:
+                then()
+            except Exception as exc:  # never break the script's import of torch
+                sys.stderr.write(f"lm_resiliency: automatic instrumentation is off: {exc!r}\n")
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def instrument_on_torch_import(policy_path: str) -> None:
+    if "torch" in sys.modules:
+        auto_instrument(policy_path)
+    else:
+        sys.meta_path.insert(0, _AfterImport("torch", lambda: auto_instrument(policy_path)))
+
+
+def auto_instrument(policy_path: str) -> None:
+    """Note optimizers and schedulers; enable the session at a DDP model's first forward."""
+    import weakref
+
+    import torch
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+    schedulers: weakref.WeakSet[Any] = weakref.WeakSet()
+    opt_init = torch.optim.Optimizer.__init__
+    sched_init = torch.optim.lr_scheduler.LRScheduler.__init__
+
+    def noting_opt_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        opt_init(self, *args, **kwargs)
+        optimizers.add(self)
+
+    def noting_sched_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        sched_init(self, *args, **kwargs)
+        schedulers.add(self)
+
+    torch.optim.Optimizer.__init__ = noting_opt_init  # type: ignore[method-assign]
+    torch.optim.lr_scheduler.LRScheduler.__init__ = noting_sched_init  # type: ignore[method-assign]
+    state: dict[str, Any] = {"done": False, "handle": None}
+
+    def first_forward(module: Any, args: Any) -> None:
+        if state["done"] or not isinstance(module, DistributedDataParallel):
+            return
+        state["done"] = True
+        if getattr(module, "_lm_resiliency_session", None) is not None:
+            return  # the script enabled it itself
+        ids = {id(p) for p in module.parameters()}
+        opt = next(
+            (o for o in optimizers if ids & {id(p) for g in o.param_groups for p in g["params"]}), None
+        )
+        sched = next((s for s in schedulers if opt is not None and s.optimizer is opt), None)
+        from lm_resiliency.api import enable_resiliency
+        from lm_resiliency.config import load_policy, policy_kwargs
+
+        session = enable_resiliency(
+            module, opt, opt_param_scheduler=sched, **policy_kwargs(load_policy(policy_path))
+        )
+        sys.stderr.write(
+            f"lm_resiliency: instrumented automatically (rank {session.rank}, "
+            f"resumed at step {session.step_count})\n"
+        )
+        # The hook list was copied for this call: removing ours now is safe.
+        state["handle"].remove()
+
+    state["handle"] = register_module_forward_pre_hook(first_forward)
 
 
 def chain_next_sitecustomize(ours: str) -> None:

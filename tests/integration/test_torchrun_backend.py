@@ -46,7 +46,13 @@ def _procs_tagged(tag: str) -> list[int]:
 
 class Job:
     def __init__(
-        self, group: ProcessGroup, tmp: Path, name: str, nodes: int = 3, nnodes: str = "2:3"
+        self,
+        group: ProcessGroup,
+        tmp: Path,
+        name: str,
+        nodes: int = 3,
+        nnodes: str = "2:3",
+        worker: str = WORKER,
     ) -> None:
         self.group, self.tmp, self.name = group, tmp / name, name
         self.tmp.mkdir(parents=True)
@@ -54,6 +60,7 @@ class Job:
         self.run_id = f"{name}-{uuid.uuid4().hex[:8]}"
         self.port = _free_port()
         self.out = self.tmp / "final.pt"
+        self.worker = worker
         self.procs: list = []
 
     def start(self, env: dict[str, str] | None = None, policies: list[str | None] | None = None) -> None:
@@ -86,7 +93,7 @@ class Job:
                 "--rdzv-conf=" + ",".join(conf),
                 "--max-restarts=30",
                 "--monitor-interval=0.1",
-                WORKER,
+                self.worker,
                 self.run_id,  # tags the workers' command lines
             ]
             self.procs.append(self.group.start(args, full, self.tmp / f"agent-{n}.log"))
@@ -214,3 +221,20 @@ def test_a_node_with_a_different_policy_is_refused(processes, tmp_path) -> None:
     assert job.procs[1].wait(timeout=120) != 0
     assert "policy_mismatch" in job.log(1) and "same lm_resiliency_worker_config" in job.log(1), job.log(1)
     assert job.procs[0].wait(timeout=200) == 0, job.logs()
+
+
+def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    policy = tmp_path / "policy.toml"
+    policy.write_text("schema_version = 1\ninterval = 1\n[checkpoint]\ndisk_flush_interval = 1000\n")
+    script = "tests/integration/workers/plain_ddp.py"
+    base = Job(processes, tmp_path, "plain-base", nodes=2, worker=script)
+    base.start(policies=[str(policy)] * 2)
+    base.wait()
+    job = Job(processes, tmp_path, "plain", worker=script)
+    job.start({"FAULT": "worker"}, policies=[str(policy)] * 3)
+    job.wait()
+    gens = job.generations()
+    assert sorted(gens) == [0, 1] and gens[1]["instrumented"], job.logs()
+    assert 0 < gens[1]["start"] <= 10, gens
+    assert "instrumented automatically" in job.logs()
+    assert _equal(job.final(), base.final())

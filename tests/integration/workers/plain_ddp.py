@@ -1,0 +1,40 @@
+"""An unmodified DDP script: it never imports lm_resiliency. Under the backend with a worker policy
+it is instrumented automatically; it reads only the step to resume at (its data position).
+
+In generation 0, rank 1 SIGKILLs itself after step 10 when FAULT=worker."""
+
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+gen = int(os.environ.get("LM_RESILIENCY_GENERATION", "0"))
+torch.manual_seed(0)
+model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+start = int(os.environ.get("LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", "0"))
+out = os.environ["OUT"]
+if rank == 0:
+    with open(f"{out}.gen{gen}.json", "w") as f:
+        json.dump({"generation": gen, "start": start}, f)
+for step in range(start + 1, 25):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank * 1000 + step))
+    loss = (model(x) - x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    if os.environ.get("FAULT") == "worker" and gen == 0 and rank == 1 and step == 10:
+        os.kill(os.getpid(), signal.SIGKILL)
+if rank == 0:
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
+    with open(f"{out}.gen{gen}.json", "w") as f:
+        json.dump({"generation": gen, "start": start, "instrumented": "lm_resiliency" in sys.modules}, f)
+dist.destroy_process_group()
