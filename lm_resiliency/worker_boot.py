@@ -47,7 +47,8 @@ def die_with_agent(agent_pid: int) -> bool:
             return False
     except (OSError, AttributeError):
         return False
-    if os.getppid() == 1 or not pid_alive(agent_pid):  # the agent died before we asked
+    # The agent died before we asked. (Not "parent is pid 1": in a container torchrun may be pid 1.)
+    if not pid_alive(agent_pid):
         os._exit(1)
     return True
 

@@ -287,6 +287,12 @@ def _port_open(host: str, port: int) -> bool:
 
 def _spawn_store_host(host: str, port: int, run_id: str) -> None:
     bind = "0.0.0.0" if host not in ("localhost", "127.0.0.1") else host
+    # Not a worker: it must not die with this agent, nor be instrumented.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LM_RESILIENCY_AGENT_PID", "LM_RESILIENCY_WORKER_CONFIG")
+    }
     subprocess.Popen(
         [sys.executable, "-m", "lm_resiliency.runtime.store_host", bind, str(port), run_id],
         stdin=subprocess.DEVNULL,
@@ -294,6 +300,7 @@ def _spawn_store_host(host: str, port: int, run_id: str) -> None:
         stderr=subprocess.DEVNULL,
         start_new_session=True,  # outlives this agent: the leader may die, the store must not
         close_fds=True,
+        env=env,
     )
 
 
