@@ -397,16 +397,19 @@ class Gemini:
         if fence is not None:
             fence.fence_device()
 
+    def _slot_to_keep(self, steps: dict[int, int]) -> int | None:
+        """Of two slots (index -> step), the one not to overwrite: the newest recovery-verified
+        step (SCOUT certified it), or without certificates the newest."""
+        certified = {k: s for k, s in steps.items() if self.certifier is not None and self.certifier(s)}
+        pool = certified or steps
+        return max(pool.items(), key=lambda kv: kv[1], default=(None, -1))[0]
+
     def _free_slots(self) -> list[int]:
         """Slots a capture may overwrite (lock held): never a busy one, never the one to keep.
 
         Keep the newest recovery-verified capture (SCOUT certified it); without certificates, keep
         the newest one. After an SDC the certified slot stays put while the other rotates."""
-        certified = {
-            k: s for k, s in self._own_step.items() if self.certifier is not None and self.certifier(s)
-        }
-        pool = certified or self._own_step
-        keep = max(pool.items(), key=lambda kv: kv[1], default=(None, -1))[0]
+        keep = self._slot_to_keep(self._own_step)
         return sorted(
             (k for k in (0, 1) if k != keep and k not in self._busy), key=lambda k: self._own_step.get(k, -1)
         )
@@ -613,8 +616,9 @@ class Gemini:
             owner, [SlotFile(self._replica_path(owner, k)) for k in (0, 1)]
         )
         steps = self._replica_step.setdefault(owner, {})
-        newest = max(steps.items(), key=lambda kv: kv[1], default=(None, -1))[0]
-        k = 1 if newest == 0 else 0
+        # Like own slots: after an SDC the newest certified replica stays, so a node replaced for
+        # it can still restore a verified step from this peer.
+        k = 1 if self._slot_to_keep(steps) == 0 else 0
         steps.pop(k, None)
         if self._write_file(slots[k], chunks, size, owner, step):
             steps[k] = step

@@ -115,3 +115,27 @@ def test_a_capture_that_cannot_be_taken_is_reported_not_raised_into_training() -
         assert s.step_count == 4 and s.gemini.stats.capture_failures == 3
     assert reports and reports[0]["kind"] == "checkpoint_capture_failed"
     assert "state.extra.bad: objects of type set" in reports[0]["detail"]
+
+
+def test_replica_slots_keep_the_newest_certified_copy() -> None:
+    """A holder overwrites the replica slot that is not the newest recovery-verified one, so a node
+    replaced after an SDC can still restore a verified step from its peer."""
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with enable_resiliency(model, opt, interval=10**6, enable_detection=False) as s:
+        gem = s.gemini
+
+        def store_copy_of(step: int) -> None:
+            assert gem.capture(step) and gem.drain(10)
+            k = next(k for k, v in gem._own_step.items() if v == step)
+            raw = gem._own[k].path.read_bytes()
+            size = gem._own[k].read_header().file_size
+            gem._store_replica(0, step, size, [raw[:4096], raw[4096:size]])
+
+        gem.certifier = lambda step: step <= 1
+        for step in (1, 2, 3):
+            store_copy_of(step)
+        assert sorted(gem._replica_step[0].values()) == [1, 3]
+        gem.certifier = None
+        store_copy_of(4)
+        assert sorted(gem._replica_step[0].values()) == [3, 4]
