@@ -20,6 +20,7 @@ Each generation, slot 0's agent serves a fresh worker TCPStore on a kernel-chose
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -693,6 +694,10 @@ class _Pulse:
         }
         if old.generation < 0:
             return plan
+        # Rank numbers of the generation that failed: its published slots (the current document may
+        # already have holes where lost or quarantined nodes were, which would shift the ranks).
+        if old.history:
+            old = dataclasses.replace(old, slots=tuple(old.history[-1]["slots"]))
         world = new.world_size()
         invs: dict[int, Any] = {}
         for r in range(world):
@@ -711,9 +716,11 @@ class _Pulse:
                 local[r] = {int(x) for x in inv.get("local", [])}
             if node in keeps:
                 replicas[r] = {int(o): {int(x) for x in st} for o, st in inv.get("replicas", {}).items()}
+            # Every rank reaches the same verdicts from the same evidence, so a certificate any rank
+            # published holds for the job; publications lag by a step or two, so take the union.
             cert = {int(x) for x in inv.get("certified", [])}
             if inv.get("scout"):
-                certified = cert if certified is None else certified & cert
+                certified = cert if certified is None else certified | cert
         allowed = certified if mode == "recovery_verified" and certified is not None else None
         rp = plan_recovery(world, local, replicas, allowed=allowed)
         if rp.step >= 0:

@@ -63,8 +63,13 @@ class Job:
         self.worker = worker
         self.procs: list = []
 
-    def start(self, env: dict[str, str] | None = None, policies: list[str | None] | None = None) -> None:
-        for n in range(self.nodes):
+    def start(
+        self,
+        env: dict[str, str] | None = None,
+        policies: list[str | None] | None = None,
+        only: list[int] | None = None,
+    ) -> None:
+        for n in range(self.nodes) if only is None else only:
             mid = self.tmp / f"machine-id-{n}"
             mid.write_text(f"{self.name}-node-{n}\n")
             conf = [
@@ -217,7 +222,11 @@ def test_a_node_with_a_different_policy_is_refused(processes, tmp_path) -> None:
     a.write_text("schema_version = 1\ninterval = 1\n")
     b.write_text("schema_version = 1\ninterval = 2\n")
     job = Job(processes, tmp_path, "policy", nodes=2, nnodes="1:2")
-    job.start({"STEPS": "4"}, policies=[str(a), str(b)])
+    job.start({"STEPS": "4"}, policies=[str(a), str(b)], only=[0])
+    deadline = time.monotonic() + 120  # the run's policy is the first node's: let it register first
+    while "registered with run" not in job.log(0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    job.start({"STEPS": "4"}, policies=[str(a), str(b)], only=[1])
     assert job.procs[1].wait(timeout=120) != 0
     assert "policy_mismatch" in job.log(1) and "same lm_resiliency_worker_config" in job.log(1), job.log(1)
     assert job.procs[0].wait(timeout=200) == 0, job.logs()
@@ -237,4 +246,21 @@ def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, t
     assert sorted(gens) == [0, 1] and gens[1]["instrumented"], job.logs()
     assert 0 < gens[1]["start"] <= 10, gens
     assert "instrumented automatically" in job.logs()
+    assert _equal(job.final(), base.final())
+
+
+def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Three replicas are needed to out-vote one corrupted copy: 3 active nodes + 1 standby.
+    base = Job(processes, tmp_path, "sdc-base", nodes=3, nnodes="3:4")
+    base.start()
+    base.wait()
+    job = Job(processes, tmp_path, "sdc", nodes=4, nnodes="3:4")
+    job.start({"FAULT": "sdc", "FAULT_RANK": "1", "FAULT_STEP": "10"})
+    job.wait()
+    gens = job.generations()
+    assert sorted(gens) == [0, 1], job.logs()
+    ctx = json.loads(Path(gens[1]["context"]).read_text())
+    assert ctx["failure_kind"] == "sdc" and ctx["recovery_mode"] == "recovery_verified", ctx
+    assert len(ctx["culprits"]) == 1 and len(ctx["admitted"]) == 1, ctx
+    assert 0 < ctx["checkpoint_step"] < 10 and gens[1]["start"] == ctx["checkpoint_step"], (ctx, gens)
     assert _equal(job.final(), base.final())
