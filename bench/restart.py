@@ -4,7 +4,10 @@ Prints progress, then one JSON object on the last line:
   restart_ratio_vs_c10d   worker SIGKILL -> the next generation's first completed step, ours / c10d
                           (c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, its only clean setting on
                           torch 2.13; `--max-restarts`), median over --reps interleaved pairs (goal <= 1.0)
-  rendezvous_s            our agents' next_rendezvous time per restarted generation (goal < 0.3 s)
+  rendezvous_s            per restarted generation: the last agent's next_rendezvous (from the
+                          moment every node is back to its assignment; goal < 0.3 s);
+                          rendezvous_wait_s: the first agent's, which also waits for the other
+                          nodes to stop their workers
   standby_promotion_s     a whole node SIGKILLed (agent + worker) -> the first step completed with the
                           standby in its slot (heartbeat timeout --heartbeat-ms)
   successes / attempts    runs that finished with every step done after the kill
@@ -122,15 +125,19 @@ def run(backend: str, kill: str, tmp: Path, heartbeat_ms: int, steps: int) -> di
                 done.add((f.name, int(b)))
     finished = all((f"rank{r}.txt", steps) in done for r in range(2))
     logs = "\n".join((tmp / f"agent{n}.log").read_text(errors="replace") for n in range(nodes))
-    rdzv = [
-        float(x)
-        for g, x in re.findall(r"generation (\d+), slot \d+ of \d+ \(rendezvous ([\d.]+) s\)", logs)
-        if int(g) > 0
-    ]
+    per_gen: dict[int, list[float]] = {}
+    for g, x in re.findall(r"generation (\d+), slot \d+ of \d+ \(rendezvous ([\d.]+) s\)", logs):
+        if int(g) > 0:
+            per_gen.setdefault(int(g), []).append(float(x))
+    # The last agent to arrive measures the protocol itself (everyone else was there); the first
+    # also waited for the other nodes to stop their workers.
+    rdzv = [min(v) for v in per_gen.values()]
+    rdzv_wait = [max(v) for v in per_gen.values()]
     return {
         "recovery_s": (first_after - kill_t) if (kill_t and first_after) else None,
         "finished": finished,
         "rendezvous_s": rdzv,
+        "rendezvous_wait_s": rdzv_wait,
     }
 
 
@@ -140,7 +147,7 @@ def main() -> None:
     ap.add_argument("--heartbeat-ms", type=int, default=2000)
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
-    ours, theirs, rdzv, attempts, successes = [], [], [], 0, 0
+    ours, theirs, rdzv, rdzv_wait, attempts, successes = [], [], [], [], 0, 0
     with tempfile.TemporaryDirectory(prefix="lmr-bench-restart-") as d:
         tmp = Path(d)
         for i in range(args.reps):
@@ -151,6 +158,7 @@ def main() -> None:
                 (ours if backend == "lm_resiliency" else theirs).append(r["recovery_s"])
                 if backend == "lm_resiliency":
                     rdzv.extend(r["rendezvous_s"])  # type: ignore[arg-type]
+                    rdzv_wait.extend(r["rendezvous_wait_s"])  # type: ignore[arg-type]
                 print(
                     f"rep {i} {backend}: kill -> first step {r['recovery_s']} s, finished {r['finished']}",
                     flush=True,
@@ -171,6 +179,7 @@ def main() -> None:
         "restart_s_c10d": ok_theirs,
         "rendezvous_s": rdzv,
         "rendezvous_s_max": max(rdzv) if rdzv else None,
+        "rendezvous_wait_s": rdzv_wait,
         "standby_promotion_s": node["recovery_s"],
         "heartbeat_timeout_s": args.heartbeat_ms / 1000,
         "successes": successes,

@@ -454,7 +454,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
                     f"only {sum(n is not None for n in s.slots)} of {s.min_nodes} nodes joined run "
                     f"{self.run_id} within lm_resiliency_join_timeout_ms"
                 )
-            time.sleep(self.poll_s / 2)
+            time.sleep(self.poll_s / 4)
 
     def _assign(self, control: _Control, s: rs.RdzvState, t0: float) -> RendezvousInfo:
         slot = s.slot_of(self.node_id)
@@ -599,7 +599,11 @@ class _Pulse:
                 self._tick(time.monotonic())
             except Exception:  # the store may be briefly unreachable; keep beating
                 log.warning("rendezvous pulse failed", exc_info=True)
-            self._stop_evt.wait(h.poll_s)
+            # While a generation forms, decide at 5x the pace: the restart's latency, not the
+            # store's load, matters then.
+            s = self.state
+            busy = s is not None and s.phase in (rs.FORMING, rs.RESTARTING)
+            self._stop_evt.wait(h.poll_s / 5 if busy else h.poll_s)
 
     def _tick(self, now: float) -> None:
         control = self._control
