@@ -2,8 +2,11 @@
 
 Workers publish what the leader needs to decide the next generation: each rank's GEMINI inventory
 (which steps it can restore, for itself and for others, and which are recovery-verified) and the
-SCOUT verdicts that call for a restart or a replacement. Failures here are logged and never stop
-training: the backend then falls back to the workers' own agreement.
+SCOUT verdicts that call for a restart or a replacement. All store I/O happens on one daemon thread
+of this channel: callers (the GEMINI worker, SCOUT on the runtime loop) only hand over a value and
+never block on the network. Only the newest inventory matters, so a newer one replaces one not yet
+sent. Failures are logged once and never stop training: the backend then falls back to the
+workers' own agreement.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import deque
 from datetime import timedelta
 from typing import Any
 
@@ -29,8 +33,37 @@ class ControlChannel:
         self.scheme, self.where, self.prefix = scheme, rest, f"lmr/{run_id}/"
         self.timeout = timedelta(seconds=timeout_s)
         self._store: Any = None
-        self._lock = threading.Lock()
-        self._broken = False
+        self._cond = threading.Condition()
+        self._inventory: tuple[int, str] | None = None  # newest, not yet sent
+        self._verdicts: deque[tuple[int, str]] = deque(maxlen=256)
+        self._closed = False
+        self._warned = False
+        self._thread = threading.Thread(target=self._run, name="lm-resiliency-control", daemon=True)
+        self._thread.start()
+
+    def publish_inventory(self, rank: int, doc: dict[str, Any]) -> None:
+        with self._cond:
+            self._inventory = (rank, json.dumps(doc, sort_keys=True))
+            self._cond.notify()
+
+    def post_verdict(self, generation: int, report: dict[str, Any]) -> None:
+        with self._cond:
+            self._verdicts.append((generation, json.dumps(report, sort_keys=True, default=str)))
+            self._cond.notify()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until everything handed over has been sent (or failed). For tests and shutdown."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._inventory is None and not self._verdicts, timeout)
+
+    def close(self) -> None:
+        self.flush(timeout=2.0)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5.0)
+
+    # -- the channel's thread ------------------------------------------------------------------
 
     def _connect(self) -> Any:
         if self._store is None:
@@ -45,30 +78,31 @@ class ControlChannel:
                 )
         return self._store
 
-    def _do(self, what: str, fn: Any) -> Any:
-        with self._lock:
+    def _has_work(self) -> bool:
+        return self._closed or self._inventory is not None or bool(self._verdicts)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._closed or self._inventory is not None or bool(self._verdicts)
+                )
+                if self._closed:
+                    return
+                verdicts = list(self._verdicts)
+                self._verdicts.clear()
+                inventory, self._inventory = self._inventory, None
             try:
-                return fn(self._connect())
-            except Exception as exc:
-                if not self._broken:
-                    log.warning("control store: %s failed: %s", what, exc)
-                self._broken = True
+                store = self._connect()
+                for generation, raw in verdicts:
+                    i = int(store.add(f"{self.prefix}verdicts/g{generation}/n", 1)) - 1
+                    store.set(f"{self.prefix}verdicts/g{generation}/{i}", raw)
+                if inventory is not None:
+                    store.set(f"{self.prefix}inv/{inventory[0]}", inventory[1])
+            except Exception as exc:  # the store is advisory for workers: log once, keep training
+                if not self._warned:
+                    log.warning("control store %s unreachable: %s", self.where, exc)
+                    self._warned = True
                 self._store = None
-                return None
-
-    def publish_inventory(self, rank: int, doc: dict[str, Any]) -> None:
-        raw = json.dumps(doc, sort_keys=True)
-        self._do("publishing the inventory", lambda s: s.set(f"{self.prefix}inv/{rank}", raw))
-
-    def post_verdict(self, generation: int, report: dict[str, Any]) -> None:
-        raw = json.dumps(report, sort_keys=True, default=str)
-
-        def post(s: Any) -> None:
-            i = int(s.add(f"{self.prefix}verdicts/g{generation}/n", 1)) - 1
-            s.set(f"{self.prefix}verdicts/g{generation}/{i}", raw)
-
-        self._do("posting a verdict", post)
-
-    def close(self) -> None:
-        with self._lock:
-            self._store = None
+            with self._cond:
+                self._cond.notify_all()  # flush() waiters

@@ -232,3 +232,31 @@ def test_manager_reads_decisions_and_publishes_a_replacement(tmp_path: Path, sto
     assert m.decisions()[-1]["slots"] == ["a", "c"] and m.decisions()[-1]["failure_kind"] == "hardware"
     for h in handlers.values():
         h.shutdown()
+
+
+def test_control_channel_sends_off_the_callers_thread_and_never_blocks_them(store: Any) -> None:
+    import json
+    import time
+
+    from lm_resiliency.runtime.control import ControlChannel
+
+    ch = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
+    for step in range(5):  # only the newest inventory matters
+        ch.publish_inventory(3, {"local": [step]})
+    ch.post_verdict(2, {"kind": "sdc", "failed_ranks": [1]})
+    ch.post_verdict(2, {"kind": "hang", "failed_ranks": [0]})
+    assert ch.flush(10)
+    assert json.loads(store.get("lmr/unit-run/inv/3")) == {"local": [4]}
+    assert store.add("lmr/unit-run/verdicts/g2/n", 0) == 2
+    kinds = {json.loads(store.get(f"lmr/unit-run/verdicts/g2/{i}"))["kind"] for i in range(2)}
+    assert kinds == {"sdc", "hang"}
+    ch.close()
+    with pytest.raises(ValueError, match="LM_RESILIENCY_CONTROL_STORE"):
+        ControlChannel("127.0.0.1:1", "unit-run")
+    # Nothing listens here: handing values over still returns at once, and close() does not hang.
+    dead = ControlChannel("tcp://127.0.0.1:1", "unit-run", timeout_s=1.0)
+    t0 = time.monotonic()
+    dead.publish_inventory(0, {"local": [1]})
+    dead.post_verdict(0, {"kind": "sdc"})
+    assert time.monotonic() - t0 < 0.1
+    dead.close()
