@@ -445,6 +445,13 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
                 raise SystemExit(0)
             if role == "active" and s.phase == rs.RUNNING and s.generation > self._generation:
                 return s
+            if role == "unknown":  # registered, then dropped (e.g. judged lost while it was slow)
+                s = control.update(
+                    lambda cur: rs.register(
+                        cur, self.node_id, self.addr, self.local_world_size, self.policy_digest
+                    )
+                )
+                continue
             if role in ("standby", "quarantined") and not announced:
                 log.info("node %s parked as %s in run %s", self.node_id, role, self.run_id)
                 announced = True
@@ -624,10 +631,10 @@ class _Pulse:
                     log.info("node %s leads run %s (term %d)", h.node_id, h.run_id, s.term)
             self.state = s
             return
-        s = self._lead(control, s, live, now)
+        s = self._lead(control, s, now)
         self.state = s
 
-    def _lead(self, control: _Control, s: rs.RdzvState, live: set[str], now: float) -> rs.RdzvState:
+    def _lead(self, control: _Control, s: rs.RdzvState, now: float) -> rs.RdzvState:
         h = self.h
         dead = self._liveness.dead(now) - {h.node_id}
         for node in sorted(dead):
@@ -641,10 +648,13 @@ class _Pulse:
             def step(cur: rs.RdzvState) -> rs.RdzvState:
                 if cur.leader != h.node_id:
                     return cur
-                formed = rs.form(cur, live)
+                # Alive unless known dead: a node that registered after this tick's observation has
+                # not been seen yet, and must not lose its slot for that.
+                alive = {n for n in cur.nodes if n not in dead}
+                formed = rs.form(cur, alive)
                 if formed.phase != rs.RUNNING:
                     return formed
-                return rs.form(cur, live, self._plan(control, cur, formed))
+                return rs.form(cur, alive, self._plan(control, cur, formed))
 
             s = control.update(step)
             if s.phase == rs.RUNNING and s.generation != before.generation:
