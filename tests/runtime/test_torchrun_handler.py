@@ -82,6 +82,14 @@ class _Agents:
             h.shutdown()
 
 
+@pytest.fixture
+def agents(store: Any, tmp_path: Path) -> Any:
+    """Three thread agents; their pulse threads are stopped even when the test fails."""
+    group = _Agents(store, tmp_path)
+    yield group
+    group.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _own_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     # next_rendezvous exports the worker environment into os.environ: keep it inside this test.
@@ -126,8 +134,7 @@ def test_bad_policy_file_fails_with_its_key(tmp_path: Path, store: Any) -> None:
         )
 
 
-def test_agents_as_threads_form_restart_and_close(tmp_path: Path, store: Any) -> None:
-    agents = _Agents(store, tmp_path)
+def test_agents_as_threads_form_restart_and_close(tmp_path: Path, store: Any, agents: Any) -> None:
     handlers, infos, exits, threads = agents.handlers, agents.infos, agents.exits, agents.threads
     assert sorted(infos) == ["a", "b"]  # c registered last: it is the parked standby
     assert {infos[n].rank for n in "ab"} == {0, 1} and infos["a"].world_size == 2
@@ -180,8 +187,7 @@ def test_a_different_policy_is_refused_at_registration(tmp_path: Path, store: An
     b.shutdown()
 
 
-def test_lost_leader_is_replaced_by_the_next_oldest_node(tmp_path: Path, store: Any) -> None:
-    agents = _Agents(store, tmp_path)
+def test_lost_leader_is_replaced_by_the_next_oldest_node(tmp_path: Path, store: Any, agents: Any) -> None:
     handlers, infos, threads = agents.handlers, agents.infos, list(agents.threads.values())
     control = tr._Control(store, "unit-run")
     leader = control.read()[1].leader  # type: ignore[index]
@@ -204,10 +210,9 @@ def test_lost_leader_is_replaced_by_the_next_oldest_node(tmp_path: Path, store: 
         h.shutdown()
 
 
-def test_manager_reads_decisions_and_publishes_a_replacement(tmp_path: Path, store: Any) -> None:
+def test_manager_reads_decisions_and_publishes_a_replacement(tmp_path: Path, store: Any, agents: Any) -> None:
     from lm_resiliency.manager import RunManager
 
-    agents = _Agents(store, tmp_path)
     handlers, by_name = agents.handlers, agents.threads
     m = RunManager(f"127.0.0.1:{store.port}", "unit-run")
     assert m.state()["generation"] == 0 and m.decisions()[-1]["slots"] == ["a", "b"]
