@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -68,6 +68,8 @@ class PyTorchAdapter:
         self.outstanding = 0
         self.in_collective_since: float | None = None
         self.last_progress = time.monotonic()
+        # Called from the comm hook with (parameters, gradients) of each bucket before its all-reduce.
+        self.contribution_tap: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None] | None = None
 
     # -- topology ---------------------------------------------------------------------------------
     def topology(self) -> AdapterTopology:
@@ -157,6 +159,9 @@ class PyTorchAdapter:
         count, chain = self.collective_state
         self.collective_state = (count + 1, xxhash.xxh3_64_digest(chain + sig.encode()))
         buffer.mul_(1.0 / dist.get_world_size(group))
+        tap = self.contribution_tap
+        if tap is not None:  # SCOUT's replay record: this rank's share before the reduction
+            tap(bucket.parameters(), bucket.gradients())
         futures = [
             dist.all_reduce(g, group=group, async_op=True).get_future()  # views into `buffer`
             for g in bucket.gradients()

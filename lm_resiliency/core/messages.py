@@ -25,6 +25,7 @@ __all__ = [
     "Message",
     "PeerAnnouncement",
     "Progress",
+    "ReplayResult",
     "ReplicaRequest",
     "StepTelemetry",
     "Vote",
@@ -207,3 +208,20 @@ class Vote(Message):
     straggler_type: str | None = None
     confirmations: int | None = None
     stall_duration_s: float | None = None
+
+
+@register
+@dataclass(frozen=True)
+class ReplayResult(Message):
+    """A replica's replay of a step its group disagreed on (SCOUT, ambiguous SDC)."""
+
+    TAG: ClassVar[str] = "rply"
+    rank: int
+    step: int
+    what: str  # "grads" | "params"
+    replayed: bytes  # fingerprint of the recomputed value; empty when this rank could not replay
+    recorded: bytes  # fingerprint of the value this rank held at the step
+    note: str = ""
+    drifted: int = (
+        -1
+    )  # parameters changed outside the optimizer since the last checked step: 1, 0, -1 unknown

@@ -13,6 +13,8 @@ and no SDC was open; an SDC revokes certificates from its step on.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -25,8 +27,9 @@ from typing import Any
 import anyio
 
 from lm_resiliency.config import ReplayHarnessConfig, SCOUTFaultReport
-from lm_resiliency.core.messages import Evidence, Progress, StepTelemetry, Vote
+from lm_resiliency.core.messages import Evidence, Progress, ReplayResult, StepTelemetry, Vote
 from lm_resiliency.core.scout.consensus import VoteBook
+from lm_resiliency.core.scout.replay import ReplayOutcome, SdcHistory, replay_verdict
 from lm_resiliency.core.scout.verdicts import (
     HangDetector,
     PhaseTimes,
@@ -39,8 +42,14 @@ from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
 from lm_resiliency.core.topology import Topology
 from lm_resiliency.scout.fingerprint import fingerprint
 from lm_resiliency.scout.health import HealthEvent, HealthSource
+from lm_resiliency.scout.replay import ReplayRecorder, pack_contributions, replay_grads, replay_params
 
 __all__ = ["Scout"]
+
+
+def _tri(value: int) -> bool | None:
+    return None if value < 0 else bool(value)
+
 
 log = logging.getLogger(__name__)
 KEEP_STEPS = 64
@@ -99,6 +108,30 @@ class Scout:
         opt = getattr(adapter, "optimizer", None)
         if opt is not None:
             self._handles.append(opt.register_step_pre_hook(self._before_step))
+        # Replay records: only where a disagreement has no majority to settle it (two replicas).
+        self._recorder: ReplayRecorder | None = None
+        model = getattr(adapter, "model", None)
+        if (
+            config.enable
+            and config.replay_on_ambiguous
+            and len(self.group) == 2
+            and opt is not None
+            and model is not None
+        ):
+            self._recorder = ReplayRecorder(model, opt)
+            self._handles.append(model.register_forward_pre_hook(self._arm_replay))
+            if hasattr(adapter, "contribution_tap"):
+                adapter.contribution_tap = self._recorder.on_contributions
+        self._replay_lock = threading.Condition()
+        self._peer_contrib: dict[int, dict[int, list[bytes]]] = {}  # step -> sender -> buffers
+        self._replays: dict[tuple[int, str], dict[int, ReplayOutcome]] = {}
+        self._replay_threads: list[threading.Thread] = []
+        self._history = SdcHistory()
+        self._last_params: tuple[int, bytes] = (-1, b"")
+        self._diverged_from: int | None = None  # first step at which the replicas disagreed
+        self._diverged: set[int] = set()  # ranks named (or not cleared) since
+        runtime.add_handler("rply", lambda sealed, msg: self._on_replay_result(msg))
+        runtime.add_transfer_listener(self._on_transfer)
         runtime.add_handler("evid", lambda sealed, msg: self._on_evidence(msg))
         runtime.add_handler("step", lambda sealed, msg: self._on_times(msg))
         runtime.add_handler("prog", lambda sealed, msg: self._on_progress(msg))
@@ -121,16 +154,27 @@ class Scout:
     def _due(self, step: int) -> bool:
         return self.config.enable and len(self.group) > 1 and step % self.interval == 0
 
+    def _arm_replay(self, module: Any, args: Any) -> None:
+        step = self._session_step() + 1
+        if self._recorder is not None and self._due(step) and not self._paused():
+            self._recorder.arm(step)
+
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         step = self._session_step() + 1
         if self._due(step) and not self._paused():
             self._grads_fp = fingerprint(p.grad for g in opt.param_groups for p in g["params"])
+            if self._recorder is not None:
+                record = self._recorder.capture(step)
+                if record is not None and self._last_params[0] == step - 1:
+                    pre = fingerprint(p for p in self.adapter.model.parameters())
+                    record.extra["drifted"] = int(pre != self._last_params[1])
 
     def on_step(self, session: Any, times: Any) -> None:
         step = session.step_count
         if not self._due(step):
             return
         params = fingerprint(p for p in self.adapter.model.parameters())
+        self._last_params = (step, params)
         ev = Evidence(self.rank, step, self._grads_fp or b"", params)
         self._grads_fp = None
         self.runtime.submit(ev)  # gossiped, and looped back to our own handlers
@@ -163,7 +207,104 @@ class Scout:
                 self._sdc_from = step if self._sdc_from is None else min(self._sdc_from, step)
                 self._agreed = {s for s in self._agreed if s < step}
         if verdict is not None:
-            self._report(verdict)
+            what = verdict.reason.split("_", 1)[0]
+            # Parameters that diverged at an earlier step stay apart until recovery: the same
+            # divergence, not a new fault. (Gradients re-agree every step through the all-reduce, so
+            # a new gradient disagreement is always judged.)
+            if (
+                what == "params"
+                and self._diverged_from is not None
+                and self._diverged_from < step
+                and (verdict.kind == "sdc_ambiguous" or set(verdict.ranks) <= self._diverged)
+            ):
+                log.debug("rank %d: params still diverged at step %d", self.rank, step)
+                return
+            if self._diverged_from is None:
+                self._diverged_from = step
+            self._diverged |= set(verdict.ranks)
+            if verdict.kind == "sdc_ambiguous" and self._recorder is not None:
+                self._start_replay(step, what, per_step.get(self.rank))
+            else:
+                self._report(verdict)
+
+    # -- replay (runtime thread starts it; the work runs on a thread of its own) -------------------
+    def _start_replay(self, step: int, what: str, own: Evidence | None) -> None:
+        assert self._recorder is not None
+        record = self._recorder.get(step)
+        recorded = b"" if own is None else (own.grads if what == "grads" else own.params)
+        log.warning("rank %d: replicas disagree on %s at step %d; replaying it", self.rank, what, step)
+        t = threading.Thread(
+            target=self._replay, args=(step, what, record, recorded), name=f"lm-resiliency-replay{step}"
+        )
+        t.daemon = True  # bounded by the exchange timeout; close() joins it
+        self._replay_threads = [x for x in self._replay_threads if x.is_alive()] + [t]
+        t.start()
+
+    def _replay(self, step: int, what: str, record: Any, recorded: bytes) -> None:
+        replayed, note = b"", "no record of this step"
+        try:
+            if record is not None and what == "params":
+                replayed, note = replay_params(record)
+            elif record is not None and what == "grads":
+                replayed, note = self._replay_reduction(step, record)
+        except Exception as exc:  # a replay bug must not kill detection: report it inconclusive
+            log.exception("rank %d: replay of step %d failed", self.rank, step)
+            replayed, note = b"", f"replay failed: {type(exc).__name__}: {exc}"
+        with contextlib.suppress(RuntimeError):  # the runtime closed while we replayed
+            drifted = -1 if record is None else record.extra.get("drifted", -1)
+            self.runtime.submit(ReplayResult(self.rank, step, what, replayed, recorded, note, drifted))
+
+    def _replay_reduction(self, step: int, record: Any) -> tuple[bytes, str]:
+        bufs = pack_contributions(record)
+        peers = sorted(set(self.group) - {self.rank})
+        if bufs:
+            for peer in peers:
+                fut = self.runtime.send_bulk(peer, f"replay/{step}", bufs, {"step": str(step)})
+                fut.add_done_callback(functools.partial(self._sent, peer))
+        deadline = time.monotonic() + self.config.hang_stall_threshold_s
+        with self._replay_lock:
+            while not self._closed and not set(peers) <= set(self._peer_contrib.get(step, {})):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    have = sorted(self._peer_contrib.get(step, {}))
+                    return b"", f"no contribution from ranks {sorted(set(peers) - set(have))}"
+                self._replay_lock.wait(left)
+            theirs = dict(self._peer_contrib.get(step, {}))
+        return replay_grads(record, theirs, self.rank)
+
+    def _sent(self, peer: int, fut: Any) -> None:
+        exc = None if fut.cancelled() else fut.exception()
+        if fut.cancelled() or exc is not None:
+            log.warning("rank %d: replay contribution to rank %d not delivered: %s", self.rank, peer, exc)
+
+    def _on_transfer(self, sender: int, transfer_id: str, meta: dict[str, str], chunks: list[Any]) -> bool:
+        if not transfer_id.startswith("replay/"):
+            return False
+        if sender not in self.group:
+            return True  # not ours to judge: dropped
+        try:
+            step = int(transfer_id.split("/", 1)[1])
+        except ValueError:
+            log.warning("rank %d: malformed replay transfer %r from rank %d", self.rank, transfer_id, sender)
+            return True
+        with self._replay_lock:
+            self._peer_contrib.setdefault(step, {})[sender] = [bytes(c) for c in chunks]
+            for old in [s for s in self._peer_contrib if s < step - KEEP_STEPS]:
+                del self._peer_contrib[old]
+            self._replay_lock.notify_all()
+        return True
+
+    def _on_replay_result(self, msg: ReplayResult) -> None:
+        if msg.rank not in self.group or msg.what not in ("grads", "params"):
+            return
+        key = (msg.step, msg.what)
+        got = self._replays.setdefault(key, {})
+        got[msg.rank] = ReplayOutcome(msg.replayed, msg.recorded, msg.note, _tri(msg.drifted))
+        if set(got) >= self._live_group():
+            del self._replays[key]
+            self._report(replay_verdict(msg.step, msg.what, got))
+        for old in [k for k in self._replays if k[0] < msg.step - KEEP_STEPS]:
+            del self._replays[old]
 
     def _on_times(self, msg: StepTelemetry) -> None:
         if msg.rank not in self.group or len(self.group) < 3:
@@ -306,6 +447,7 @@ class Scout:
     def _act(self, v: Verdict, voters: int) -> None:
         with self._lock:
             self.verdicts.append(v)
+        recurring = self._history.record(v) if v.reason != "recurring_sdc" else None
         kind = {"sdc_ambiguous": "sdc", "collective_stall": "hang"}.get(v.kind, v.kind)
         report = SCOUTFaultReport(
             kind=kind,
@@ -327,8 +469,12 @@ class Scout:
         log.warning(
             "rank %d SCOUT verdict: %s %s at step %d: %s", self.rank, v.kind, list(v.ranks), v.step, v.detail
         )
+        if v.reason == "recurring_sdc":
+            report["quarantine"] = True
         self._write_report(report)
         self._emit(report)
+        if recurring is not None:
+            self._act(recurring, voters)
 
     def _write_report(self, report: dict[str, Any]) -> None:
         if self._report_path is None:
@@ -358,6 +504,12 @@ class Scout:
         self._closed = True
         for h in self._handles:
             h.remove()
+        if getattr(self.adapter, "contribution_tap", None) is not None:
+            self.adapter.contribution_tap = None
+        with self._replay_lock:
+            self._replay_lock.notify_all()
+        for t in self._replay_threads:
+            t.join(timeout=5.0)
         self._health_stop.set()
         if self._health_thread is not None:
             self._health_thread.join(timeout=5.0)

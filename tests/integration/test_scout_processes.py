@@ -21,6 +21,7 @@ def _run(
     culprit: int = -1,
     at: int = -1,  # type: ignore[no-untyped-def]
     wait_all: bool = True,
+    world: int = WORLD,
 ) -> tuple[list[dict], dist.TCPStore]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = [
@@ -28,7 +29,7 @@ def _run(
             ["tests/integration/workers/scout_worker.py"],
             {
                 "RANK": str(r),
-                "WORLD_SIZE": str(WORLD),
+                "WORLD_SIZE": str(world),
                 "STORE_PORT": str(store.port),
                 "RESULT_DIR": str(tmp),
                 "STEPS": str(steps),
@@ -39,9 +40,9 @@ def _run(
             },
             tmp / f"rank{r}.log",
         )
-        for r in range(WORLD)
+        for r in range(world)
     ]
-    expect = [r for r in range(WORLD) if wait_all or r != culprit]
+    expect = [r for r in range(world) if wait_all or r != culprit]
     deadline = time.monotonic() + 200
     while not all((tmp / f"rank{r}.json").exists() for r in expect):
         if wait_all:
@@ -59,14 +60,21 @@ def _kinds(res: dict) -> list[tuple[str, list[int]]]:
     return [(f["kind"], f["failed_ranks"]) for f in res["faults"]]
 
 
+@pytest.mark.parametrize(
+    ("world", "culprit", "reason"),
+    [(4, 2, "grads_fingerprint_minority"), (2, 1, "grads_replay_mismatch")],
+    ids=["majority-of-4", "replay-of-2"],
+)
 def test_bit_flip_in_a_gradient_after_reduction_is_named_sdc_and_not_certified(
-    processes, tmp_path: Path
+    processes, tmp_path: Path, world: int, culprit: int, reason: str
 ) -> None:  # type: ignore[no-untyped-def]
-    results, _ = _run(processes, tmp_path, "sdc", steps=12, culprit=2, at=6)
+    """Four replicas outvote the corrupted one; two cannot, so the step is replayed: the reduction
+    is recomputed from both ranks' contributions and the rank that held other gradients is named."""
+    results, _ = _run(processes, tmp_path, "sdc", steps=12, culprit=culprit, at=6, world=world)
     for res in results:
         sdc = [f for f in res["faults"] if f["kind"] == "sdc"]
-        assert sdc and sdc[0]["failed_ranks"] == [2] and sdc[0]["steps"] == [6], res["faults"]
-        assert sdc[0]["reason"] == "grads_fingerprint_minority"
+        assert sdc and sdc[0]["failed_ranks"] == [culprit] and sdc[0]["steps"] == [6], res["faults"]
+        assert sdc[0]["reason"] == reason and sdc[0]["confidence"] == 1.0, sdc
         assert res["certified"]["5"] and not res["certified"]["6"], res["certified"]
         # After SDC, recovery goes back to the last certified capture; after a crash, the latest.
         assert res["sdc_decision"]["recovery_mode"] == "recovery_verified"
@@ -112,3 +120,31 @@ def test_clean_run_of_500_steps_with_jitter_has_no_verdict(processes, tmp_path: 
     results, _ = _run(processes, tmp_path, "clean", steps=500)
     for res in results:
         assert res["faults"] == [], res["faults"]
+
+
+def test_two_replicas_settle_a_corrupted_weight_by_replaying_the_optimizer_step(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A weight flipped on rank 1 after step 5 was checked: at step 6 the gradients agree (the all-reduce
+    averages the corrupted contribution away) and the parameters do not. Rank 1's replay starts from
+    its corrupted copy, but its parameters changed between the end of step 5 (agreed) and the start
+    of step 6, which no optimizer did: rank 1 is named, not both."""
+    results, _ = _run(processes, tmp_path, "weight", steps=10, culprit=1, at=5, world=2)
+    for res in results:
+        sdc = [f for f in res["faults"] if f["kind"] == "sdc"]
+        assert [(f["failed_ranks"], f["steps"], f["reason"]) for f in sdc] == [
+            ([1], [6], "params_changed_outside_step")
+        ], res["faults"]
+
+
+def test_a_rank_that_corrupts_again_is_reported_as_recurring_sdc_for_quarantine(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    results, _ = _run(processes, tmp_path, "recurring", steps=12, culprit=0, at=4, world=2)
+    for res in results:
+        sdc = [(f["failed_ranks"], f["steps"], f["reason"], f.get("quarantine")) for f in res["faults"]]
+        assert sdc == [
+            ([0], [4], "grads_replay_mismatch", None),
+            ([0], [8], "grads_replay_mismatch", None),
+            ([0], [8], "recurring_sdc", True),
+        ], res["faults"]

@@ -1,6 +1,7 @@
 """One rank of a 4-rank gloo DDP job with SCOUT checking every step, and one injected fault.
 
-Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, SCENARIO (clean|sdc|compute|input|hang),
+Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS,
+SCENARIO (clean|sdc|weight|recurring|compute|input|hang),
 CULPRIT, AT_STEP, REPORT_DIR. Faults are injected by this script, never told to SCOUT. Writes
 RESULT_DIR/rank<r>.json with every fault report and the step at which this rank first saw it.
 """
@@ -123,10 +124,15 @@ def main() -> int:
         loss = (model(x) - x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
-        if scenario == "sdc" and rank == culprit and step == at:
+        flip_grad = (scenario == "sdc" and step == at) or (scenario == "recurring" and step in (at, 2 * at))
+        if flip_grad and rank == culprit:
             g = next(model.parameters()).grad
             g.view(-1).view(torch.int32)[7] ^= 1 << 3  # one bit, after the all-reduce
         opt.step()
+        if scenario == "weight" and rank == culprit and step == at:
+            with torch.no_grad():
+                w = model.module[2].weight
+                w.view(-1).view(torch.int32)[11] ^= 1 << 20  # one bit of a weight, after the step
     if scenario == "sdc":
         result["certified"] = {str(s): session.scout.certified(s) for s in range(max(1, at - 2), steps + 1)}
         session.gemini.drain(30)

@@ -1,0 +1,131 @@
+"""Settling ambiguous SDC by replay, and recurring SDC (pure; no clock, no torch).
+
+Two replicas that disagree cannot outvote each other. Replay re-derives the disputed value from
+inputs both of them hold and trust, on every replica of the group (each rank replays, so a device
+that corrupts again shows up as a replay that disagrees with its peers'):
+
+- `grads` (after reduction): the reduction is recomputed from every replica's own contribution (its
+  gradient before the all-reduce), exchanged between the replicas; a replica whose gradients differ
+  from the recomputed reduction was corrupted after it.
+- `params` (after the step, gradients agreed): the optimizer step is re-run from the pre-step copy of
+  the parameters and optimizer state with the agreed gradients; a replica whose parameters differ from
+  the replayed ones was corrupted in or after its step. When the previous step was checked too, each
+  replica also says whether its parameters changed between that step's end and this step's start
+  (they must not): parameters corrupted between steps start every replay of their own, so that is
+  the evidence that names them.
+
+`replay_verdict` turns the replayed fingerprints (one per replica: what that replica computes the
+value should be) and the recorded ones (what each replica actually held) into a verdict that every
+rank computes identically from the same results. `SdcHistory` names a rank found corrupting at a
+second, different step: recurring SDC, a device to quarantine.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from lm_resiliency.core.scout.verdicts import Verdict
+
+__all__ = ["ReplayOutcome", "SdcHistory", "replay_verdict"]
+
+
+@dataclass(frozen=True)
+class ReplayOutcome:
+    """One replica's replay of one disputed step."""
+
+    replayed: bytes  # fingerprint of the value this replica recomputed ("" = it could not replay)
+    recorded: bytes  # fingerprint of the value this replica held at the step
+    note: str = ""  # why a replay was not possible, when `replayed` is empty
+    # Its parameters before the step differ from its own after the previous (checked) step: they were
+    # written outside the optimizer. None: unknown (the previous step was not checked).
+    drifted: bool | None = None
+
+
+def replay_verdict(step: int, what: str, outcomes: Mapping[int, ReplayOutcome]) -> Verdict:
+    """The verdict of a replay over every replica of a group (always a verdict: the step disagreed)."""
+    members = sorted(outcomes)
+    drifted = tuple(r for r in members if outcomes[r].drifted)
+    if what == "params" and drifted and any(outcomes[r].drifted is False for r in members):
+        # A state the group agreed on one step ago changed on these ranks without an optimizer step:
+        # their replays start from it and cannot clear them, but their own two fingerprints do.
+        return Verdict(
+            "sdc",
+            drifted,
+            step,
+            "params_changed_outside_step",
+            f"ranks {list(drifted)} hold parameters before step {step} that differ from their own "
+            f"after step {step - 1}, which the group agreed on",
+        )
+    missing = [r for r in members if not outcomes[r].replayed]
+    if missing:
+        notes = "; ".join(f"rank {r}: {outcomes[r].note or 'no replay'}" for r in missing)
+        return _inconclusive(step, what, members, f"replay unavailable ({notes})")
+    votes = Counter(outcomes[r].replayed for r in members)
+    truth, n = votes.most_common(1)[0]
+    if n != len(members):
+        # The replicas recompute the same value from the same inputs with deterministic kernels: a
+        # disagreement here means one device computes wrongly again, but two cannot tell which.
+        return _inconclusive(
+            step,
+            what,
+            members,
+            f"replays disagree ({len(votes)} distinct results from {len(members)} replicas)",
+        )
+    culprits = tuple(r for r in members if outcomes[r].recorded != truth)
+    if not culprits or len(culprits) == len(members):
+        what_happened = "every replica's" if culprits else "no replica's"
+        return _inconclusive(
+            step, what, members, f"{what_happened} {what} differ from the replayed value (not replayable)"
+        )
+    return Verdict(
+        "sdc",
+        culprits,
+        step,
+        f"{what}_replay_mismatch",
+        f"replay of step {step} on {len(members)} replicas agrees with ranks "
+        f"{[r for r in members if r not in culprits]}; ranks {list(culprits)} held other {what}",
+    )
+
+
+def _inconclusive(step: int, what: str, members: list[int], why: str) -> Verdict:
+    return Verdict(
+        "sdc_ambiguous",
+        tuple(members),
+        step,
+        f"{what}_replay_inconclusive",
+        f"replicas {members} disagree on {what} at step {step}; {why}",
+    )
+
+
+@dataclass
+class SdcHistory:
+    """The steps at which each rank was named as the corrupting replica."""
+
+    steps: dict[int, set[int]] = field(default_factory=dict)
+
+    def record(self, v: Verdict) -> Verdict | None:
+        """Note an acted-on SDC verdict; returns a `recurring_sdc` verdict for ranks named at a
+        second distinct step (once per rank and step)."""
+        if v.kind != "sdc":
+            return None
+        recurring = []
+        for r in v.ranks:
+            seen = self.steps.setdefault(r, set())
+            if v.step in seen:
+                continue
+            if seen:
+                recurring.append(r)
+            seen.add(v.step)
+        if not recurring:
+            return None
+        earlier = {r: sorted(self.steps[r] - {v.step}) for r in recurring}
+        return Verdict(
+            "sdc",
+            tuple(recurring),
+            v.step,
+            "recurring_sdc",
+            f"ranks {recurring} corrupted state again at step {v.step} (before: {earlier}): "
+            "quarantine the device",
+        )

@@ -1,0 +1,212 @@
+"""Replay records and the replays themselves (torch side of `core.scout.replay`).
+
+A record of step k is what a replica needs to re-derive step k's disputed values without trusting
+what it held: this rank's contribution to each gradient all-reduce (its gradient before reduction,
+taken in the DDP comm hook), and, just before the optimizer step, the parameters, the reduced
+gradients and the optimizer's state and hyperparameters. Copies go to host memory; only steps that
+SCOUT checks are recorded, and only in two-replica groups, the only ones where a disagreement has no
+majority to settle it (`ReplayHarnessConfig.replay_on_ambiguous = false` turns recording off).
+
+Replays run on a thread of their own (never the training or runtime thread) on the training device,
+with the same optimizer class, hyperparameters and code path (foreach/fused flags) as training, so an
+honest replica's replay is bitwise what an honest step computed; on CUDA they run on a side stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lm_resiliency.scout.fingerprint import fingerprint
+
+__all__ = ["ReplayRecord", "ReplayRecorder", "pack_contributions", "replay_grads", "replay_params"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplayRecord:
+    step: int
+    device: torch.device
+    model_params: list[torch.Tensor]  # pre-step copies, in model.parameters() order
+    opt_index: list[int]  # optimizer's params (flattened over groups) -> index into model_params
+    grads: list[torch.Tensor | None]  # reduced gradients before the step, optimizer order
+    contributions: dict[int, torch.Tensor]  # optimizer index -> this rank's pre-reduction gradient
+    optimizer_cls: type
+    hyper: list[dict[str, Any]]  # each param group without its params
+    group_sizes: list[int]
+    state: dict[str, Any]  # the optimizer's state_dict, host copies
+    problem: str = ""  # why this record cannot be replayed ("" = it can)
+    own_params_fp: bytes = b""
+    own_grads_fp: bytes = b""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _host_tree(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return _host(obj)
+    if isinstance(obj, dict):
+        return {k: _host_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_host_tree(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_host_tree(v) for v in obj)
+    return obj
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return callable(getattr(t, "to_local", None))
+
+
+class ReplayRecorder:
+    """Keeps the records of the last few checked steps (training thread writes, replay reads)."""
+
+    KEEP = 3
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self._armed_step: int | None = None
+        self._contrib: dict[int, torch.Tensor] = {}  # id(param) -> contribution, for the armed step
+        self._records: dict[int, ReplayRecord] = {}
+
+    def arm(self, step: int) -> None:
+        """Record step `step` (called before its backward; contributions arrive during it)."""
+        if self._armed_step != step:
+            self._armed_step = step
+            self._contrib = {}
+
+    def disarm(self) -> None:
+        self._armed_step = None
+        self._contrib = {}
+
+    def on_contributions(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        """From the DDP comm hook: this rank's gradients, scaled, before the all-reduce."""
+        if self._armed_step is None:
+            return
+        for p, g in zip(params, grads, strict=True):
+            self._contrib[id(p)] = _host(g)
+
+    def capture(self, step: int) -> ReplayRecord | None:
+        """Just before the optimizer step of `step`: keep what a replay of it needs."""
+        if self._armed_step != step:
+            return None
+        opt = self.optimizer
+        mparams = list(self.model.parameters())
+        where = {id(p): i for i, p in enumerate(mparams)}
+        oparams = [p for g in opt.param_groups for p in g["params"]]
+        problem = ""
+        if any(_is_dtensor(p) for p in mparams):
+            problem = "DTensor parameters are not replayed"
+        elif any(id(p) not in where for p in oparams):
+            problem = "the optimizer holds parameters that are not the model's"
+        record = ReplayRecord(
+            step=step,
+            device=mparams[0].device if mparams else torch.device("cpu"),
+            model_params=[] if problem else [_host(p) for p in mparams],
+            opt_index=[] if problem else [where[id(p)] for p in oparams],
+            grads=[] if problem else [None if p.grad is None else _host(p.grad) for p in oparams],
+            contributions={}
+            if problem
+            else {i: self._contrib[id(p)] for i, p in enumerate(oparams) if id(p) in self._contrib},
+            optimizer_cls=type(opt),
+            hyper=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            group_sizes=[len(g["params"]) for g in opt.param_groups],
+            state={} if problem else _host_tree(opt.state_dict()),
+            problem=problem,
+        )
+        self._records[step] = record
+        for old in sorted(self._records)[: -self.KEEP]:
+            del self._records[old]
+        self.disarm()
+        return record
+
+    def get(self, step: int) -> ReplayRecord | None:
+        return self._records.get(step)
+
+
+@contextlib.contextmanager
+def _on_side_stream(device: torch.device) -> Iterator[None]:
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
+    else:
+        yield
+
+
+def pack_contributions(record: ReplayRecord) -> list[bytes]:
+    """This rank's contributions as one buffer per gradient, in optimizer order (empty: none)."""
+    if record.problem or len(record.contributions) != len(record.opt_index):
+        return []
+    return [
+        record.contributions[i].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        for i in range(len(record.opt_index))
+    ]
+
+
+def replay_grads(record: ReplayRecord, contributions: dict[int, list[bytes]], rank: int) -> tuple[bytes, str]:
+    """Recompute the all-reduce from every replica's contribution (`rank`'s own from the record);
+    the fingerprint of the result, in the order of the gradients fingerprint, or ("", why)."""
+    if record.problem:
+        return b"", record.problem
+    own = pack_contributions(record)
+    if not own:
+        return b"", "no pre-reduction gradients recorded (the model is not DDP-wrapped)"
+    if len(contributions) != 1:
+        # Summation order decides the last bits for three or more terms, and the collective's order
+        # is not ours to know: only pairs are recomputed bitwise.
+        return b"", f"{len(contributions) + 1} contributions: only two-replica reductions are replayed"
+    reduced: list[torch.Tensor] = []
+    for i, mine in enumerate(own):
+        ref = record.contributions[i]
+        total = ref.clone()
+        for sender, bufs in sorted(contributions.items()):
+            if i >= len(bufs) or len(bufs) != len(own) or len(bufs[i]) != len(mine):
+                return b"", f"rank {sender}'s contribution does not match this model's gradients"
+            if not mine:  # an empty gradient: nothing to add
+                continue
+            theirs = torch.frombuffer(bytearray(bufs[i]), dtype=ref.dtype).reshape(ref.shape)
+            total = total + theirs if sender > rank else theirs + total
+        reduced.append(total)
+    with _on_side_stream(record.device):
+        on_device = [t.to(record.device) for t in reduced]
+        # Parameters without a gradient keep None, as in the recorded fingerprint.
+        ordered = [on_device[i] if record.grads[i] is not None else None for i in range(len(on_device))]
+        return fingerprint(ordered), ""
+
+
+def replay_params(record: ReplayRecord) -> tuple[bytes, str]:
+    """Re-run the optimizer step from the recorded pre-step state with the recorded (agreed)
+    gradients; the fingerprint of the resulting parameters in model order, or ("", why)."""
+    if record.problem:
+        return b"", record.problem
+    try:
+        with _on_side_stream(record.device):
+            params = [t.to(record.device, copy=True) for t in record.model_params]
+            opt_params = [params[i] for i in record.opt_index]
+            for p, g in zip(opt_params, record.grads, strict=True):
+                p.grad = None if g is None else g.to(record.device, copy=True)
+            groups, at = [], 0
+            for hyper, n in zip(record.hyper, record.group_sizes, strict=True):
+                groups.append({**hyper, "params": opt_params[at : at + n]})
+                at += n
+            opt = record.optimizer_cls(groups)
+            opt.load_state_dict(record.state)
+            opt.step()
+            return fingerprint(params), ""
+    except Exception as exc:  # a custom optimizer we cannot rebuild: the replay is inconclusive
+        log.warning(
+            "replay of step %d: cannot re-run %s: %s", record.step, record.optimizer_cls.__name__, exc
+        )
+        return b"", f"cannot re-run {record.optimizer_cls.__name__}: {type(exc).__name__}: {exc}"

@@ -1,0 +1,130 @@
+"""Replay verdicts (pure) and the replays themselves on real torch optimizers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lm_resiliency.core.scout.replay import ReplayOutcome, SdcHistory, replay_verdict
+from lm_resiliency.core.scout.verdicts import Verdict
+from lm_resiliency.scout.fingerprint import fingerprint
+from lm_resiliency.scout.replay import ReplayRecorder, pack_contributions, replay_grads, replay_params
+
+pytestmark = pytest.mark.timeout(60)
+A, B, C = b"a" * 16, b"b" * 16, b"c" * 16
+
+
+def test_replays_that_agree_name_the_replica_that_held_something_else() -> None:
+    v = replay_verdict(7, "grads", {0: ReplayOutcome(A, B), 1: ReplayOutcome(A, A)})
+    assert (v.kind, v.ranks, v.step, v.reason) == ("sdc", (0,), 7, "grads_replay_mismatch")
+
+
+def test_replays_that_disagree_stay_ambiguous() -> None:
+    v = replay_verdict(7, "params", {0: ReplayOutcome(A, A), 1: ReplayOutcome(B, B)})
+    assert (v.kind, v.ranks, v.reason) == ("sdc_ambiguous", (0, 1), "params_replay_inconclusive")
+    assert "replays disagree" in v.detail
+
+
+def test_a_missing_replay_is_inconclusive_and_says_why() -> None:
+    v = replay_verdict(3, "grads", {0: ReplayOutcome(b"", A, "not DDP"), 1: ReplayOutcome(A, B)})
+    assert v.kind == "sdc_ambiguous" and "rank 0: not DDP" in v.detail
+
+
+def test_every_replica_off_the_replayed_value_is_not_replayable() -> None:
+    v = replay_verdict(3, "grads", {0: ReplayOutcome(C, A), 1: ReplayOutcome(C, B)})
+    assert v.kind == "sdc_ambiguous" and "every replica" in v.detail
+
+
+def test_parameters_changed_outside_the_step_name_their_rank_even_when_replays_disagree() -> None:
+    outcomes = {0: ReplayOutcome(A, A, drifted=False), 1: ReplayOutcome(B, B, drifted=True)}
+    v = replay_verdict(6, "params", outcomes)
+    assert (v.kind, v.ranks, v.reason) == ("sdc", (1,), "params_changed_outside_step")
+    # Unknown drift (the previous step was not checked) is no evidence.
+    unknown = {0: ReplayOutcome(A, A), 1: ReplayOutcome(B, B, drifted=True)}
+    assert replay_verdict(6, "params", unknown).kind == "sdc_ambiguous"
+
+
+def test_recurring_sdc_is_a_second_distinct_step() -> None:
+    h = SdcHistory()
+    first = Verdict("sdc", (2,), 4, "grads_replay_mismatch")
+    assert h.record(first) is None
+    assert h.record(first) is None  # the same verdict again (another voter) is not a recurrence
+    assert h.record(Verdict("sdc_ambiguous", (1, 2), 5, "x")) is None
+    again = h.record(Verdict("sdc", (2, 3), 9, "grads_fingerprint_minority"))
+    assert again is not None and (again.ranks, again.step, again.reason) == ((2,), 9, "recurring_sdc")
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model[2].bias.requires_grad_(False)  # a frozen parameter: not the optimizer's
+    opt = torch.optim.AdamW(
+        [{"params": [model[0].weight, model[0].bias]}, {"params": [model[2].weight], "lr": 3e-2}],
+        lr=1e-3,
+        weight_decay=0.1,
+    )
+    return model, opt
+
+
+def _grads(model: nn.Module, seed: int) -> None:
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed))
+    model.zero_grad()
+    model(x).pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_optimizer_replay_is_bitwise_the_step_it_recorded(foreach: bool) -> None:
+    model, opt = _model()
+    for g in opt.param_groups:
+        g["foreach"] = foreach
+    rec = ReplayRecorder(model, opt)
+    for step in (1, 2, 3):  # state (exp_avg, step counts) exists from step 2 on
+        _grads(model, step)
+        rec.arm(step)
+        record = rec.capture(step)
+        opt.step()
+        assert record is not None and record.problem == ""
+        replayed, note = replay_params(record)
+        assert note == "" and replayed == fingerprint(model.parameters())
+
+
+def test_reduction_replay_is_the_sum_of_both_contributions() -> None:
+    model, opt = _model()
+    rec = ReplayRecorder(model, opt)
+    _grads(model, 1)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    mine = [p.grad * 0.5 for p in params]
+    theirs = [torch.randn_like(p) for p in params]
+    rec.arm(1)
+    rec.on_contributions(params, mine)
+    for p, a, b in zip(params, mine, theirs, strict=True):
+        p.grad = a + b  # what the all-reduce left
+    record = rec.capture(1)
+    assert record is not None
+    peer = {1: [t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in theirs]}
+    replayed, note = replay_grads(record, peer, rank=0)
+    assert note == "" and replayed == fingerprint(p.grad for p in params)
+    # A peer whose buffers do not fit this model is reported, not summed.
+    assert replay_grads(record, {1: peer[1][:-1]}, rank=0)[0] == b""
+    # Without a comm hook there is nothing to recompute the reduction from.
+    rec.arm(2)
+    bare = rec.capture(2)
+    assert bare is not None and pack_contributions(bare) == []
+    assert "not DDP" in replay_grads(bare, peer, rank=0)[1]
+
+
+def test_a_custom_optimizer_that_cannot_be_rebuilt_is_inconclusive_not_an_error() -> None:
+    class Odd(torch.optim.SGD):
+        def __init__(self, params: object, momentum_schedule: list[float]) -> None:
+            super().__init__(params, lr=0.1)  # type: ignore[arg-type]
+
+    model = nn.Linear(3, 3)
+    opt = Odd(model.parameters(), [0.9])
+    rec = ReplayRecorder(model, opt)
+    model(torch.ones(2, 3)).sum().backward()
+    rec.arm(1)
+    record = rec.capture(1)
+    assert record is not None
+    replayed, note = replay_params(record)
+    assert replayed == b"" and "cannot re-run Odd" in note
