@@ -514,6 +514,14 @@ class Session:
         gem = self.gemini
         if gem is not None:
             gem.certifier = scout.certified
+            scout.on_certified, scout.on_revoked = gem.certify, gem.revoke
+            # Certificates survive restarts: the marks on this node's own captures, and the restored
+            # step itself when the plan that chose it picked recovery-verified steps only.
+            restored = self._recovered_step
+            carried = {s for s in gem.carried_certificates if 0 <= s <= restored}
+            if restored >= 0 and (self._context or {}).get("recovery_mode") == "recovery_verified":
+                carried.add(restored)
+            scout.seed(carried)
 
     @property
     def scout(self) -> Any:

@@ -134,6 +134,8 @@ class Gemini:
         self._idle = threading.Condition(self._lock)
         self._own = [SlotFile(self.dir / f"own-r{rank}-s{k}") for k in (0, 1)]
         self._own_step: dict[int, int] = {}  # slot index -> committed step
+        # Steps whose own slot carried a SCOUT certificate when this worker started (a restart).
+        self.carried_certificates: set[int] = set()
         self._busy: set[int] = set()
         self._replica_slots: dict[int, list[SlotFile]] = {}
         self._replica_step: dict[int, dict[int, int]] = {}  # owner -> slot -> step
@@ -202,6 +204,8 @@ class Gemini:
             if h.topology != self.shape:
                 raise CorruptSlot(f"{path.name}: captured with topology {h.topology}, job has {self.shape}")
             slot.verify(h, self._hash_pool)
+            if owner == self.rank and slot.certified(h):
+                self.carried_certificates.add(h.step)
             return h
         except CorruptSlot as exc:
             self._reject(str(exc))
@@ -397,6 +401,37 @@ class Gemini:
         if fence is not None:
             fence.fence_device()
 
+    # -- certificates (SCOUT's runtime thread) ------------------------------------------------------
+    def certify(self, step: int) -> None:
+        """SCOUT agreed on `step`: mark its committed own slot, so the certificate outlives us."""
+        with self._lock:
+            for k, s in self._own_step.items():
+                if s == step and not self._closed:
+                    self._on_own_slot(k, lambda slot: slot.mark_certified(step))
+
+    def revoke(self, from_step: int) -> None:
+        """SDC found at `from_step`: no capture from it on is recovery-verified any more."""
+        with self._lock:
+            self.carried_certificates = {s for s in self.carried_certificates if s < from_step}
+            for k, s in self._own_step.items():
+                if s >= from_step and not self._closed:
+                    self._on_own_slot(k, SlotFile.clear_certificate)
+
+    def _on_own_slot(self, k: int, fn: Callable[[SlotFile], None]) -> None:
+        """Apply `fn` to own slot `k`, mapping it for the call when this process has not yet."""
+        slot = self._own[k]
+        if slot.mapping is not None:
+            fn(slot)
+            return
+        try:
+            other = SlotFile.open_existing(slot.path)
+        except CorruptSlot:
+            return
+        try:
+            fn(other)
+        finally:
+            other.close()
+
     def _slot_to_keep(self, steps: dict[int, int]) -> int | None:
         """Of two slots (index -> step), the one not to overwrite: the newest recovery-verified
         step (SCOUT certified it), or without certificates the newest."""
@@ -503,6 +538,8 @@ class Gemini:
         self.stats.commit_s_last = time.perf_counter() - t0
         with self._lock:
             self._own_step[k] = header.step
+            if self.certifier is not None and self.certifier(header.step):
+                slot.mark_certified(header.step)  # SCOUT agreed before the commit finished
         self.stats.captures += 1
         if header.step % self.disk_interval == 0:
             self._write_durable(slot, header)
@@ -564,7 +601,7 @@ class Gemini:
         self, slot: SlotFile, header: SlotHeader, digests: list[bytes]
     ) -> tuple[list[memoryview], list[bytes]]:
         view = slot.view()
-        head = view[:HEADER_SIZE]
+        head = slot.header_page()
         payload = view[HEADER_SIZE : HEADER_SIZE + header.payload_len]
         table = view[HEADER_SIZE + header.payload_len : header.file_size]
         chunks = [payload[i : i + header.chunk_size] for i in range(0, header.payload_len, header.chunk_size)]
@@ -637,6 +674,9 @@ class Gemini:
             slot.write_raw(off, c)
             off += len(c)
         slot.write_raw(0, chunks[0])  # the committed header goes last
+        # A copy from a peer or the disk never carries the owner's certificate: its holder would not
+        # see the owner revoke it.
+        slot.clear_certificate()
         try:
             h = slot.read_header()
         except CorruptSlot as exc:

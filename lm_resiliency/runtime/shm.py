@@ -5,6 +5,11 @@ Layout of one slot file:
     [4096, 4096 + P)       payload: msgpack index (skeleton + tensor specs), padding, tensor bytes
     [4096 + P, ... + 16*C) XXH3-128 of each `chunk_size` chunk of the payload
 
+Certificate: SCOUT certifies a step after its capture committed, so the mark lives apart from the
+checksummed header, at `CERT_OFFSET` in the header page: magic, step and the header's own checksum,
+so a mark names exactly one committed capture and dies with it (`begin()` clears it). A restarted
+worker reads it back: a recovery-verified capture stays verified across restarts.
+
 Commit protocol: `begin()` marks the header invalid, the payload and checksums are written, then
 `commit()` writes a header whose own checksum covers its fields and the checksum table. A crash at
 any point leaves either the previous committed slot (double buffering) or an invalid one, never a
@@ -33,6 +38,9 @@ MAGIC = b"LMRGEM01"
 _FMT = struct.Struct("<8sIIqIIQQQI64s32s")  # magic ver state step owner world payload index chunk n run topo
 _DIGEST = 16
 COMMITTED = 1
+CERT_OFFSET = 2048
+_CERT = struct.Struct("<8sq16s")  # magic step header-checksum
+CERT_MAGIC = b"LMRCERT1"
 
 
 class CorruptSlot(Exception):
@@ -126,6 +134,34 @@ class SlotFile:
         """Invalidate the header before overwriting the payload."""
         mm = self._require()
         mm[: _FMT.size] = b"\0" * _FMT.size
+        self.clear_certificate()
+
+    # -- certificates -----------------------------------------------------------------------------
+    def mark_certified(self, step: int) -> None:
+        """Mark the committed capture of `step` recovery-verified (no-op if the slot holds another)."""
+        mm = self._require()
+        raw = bytes(mm[: _FMT.size + _DIGEST])
+        if raw[:8] != MAGIC or _FMT.unpack_from(raw)[3] != step:
+            return
+        mm[CERT_OFFSET : CERT_OFFSET + _CERT.size] = _CERT.pack(CERT_MAGIC, step, raw[_FMT.size :])
+
+    def header_page(self) -> memoryview:
+        """A copy of the header page without the certificate, for sending: SCOUT may mark the slot
+        while a copy is on the wire, and a copy's holder never trusts the owner's mark anyway."""
+        page = bytearray(self._require()[:HEADER_SIZE])
+        page[CERT_OFFSET : CERT_OFFSET + _CERT.size] = bytes(_CERT.size)
+        return memoryview(page)
+
+    def clear_certificate(self) -> None:
+        mm = self._require()
+        mm[CERT_OFFSET : CERT_OFFSET + _CERT.size] = b"\0" * _CERT.size
+
+    def certified(self, header: SlotHeader) -> bool:
+        """True when the slot carries a certificate for exactly this committed capture."""
+        mm = self._require()
+        magic, step, digest = _CERT.unpack_from(bytes(mm[CERT_OFFSET : CERT_OFFSET + _CERT.size]))
+        own = bytes(mm[_FMT.size : _FMT.size + _DIGEST])
+        return bool(magic == CERT_MAGIC and step == header.step and digest == own)
 
     def view(self) -> memoryview:
         return memoryview(self._require())

@@ -127,6 +127,9 @@ class Scout:
         self._replays: dict[tuple[int, str], dict[int, ReplayOutcome]] = {}
         self._replay_threads: list[threading.Thread] = []
         self._history = SdcHistory()
+        # GEMINI marks (and unmarks) its captures so certificates survive a restart.
+        self.on_certified: Callable[[int], None] | None = None
+        self.on_revoked: Callable[[int], None] | None = None
         self._last_params: tuple[int, bytes] = (-1, b"")
         self._diverged_from: int | None = None  # first step at which the replicas disagreed
         self._diverged: set[int] = set()  # ranks named (or not cleared) since
@@ -200,12 +203,18 @@ class Scout:
         if verdict is None:
             verdict = fingerprint_verdict(step, "params", {r: e.params for r, e in per_step.items()})
         with self._lock:
-            if verdict is None:
-                if self._sdc_from is None:
-                    self._agreed.add(step)
-            else:
+            certified = verdict is None and self._sdc_from is None
+            if certified:
+                self._agreed.add(step)
+            elif verdict is not None:
                 self._sdc_from = step if self._sdc_from is None else min(self._sdc_from, step)
                 self._agreed = {s for s in self._agreed if s < step}
+        hook = self.on_certified if certified else self.on_revoked if verdict is not None else None
+        if hook is not None:
+            try:
+                hook(step)
+            except Exception:  # the checkpoint side's bug must not stop detection
+                log.exception("rank %d: certificate hook for step %d failed", self.rank, step)
         if verdict is not None:
             what = verdict.reason.split("_", 1)[0]
             # Parameters that diverged at an earlier step stay apart until recovery: the same
@@ -491,6 +500,12 @@ class Scout:
         """True when the fingerprints of `step` agreed across the replica group and no SDC was open."""
         with self._lock:
             return step in self._agreed
+
+    def seed(self, steps: set[int]) -> None:
+        """Certificates carried over from the previous generation (steps at or before the restored one)."""
+        with self._lock:
+            if self._sdc_from is None:
+                self._agreed |= steps
 
     def newest_recoverable_step(self, mode: Any) -> int:
         return -1

@@ -133,6 +133,29 @@ def test_slot_commit_read_and_every_kind_of_damage(tmp_path: Path) -> None:
         SlotFile.open_existing(tmp_path / "missing")
 
 
+def test_a_certificate_names_one_committed_capture_and_dies_with_it(tmp_path: Path) -> None:
+    path = tmp_path / "slot"
+    slot = SlotFile(path)
+    h = _commit(slot, b"z" * 500, step=7)
+    assert not slot.certified(h)
+    slot.mark_certified(8)  # another step: not this capture's certificate
+    assert not slot.certified(h)
+    slot.mark_certified(7)
+    assert slot.certified(h)
+    assert bytes(slot.header_page()) != bytes(slot.view()[:4096])  # what is sent carries no mark
+    slot.close()
+    fresh = SlotFile.open_existing(path)  # a restarted worker reads it back
+    assert fresh.certified(fresh.read_header())
+    fresh.close()
+    slot = SlotFile(path)
+    h2 = _commit(slot, b"w" * 500, step=7)  # a new capture of the same step number
+    assert not slot.certified(h2)
+    slot.mark_certified(7)
+    slot.clear_certificate()  # revoked (SDC found at or before it)
+    assert not slot.certified(h2)
+    slot.close()
+
+
 def test_slot_that_cannot_be_created_fails_clearly(tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")

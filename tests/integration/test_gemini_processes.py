@@ -64,7 +64,9 @@ def _run(
         )
     deadline = time.monotonic() + 200
     if kill:
-        while not store.check([f"test/paused/{pause_rank}"]):
+        # Paused, and every rank has certified the paused step (so the kill's timing is the test's).
+        keys = [f"test/paused/{pause_rank}"] + [f"test/certified/{r}" for r in range(WORLD)]
+        while not store.check(keys):
             assert all(p.poll() is None for p in procs), _logs(out)
             assert time.monotonic() < deadline
             time.sleep(0.05)  # polling the store the workers write
@@ -153,6 +155,8 @@ def test_a_worker_sigkill_resumes_from_local_memory_bitwise(
     reports = _scenario(processes, tmp_path, shm_root, baseline)
     for rep in reports:
         assert rep["decision"]["reason"].startswith("local"), rep["decision"]
+        # The restored capture was recovery-verified before the kill and still is after it.
+        assert rep["restored_certified"], rep
         assert rep["decision"]["checkpoint_source"] == "gemini" and rep["decision"]["available"]
         # A rank killed in the middle of a capture leaves that slot torn: it must be skipped (and is
         # reported), never a copy failing its checksums.

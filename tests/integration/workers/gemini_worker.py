@@ -55,6 +55,24 @@ def main() -> int:
         runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0),
     )
     start = session.step_count
+    # Certificates survive the restart: SCOUT's marks on the captures this rank restored from.
+    restored_certified = session.recovered_step >= 0 and session.scout.certified(session.recovered_step)
+    if generation == 0 and pause_rank >= 0:
+        mark = session.scout.on_certified
+        # Its own client: the paused rank's training thread blocks in `store.wait` on the other one.
+        signal_store = dist.TCPStore(
+            "127.0.0.1",
+            int(os.environ["STORE_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=60),
+        )
+
+        def certified(step: int) -> None:
+            mark(step)  # GEMINI's mark on the capture first, then tell the test
+            if step == pause_at:
+                signal_store.set(f"test/certified/{rank}", b"1")
+
+        session.scout.on_certified = certified
     assert seen["batches"] == start, f"extra state says {seen['batches']} batches, resuming at {start}"
     for step in range(start + 1, steps + 1):
         g = torch.Generator().manual_seed(rank * 100_003 + step)
@@ -83,6 +101,7 @@ def main() -> int:
         "rank": rank,
         "generation": generation,
         "recovered_step": session.recovered_step,
+        "restored_certified": restored_certified,
         "decision": session.last_recovery_decision,
         "rejected_copies": gem.stats.rejected_copies,
         "captures": gem.stats.captures,
