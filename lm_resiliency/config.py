@@ -116,6 +116,10 @@ class ReplayHarnessConfig:
     replay_on_ambiguous: bool = True
     deterministic_replay: bool = True
     report_dir: str | None = None  # ours: fault reports appended as JSON lines (reports-rank<R>.jsonl)
+    # Ours: every this many seconds each rank times a `link_probe_bytes` transfer to peers of its
+    # replica group on other nodes, so a slow node or link is named (0 turns probing off).
+    link_probe_interval_s: float = 5.0
+    link_probe_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
         _positive("replay.interval", self.interval)
@@ -127,6 +131,11 @@ class ReplayHarnessConfig:
         _positive("replay.dataloader_latency_threshold_s", self.dataloader_latency_threshold_s, False)
         _positive("replay.checkpoint_io_latency_threshold_s", self.checkpoint_io_latency_threshold_s, False)
         _positive("replay.temporal_window", self.temporal_window, allow_none=False)
+        if self.link_probe_interval_s < 0:
+            raise ConfigError(
+                "replay.link_probe_interval_s", f"must be >= 0, got {self.link_probe_interval_s}"
+            )
+        _positive("replay.link_probe_bytes", self.link_probe_bytes, allow_none=False)
 
 
 @dataclass(frozen=True)

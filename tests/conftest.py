@@ -19,13 +19,16 @@ class ProcessGroup:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    def start(
+        self, args: list[str], env: dict[str, str], log_path: Path, prefix: tuple[str, ...] = ()
+    ) -> subprocess.Popen[bytes]:
+        """Start `python args...` (after `prefix`, e.g. `ip netns exec NS`, which execs into it)."""
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
         log = open(log_path, "wb")  # noqa: SIM115 - closed with the process below
         # A session of its own: stopping the test's process stops everything it started (torchrun's
         # workers included).
         proc = subprocess.Popen(
-            [sys.executable, *args],
+            [*prefix, sys.executable, *args],
             env=full_env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -22,6 +22,7 @@ __all__ = [
     "GeminiInventory",
     "Goodbye",
     "Heartbeat",
+    "LinkReport",
     "Message",
     "PeerAnnouncement",
     "Progress",
@@ -208,6 +209,7 @@ class Vote(Message):
     straggler_type: str | None = None
     confirmations: int | None = None
     stall_duration_s: float | None = None
+    endpoint: str = ""
 
 
 @register
@@ -225,3 +227,14 @@ class ReplayResult(Message):
     drifted: int = (
         -1
     )  # parameters changed outside the optimizer since the last checked step: 1, 0, -1 unknown
+
+
+@register
+@dataclass(frozen=True)
+class LinkReport(Message):
+    """How long this rank's link probes to peers on other nodes took (seconds, by target rank)."""
+
+    TAG: ClassVar[str] = "link"
+    rank: int
+    round: int
+    seconds: dict[str, float]

@@ -27,8 +27,9 @@ from typing import Any
 import anyio
 
 from lm_resiliency.config import ReplayHarnessConfig, SCOUTFaultReport
-from lm_resiliency.core.messages import Evidence, Progress, ReplayResult, StepTelemetry, Vote
+from lm_resiliency.core.messages import Evidence, LinkReport, Progress, ReplayResult, StepTelemetry, Vote
 from lm_resiliency.core.scout.consensus import VoteBook
+from lm_resiliency.core.scout.links import LinkDetector
 from lm_resiliency.core.scout.replay import ReplayOutcome, SdcHistory, replay_verdict
 from lm_resiliency.core.scout.verdicts import (
     HangDetector,
@@ -143,6 +144,14 @@ class Scout:
         self._candidates: dict[str, Vote] = {}
         self._acted: set[str] = set()
         runtime.loop.spawn(self._progress_forever, name="scout-progress")
+        # Link probes: only toward replica peers on other nodes, and only with two or more of them.
+        self._links = LinkDetector(
+            config.straggler_ratio, config.straggler_min_ms / 1e3, config.straggler_confirmations
+        )
+        self._link_rounds: dict[int, dict[int, dict[int, float]]] = {}  # round -> observer -> times
+        runtime.add_handler("link", lambda sealed, msg: self._on_link_report(msg))
+        if config.enable and config.link_probe_interval_s > 0 and len(self._probe_targets()) >= 2:
+            runtime.loop.spawn(self._probe_forever, name="scout-links")
         self._health_stop = threading.Event()
         self._health_thread: threading.Thread | None = None
         if health is not None:
@@ -287,6 +296,8 @@ class Scout:
             log.warning("rank %d: replay contribution to rank %d not delivered: %s", self.rank, peer, exc)
 
     def _on_transfer(self, sender: int, transfer_id: str, meta: dict[str, str], chunks: list[Any]) -> bool:
+        if transfer_id.startswith("probe/"):
+            return True  # a link probe: its ack is the answer
         if not transfer_id.startswith("replay/"):
             return False
         if sender not in self.group:
@@ -326,6 +337,56 @@ class Scout:
             del self._times[msg.step]
         for old in [s for s in self._times if s < msg.step - KEEP_STEPS]:
             del self._times[old]
+
+    # -- link probes (runtime thread) ---------------------------------------------------------------
+    def _probe_targets(self) -> list[int]:
+        return self._probe_targets_of(self.rank)
+
+    async def _probe_forever(self) -> None:
+        payload = os.urandom(self.config.link_probe_bytes)
+        timeout = max(1.0, 10 * self.config.straggler_min_ms / 1e3)
+        round_ = 0
+        while True:
+            await anyio.sleep(self.config.link_probe_interval_s)
+            if self._paused():
+                continue
+            live = self.runtime.live()
+            times: dict[str, float] = {}
+            for target in self._probe_targets():  # one at a time: probes must not compete
+                if target not in live:
+                    continue
+                t0 = time.monotonic()
+                try:
+                    with anyio.fail_after(timeout):
+                        await self.runtime.send_bulk_async(target, f"probe/{round_}", [payload], {}, timeout)
+                    times[str(target)] = time.monotonic() - t0
+                except Exception:  # no answer within the timeout: as slow as we can say
+                    times[str(target)] = timeout
+            self.runtime.submit(LinkReport(self.rank, round_, times))
+            round_ += 1
+
+    def _on_link_report(self, msg: LinkReport) -> None:
+        if msg.rank not in self.group:
+            return
+        try:
+            row = {int(t): float(s) for t, s in msg.seconds.items()}
+        except (TypeError, ValueError):
+            log.warning("rank %d: malformed link report from rank %d", self.rank, msg.rank)
+            return
+        rounds = self._link_rounds
+        rounds.setdefault(msg.round, {})[msg.rank] = row
+        probers = {r for r in self._live_group() if len(self._probe_targets_of(r)) >= 2}
+        if set(rounds[msg.round]) >= probers:
+            probes = rounds.pop(msg.round)
+            node_of = {r: self.topology.node_of(r) for r in self.group}
+            for v in self._links.observe(self._session_step(), probes, node_of):
+                self._report(v)
+        for old in [r for r in rounds if r < msg.round - 8]:
+            del rounds[old]
+
+    def _probe_targets_of(self, rank: int) -> list[int]:
+        here = self.topology.node_of(rank)
+        return [r for r in self.group if r != rank and self.topology.node_of(r) != here]
 
     def _on_progress(self, msg: Progress) -> None:
         self._progress[msg.rank] = msg
@@ -425,6 +486,7 @@ class Scout:
                 v.straggler_type,
                 v.confirmations,
                 v.stall_duration_s,
+                v.endpoint,
             )
         )  # gossiped to the group and looped back to our own _on_vote
 
@@ -449,6 +511,7 @@ class Scout:
                     c.straggler_type,
                     c.confirmations,
                     c.stall_duration_s,
+                    c.endpoint,
                 ),
                 voters=self._book.count(vote.key, self.group),
             )
@@ -458,10 +521,14 @@ class Scout:
             self.verdicts.append(v)
         recurring = self._history.record(v) if v.reason != "recurring_sdc" else None
         kind = {"sdc_ambiguous": "sdc", "collective_stall": "hang"}.get(v.kind, v.kind)
+        endpoint_kind, _, endpoint_id = v.endpoint.partition(":")
         report = SCOUTFaultReport(
             kind=kind,
             failed_ranks=v.ranks,
-            scope="rank",
+            scope="node" if endpoint_kind == "node" else "rank",
+            endpoint_kind=endpoint_kind or None,
+            endpoint_id=endpoint_id or None,
+            endpoint_rank=v.ranks[0] if endpoint_kind and v.ranks else None,
             sources=("scout",),
             straggler_type=v.straggler_type,
             confirmations=v.confirmations,

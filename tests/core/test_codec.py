@@ -16,6 +16,7 @@ from lm_resiliency.core.messages import (
     GeminiInventory,
     Goodbye,
     Heartbeat,
+    LinkReport,
     PeerAnnouncement,
     Progress,
     ReplayResult,
@@ -48,6 +49,7 @@ SAMPLES = [
     Evidence(rank=0, step=3, grads=b"g" * 16, params=b"p" * 16),
     Progress(rank=2, step=3, collectives=9, in_collective_s=0.5, idle_s=0.1),
     Vote(rank=1, key="sdc:2@6", kind="sdc", ranks=(2,), step=6, reason="grads_fingerprint_minority"),
+    LinkReport(rank=2, round=3, seconds={"0": 0.001, "5": 0.25}),
     ReplayResult(rank=0, step=6, what="grads", replayed=b"\x01" * 16, recorded=b"\x02" * 16, note=""),
 ]
 

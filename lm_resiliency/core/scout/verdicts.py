@@ -50,6 +50,7 @@ class Verdict:
     straggler_type: str | None = None
     confirmations: int | None = None
     stall_duration_s: float | None = None
+    endpoint: str = ""  # "<kind>:<id>" of a communication endpoint ("node:n3", "rank:5")
 
 
 def fingerprint_verdict(step: int, what: str, fingerprints: Mapping[int, bytes]) -> Verdict | None:
