@@ -409,19 +409,6 @@ class Session:
         from lm_resiliency.gemini.component import Gemini
 
         assert self._runtime is not None and self._topology is not None
-        if _has_dtensor(self._adapter.model):
-            # Capturing and restoring sharded (DTensor) state bitwise is not written yet: say so and
-            # train on without in-memory checkpoints rather than fail or capture something wrong.
-            log.warning("GEMINI does not capture DTensor (FSDP2/TP) state yet; in-memory checkpoints are off")
-            self._emit_fault(
-                SCOUTFaultReport(
-                    kind="checkpoint_unsupported",
-                    failed_ranks=(self.rank,),
-                    sources=("gemini",),
-                    reason="dtensor_state_not_supported",
-                ).to_dict()
-            )
-            return
         run_id = ckpt.run_id or self.env.run_id
         durable: DurableCheckpointConfig | None = self.settings["durable_checkpoint"]
         gem = Gemini(
@@ -734,14 +721,6 @@ class _TimedLoader:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
-
-
-def _has_dtensor(model: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _assemble_topology(anns: dict[int, Any], world_size: int) -> Topology:

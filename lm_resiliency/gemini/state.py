@@ -4,6 +4,11 @@
 caller's extra state. `flatten` replaces every tensor by a reference, so the skeleton is small msgpack
 and the tensors can be copied byte for byte into shared memory; `unflatten` reverses it exactly
 (tuples stay tuples, int dict keys stay ints). Unsupported objects fail with the path to them.
+
+Sharded state (DTensor: FSDP2, TP, HSDP) is captured as this rank's local shard plus the global shape
+and placements. It comes back as a `LocalShard`, and `apply_state` turns each one into a DTensor
+on the live model's mesh and placements (the parameter's, for optimizer state), after checking that
+the shape and placements are the ones captured: a rank restores exactly its own shard, bitwise.
 """
 
 from __future__ import annotations
@@ -17,9 +22,69 @@ import msgpack
 import numpy as np
 import torch
 
-__all__ = ["TensorSpec", "apply_state", "collect_state", "flatten", "unflatten"]
+__all__ = ["LocalShard", "TensorSpec", "apply_state", "collect_state", "flatten", "unflatten"]
 
 SKELETON_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """A captured DTensor: this rank's local tensor, the global shape and the placements."""
+
+    local: torch.Tensor
+    shape: tuple[int, ...]
+    placements: str
+
+
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return DTensor
+
+
+def _rebuild(value: LocalShard, template: Any, where: str) -> Any:
+    """A DTensor like `template` (mesh, placements, global shape) holding the captured shard."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(template, dtensor):
+        raise ValueError(f"{where}: the checkpoint holds a sharded tensor, the live job a plain one")
+    got = (tuple(template.shape), str(tuple(template.placements)))
+    if got != (value.shape, value.placements):
+        raise ValueError(
+            f"{where}: captured with shape {value.shape} {value.placements}, "
+            f"the live job has {got[0]} {got[1]}"
+        )
+    local = value.local.to(template.to_local().device)
+    return dtensor.from_local(
+        local,
+        template.device_mesh,
+        template.placements,
+        run_check=False,
+        shape=template.shape,
+        stride=template.stride(),
+    )
+
+
+def _resolve_shards(state: dict[str, Any], model: torch.nn.Module, optimizer: Any) -> None:
+    """Replace every LocalShard in `state` by a DTensor on the live job's mesh (in place)."""
+    model_state = state.get("model")
+    if isinstance(model_state, dict) and any(isinstance(v, LocalShard) for v in model_state.values()):
+        live = model.state_dict()
+        for k, v in model_state.items():
+            if isinstance(v, LocalShard):
+                model_state[k] = _rebuild(v, live.get(k), f"model.{k}")
+    opt_state = state.get("optimizer")
+    if optimizer is None or not isinstance(opt_state, dict) or not isinstance(opt_state.get("state"), dict):
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for pid, entry in opt_state["state"].items():
+        if not isinstance(entry, dict):
+            continue
+        for k, v in entry.items():
+            if isinstance(v, LocalShard):
+                param = params[pid] if isinstance(pid, int) and 0 <= pid < len(params) else None
+                entry[k] = _rebuild(v, param, f"optimizer.state[{pid}].{k}")
 
 
 @dataclass(frozen=True)
@@ -63,6 +128,7 @@ def apply_state(
     scheduler: Any,
     load_extra_state_fn: Callable[[Any], None] | None,
 ) -> None:
+    _resolve_shards(state, model, optimizer)
     model.load_state_dict(state["model"])
     if optimizer is not None and "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
@@ -82,12 +148,16 @@ def flatten(state: Any) -> tuple[bytes, list[torch.Tensor], list[TensorSpec]]:
     """Return (skeleton, tensors, specs). Tensors are detached, contiguous, on their own device."""
     tensors: list[torch.Tensor] = []
     specs: list[TensorSpec] = []
+    dtensor = _dtensor_type()
 
     def walk(obj: Any, path: str) -> Any:
         if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
             if isinstance(obj, int) and not isinstance(obj, bool) and not -(2**63) <= obj < 2**64:
                 return {"__bigint": str(obj)}
             return obj
+        if dtensor is not None and isinstance(obj, dtensor):
+            local = walk(obj.to_local(), path)
+            return {"__dt": local, "shape": list(obj.shape), "placements": str(tuple(obj.placements))}
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
             if t.is_sparse or t.layout != torch.strided:
@@ -141,6 +211,8 @@ def unflatten(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
                 return t if device == "cpu" else t.to(device)
             if "__np" in obj:
                 return walk(obj["__np"]).numpy()
+            if "__dt" in obj:
+                return LocalShard(walk(obj["__dt"]), tuple(obj["shape"]), str(obj["placements"]))
             if "__tuple" in obj:
                 return tuple(walk(v) for v in obj["__tuple"])
             if "__dict" in obj:

@@ -33,6 +33,7 @@ def _run(
     disk: Path,  # type: ignore[no-untyped-def]
     pause_rank: int = -1,
     kill: bool = False,
+    fsdp: bool = False,
 ) -> list[dict]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out = tmp / tag
@@ -58,6 +59,7 @@ def _run(
                     "LM_RESILIENCY_SHM_DIR": str(shm),
                     "LM_RESILIENCY_GENERATION": str(generation),
                     "LM_RESILIENCY_MACHINE_ID_PATH": str(mid),
+                    "FSDP": "1" if fsdp else "0",
                 },
                 out / f"rank{r}.log",
             )
@@ -133,12 +135,13 @@ def _scenario(
     baseline: Path,  # type: ignore[no-untyped-def]
     damage: Callable[[Path], None] | None = None,
     disk: Path | None = None,
+    fsdp: bool = False,
 ) -> list[dict]:
     disk = disk or tmp / "disk"
-    _run(processes, tmp, "g0", shm, 0, disk, pause_rank=1, kill=True)
+    _run(processes, tmp, "g0", shm, 0, disk, pause_rank=1, kill=True, fsdp=fsdp)
     if damage is not None:
         damage(shm / "gemini-test")
-    reports = _run(processes, tmp, "g1", shm, 1, disk)
+    reports = _run(processes, tmp, "g1", shm, 1, disk, fsdp=fsdp)
     for r in range(WORLD):
         _same(baseline / f"final-rank{r}.pt", tmp / "g1" / f"final-rank{r}.pt")
     steps = {rep["recovered_step"] for rep in reports}
@@ -175,6 +178,41 @@ def test_b_node_memory_wiped_restores_from_peer_replicas_bitwise(
 ) -> None:
     reports = _scenario(
         processes, tmp_path, shm_root, baseline, damage=lambda run: shutil.rmtree(run / "node-1")
+    )
+    for rep in reports:
+        want = "local" if rep["rank"] < 2 else "peer"
+        assert rep["decision"]["reason"].startswith(want), rep
+
+
+@pytest.fixture(scope="module")
+def baseline_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.conftest import ProcessGroup
+
+    tmp = tmp_path_factory.mktemp("baseline-fsdp")
+    group = ProcessGroup()
+    try:
+        _run(group, tmp, "run", tmp / "shm", 0, tmp / "disk", fsdp=True)
+    finally:
+        group.stop_all()
+    return tmp / "run"
+
+
+def test_b_fsdp2_sharded_state_restores_from_peer_replicas_bitwise(
+    processes,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+    shm_root: Path,
+    baseline_fsdp: Path,
+) -> None:
+    """FSDP2 over all four ranks: each rank's DTensor shards (parameters, AdamW state) are captured,
+    replicated to the other node, and after node 1's memory is wiped its ranks restore their own
+    shards from those replicas, bitwise."""
+    reports = _scenario(
+        processes,
+        tmp_path,
+        shm_root,
+        baseline_fsdp,
+        damage=lambda run: shutil.rmtree(run / "node-1"),
+        fsdp=True,
     )
     for rep in reports:
         want = "local" if rep["rank"] < 2 else "peer"

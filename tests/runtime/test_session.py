@@ -128,20 +128,48 @@ def test_framework_detection() -> None:
         enable_resiliency(DeepSpeedEngine())
 
 
-def test_fsdp2_model_trains_with_dtensor_capture_reported_unsupported() -> None:
+def test_fsdp2_dtensor_state_is_captured_and_resumed_bitwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FSDP2 (DTensor parameters and optimizer state): capture, then a new model with another init
+    restores the shard and continues exactly as the original did."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    monkeypatch.setenv("LM_RESILIENCY_SHM_DIR", str(tmp_path / "shm"))
+    data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    ckpt = InMemoryCkptConfig(run_id="fsdp2-resume", disk_folder=str(tmp_path / "disk"))
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+    def local(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        out = [p.to_local() for p in model.parameters()]
+        for st in opt.state.values():
+            out += [v.to_local() if isinstance(v, DTensor) else v for _, v in sorted(st.items())]
+        return out
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        reports: list[dict] = []
-        with enable_resiliency(model, opt, interval=1, fault_callback=reports.append) as s:
-            _train(s, model, opt, 2)
-            assert s.step_count == 2 and s.gemini is None
-        assert [r["reason"] for r in reports] == ["dtensor_state_not_supported"]
+        model, opt = build(0)
+        assert isinstance(next(model.parameters()), DTensor)
+        with enable_resiliency(model, opt, interval=1, checkpoint=ckpt, enable_detection=False) as s:
+            _train(s, model, opt, 3, loader=data[:3])
+            assert s.gemini is not None and s.gemini.drain(30)
+        _train(None, model, opt, 2, loader=data[3:])  # the uninterrupted continuation
+        want = local(model, opt)
+        model2, opt2 = build(1)  # another init: everything must come from the capture
+        with enable_resiliency(model2, opt2, interval=1, checkpoint=ckpt, enable_detection=False) as s2:
+            assert s2.recovered_step == 3
+            assert isinstance(next(model2.parameters()), DTensor)
+            _train(s2, model2, opt2, 2, loader=data[3:])
+        got = local(model2, opt2)
+        assert len(got) == len(want)
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
     finally:
         dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """One rank of a 4-rank DDP job with GEMINI capturing every step.
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, PAUSE_RANK, PAUSE_AT, DISK_FOLDER, DISK_INTERVAL,
+FSDP (1: the model is FSDP2-sharded over all ranks, DTensor state, instead of DDP),
 plus LM_RESILIENCY_{RUN_ID,SHM_DIR,GENERATION,MACHINE_ID_PATH}. Data depends only on (rank, step);
 the model uses dropout, so a bitwise resume needs the RNG state too. In generation 0, PAUSE_RANK
 blocks after step PAUSE_AT (all captures drained) until the test kills the job. At the end it saves
@@ -33,9 +34,18 @@ def main() -> int:
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(
-        nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Dropout(0.2), nn.Linear(128, 32))
-    )
+    net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Dropout(0.2), nn.Linear(128, 32))
+    fsdp = os.environ.get("FSDP") == "1"
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (net[0], net[3]):
+            fully_shard(layer, mesh=mesh)
+        model: nn.Module = fully_shard(net, mesh=mesh)
+    else:
+        model = nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
     seen = {"batches": 0}
@@ -57,7 +67,9 @@ def main() -> int:
     start = session.step_count
     # Certificates survive the restart: SCOUT's marks on the captures this rank restored from.
     restored_certified = session.recovered_step >= 0 and session.scout.certified(session.recovered_step)
-    if generation == 0 and pause_rank >= 0:
+    if generation == 0 and pause_rank >= 0 and len(session.scout.group) == 1:
+        store.set(f"test/certified/{rank}", b"1")  # sharded: no replica to agree with, nothing to certify
+    elif generation == 0 and pause_rank >= 0:
         mark = session.scout.on_certified
         # Its own client: the paused rank's training thread blocks in `store.wait` on the other one.
         signal_store = dist.TCPStore(
@@ -93,10 +105,10 @@ def main() -> int:
     deadline = time.monotonic() + 10
     while gem.cluster_plan().step < steps and time.monotonic() < deadline:
         time.sleep(0.01)  # waiting for gossip to arrive; bounded
-    torch.save(
-        {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()},
-        os.path.join(result_dir, f"final-rank{rank}.pt"),
-    )
+    final = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+    if fsdp:  # this rank's shards, as plain tensors
+        final = torch.utils._pytree.tree_map(lambda v: v.to_local() if hasattr(v, "to_local") else v, final)
+    torch.save(final, os.path.join(result_dir, f"final-rank{rank}.pt"))
     report = {
         "rank": rank,
         "generation": generation,
