@@ -43,6 +43,7 @@ from lm_resiliency.gemini.state import (
     collect_state,
     dtype_from_name,
     flatten,
+    materialize,
     unflatten,
 )
 from lm_resiliency.runtime.shm import HEADER_SIZE, CorruptSlot, SlotFile, SlotHeader, chunk_digests, n_chunks
@@ -148,6 +149,14 @@ class Gemini:
         self._hash_pool = (
             ThreadPoolExecutor(n_hash, thread_name_prefix=f"lm-resiliency-hash{rank}") if n_hash > 1 else None
         )
+        # Verifying copies before a restore: training has not started, so this node's cores are
+        # shared only by its ranks, which all verify at the same time.
+        n_verify = min(8, (os.cpu_count() or 1) // max(1, len(topology.ranks_on(topology.node_of(rank)))))
+        self._verify_pool = (
+            ThreadPoolExecutor(n_verify, thread_name_prefix=f"lm-resiliency-verify{rank}")
+            if n_verify > 1
+            else None
+        )
         self._closed = False
         self._pending: int | None = None
         self._hooks: list[Any] = []
@@ -203,7 +212,7 @@ class Gemini:
                 raise CorruptSlot(f"{path.name}: belongs to another run or topology (run {h.run_id!r})")
             if h.topology != self.shape:
                 raise CorruptSlot(f"{path.name}: captured with topology {h.topology}, job has {self.shape}")
-            slot.verify(h, self._hash_pool)
+            slot.verify(h, self._verify_pool)
             if owner == self.rank and slot.certified(h):
                 self.carried_certificates.add(h.step)
             return h
@@ -281,12 +290,11 @@ class Gemini:
             h = fresh.read_header()
             if h.step != step:
                 raise CorruptSlot(f"{slot.path.name}: holds step {h.step}, expected {step}")
-            fresh.verify(h, self._hash_pool)
+            fresh.verify(h, self._verify_pool)
             payload = fresh.payload(h)
             skeleton, raw_specs = msgpack.unpackb(bytes(payload[: h.index_len]), raw=False)
             specs = [TensorSpec(d, tuple(s), n) for d, s, n in raw_specs]
             tensors: list[torch.Tensor] = []
-            raw: torch.Tensor | None = None
             off = _align(h.index_len)
             for spec in specs:
                 dt = dtype_from_name(spec.dtype)
@@ -294,14 +302,16 @@ class Gemini:
                     tensors.append(torch.empty(spec.shape, dtype=dt))
                 else:
                     raw = torch.frombuffer(payload, dtype=torch.uint8, count=spec.nbytes, offset=off)
-                    tensors.append(raw.clone().view(dt).reshape(spec.shape))
+                    tensors.append(raw.view(dt).reshape(spec.shape))  # a view: no copy yet
                 off += _align(spec.nbytes)
-            raw = None
-            del payload
             state = unflatten(skeleton, tensors)
+            # One copy out of shared memory, into the live tensors where they exist: fresh memory
+            # costs a page fault per 4 KiB, which made a restore slower than the copy itself.
+            materialize(state, self.model, self.optimizer)
+            apply_state(state, self.model, self.optimizer, self.scheduler, self.load_extra_state_fn)
+            del state, tensors, payload
         finally:
             fresh.close()
-        apply_state(state, self.model, self.optimizer, self.scheduler, self.load_extra_state_fn)
 
     def prepare(self) -> None:
         """Size and map both slots now (startup), so the first captures pay no page faults."""
@@ -816,8 +826,9 @@ class Gemini:
         self._worker.join(timeout=5.0)
         self._rx.put(None)
         self._rx_thread.join(timeout=5.0)
-        if self._hash_pool is not None:
-            self._hash_pool.shutdown(wait=True)
+        for pool in (self._hash_pool, self._verify_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
         for mapping in self._pinned.values():
             if self._copier is not None:
                 self._copier.unregister_host(mapping)

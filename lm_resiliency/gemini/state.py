@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 import torch
 
-__all__ = ["LocalShard", "TensorSpec", "apply_state", "collect_state", "flatten", "unflatten"]
+__all__ = ["LocalShard", "TensorSpec", "apply_state", "collect_state", "flatten", "materialize", "unflatten"]
 
 SKELETON_VERSION = 1
 
@@ -85,6 +85,67 @@ def _resolve_shards(state: dict[str, Any], model: torch.nn.Module, optimizer: An
             if isinstance(v, LocalShard):
                 param = params[pid] if isinstance(pid, int) and 0 <= pid < len(params) else None
                 entry[k] = _rebuild(v, param, f"optimizer.state[{pid}].{k}")
+
+
+def _clone_tree(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, LocalShard):
+        return LocalShard(obj.local.clone(), obj.shape, obj.placements)
+    if isinstance(obj, dict):
+        return {k: _clone_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone_tree(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone_tree(v) for v in obj)
+    return obj
+
+
+def _into(value: Any, live: Any) -> Any:
+    """`value` (a view into a checkpoint buffer) as a tensor of our own: copied into the live tensor
+    it replaces when that has the same shape and dtype (no new memory, no page faults), else cloned."""
+    if isinstance(value, LocalShard):
+        local = live.to_local() if callable(getattr(live, "to_local", None)) else None
+        return LocalShard(_into(value.local, local), value.shape, value.placements)
+    if not isinstance(value, torch.Tensor):
+        return _clone_tree(value)
+    if (
+        isinstance(live, torch.Tensor)
+        and type(live) is torch.Tensor
+        and live.shape == value.shape
+        and live.dtype == value.dtype
+        and live.is_contiguous()
+    ):
+        return live.copy_(value)
+    return value.clone()
+
+
+def materialize(state: dict[str, Any], model: torch.nn.Module, optimizer: Any) -> None:
+    """Make `state`, whose tensors view a checkpoint buffer, independent of it (in place), at the cost
+    of one copy: the model's tensors stay views (`load_state_dict` copies them into the parameters),
+    optimizer state is copied into the live optimizer's tensors where they exist (a resumed process
+    that already stepped), and everything else is cloned."""
+    for key in list(state):
+        if key not in ("model", "optimizer"):
+            state[key] = _clone_tree(state[key])
+    opt_state = state.get("optimizer")
+    if not isinstance(opt_state, dict):
+        return
+    entries = opt_state.get("state")
+    params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+    for key in list(opt_state):
+        if key != "state" or not isinstance(entries, dict):
+            opt_state[key] = _clone_tree(opt_state[key])
+    if not isinstance(entries, dict):
+        return
+    for pid, entry in entries.items():
+        param = params[pid] if isinstance(pid, int) and 0 <= pid < len(params) else None
+        live = optimizer.state.get(param, {}) if param is not None else {}
+        if not isinstance(entry, dict):
+            entries[pid] = _clone_tree(entry)
+            continue
+        for k, v in entry.items():
+            entry[k] = _into(v, live.get(k))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 
 from lm_resiliency.errors import SharedMemoryError
 from lm_resiliency.gemini.durable import DurableError, DurableStore
-from lm_resiliency.gemini.state import apply_state, collect_state, flatten, unflatten
+from lm_resiliency.gemini.state import apply_state, collect_state, flatten, materialize, unflatten
 from lm_resiliency.runtime.shm import CorruptSlot, SlotFile, SlotHeader, chunk_digests, n_chunks
 
 pytestmark = pytest.mark.timeout(60)
@@ -87,6 +87,22 @@ def test_collect_and_apply_restore_training_bitwise() -> None:
     train(m2, o2, s2, 3)
     assert got_extra == [{"pos": 3}]
     assert all(torch.equal(a, b) for a, b in zip(want, m2.parameters(), strict=True))
+
+    # Restoring from views of a buffer (shared memory) that is overwritten right after: `materialize`
+    # leaves nothing pointing into it, whether the optimizer has state to copy into (o3 stepped) or not.
+    for stepped in (False, True):
+        m3, o3, s3 = make()
+        if stepped:
+            train(m3, o3, s3, 1)
+        buffers = [t.clone() for t in tensors]
+        extra: list[object] = []
+        state = unflatten(skeleton, buffers)
+        materialize(state, m3, o3)
+        apply_state(state, m3, o3, s3, extra.append)
+        for b in buffers:
+            b.fill_(7)  # the slot reused by the next capture
+        train(m3, o3, s3, 3)
+        assert all(torch.equal(a, b) for a, b in zip(want, m3.parameters(), strict=True)), stepped
 
 
 def _commit(slot: SlotFile, payload: bytes, step: int = 7, chunk: int = 64) -> SlotHeader:
