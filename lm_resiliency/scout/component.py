@@ -54,6 +54,7 @@ def _tri(value: int) -> bool | None:
 
 log = logging.getLogger(__name__)
 KEEP_STEPS = 64
+PROBES_PER_ROUND = 4  # link probes one rank sends per round, so probing stays O(1) per rank
 
 
 class Scout:
@@ -342,6 +343,16 @@ class Scout:
     def _probe_targets(self) -> list[int]:
         return self._probe_targets_of(self.rank)
 
+    def _round_targets(self, round_: int) -> list[int]:
+        """At most PROBES_PER_ROUND targets, a window that moves each round and starts at our own
+        rank: each target gets about that many observers per round, whatever the group's size."""
+        targets = self._probe_targets()
+        n = len(targets)
+        if n <= PROBES_PER_ROUND:
+            return targets
+        start = self.rank + round_ * PROBES_PER_ROUND
+        return [targets[(start + i) % n] for i in range(PROBES_PER_ROUND)]
+
     async def _probe_forever(self) -> None:
         payload = os.urandom(self.config.link_probe_bytes)
         timeout = max(1.0, 10 * self.config.straggler_min_ms / 1e3)
@@ -352,7 +363,7 @@ class Scout:
                 continue
             live = self.runtime.live()
             times: dict[str, float] = {}
-            for target in self._probe_targets():  # one at a time: probes must not compete
+            for target in self._round_targets(round_):  # one at a time: probes must not compete
                 if target not in live:
                     continue
                 t0 = time.monotonic()
