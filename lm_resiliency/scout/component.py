@@ -133,8 +133,7 @@ class Scout:
         self.on_certified: Callable[[int], None] | None = None
         self.on_revoked: Callable[[int], None] | None = None
         self._last_params: tuple[int, bytes] = (-1, b"")
-        self._diverged_from: int | None = None  # first step at which the replicas disagreed
-        self._diverged: set[int] = set()  # ranks named (or not cleared) since
+        self._params_split: tuple[int, set[int]] = (-1, set())  # last checked step params disagreed
         runtime.add_handler("rply", lambda sealed, msg: self._on_replay_result(msg))
         runtime.add_transfer_listener(self._on_transfer)
         runtime.add_handler("evid", lambda sealed, msg: self._on_evidence(msg))
@@ -227,20 +226,15 @@ class Scout:
                 log.exception("rank %d: certificate hook for step %d failed", self.rank, step)
         if verdict is not None:
             what = verdict.reason.split("_", 1)[0]
-            # Parameters that diverged at an earlier step stay apart until recovery: the same
-            # divergence, not a new fault. (Gradients re-agree every step through the all-reduce, so
-            # a new gradient disagreement is always judged.)
-            if (
-                what == "params"
-                and self._diverged_from is not None
-                and self._diverged_from < step
-                and (verdict.kind == "sdc_ambiguous" or set(verdict.ranks) <= self._diverged)
-            ):
+            # Parameters that disagreed at the previous check (or took different gradients there)
+            # stay apart until recovery: the same divergence, not a new fault. Gradients re-agree
+            # every step through the all-reduce, so a gradient disagreement is always judged.
+            before = self._params_split
+            self._params_split = (step, set(verdict.ranks))
+            continuing = verdict.kind == "sdc_ambiguous" or set(verdict.ranks) <= before[1]
+            if what == "params" and before[0] == step - self.interval and continuing:
                 log.debug("rank %d: params still diverged at step %d", self.rank, step)
                 return
-            if self._diverged_from is None:
-                self._diverged_from = step
-            self._diverged |= set(verdict.ranks)
             if verdict.kind == "sdc_ambiguous" and self._recorder is not None:
                 self._start_replay(step, what, per_step.get(self.rank))
             else:
@@ -265,7 +259,11 @@ class Scout:
             if record is not None and what == "params":
                 replayed, note = replay_params(record)
             elif record is not None and what == "grads":
-                replayed, note = self._replay_reduction(step, record)
+                replayed, note, consistent = self._replay_reduction(step, record)
+                if consistent:
+                    # Our gradients are the replayed reduction up to one factor (clipping by global
+                    # norm, unscaling): what an honest replica holds. Say so in the common currency.
+                    recorded = replayed
         except Exception as exc:  # a replay bug must not kill detection: report it inconclusive
             log.exception("rank %d: replay of step %d failed", self.rank, step)
             replayed, note = b"", f"replay failed: {type(exc).__name__}: {exc}"
@@ -273,7 +271,7 @@ class Scout:
             drifted = -1 if record is None else record.extra.get("drifted", -1)
             self.runtime.submit(ReplayResult(self.rank, step, what, replayed, recorded, note, drifted))
 
-    def _replay_reduction(self, step: int, record: Any) -> tuple[bytes, str]:
+    def _replay_reduction(self, step: int, record: Any) -> tuple[bytes, str, bool]:
         bufs = pack_contributions(record)
         peers = sorted(set(self.group) - {self.rank})
         if bufs:
@@ -286,7 +284,7 @@ class Scout:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     have = sorted(self._peer_contrib.get(step, {}))
-                    return b"", f"no contribution from ranks {sorted(set(peers) - set(have))}"
+                    return b"", f"no contribution from ranks {sorted(set(peers) - set(have))}", False
                 self._replay_lock.wait(left)
             theirs = dict(self._peer_contrib.get(step, {}))
         return replay_grads(record, theirs, self.rank)

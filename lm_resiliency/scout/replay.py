@@ -155,35 +155,63 @@ def pack_contributions(record: ReplayRecord) -> list[bytes]:
     ]
 
 
-def replay_grads(record: ReplayRecord, contributions: dict[int, list[bytes]], rank: int) -> tuple[bytes, str]:
-    """Recompute the all-reduce from every replica's contribution (`rank`'s own from the record);
-    the fingerprint of the result, in the order of the gradients fingerprint, or ("", why)."""
+def _scaled_by_one_factor(reduced: list[torch.Tensor], grads: list[torch.Tensor | None]) -> bool:
+    """True when `grads` equal `reduced` times one scalar, bitwise: what global-norm gradient clipping
+    (`clip_grad_norm_`) or a loss scaler's unscale does between the all-reduce and the step."""
+    pairs = [(r, g) for r, g in zip(reduced, grads, strict=True) if g is not None and r.numel()]
+    if not pairs:
+        return False
+    if all(torch.equal(r, g) for r, g in pairs):
+        return True
+    # The factor from the largest reduced element, then its float32 neighbours (the division that
+    # recovers it may be an ulp off the factor the step multiplied by).
+    r0, g0 = max(pairs, key=lambda p: float(p[0].abs().max()))
+    j = int(r0.abs().reshape(-1).argmax())
+    if float(r0.reshape(-1)[j]) == 0.0:
+        return False
+    c = torch.tensor(float(g0.reshape(-1)[j]) / float(r0.reshape(-1)[j]), dtype=torch.float32)
+    candidates, hi, lo = [c], c, c
+    for _ in range(3):
+        hi, lo = torch.nextafter(hi, c + 1), torch.nextafter(lo, c - 1)
+        candidates += [hi, lo]
+    return any(all(torch.equal(r * k, g) for r, g in pairs) for k in candidates)
+
+
+def replay_grads(
+    record: ReplayRecord, contributions: dict[int, list[bytes]], rank: int
+) -> tuple[bytes, str, bool]:
+    """Recompute the all-reduce from every replica's contribution (`rank`'s own from the record).
+    Returns the fingerprint of the result in the order of the gradients fingerprint ("" and why when
+    it cannot), and whether this rank's gradients at the step are that result up to one uniform
+    factor (clipping by global norm, unscaling), i.e. consistent with an honest reduction."""
     if record.problem:
-        return b"", record.problem
+        return b"", record.problem, False
     own = pack_contributions(record)
     if not own:
-        return b"", "no pre-reduction gradients recorded (the model is not DDP-wrapped)"
+        return b"", "no pre-reduction gradients recorded (the model is not DDP-wrapped)", False
     if len(contributions) != 1:
         # Summation order decides the last bits for three or more terms, and the collective's order
         # is not ours to know: only pairs are recomputed bitwise.
-        return b"", f"{len(contributions) + 1} contributions: only two-replica reductions are replayed"
+        n = len(contributions) + 1
+        return b"", f"{n} contributions: only two-replica reductions are replayed", False
     reduced: list[torch.Tensor] = []
     for i, mine in enumerate(own):
         ref = record.contributions[i]
         total = ref.clone()
         for sender, bufs in sorted(contributions.items()):
             if i >= len(bufs) or len(bufs) != len(own) or len(bufs[i]) != len(mine):
-                return b"", f"rank {sender}'s contribution does not match this model's gradients"
+                return b"", f"rank {sender}'s contribution does not match this model's gradients", False
             if not mine:  # an empty gradient: nothing to add
                 continue
             theirs = torch.frombuffer(bytearray(bufs[i]), dtype=ref.dtype).reshape(ref.shape)
             total = total + theirs if sender > rank else theirs + total
         reduced.append(total)
+    consistent = _scaled_by_one_factor(reduced, record.grads)
     with _on_side_stream(record.device):
         on_device = [t.to(record.device) for t in reduced]
         # Parameters without a gradient keep None, as in the recorded fingerprint.
         ordered = [on_device[i] if record.grads[i] is not None else None for i in range(len(on_device))]
-        return fingerprint(ordered), ""
+        return fingerprint(ordered), "", consistent
 
 
 def replay_params(record: ReplayRecord) -> tuple[bytes, str]:

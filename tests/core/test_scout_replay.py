@@ -103,8 +103,8 @@ def test_reduction_replay_is_the_sum_of_both_contributions() -> None:
     record = rec.capture(1)
     assert record is not None
     peer = {1: [t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in theirs]}
-    replayed, note = replay_grads(record, peer, rank=0)
-    assert note == "" and replayed == fingerprint(p.grad for p in params)
+    replayed, note, consistent = replay_grads(record, peer, rank=0)
+    assert note == "" and consistent and replayed == fingerprint(p.grad for p in params)
     # A peer whose buffers do not fit this model is reported, not summed.
     assert replay_grads(record, {1: peer[1][:-1]}, rank=0)[0] == b""
     # Without a comm hook there is nothing to recompute the reduction from.
@@ -128,3 +128,24 @@ def test_a_custom_optimizer_that_cannot_be_rebuilt_is_inconclusive_not_an_error(
     assert record is not None
     replayed, note = replay_params(record)
     assert replayed == b"" and "cannot re-run Odd" in note
+
+
+def test_gradients_clipped_after_the_reduction_still_match_it_and_a_flip_does_not() -> None:
+    from lm_resiliency.scout.replay import _scaled_by_one_factor
+
+    torch.manual_seed(3)
+    params = [nn.Parameter(torch.randn(64, 32)), nn.Parameter(torch.randn(32))]
+    reduced = [torch.randn_like(p) * 10 for p in params]
+    for p, r in zip(params, reduced, strict=True):
+        p.grad = r.clone()
+    torch.nn.utils.clip_grad_norm_(params, max_norm=1.0)  # one factor for every gradient
+    clipped = [p.grad.clone() for p in params]
+    assert not torch.equal(clipped[0], reduced[0])
+    assert _scaled_by_one_factor(reduced, clipped)
+    assert _scaled_by_one_factor(reduced, [r.clone() for r in reduced])  # no clipping: factor 1
+    flipped = [c.clone() for c in clipped]
+    flipped[1].view(torch.int32)[5] ^= 1 << 12
+    assert not _scaled_by_one_factor(reduced, flipped)
+    # Each gradient clipped on its own (two factors) is not one uniform factor either.
+    separately = [r * 0.5 for r in reduced[:1]] + [r * 0.25 for r in reduced[1:]]
+    assert not _scaled_by_one_factor(reduced, separately)

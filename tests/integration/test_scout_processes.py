@@ -22,6 +22,7 @@ def _run(
     at: int = -1,  # type: ignore[no-untyped-def]
     wait_all: bool = True,
     world: int = WORLD,
+    clip: bool = False,
 ) -> tuple[list[dict], dist.TCPStore]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = [
@@ -37,6 +38,7 @@ def _run(
                 "CULPRIT": str(culprit),
                 "AT_STEP": str(at),
                 "REPORT_DIR": str(tmp / "reports"),
+                "CLIP": "1" if clip else "0",
             },
             tmp / f"rank{r}.log",
         )
@@ -61,16 +63,20 @@ def _kinds(res: dict) -> list[tuple[str, list[int]]]:
 
 
 @pytest.mark.parametrize(
-    ("world", "culprit", "reason"),
-    [(4, 2, "grads_fingerprint_minority"), (2, 1, "grads_replay_mismatch")],
-    ids=["majority-of-4", "replay-of-2"],
+    ("world", "culprit", "reason", "clip"),
+    [
+        (4, 2, "grads_fingerprint_minority", False),
+        (2, 1, "grads_replay_mismatch", False),
+        (2, 0, "grads_replay_mismatch", True),
+    ],
+    ids=["majority-of-4", "replay-of-2", "replay-of-2-clipped"],
 )
 def test_bit_flip_in_a_gradient_after_reduction_is_named_sdc_and_not_certified(
-    processes, tmp_path: Path, world: int, culprit: int, reason: str
+    processes, tmp_path: Path, world: int, culprit: int, reason: str, clip: bool
 ) -> None:  # type: ignore[no-untyped-def]
     """Four replicas outvote the corrupted one; two cannot, so the step is replayed: the reduction
     is recomputed from both ranks' contributions and the rank that held other gradients is named."""
-    results, _ = _run(processes, tmp_path, "sdc", steps=12, culprit=culprit, at=6, world=world)
+    results, _ = _run(processes, tmp_path, "sdc", steps=12, culprit=culprit, at=6, world=world, clip=clip)
     for res in results:
         sdc = [f for f in res["faults"] if f["kind"] == "sdc"]
         assert sdc and sdc[0]["failed_ranks"] == [culprit] and sdc[0]["steps"] == [6], res["faults"]

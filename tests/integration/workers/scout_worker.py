@@ -128,6 +128,8 @@ def main() -> int:
         if flip_grad and rank == culprit:
             g = next(model.parameters()).grad
             g.view(-1).view(torch.int32)[7] ^= 1 << 3  # one bit, after the all-reduce
+        if os.environ.get("CLIP") == "1":  # clipping between the all-reduce and the step, as LLMs do
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
         opt.step()
         if scenario == "weight" and rank == culprit and step == at:
             with torch.no_grad():
