@@ -120,6 +120,9 @@ class ReplayHarnessConfig:
     # replica group on other nodes, so a slow node or link is named (0 turns probing off).
     link_probe_interval_s: float = 5.0
     link_probe_bytes: int = 256 * 1024
+    # Ours: replay records (two-replica groups) are host copies of about 5x the parameters' bytes on
+    # checked steps; above this size they are not kept and disagreements stay ambiguous.
+    replay_record_max_mib: int = 2048
 
     def __post_init__(self) -> None:
         _positive("replay.interval", self.interval)
@@ -136,6 +139,7 @@ class ReplayHarnessConfig:
                 "replay.link_probe_interval_s", f"must be >= 0, got {self.link_probe_interval_s}"
             )
         _positive("replay.link_probe_bytes", self.link_probe_bytes, allow_none=False)
+        _positive("replay.replay_record_max_mib", self.replay_record_max_mib, allow_none=False)
 
 
 @dataclass(frozen=True)
