@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import torch
 
 from lm_resiliency.config import ReplayHarnessConfig, SCOUTFaultReport
 from lm_resiliency.core.messages import Evidence, LinkReport, Progress, ReplayResult, StepTelemetry, Vote
@@ -50,6 +51,16 @@ __all__ = ["Scout"]
 
 def _tri(value: int) -> bool | None:
     return None if value < 0 else bool(value)
+
+
+def _optimizer_fingerprint(opt: Any) -> bytes:
+    """The optimizer's state tensors, in parameter order and key order."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p, {})
+            out += [st[k] for k in sorted(st, key=str) if isinstance(st[k], torch.Tensor)]
+    return fingerprint(out)
 
 
 log = logging.getLogger(__name__)
@@ -143,7 +154,7 @@ class Scout:
         # GEMINI marks (and unmarks) its captures so certificates survive a restart.
         self.on_certified: Callable[[int], None] | None = None
         self.on_revoked: Callable[[int], None] | None = None
-        self._last_params: tuple[int, bytes] = (-1, b"")
+        self._last_params: tuple[int, bytes, bytes] = (-1, b"", b"")  # step, params, optimizer state
         self._params_split: tuple[int, set[int]] = (-1, set())  # last checked step params disagreed
         runtime.add_handler("rply", lambda sealed, msg: self._on_replay_result(msg))
         runtime.add_transfer_listener(self._on_transfer)
@@ -189,15 +200,17 @@ class Scout:
             if self._recorder is not None:
                 record = self._recorder.capture(step)
                 if record is not None and self._last_params[0] == step - 1:
-                    pre = fingerprint(p for p in self.adapter.model.parameters())
-                    record.extra["drifted"] = int(pre != self._last_params[1])
+                    # Nothing may change parameters or optimizer state between two steps.
+                    pre = (fingerprint(self.adapter.model.parameters()), _optimizer_fingerprint(opt))
+                    record.extra["drifted"] = int(pre != self._last_params[1:])
 
     def on_step(self, session: Any, times: Any) -> None:
         step = session.step_count
         if not self._due(step):
             return
         params = fingerprint(p for p in self.adapter.model.parameters())
-        self._last_params = (step, params)
+        if self._recorder is not None:  # for the between-steps check of a two-replica replay
+            self._last_params = (step, params, _optimizer_fingerprint(self.adapter.optimizer))
         ev = Evidence(self.rank, step, self._grads_fp or b"", params)
         self._grads_fp = None
         self.runtime.submit(ev)  # gossiped, and looped back to our own handlers

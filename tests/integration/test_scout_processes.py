@@ -154,3 +154,16 @@ def test_a_rank_that_corrupts_again_is_reported_as_recurring_sdc_for_quarantine(
             ([0], [8], "grads_replay_mismatch", None),
             ([0], [8], "recurring_sdc", True),
         ], res["faults"]
+
+
+def test_two_replicas_name_the_rank_whose_optimizer_state_changed_between_steps(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """An AdamW moment flipped on rank 0 after step 5: its parameters part from rank 1's at step 6,
+    and rank 0's optimizer state before step 6 is not what it held after step 5."""
+    results, _ = _run(processes, tmp_path, "optstate", steps=10, culprit=0, at=5, world=2)
+    for res in results:
+        sdc = [f for f in res["faults"] if f["kind"] == "sdc"]
+        assert [(f["failed_ranks"], f["steps"], f["reason"]) for f in sdc] == [
+            ([0], [6], "params_changed_outside_step")
+        ], res["faults"]

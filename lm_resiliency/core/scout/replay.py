@@ -55,8 +55,8 @@ def replay_verdict(step: int, what: str, outcomes: Mapping[int, ReplayOutcome]) 
             drifted,
             step,
             "params_changed_outside_step",
-            f"ranks {list(drifted)} hold parameters before step {step} that differ from their own "
-            f"after step {step - 1}, which the group agreed on",
+            f"ranks {list(drifted)} hold parameters or optimizer state before step {step} that "
+            f"differ from their own after step {step - 1}, which the group agreed on",
         )
     missing = [r for r in members if not outcomes[r].replayed]
     if missing:

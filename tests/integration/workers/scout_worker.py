@@ -1,7 +1,7 @@
 """One rank of a 4-rank gloo DDP job with SCOUT checking every step, and one injected fault.
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS,
-SCENARIO (clean|sdc|weight|recurring|compute|input|hang),
+SCENARIO (clean|sdc|weight|optstate|recurring|compute|input|hang),
 CULPRIT, AT_STEP, REPORT_DIR. Faults are injected by this script, never told to SCOUT. Writes
 RESULT_DIR/rank<r>.json with every fault report and the step at which this rank first saw it.
 """
@@ -53,7 +53,10 @@ def main() -> int:
     model = nn.parallel.DistributedDataParallel(
         nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 128))
     )
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if scenario == "optstate":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     faults: list[dict[str, object]] = []
     current = {"step": 0}
     result: dict[str, object] = {"rank": rank, "first_seen_step": {}}
@@ -131,6 +134,10 @@ def main() -> int:
         if os.environ.get("CLIP") == "1":  # clipping between the all-reduce and the step, as LLMs do
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
         opt.step()
+        if scenario == "optstate" and rank == culprit and step == at:
+            with torch.no_grad():
+                m = opt.state[model.module[0].weight]["exp_avg"]
+                m.view(-1).view(torch.int32)[3] ^= 1 << 29  # one bit of a moment, between steps
         if scenario == "weight" and rank == culprit and step == at:
             with torch.no_grad():
                 w = model.module[2].weight
