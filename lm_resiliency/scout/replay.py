@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from lm_resiliency.scout.fingerprint import fingerprint
 
@@ -52,15 +53,7 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 
 
 def _host_tree(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return _host(obj)
-    if isinstance(obj, dict):
-        return {k: _host_tree(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_host_tree(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_host_tree(v) for v in obj)
-    return obj
+    return tree_map(lambda v: _host(v) if isinstance(v, torch.Tensor) else v, obj)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
