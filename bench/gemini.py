@@ -150,6 +150,9 @@ def in_process(state_mib: int, reps: int, tmp: Path, device: torch.device, shm: 
         "torch_load_s": statistics.median(loads),
         "restore_speedup_vs_torch_load": statistics.median(loads) / statistics.median(restores),
         "torch_load_warm_cache_s": statistics.median(warm_loads),
+        # posix_fadvise(DONTNEED) is a hint: near 1.0 here means the file stayed cached and the
+        # "from disk" figure is really a page-cache figure.
+        "torch_load_cold_over_warm": statistics.median(loads) / statistics.median(warm_loads),
         "restore_speedup_vs_torch_load_warm_cache": statistics.median(warm_loads)
         / statistics.median(restores),
     }
