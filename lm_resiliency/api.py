@@ -570,7 +570,10 @@ class Session:
     def _emit_fault(self, report: dict[str, Any]) -> None:
         with self._reports_lock:
             self._reports.append(report)
-        if self._control is not None and report.get("kind") in BACKEND_ACTIONABLE:
+        # Hardware telemetry that is not fatal (thermal, throttling, NVLink counters) is reported,
+        # never a reason for the leader to restart or replace a node.
+        not_fatal = report.get("kind") == "hardware" and report.get("fatal") is False
+        if self._control is not None and report.get("kind") in BACKEND_ACTIONABLE and not not_fatal:
             self._control.post_verdict(self.env.generation, report)
         for cb in (self._fault_callback, self._orchestration.report_fault if self._orchestration else None):
             if cb is None:

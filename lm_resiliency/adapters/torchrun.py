@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -680,7 +680,7 @@ class _Pulse:
             kind = str(v.get("kind", "unknown"))
             ranks = [int(r) for r in v.get("failed_ranks", []) if isinstance(r, int)]
             culprits = {n for n in (_node_of_rank(s, r) for r in ranks) if n is not None}
-            quarantine = kind in h.replace_on and bool(culprits)
+            quarantine = _quarantines(v, h.replace_on) and bool(culprits)
             log.warning("run %s: verdict %s on ranks %s -> %s", h.run_id, kind, ranks, sorted(culprits))
             args = (s.generation, kind, str(v.get("reason", kind)), culprits, quarantine)
             s = control.update(partial(_if_leader, me=h.node_id, fn=rs.request_restart, args=args))
@@ -747,6 +747,15 @@ class _Pulse:
         if len(digests) == 1:
             plan["topology_digest"] = digests.pop()
         return plan
+
+
+def _quarantines(verdict: dict[str, Any], replace_on: Iterable[str]) -> bool:
+    """Whether an agreed verdict takes its culprits' nodes out. Not when SCOUT could not tell which
+    replica was wrong (an ambiguous SDC names every replica with confidence below 1): the restart
+    rolls back to a recovery-verified step and a recurrence will name the device."""
+    confidence = verdict.get("confidence", 1.0)
+    sure = not isinstance(confidence, (int, float)) or confidence >= 1.0
+    return str(verdict.get("kind", "")) in set(replace_on) and sure
 
 
 def _node_of_rank(s: rs.RdzvState, rank: int) -> str | None:

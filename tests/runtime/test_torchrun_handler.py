@@ -265,3 +265,14 @@ def test_control_channel_sends_off_the_callers_thread_and_never_blocks_them(stor
     dead.post_verdict(0, {"kind": "sdc"})
     assert time.monotonic() - t0 < 0.1
     dead.close()
+
+
+def test_only_verdicts_sure_of_their_culprit_quarantine_a_node() -> None:
+    from lm_resiliency.adapters.torchrun import _quarantines
+
+    replace_on = ("sdc", "hardware")
+    assert _quarantines({"kind": "sdc", "failed_ranks": [1], "confidence": 1.0}, replace_on)
+    assert _quarantines({"kind": "sdc", "failed_ranks": [1]}, replace_on)  # no confidence given
+    # Two replicas that replay could not settle: roll back, keep both nodes.
+    assert not _quarantines({"kind": "sdc", "failed_ranks": [0, 1], "confidence": 0.5}, replace_on)
+    assert not _quarantines({"kind": "hang", "failed_ranks": [0], "confidence": 1.0}, replace_on)
