@@ -311,7 +311,7 @@ class Scout:
                     return b"", f"no contribution from ranks {sorted(set(peers) - set(have))}", False
                 self._replay_lock.wait(left)
             theirs = dict(self._peer_contrib.get(step, {}))
-        return replay_grads(record, theirs, self.rank)
+        return replay_grads(record, theirs)
 
     def _sent(self, peer: int, fut: Any) -> None:
         exc = None if fut.cancelled() else fut.exception()

@@ -43,8 +43,6 @@ class ReplayRecord:
     group_sizes: list[int]
     state: dict[str, Any]  # the optimizer's state_dict, host copies
     problem: str = ""  # why this record cannot be replayed ("" = it can)
-    own_params_fp: bytes = b""
-    own_grads_fp: bytes = b""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -138,9 +136,14 @@ def _on_side_stream(device: torch.device) -> Iterator[None]:
         yield
 
 
+def _complete(record: ReplayRecord) -> bool:
+    """Every optimizer parameter's pre-reduction gradient was recorded (a DDP comm hook ran)."""
+    return not record.problem and len(record.contributions) == len(record.opt_index) > 0
+
+
 def pack_contributions(record: ReplayRecord) -> list[bytes]:
     """This rank's contributions as one buffer per gradient, in optimizer order (empty: none)."""
-    if record.problem or len(record.contributions) != len(record.opt_index):
+    if not _complete(record):
         return []
     return [
         record.contributions[i].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -170,35 +173,32 @@ def _scaled_by_one_factor(reduced: list[torch.Tensor], grads: list[torch.Tensor 
     return any(all(torch.equal(r * k, g) for r, g in pairs) for k in candidates)
 
 
-def replay_grads(
-    record: ReplayRecord, contributions: dict[int, list[bytes]], rank: int
-) -> tuple[bytes, str, bool]:
-    """Recompute the all-reduce from every replica's contribution (`rank`'s own from the record).
+def replay_grads(record: ReplayRecord, contributions: dict[int, list[bytes]]) -> tuple[bytes, str, bool]:
+    """Recompute the all-reduce from both replicas' contributions (ours from the record, the peer's received).
     Returns the fingerprint of the result in the order of the gradients fingerprint ("" and why when
     it cannot), and whether this rank's gradients at the step are that result up to one uniform
     factor (clipping by global norm, unscaling), i.e. consistent with an honest reduction."""
     if record.problem:
         return b"", record.problem, False
-    own = pack_contributions(record)
-    if not own:
+    if not _complete(record):
         return b"", "no pre-reduction gradients recorded (the model is not DDP-wrapped)", False
     if len(contributions) != 1:
         # Summation order decides the last bits for three or more terms, and the collective's order
         # is not ours to know: only pairs are recomputed bitwise.
         n = len(contributions) + 1
         return b"", f"{n} contributions: only two-replica reductions are replayed", False
+    ((sender, bufs),) = contributions.items()
+    mine = [record.contributions[i] for i in range(len(record.opt_index))]
+    sizes = [t.numel() * t.element_size() for t in mine]
+    if [len(b) for b in bufs] != sizes:
+        return b"", f"rank {sender}'s contribution does not match this model's gradients", False
     reduced: list[torch.Tensor] = []
-    for i, mine in enumerate(own):
-        ref = record.contributions[i]
-        total = ref.clone()
-        for sender, bufs in sorted(contributions.items()):
-            if i >= len(bufs) or len(bufs) != len(own) or len(bufs[i]) != len(mine):
-                return b"", f"rank {sender}'s contribution does not match this model's gradients", False
-            if not mine:  # an empty gradient: nothing to add
-                continue
-            theirs = torch.frombuffer(bytearray(bufs[i]), dtype=ref.dtype).reshape(ref.shape)
-            total = total + theirs if sender > rank else theirs + total
-        reduced.append(total)
+    for ref, buf in zip(mine, bufs, strict=True):
+        if not buf:  # an empty gradient: nothing to add
+            reduced.append(ref.clone())
+            continue
+        # Two terms: IEEE addition is commutative, so this is bitwise the all-reduce's sum.
+        reduced.append(ref + torch.frombuffer(bytearray(buf), dtype=ref.dtype).reshape(ref.shape))
     consistent = _scaled_by_one_factor(reduced, record.grads)
     with _on_side_stream(record.device):
         on_device = [t.to(record.device) for t in reduced]

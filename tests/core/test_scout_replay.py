@@ -103,15 +103,15 @@ def test_reduction_replay_is_the_sum_of_both_contributions() -> None:
     record = rec.capture(1)
     assert record is not None
     peer = {1: [t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in theirs]}
-    replayed, note, consistent = replay_grads(record, peer, rank=0)
+    replayed, note, consistent = replay_grads(record, peer)
     assert note == "" and consistent and replayed == fingerprint(p.grad for p in params)
     # A peer whose buffers do not fit this model is reported, not summed.
-    assert replay_grads(record, {1: peer[1][:-1]}, rank=0)[0] == b""
+    assert replay_grads(record, {1: peer[1][:-1]})[0] == b""
     # Without a comm hook there is nothing to recompute the reduction from.
     rec.arm(2)
     bare = rec.capture(2)
     assert bare is not None and pack_contributions(bare) == []
-    assert "not DDP" in replay_grads(bare, peer, rank=0)[1]
+    assert "not DDP" in replay_grads(bare, peer)[1]
 
 
 def test_a_custom_optimizer_that_cannot_be_rebuilt_is_inconclusive_not_an_error() -> None:
