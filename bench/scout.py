@@ -6,6 +6,10 @@ Prints progress, then one JSON object on the last line:
   detect_steps_straggler    steps from the first slow step to the compute-straggler verdict
   detect_s_hang             seconds from a rank's stall to the hang verdict (threshold 2 s)
   detect_steps_sdc          steps from the bit flip to the SDC verdict
+  audited_throughput_ratio  as healthy_throughput_ratio, with a peer re-executing every rank's
+                            micro-batch every --audit-interval steps (audits pause with detection)
+  detect_steps_output_sdc   steps from a corrupted forward output (averaged away by the all-reduce,
+                            invisible to fingerprints) to the verdict of an audit (every step here)
   false_positives           verdicts over a clean run with timing jitter (--clean-steps)
 
 The fault scenarios use tests/integration/workers/scout_worker.py, the same job the tests run.
@@ -88,6 +92,7 @@ def main() -> None:
     ap.add_argument("--clean-steps", type=int, default=500)
     ap.add_argument("--block-steps", type=int, default=40)
     ap.add_argument("--blocks", type=int, default=5)
+    ap.add_argument("--audit-interval", type=int, default=10)
     args = ap.parse_args()
     out: dict[str, object] = {}
     res, _ = run("throughput", args.block_steps, extra={"BLOCKS": str(args.blocks)})
@@ -97,6 +102,15 @@ def main() -> None:
         healthy_throughput_ratio=on / off, steps_per_s_detection_on=on, steps_per_s_detection_paused=off
     )
     print(f"throughput: {out}", flush=True)
+    res, _ = run(
+        "throughput",
+        args.block_steps,
+        extra={"BLOCKS": str(args.blocks), "AUDIT": str(args.audit_interval)},
+    )
+    on = statistics.median(res[0]["rates"]["on"])
+    off = statistics.median(res[0]["rates"]["off"])
+    out.update(audited_throughput_ratio=on / off, audit_interval=args.audit_interval)
+    print(f"audited throughput: {on / off:.3f}", flush=True)
     res, _ = run("compute", 15, culprit=1)
     seen = [r["first_seen_step"].get("straggler:[1]") for r in res]
     out["detect_steps_straggler"] = max(s for s in seen if s is not None) if all(seen) else None
@@ -106,6 +120,11 @@ def main() -> None:
     res, _ = run("sdc", 12, culprit=2, at=6)
     seen = [r["first_seen_step"].get("sdc:[2]") for r in res]
     out["detect_steps_sdc"] = (
+        (max(s for s in seen if s is not None) - 6) if all(s is not None for s in seen) else None
+    )
+    res, _ = run("output", 10, culprit=2, at=6, extra={"AUDIT": "1"})
+    seen = [r["first_seen_step"].get("sdc:[2]") for r in res]
+    out["detect_steps_output_sdc"] = (
         (max(s for s in seen if s is not None) - 6) if all(s is not None for s in seen) else None
     )
     res, _ = run("clean", args.clean_steps)

@@ -123,6 +123,13 @@ class ReplayHarnessConfig:
     # Ours: replay records (two-replica groups) are host copies of about 5x the parameters' bytes on
     # checked steps; above this size they are not kept and disagreements stay ambiguous.
     replay_record_max_mib: int = 2048
+    # Ours: every this many steps each rank's micro-batches are re-executed by one replica peer (an
+    # audit), which finds corruption before the all-reduce (forward outputs, local gradients) that
+    # fingerprints cannot see; costs about one forward+backward per rank per audited step (0 = off).
+    audit_interval: int = 0
+    # Ours: an audit sends the audited micro-batches' inputs, buffers and output gradients; above
+    # this size only the forward is audited, and above it without output gradients not at all.
+    audit_max_mib: int = 256
 
     def __post_init__(self) -> None:
         _positive("replay.interval", self.interval)
@@ -140,6 +147,9 @@ class ReplayHarnessConfig:
             )
         _positive("replay.link_probe_bytes", self.link_probe_bytes, allow_none=False)
         _positive("replay.replay_record_max_mib", self.replay_record_max_mib, allow_none=False)
+        if type(self.audit_interval) is not int or self.audit_interval < 0:
+            raise ConfigError("replay.audit_interval", f"must be an int >= 0, got {self.audit_interval!r}")
+        _positive("replay.audit_max_mib", self.audit_max_mib, allow_none=False)
 
 
 @dataclass(frozen=True)

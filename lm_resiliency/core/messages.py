@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "MESSAGE_TYPES",
+    "AuditResult",
     "BulkAck",
     "BulkChunk",
     "Evidence",
@@ -238,3 +239,16 @@ class LinkReport(Message):
     rank: int
     round: int
     seconds: dict[str, float]
+
+
+@register
+@dataclass(frozen=True)
+class AuditResult(Message):
+    """An auditor found that the rank it audited computed something its inputs do not give (SCOUT)."""
+
+    TAG: ClassVar[str] = "audt"
+    rank: int  # the auditor
+    step: int
+    audited: int
+    finding: str  # "output" | "grads" (core.scout.audit.AUDIT_FINDINGS)
+    detail: str = ""

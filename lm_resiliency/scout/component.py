@@ -28,7 +28,16 @@ import anyio
 import torch
 
 from lm_resiliency.config import ReplayHarnessConfig, SCOUTFaultReport
-from lm_resiliency.core.messages import Evidence, LinkReport, Progress, ReplayResult, StepTelemetry, Vote
+from lm_resiliency.core.messages import (
+    AuditResult,
+    Evidence,
+    LinkReport,
+    Progress,
+    ReplayResult,
+    StepTelemetry,
+    Vote,
+)
+from lm_resiliency.core.scout.audit import audit_source, audit_target, audit_verdicts
 from lm_resiliency.core.scout.consensus import VoteBook
 from lm_resiliency.core.scout.links import LinkDetector
 from lm_resiliency.core.scout.replay import ReplayOutcome, SdcHistory, replay_verdict
@@ -42,6 +51,7 @@ from lm_resiliency.core.scout.verdicts import (
 )
 from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
 from lm_resiliency.core.topology import Topology
+from lm_resiliency.scout.audit import AuditRecorder, dump_package, load_package, package, replay_package
 from lm_resiliency.scout.fingerprint import fingerprint
 from lm_resiliency.scout.health import HealthEvent, HealthSource
 from lm_resiliency.scout.replay import ReplayRecorder, pack_contributions, replay_grads, replay_params
@@ -144,8 +154,35 @@ class Scout:
             else:
                 self._recorder = ReplayRecorder(model, opt)
                 self._handles.append(model.register_forward_pre_hook(self._arm_replay))
-                if hasattr(adapter, "contribution_tap"):
-                    adapter.contribution_tap = self._recorder.on_contributions
+        # Audits: a peer re-executes this rank's micro-batches every `audit_interval` steps.
+        self._auditor: AuditRecorder | None = None
+        self._audit_scale: float | None = None
+        self._audit_state = "unchecked"  # -> "ok" once our own replay reproduced us; "off": cannot
+        self._audit_inbox: dict[tuple[int, int], bytes] = {}  # (step, sender) -> package
+        self._audits: dict[int, dict[int, tuple[int, str, str]]] = {}  # step -> auditor -> result
+        self.audit_stats: dict[str, int] = {}  # this rank's audits by finding ("ok", "skipped", ...)
+        audit = config.enable and config.audit_interval > 0 and len(self.group) > 1
+        if audit and opt is not None and isinstance(model, torch.nn.Module):
+            ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            inner: torch.nn.Module = model.module if ddp else model  # type: ignore[assignment]
+            params = list(inner.parameters())
+            why = (
+                "no parameters"
+                if not params
+                else "DTensor parameters (FSDP2, TP)"
+                if any(callable(getattr(p, "to_local", None)) for p in params)
+                else f"a {type(model).__name__} model (only DDP and plain modules are audited)"
+                if not ddp and hasattr(model, "module")
+                else ""
+            )
+            if why:
+                log.info("rank %d: audits are off: %s", rank, why)
+            else:
+                self._auditor = AuditRecorder(inner, self._audit_due)
+                if ddp and hasattr(adapter, "contribution_tap"):  # our comm hook taps the gradients
+                    self._audit_scale = 1.0 / len(self.group)
+        if hasattr(adapter, "contribution_tap") and (self._recorder or self._auditor):
+            adapter.contribution_tap = self._on_contributions
         self._replay_lock = threading.Condition()
         self._peer_contrib: dict[int, dict[int, list[bytes]]] = {}  # step -> sender -> buffers
         self._replays: dict[tuple[int, str], dict[int, ReplayOutcome]] = {}
@@ -157,6 +194,7 @@ class Scout:
         self._last_params: tuple[int, bytes, bytes] = (-1, b"", b"")  # step, params, optimizer state
         self._params_split: tuple[int, set[int]] = (-1, set())  # last checked step params disagreed
         runtime.add_handler("rply", lambda sealed, msg: self._on_replay_result(msg))
+        runtime.add_handler("audt", lambda sealed, msg: self._on_audit_result(msg))
         runtime.add_transfer_listener(self._on_transfer)
         runtime.add_handler("evid", lambda sealed, msg: self._on_evidence(msg))
         runtime.add_handler("step", lambda sealed, msg: self._on_times(msg))
@@ -189,9 +227,25 @@ class Scout:
         return self.config.enable and len(self.group) > 1 and step % self.interval == 0
 
     def _arm_replay(self, module: Any, args: Any) -> None:
+        if self._auditor is not None and self._auditor.replaying:
+            return
         step = self._session_step() + 1
         if self._recorder is not None and self._due(step) and not self._paused():
             self._recorder.arm(step)
+
+    def _on_contributions(self, params: Any, grads: Any) -> None:
+        if self._recorder is not None:
+            self._recorder.on_contributions(params, grads)
+        if self._auditor is not None:
+            self._auditor.on_contributions(params, grads)
+
+    def _audit_due(self) -> int | None:
+        """The step to record for an audit, when the step about to run is one."""
+        step = self._session_step() + 1
+        interval = self.config.audit_interval
+        if self._audit_state == "off" or step % interval or self._paused():
+            return None
+        return step
 
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         step = self._session_step() + 1
@@ -203,6 +257,11 @@ class Scout:
                     # Nothing may change parameters or optimizer state between two steps.
                     pre = (fingerprint(self.adapter.model.parameters()), _optimizer_fingerprint(opt))
                     record.extra["drifted"] = int(pre != self._last_params[1:])
+        if self._auditor is not None:
+            try:
+                self._audit(step)
+            except Exception:  # an audit bug must not fail training
+                log.exception("rank %d: audit of step %d failed", self.rank, step)
 
     def on_step(self, session: Any, times: Any) -> None:
         step = session.step_count
@@ -235,19 +294,15 @@ class Scout:
         verdict = fingerprint_verdict(step, "grads", {r: e.grads for r, e in per_step.items()})
         if verdict is None:
             verdict = fingerprint_verdict(step, "params", {r: e.params for r, e in per_step.items()})
-        with self._lock:
-            certified = verdict is None and self._sdc_from is None
+        if verdict is None:
+            with self._lock:
+                certified = self._sdc_from is None
+                if certified:
+                    self._agreed.add(step)
             if certified:
-                self._agreed.add(step)
-            elif verdict is not None:
-                self._sdc_from = step if self._sdc_from is None else min(self._sdc_from, step)
-                self._agreed = {s for s in self._agreed if s < step}
-        hook = self.on_certified if certified else self.on_revoked if verdict is not None else None
-        if hook is not None:
-            try:
-                hook(step)
-            except Exception:  # the checkpoint side's bug must not stop detection
-                log.exception("rank %d: certificate hook for step %d failed", self.rank, step)
+                self._certificate_hook(self.on_certified, step)
+        else:
+            self._revoke_from(step)
         if verdict is not None:
             what = verdict.reason.split("_", 1)[0]
             # Parameters that disagreed at the previous check (or took different gradients there)
@@ -263,6 +318,111 @@ class Scout:
                 self._start_replay(step, what, per_step.get(self.rank))
             else:
                 self._report(verdict)
+
+    def _revoke_from(self, step: int) -> None:
+        """An SDC at `step`: no step from it on is recovery-verified, and none will be."""
+        with self._lock:
+            self._sdc_from = step if self._sdc_from is None else min(self._sdc_from, step)
+            self._agreed = {s for s in self._agreed if s < step}
+        self._certificate_hook(self.on_revoked, step)
+
+    def _certificate_hook(self, hook: Callable[[int], None] | None, step: int) -> None:
+        if hook is None:
+            return
+        try:
+            hook(step)
+        except Exception:  # the checkpoint side's bug must not stop detection
+            log.exception("rank %d: certificate hook for step %d failed", self.rank, step)
+
+    # -- audits (training thread, at the optimizer pre-hook of an audited step) ---------------------
+    def _audit(self, step: int) -> None:
+        assert self._auditor is not None
+        record = self._auditor.finish(step)
+        n = self.config.audit_interval
+        if step % n or self._paused():
+            return
+        live = self.runtime.live()
+        source = audit_source(self.group, self.rank, step, n)
+        target = audit_target(self.group, self.rank, step, n)
+        own, problem = (
+            (None, "not recorded")
+            if record is None
+            else package(record, self._audit_scale, self.config.audit_max_mib << 20)
+        )
+        if own is None:
+            if self._audit_state != "off":
+                log.info("rank %d: step %d cannot be audited: %s", self.rank, step, problem)
+        elif source is not None and source in live:
+            fut = self.runtime.send_bulk(source, f"audit/{step}", [dump_package(own)], {"step": str(step)})
+            fut.add_done_callback(functools.partial(self._sent, source))
+        finding, detail = "skipped", "audits off" if self._audit_state == "off" else "peer not live"
+        if target is not None and target in live and self._audit_state != "off":
+            blob = self._await_package(step, target)
+            if blob is None:
+                detail = "no package arrived"
+            else:
+                finding, detail = self._check(step, target, blob, own)
+        self.audit_stats[finding] = self.audit_stats.get(finding, 0) + 1
+        self.runtime.submit(AuditResult(self.rank, step, -1 if target is None else target, finding, detail))
+
+    def _await_package(self, step: int, sender: int) -> bytes | None:
+        # Every rank sends its package as it leaves the same all-reduce: it is on its way already.
+        deadline = time.monotonic() + max(1.0, min(10.0, self.config.hang_stall_threshold_s / 2))
+        with self._replay_lock:
+            while not self._closed and (step, sender) not in self._audit_inbox:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._replay_lock.wait(left)
+            return self._audit_inbox.pop((step, sender), None)
+
+    def _check(self, step: int, target: int, blob: bytes, own: dict[str, Any] | None) -> tuple[str, str]:
+        """Replay `target`'s package; a finding only when two replays agree with each other and our
+        own step replays bitwise (the replay itself is sound here)."""
+        assert self._auditor is not None
+        try:
+            theirs = load_package(blob)
+        except ValueError as exc:
+            log.warning("rank %d: audit package of rank %d for step %d: %s", self.rank, target, step, exc)
+            return "skipped", f"malformed package: {exc}"
+        if theirs["step"] != step:
+            return "skipped", f"package of step {theirs['step']}"
+        if own is None:
+            return "skipped", "own step not recorded, so the replay cannot be verified"
+        if self._audit_state == "unchecked":
+            if replay_package(self._auditor, own).finding(own) != "ok":
+                self._audit_state = "off"
+                log.warning(
+                    "rank %d: a replay of this rank's own step %d does not reproduce it bitwise "
+                    "(non-deterministic kernels or a forward that depends on state outside the "
+                    "module); audits are off on this rank",
+                    self.rank,
+                    step,
+                )
+                return "skipped", "own replay does not reproduce this rank's step"
+            self._audit_state = "ok"
+        first = replay_package(self._auditor, theirs)
+        finding = first.finding(theirs)
+        if finding == "ok":
+            return "ok", ""
+        if replay_package(self._auditor, theirs) != first:
+            return "skipped", "two replays differ"
+        if replay_package(self._auditor, own).finding(own) != "ok":
+            return "skipped", "own replay no longer reproduces this rank's step"
+        log.warning("rank %d: audit of rank %d at step %d: its %s differ", self.rank, target, step, finding)
+        return finding, ""
+
+    def _on_audit_result(self, msg: AuditResult) -> None:
+        if msg.rank not in self.group or self.config.audit_interval <= 0:
+            return
+        got = self._audits.setdefault(msg.step, {})
+        got[msg.rank] = (msg.audited, msg.finding, msg.detail)
+        if set(got) >= self._live_group():
+            del self._audits[msg.step]
+            for v in audit_verdicts(msg.step, got, self.group, self.config.audit_interval):
+                self._report(v)
+        for old in [s for s in self._audits if s < msg.step - KEEP_STEPS]:
+            del self._audits[old]
 
     # -- replay (runtime thread starts it; the work runs on a thread of its own) -------------------
     def _start_replay(self, step: int, what: str, own: Evidence | None) -> None:
@@ -316,21 +476,28 @@ class Scout:
     def _sent(self, peer: int, fut: Any) -> None:
         exc = None if fut.cancelled() else fut.exception()
         if fut.cancelled() or exc is not None:
-            log.warning("rank %d: replay contribution to rank %d not delivered: %s", self.rank, peer, exc)
+            log.warning("rank %d: replay or audit data to rank %d not delivered: %s", self.rank, peer, exc)
 
     def _on_transfer(self, sender: int, transfer_id: str, meta: dict[str, str], chunks: list[Any]) -> bool:
         if transfer_id.startswith("probe/"):
             return True  # a link probe: its ack is the answer
-        if not transfer_id.startswith("replay/"):
+        kind, _, tail = transfer_id.partition("/")
+        if kind not in ("replay", "audit"):
             return False
         if sender not in self.group:
             return True  # not ours to judge: dropped
         try:
-            step = int(transfer_id.split("/", 1)[1])
+            step = int(tail)
         except ValueError:
-            log.warning("rank %d: malformed replay transfer %r from rank %d", self.rank, transfer_id, sender)
+            log.warning("rank %d: malformed transfer %r from rank %d", self.rank, transfer_id, sender)
             return True
         with self._replay_lock:
+            if kind == "audit":
+                self._audit_inbox[(step, sender)] = b"".join(bytes(c) for c in chunks)
+                for key in [k for k in self._audit_inbox if k[0] < step - KEEP_STEPS]:
+                    del self._audit_inbox[key]
+                self._replay_lock.notify_all()
+                return True
             self._peer_contrib.setdefault(step, {})[sender] = [bytes(c) for c in chunks]
             for old in [s for s in self._peer_contrib if s < step - KEEP_STEPS]:
                 del self._peer_contrib[old]
@@ -558,6 +725,8 @@ class Scout:
         with self._lock:
             self.verdicts.append(v)
         recurring = self._history.record(v) if v.reason != "recurring_sdc" else None
+        if v.kind in ("sdc", "sdc_ambiguous") and v.step >= 0:
+            self._revoke_from(v.step)  # audits find SDC in steps whose fingerprints agreed
         kind = {"sdc_ambiguous": "sdc", "collective_stall": "hang"}.get(v.kind, v.kind)
         endpoint_kind, _, endpoint_id = v.endpoint.partition(":")
         report = SCOUTFaultReport(
@@ -624,6 +793,8 @@ class Scout:
         self._closed = True
         for h in self._handles:
             h.remove()
+        if self._auditor is not None:
+            self._auditor.close()
         if getattr(self.adapter, "contribution_tap", None) is not None:
             self.adapter.contribution_tap = None
         with self._replay_lock:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from lm_resiliency.core import codec
 from lm_resiliency.core.messages import (
     MESSAGE_TYPES,
+    AuditResult,
     BulkAck,
     BulkChunk,
     Evidence,
@@ -50,6 +51,7 @@ SAMPLES = [
     Progress(rank=2, step=3, collectives=9, in_collective_s=0.5, idle_s=0.1),
     Vote(rank=1, key="sdc:2@6", kind="sdc", ranks=(2,), step=6, reason="grads_fingerprint_minority"),
     LinkReport(rank=2, round=3, seconds={"0": 0.001, "5": 0.25}),
+    AuditResult(rank=1, step=6, audited=2, finding="output", detail=""),
     ReplayResult(rank=0, step=6, what="grads", replayed=b"\x01" * 16, recorded=b"\x02" * 16, note=""),
 ]
 

@@ -23,6 +23,7 @@ def _run(
     wait_all: bool = True,
     world: int = WORLD,
     clip: bool = False,
+    audit: int = 0,
 ) -> tuple[list[dict], dist.TCPStore]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = [
@@ -39,6 +40,7 @@ def _run(
                 "AT_STEP": str(at),
                 "REPORT_DIR": str(tmp / "reports"),
                 "CLIP": "1" if clip else "0",
+                "AUDIT": str(audit),
             },
             tmp / f"rank{r}.log",
         )
@@ -167,3 +169,46 @@ def test_two_replicas_name_the_rank_whose_optimizer_state_changed_between_steps(
         assert [(f["failed_ranks"], f["steps"], f["reason"]) for f in sdc] == [
             ([0], [6], "params_changed_outside_step")
         ], res["faults"]
+
+
+@pytest.mark.parametrize(
+    ("scenario", "world", "culprit", "reason"),
+    [
+        ("output", 4, 2, "forward_replay_mismatch"),
+        ("localgrad", 4, 1, "backward_replay_mismatch"),
+        ("output-once", 2, 1, "forward_replay_mismatch"),
+    ],
+    ids=["output-of-4", "local-gradient-of-4", "intermittent-output-of-2"],
+)
+def test_corruption_before_the_all_reduce_is_found_by_an_audit(
+    processes, tmp_path: Path, scenario: str, world: int, culprit: int, reason: str
+) -> None:  # type: ignore[no-untyped-def]
+    """A corrupted forward output or local gradient is averaged into every replica's gradients:
+    fingerprints agree, and only re-executing the culprit's micro-batch on a peer finds it. With
+    four replicas the culprit corrupts its replays too (it audits a peer and accuses it), but it is
+    accused itself, so its accusation does not stand."""
+    results, _ = _run(processes, tmp_path, scenario, steps=10, culprit=culprit, at=6, world=world, audit=1)
+    for res in results:
+        assert [(f["kind"], f["failed_ranks"], f["reason"], f["steps"]) for f in res["faults"]] == [
+            ("sdc", [culprit], reason, [6])
+        ], res["faults"]
+        assert res["certified"]["5"] and not any(res["certified"][str(s)] for s in range(6, 11))
+        assert res["audits"].get("skipped", 0) == 0, res["audits"]
+
+
+def test_two_replicas_that_accuse_each_other_stay_ambiguous(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A device that corrupts its replay of the peer's work exactly as it corrupted its own: each
+    replica's audit accuses the other, and two cannot tell which is right."""
+    results, _ = _run(processes, tmp_path, "output", steps=8, culprit=0, at=4, world=2, audit=2)
+    for res in results:
+        assert [(f["kind"], f["failed_ranks"], f["reason"]) for f in res["faults"]] == [
+            ("sdc", [0, 1], "audit_inconclusive")
+        ], res["faults"]
+        assert res["faults"][0]["confidence"] == 0.5
+
+
+def test_clean_run_audited_every_step_has_no_verdict(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    results, _ = _run(processes, tmp_path, "clean", steps=60, audit=1)
+    for res in results:
+        assert res["faults"] == [], res["faults"]
+        assert res["audits"] == {"ok": 60}, res["audits"]  # every step re-executed on a peer, bitwise

@@ -1,9 +1,10 @@
 """One rank of a 4-rank gloo DDP job with SCOUT checking every step, and one injected fault.
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS,
-SCENARIO (clean|sdc|weight|optstate|recurring|compute|input|hang),
-CULPRIT, AT_STEP, REPORT_DIR. Faults are injected by this script, never told to SCOUT. Writes
-RESULT_DIR/rank<r>.json with every fault report and the step at which this rank first saw it.
+SCENARIO (clean|sdc|weight|optstate|recurring|compute|input|hang|output|output-once|localgrad),
+CULPRIT, AT_STEP, REPORT_DIR, AUDIT (audit interval, 0 = off). Faults are injected by this script,
+never told to SCOUT. Writes RESULT_DIR/rank<r>.json with every fault report and the step at which
+this rank first saw it.
 """
 
 from __future__ import annotations
@@ -90,11 +91,34 @@ def main() -> int:
             straggler_confirmations=3,
             hang_stall_threshold_s=2.0,
             report_dir=os.environ["REPORT_DIR"],
+            audit_interval=int(os.environ.get("AUDIT", "0")),
         ),
         runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0),
     )
     if scenario == "compute" and rank == culprit:
         model.module[0].register_forward_hook(lambda m, i, o: time.sleep(0.06))  # ~3x this job's compute
+    if scenario in ("output", "output-once") and rank == culprit:
+        # A device that corrupts one forward output: every forward at the step (replays included, as
+        # faulty hardware would), or only the first one (an intermittent fault).
+        calls = {"n": 0}
+
+        def flip_output(module: nn.Module, args: object, out: torch.Tensor) -> None:
+            if current["step"] == at and (scenario == "output" or calls["n"] == 0):
+                calls["n"] += 1
+                with torch.no_grad():
+                    out.view(-1).view(torch.int32)[5] ^= 1 << 22
+
+        model.module[2].register_forward_hook(flip_output)
+    if scenario == "localgrad" and rank == culprit:
+
+        def flip_local_grad(g: torch.Tensor) -> torch.Tensor:
+            if current["step"] != at:
+                return g
+            g = g.clone()
+            g.view(-1).view(torch.int32)[9] ^= 1 << 21  # before the all-reduce averages it away
+            return g
+
+        model.module[0].weight.register_hook(flip_local_grad)
     if scenario == "throughput":  # bench/scout.py: alternate blocks with detection on and paused
         x = torch.randn(32, 128, generator=torch.Generator().manual_seed(rank))
         rates: dict[str, list[float]] = {"on": [], "off": []}
@@ -142,6 +166,8 @@ def main() -> int:
             with torch.no_grad():
                 w = model.module[2].weight
                 w.view(-1).view(torch.int32)[11] ^= 1 << 20  # one bit of a weight, after the step
+    if scenario in ("output", "output-once", "localgrad"):
+        result["certified"] = {str(s): session.scout.certified(s) for s in range(1, steps + 1)}
     if scenario == "sdc":
         result["certified"] = {str(s): session.scout.certified(s) for s in range(max(1, at - 2), steps + 1)}
         session.gemini.drain(30)
@@ -151,6 +177,7 @@ def main() -> int:
         result["sdc_decision"] = session.last_recovery_decision
         session.prepare_recovery("process_failure")
         result["crash_decision"] = session.last_recovery_decision
+    result["audits"] = dict(session.scout.audit_stats)
     dist.barrier()
     time.sleep(0.3)  # a benchmark-free grace: let the last step's gossip land before reading verdicts
     write_result()

@@ -1,0 +1,369 @@
+"""Audits: record one step's micro-batches, ship them, re-execute a peer's (torch side of
+`core.scout.audit`).
+
+On an audited step the recorder keeps, per micro-batch that runs with gradients: device clones of
+the module's inputs, the CPU (and CUDA) RNG state, the autocast setting, the module's buffers as the
+forward saw them, a fingerprint of the outputs and the gradients that reached the outputs in
+backward; and this rank's gradients before the all-reduce (the DDP comm hook's contribution). At
+the optimizer pre-hook they become a package (host tensors, `torch.save`, loaded by the auditor
+with `weights_only=True`).
+
+The auditor replays a package on its training thread at its own optimizer pre-hook of the same
+step: its parameters are then the pre-step parameters the group agreed on, nothing runs
+concurrently on the module, and `.grad` is untouched (gradients come from `torch.autograd.grad`).
+Buffers are passed through `torch.func.functional_call`, so the live ones never change. The
+forward runs on the inner module (below DDP), so DDP's reducer never sees a replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from lm_resiliency.scout.fingerprint import fingerprint
+
+__all__ = ["AuditRecorder", "AuditReplay", "dump_package", "load_package", "replay_package"]
+
+log = logging.getLogger(__name__)
+PACKAGE_VERSION = 1
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a module output, in a fixed order (tensors, tuples, lists, mappings such as a
+    HuggingFace ModelOutput; anything else holds none)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+class _Unwrappable(Exception):
+    pass
+
+
+def _rewrap(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`obj` with each tensor `t` replaced by `fn(t)`, visited in `_tensors` order."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        items = {k: _rewrap(v, fn) for k, v in obj.items()}
+        if type(obj) is dict:
+            return items
+        try:
+            return type(obj)(**items)  # OrderedDict, HuggingFace ModelOutput
+        except Exception as exc:
+            raise _Unwrappable(type(obj).__name__) from exc
+    if isinstance(obj, (tuple, list)):
+        seq = [_rewrap(v, fn) for v in obj]
+        if type(obj) in (tuple, list):
+            return type(obj)(seq)
+        try:
+            return type(obj)(*seq) if hasattr(obj, "_fields") else type(obj)(seq)
+        except Exception as exc:
+            raise _Unwrappable(type(obj).__name__) from exc
+    return obj
+
+
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    # -0.0 + 0.0 == +0.0: a gradient accumulated into a zeroed `.grad` and the same gradient taken
+    # fresh differ only in the sign of zeros.
+    return t + 0.0
+
+
+@dataclass
+class MicroBatch:
+    args: Any
+    kwargs: dict[str, Any]
+    cpu_rng: torch.Tensor
+    cuda_rng: torch.Tensor | None
+    autocast: str | None  # dtype name when the forward ran under autocast
+    buffers: dict[str, torch.Tensor]
+    out_fp: bytes = b""
+    grad_out: dict[int, torch.Tensor] = field(default_factory=dict)
+    grads_seen: bool = True  # False: the gradients reaching the outputs could not be isolated
+
+
+@dataclass
+class AuditRecord:
+    step: int
+    micro: list[MicroBatch] = field(default_factory=list)
+    contrib: dict[int, torch.Tensor] = field(default_factory=dict)  # parameter index -> contribution
+    problem: str = ""
+
+
+class AuditRecorder:
+    """Records the micro-batches of the steps `due()` names (training thread)."""
+
+    MAX_MICRO_BATCHES = 64
+
+    def __init__(self, module: torch.nn.Module, due: Callable[[], int | None]) -> None:
+        self.module = module
+        self._due = due
+        self.params = list(module.parameters())
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.replaying = False
+        self._record: AuditRecord | None = None
+        self._handles = [
+            module.register_forward_pre_hook(self._pre, with_kwargs=True),
+            module.register_forward_hook(self._post),
+        ]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._record = None
+
+    def _pre(self, module: Any, args: Any, kwargs: Any) -> None:
+        if self.replaying or not torch.is_grad_enabled():
+            return
+        step = self._due()
+        if step is None:
+            self._record = None
+            return
+        if self._record is None or self._record.step != step:
+            self._record = AuditRecord(step)
+        rec = self._record
+        if rec.problem:
+            return
+        if len(rec.micro) >= self.MAX_MICRO_BATCHES:
+            rec.problem = f"more than {self.MAX_MICRO_BATCHES} micro-batches"
+            return
+        device = self.params[0].device if self.params else torch.device("cpu")
+        autocast = None
+        if torch.is_autocast_enabled(device.type):
+            autocast = str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")
+        rec.micro.append(
+            MicroBatch(
+                args=tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, args),
+                kwargs=tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, kwargs),
+                cpu_rng=torch.get_rng_state(),
+                cuda_rng=torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+                autocast=autocast,
+                buffers={n: b.detach().clone() for n, b in module.named_buffers()},
+            )
+        )
+
+    def _post(self, module: Any, args: Any, output: Any) -> Any:
+        rec = self._record
+        if self.replaying or rec is None or rec.problem or not rec.micro or rec.micro[-1].out_fp:
+            return None
+        mb = rec.micro[-1]
+        mb.out_fp = fingerprint(_tensors(output))
+        # The caller gets a view of each output: what reaches a view in backward is exactly what the
+        # caller's use of that output sends back (a gradient taken on the output itself would also
+        # hold what flows into it from other outputs computed from it, e.g. a loss from the logits).
+        index = iter(range(1 << 30))
+
+        def watch(t: torch.Tensor) -> torch.Tensor:
+            i = next(index)
+            if not t.requires_grad:
+                return t
+            view = t.view_as(t)
+
+            def keep(g: torch.Tensor) -> None:
+                mb.grad_out[i] = g.detach()
+
+            view.register_hook(keep)  # type: ignore[no-untyped-call]
+            return view
+
+        try:
+            return _rewrap(output, watch)
+        except _Unwrappable as exc:
+            mb.grads_seen = False
+            log.info("audit: output type %s cannot be rebuilt; gradients are not audited", exc)
+            return None
+
+    def on_contributions(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        """From the DDP comm hook: this rank's gradients, scaled, before the all-reduce."""
+        rec = self._record
+        if rec is None or rec.problem or self.replaying:
+            return
+        for p, g in zip(params, grads, strict=True):
+            i = self._index.get(id(p))
+            if i is not None:
+                rec.contrib[i] = g.detach().clone()
+
+    def finish(self, step: int) -> AuditRecord | None:
+        """The record of `step`, if it was recorded (at its optimizer pre-hook)."""
+        rec, self._record = self._record, None
+        return rec if rec is not None and rec.step == step and rec.micro else None
+
+
+def _host(obj: Any) -> tuple[Any, list[bool]]:
+    """Host copies of the tensors in `obj`, and which of them lived on an accelerator."""
+    leaves, spec = tree_flatten(obj)
+    on_device = [isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in leaves]
+    host = [v.detach().to("cpu") if isinstance(v, torch.Tensor) else v for v in leaves]
+    return tree_unflatten(host, spec), on_device
+
+
+def package(rec: AuditRecord, scale: float | None, limit_bytes: int) -> tuple[dict[str, Any] | None, str]:
+    """The record as host data for an auditor (None and why when it cannot be audited).
+
+    `scale`: the factor the comm hook multiplied this rank's gradients by before the all-reduce
+    (None: no DDP reduction, so gradients are not audited). Above `limit_bytes`, the output
+    gradients are left out (only the forward is audited)."""
+    if rec.problem:
+        return None, rec.problem
+    grads_fp = b""
+    grad_index: list[int] = []
+    if scale is not None and rec.contrib and all(mb.grads_seen for mb in rec.micro):
+        grad_index = sorted(rec.contrib)
+        grads_fp = fingerprint(_canonical(rec.contrib[i]) for i in grad_index)
+    micro = []
+    for mb in rec.micro:
+        inputs, on_device = _host((mb.args, mb.kwargs))
+        micro.append(
+            {
+                "inputs": inputs,
+                "on_device": on_device,
+                "cpu_rng": mb.cpu_rng,
+                "cuda_rng": mb.cuda_rng,
+                "autocast": mb.autocast,
+                "buffers": {n: b.to("cpu") for n, b in mb.buffers.items()},
+                "out_fp": mb.out_fp,
+                "grad_out": {str(i): g.to("cpu") for i, g in mb.grad_out.items()},
+            }
+        )
+    payload = {
+        "version": PACKAGE_VERSION,
+        "step": rec.step,
+        "scale": scale,
+        "grads_fp": grads_fp,
+        "grad_index": grad_index,
+        "micro": micro,
+    }
+    size = _bytes(payload)
+    if size > limit_bytes and grads_fp:
+        for m in micro:
+            m["grad_out"] = {}
+        payload["grads_fp"], payload["grad_index"] = b"", []
+        size = _bytes(payload)
+    if size > limit_bytes:
+        return None, f"its micro-batches take {size / 2**20:.0f} MiB (audit_max_mib {limit_bytes >> 20})"
+    return payload, ""
+
+
+def _bytes(obj: Any) -> int:
+    leaves, _ = tree_flatten(obj)
+    return sum(v.numel() * v.element_size() for v in leaves if isinstance(v, torch.Tensor))
+
+
+def dump_package(payload: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    return buf.getvalue()
+
+
+def load_package(blob: bytes) -> dict[str, Any]:
+    """A package from a peer: loaded with `weights_only=True` and checked; ValueError names what is
+    wrong with a malformed one."""
+    try:
+        payload = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
+    except Exception as exc:
+        raise ValueError(f"not a loadable audit package: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(payload, dict) or payload.get("version") != PACKAGE_VERSION:
+        raise ValueError(f"not an audit package of version {PACKAGE_VERSION}")
+    micro = payload.get("micro")
+    if not isinstance(micro, list) or not micro:
+        raise ValueError("an audit package without micro-batches")
+    for m in micro:
+        if not isinstance(m, dict) or not isinstance(m.get("out_fp"), bytes):
+            raise ValueError("an audit package with a malformed micro-batch")
+        inputs = m.get("inputs")
+        if not (isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict)):
+            raise ValueError("an audit package whose inputs are not (args, kwargs)")
+        if not isinstance(m.get("cpu_rng"), torch.Tensor) or not isinstance(m.get("buffers"), dict):
+            raise ValueError("an audit package without RNG state or buffers")
+    if not isinstance(payload.get("grads_fp"), bytes) or not isinstance(payload.get("grad_index"), list):
+        raise ValueError("an audit package with malformed gradients")
+    return payload
+
+
+@dataclass(frozen=True)
+class AuditReplay:
+    """What a replay of a package computed."""
+
+    out_fps: tuple[bytes, ...]
+    grads_fp: bytes  # b"" when the package carries no gradients to compare
+
+    def finding(self, payload: Mapping[str, Any]) -> str:
+        """ "output" or "grads" where the package's own fingerprints differ from ours, else "ok"."""
+        if self.out_fps != tuple(m["out_fp"] for m in payload["micro"]):
+            return "output"
+        if payload["grads_fp"] and self.grads_fp != payload["grads_fp"]:
+            return "grads"
+        return "ok"
+
+
+@contextlib.contextmanager
+def _rng(device: torch.device, cpu_state: torch.Tensor, cuda_state: torch.Tensor | None) -> Iterator[None]:
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None and devices:
+            torch.cuda.set_rng_state(cuda_state, device)
+        yield
+
+
+def replay_package(recorder: AuditRecorder, payload: Mapping[str, Any]) -> AuditReplay:
+    """Re-execute a package's micro-batches on the recorder's module with its current parameters."""
+    module, params = recorder.module, recorder.params
+    device = params[0].device if params else torch.device("cpu")
+    grad_index: list[int] = list(payload["grad_index"])
+    if any(type(i) is not int or not 0 <= i < len(params) for i in grad_index):
+        raise ValueError("the package's gradients do not match this model's parameters")
+    trainable = [i for i, p in enumerate(params) if p.requires_grad]
+    acc: dict[int, torch.Tensor] = {}
+    out_fps = []
+    recorder.replaying = True
+    try:
+        for m in payload["micro"]:
+            leaves, spec = tree_flatten(m["inputs"])
+            if len(leaves) != len(m["on_device"]):
+                raise ValueError("the package's inputs do not match their device list")
+            leaves = [v.to(device) if d else v for v, d in zip(leaves, m["on_device"], strict=True)]
+            args, kwargs = tree_unflatten(leaves, spec)
+            buffers = {n: b.to(device) for n, b in m["buffers"].items()}
+            autocast = (
+                torch.autocast(device.type, dtype=getattr(torch, m["autocast"]))
+                if m["autocast"]
+                else contextlib.nullcontext()
+            )
+            with _rng(device, m["cpu_rng"], m["cuda_rng"]), autocast, torch.enable_grad():
+                out = torch.func.functional_call(module, buffers, tuple(args), dict(kwargs))
+            outs = _tensors(out)
+            out_fps.append(fingerprint(outs))
+            if not payload["grads_fp"] or not m["grad_out"]:
+                continue
+            picked = [(int(i), g) for i, g in m["grad_out"].items()]
+            if any(not 0 <= i < len(outs) for i, _ in picked):
+                raise ValueError("the package's output gradients do not match this model's outputs")
+            grads = torch.autograd.grad(
+                [outs[i] for i, _ in picked],
+                [params[i] for i in trainable],
+                grad_outputs=[g.to(device) for _, g in picked],
+                allow_unused=True,
+            )
+            for i, g in zip(trainable, grads, strict=True):
+                if g is not None:
+                    acc[i] = g if i not in acc else acc[i] + g  # as `.grad` accumulates
+    finally:
+        recorder.replaying = False
+    grads_fp = b""
+    if payload["grads_fp"]:
+        scale = float(payload["scale"])
+        grads_fp = fingerprint(
+            _canonical(acc[i].mul(scale) if i in acc else torch.zeros_like(params[i])) for i in grad_index
+        )
+    return AuditReplay(tuple(out_fps), grads_fp)

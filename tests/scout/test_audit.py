@@ -1,0 +1,120 @@
+"""Audit records, packages and replays in one process (torch side of `core.scout.audit`).
+
+The multi-process behaviour (DDP contributions, pairing, verdicts by vote) is in
+tests/integration/test_scout_processes.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lm_resiliency.scout.audit import AuditRecorder, dump_package, load_package, package, replay_package
+
+
+class Net(nn.Module):
+    """Dropout (RNG), batch norm (buffers that forward updates) and a dict output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.drop = nn.Dropout(0.3)
+        self.b = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> dict[str, torch.Tensor]:
+        h = self.drop(torch.relu(self.bn(self.a(x))))
+        return {"out": self.b(h) * scale, "hidden": h}
+
+
+def _step(model: nn.Module, rec: AuditRecorder, batches: list[torch.Tensor]) -> dict:
+    for x in batches:
+        out = model(x, scale=0.5)
+        (out["out"] - 1).pow(2).mean().backward()
+    record = rec.finish(1)
+    assert record is not None
+    # Without DDP there is no comm hook: the local gradients are `.grad` (no scaling).
+    record.contrib = {i: p.grad.clone() for i, p in enumerate(model.parameters())}
+    payload, problem = package(record, 1.0, 1 << 30)
+    assert payload is not None, problem
+    return load_package(dump_package(payload))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_replay_reproduces_a_step_bitwise(micro_batches: int) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    rec = AuditRecorder(model, lambda: 1)
+    bn_before = model.bn.running_mean.clone()
+    payload = _step(model, rec, [torch.randn(8, 16) for _ in range(micro_batches)])
+    assert len(payload["micro"]) == micro_batches
+    torch.randn(100)  # the RNG moved on since; replay must use the recorded state
+    bn_after = model.bn.running_mean.clone()
+    result = replay_package(rec, payload)
+    assert result.finding(payload) == "ok"
+    assert torch.equal(model.bn.running_mean, bn_after) and not torch.equal(bn_after, bn_before)
+    assert all(p.grad is not None for p in model.parameters())  # untouched, not doubled
+    rec.close()
+
+
+@pytest.mark.timeout(60)
+def test_corrupted_output_and_gradients_are_found() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    rec = AuditRecorder(model, lambda: 1)
+
+    def flip_output(module: nn.Module, args: object, out: torch.Tensor) -> None:
+        with torch.no_grad():
+            out.view(-1).view(torch.int32)[3] ^= 1 << 20
+
+    flip = model.b.register_forward_hook(flip_output)
+    payload = _step(model, rec, [torch.randn(8, 16)])
+    flip.remove()
+    assert replay_package(rec, payload).finding(payload) == "output"
+
+    model.zero_grad()
+    w = model.a.weight
+
+    def flip_grad(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        g.view(-1).view(torch.int32)[5] ^= 1 << 4
+        return g
+
+    hook = w.register_hook(flip_grad)
+    payload = _step(model, rec, [torch.randn(8, 16)])
+    hook.remove()
+    assert replay_package(rec, payload).finding(payload) == "grads"
+    rec.close()
+
+
+@pytest.mark.timeout(60)
+def test_malformed_packages_are_refused_with_a_reason() -> None:
+    with pytest.raises(ValueError, match="not a loadable audit package"):
+        load_package(b"garbage")
+    with pytest.raises(ValueError, match="version"):
+        load_package(dump_package({"version": 99}))
+    with pytest.raises(ValueError, match="micro-batches"):
+        load_package(dump_package({"version": 1, "micro": []}))
+
+
+@pytest.mark.timeout(60)
+def test_no_grad_forwards_are_not_recorded_and_size_limit_drops_gradients() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    rec = AuditRecorder(model, lambda: 1)
+    with torch.no_grad():
+        model(torch.randn(8, 16))
+    assert rec.finish(1) is None
+    out = model(torch.randn(8, 16))
+    out["out"].sum().backward()
+    record = rec.finish(1)
+    assert record is not None
+    record.contrib = {i: p.grad.clone() for i, p in enumerate(model.parameters())}
+    # Inputs 512 B, buffers 264 B, RNG state 5056 B; output gradients 256 B: room for all but those.
+    payload, _ = package(record, 1.0, 512 + 264 + 5056 + 100)
+    assert payload is not None and payload["grads_fp"] == b"" and not payload["micro"][0]["grad_out"]
+    assert replay_package(rec, payload).finding(payload) == "ok"
+    payload, problem = package(record, 1.0, 16)
+    assert payload is None and "audit_max_mib" in problem
+    rec.close()
