@@ -6,8 +6,10 @@ Prints progress, then one JSON object on the last line:
   restore_speedup_vs_torch_load      torch.load from disk (the file evicted from the page cache)
                                      + load_state_dict / restore from local shared memory, checksums
                                      verified (goal >= 13); `..._warm_cache`: the file cached
-  replica_ratio_vs_raw_zmq           capture replication to a peer process (checksums, auth, written
-                                     into the peer's shared memory, acknowledged) / raw pyzmq (goal >= 0.8)
+  replica_ratio_vs_raw_zmq           replication of a committed capture to a peer process (chunk
+                                     checksums verified, authenticated, acknowledged, written into the
+                                     peer's shared memory) / raw pyzmq (goal >= 0.8);
+                                     `replica_ratio_including_commit` adds the capture's own checksums
   healthy_throughput_ratio           4-rank DDP steps/s capturing every step / not capturing,
                                      alternating blocks in the same processes (goal >= 0.99)
   plus the state sizes and step time used.

@@ -12,6 +12,7 @@ and restores the chosen step bitwise from local memory or by pulling the replica
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -58,6 +59,21 @@ Exchange = Callable[[str, bytes, float], dict[int, bytes]]
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class _Stream:
+    """A replica being written into a slot chunk by chunk as it arrives."""
+
+    owner: int
+    step: int
+    size: int
+    chunk_size: int
+    count: int
+    header: bytes | None = None
+    slot: SlotFile | None = None
+    k: int = 0
+    bad: str = ""
 
 
 @dataclass
@@ -164,6 +180,8 @@ class Gemini:
         self._previous_sigterm: Any = None
         self._install_sigterm()
         runtime.add_transfer_listener(self._on_transfer)
+        runtime.add_chunk_sink(self._on_chunk)
+        self._streams: dict[tuple[int, str], _Stream] = {}  # replicas being written as they arrive
         runtime.add_handler("rreq", self._on_replica_request)
         runtime.add_handler("ginv", self._on_inventory)
         self._inventories: dict[int, GeminiInventory] = {}
@@ -562,6 +580,7 @@ class Gemini:
             "owner": str(self.rank),
             "step": str(header.step),
             "size": str(header.file_size),
+            "chunk": str(header.chunk_size),  # lets the holder write each chunk where it belongs
         }
         t0 = time.perf_counter()
         try:
@@ -620,12 +639,81 @@ class Gemini:
         return [head, *chunks, table], [frame_digest(head), *digests, frame_digest(table)]
 
     # -- holder side (loop thread) ----------------------------------------------------------------
+    def _on_chunk(
+        self, sender: int, tid: str, meta: dict[str, str], index: int, count: int, chunk: Any
+    ) -> bool:
+        """A replica's chunk as it arrives: written into the replica slot on the receiving thread, so
+        the holder never keeps a whole state in transfer buffers (and reuses the same few)."""
+        if meta.get("kind") != "gemini-replica" or meta.get("owner") != str(sender) or count < 3:
+            return False
+        key = (sender, tid)
+        st = self._streams.get(key)
+        if st is None:
+            try:
+                step, size, chunk_size = int(meta["step"]), int(meta["size"]), int(meta["chunk"])
+            except (KeyError, ValueError):
+                return False  # a sender without chunk geometry: the whole transfer is written at the end
+            for old in [k for k in self._streams if k[0] == sender]:
+                del self._streams[old]  # an older transfer from this owner that never completed
+            st = self._streams[key] = _Stream(sender, step, size, chunk_size, count)
+            self._rx.put(functools.partial(self._stream_open, st))
+        if index == 0:
+            st.header = bytes(chunk)  # the committed header goes last
+            return True
+        off = HEADER_SIZE + (index - 1) * st.chunk_size if index < count - 1 else st.size - len(chunk)
+        if count != st.count or off < HEADER_SIZE or off + len(chunk) > st.size:
+            st.bad = f"chunk {index} of {count} ({len(chunk)} bytes) does not fit a {st.size}-byte copy"
+            return True
+        self._rx.put(functools.partial(self._stream_write, st, off, chunk))
+        return True
+
+    def _stream_open(self, st: _Stream) -> None:
+        slots = self._replica_slots.setdefault(
+            st.owner, [SlotFile(self._replica_path(st.owner, k)) for k in (0, 1)]
+        )
+        steps = self._replica_step.setdefault(st.owner, {})
+        k = 1 if self._slot_to_keep(steps) == 0 else 0
+        steps.pop(k, None)
+        slots[k].ensure_size(st.size)
+        slots[k].begin()
+        st.slot, st.k = slots[k], k
+
+    def _stream_write(self, st: _Stream, off: int, chunk: Any) -> None:
+        if st.slot is not None and not st.bad:
+            st.slot.write_raw(off, chunk)
+
+    def _stream_close(self, st: _Stream) -> None:
+        slot = st.slot
+        if slot is None or st.bad or st.header is None or len(st.header) != HEADER_SIZE:
+            log.warning(
+                "rank %d: streamed copy of rank %d step %d is invalid: %s",
+                self.rank,
+                st.owner,
+                st.step,
+                st.bad or "no header",
+            )
+            if slot is not None:
+                slot.begin()
+            self.stats.replicas_rejected += 1
+            return
+        slot.write_raw(0, st.header)
+        if self._check_written(slot, st.owner, st.step):
+            self._replica_step.setdefault(st.owner, {})[st.k] = st.step
+            self.stats.replicas_received += 1
+            self._announce()
+        else:
+            self.stats.replicas_rejected += 1
+
     def _on_transfer(self, sender: int, tid: str, meta: dict[str, str], chunks: list[Any]) -> bool:
         kind = meta.get("kind")
         if kind == "gemini-replica":
             owner = int(meta.get("owner", "-1"))
             if owner != sender:
                 self.stats.replicas_rejected += 1
+                return True
+            st = self._streams.pop((sender, tid), None)
+            if st is not None:
+                self._rx.put(functools.partial(self._stream_close, st))
                 return True
             # Writing into shared memory (and, the first time, reserving it) takes long for a large
             # state: do it on the receiving thread, never on the runtime loop (heartbeats would stall).
@@ -684,6 +772,9 @@ class Gemini:
             slot.write_raw(off, c)
             off += len(c)
         slot.write_raw(0, chunks[0])  # the committed header goes last
+        return self._check_written(slot, owner, step)
+
+    def _check_written(self, slot: SlotFile, owner: int, step: int) -> bool:
         # A copy from a peer or the disk never carries the owner's certificate: its holder would not
         # see the owner revoke it.
         slot.clear_certificate()

@@ -51,6 +51,11 @@ MembershipListener = Callable[[MembershipEvent], None]
 # Called with (sender, transfer_id, meta, chunks) when a bulk transfer completes; returning True
 # means the listener took the chunks and the runtime need not keep them for `take_transfer`.
 TransferListener = Callable[[int, str, dict[str, str], list["Frame"]], bool]
+# Called with (sender, transfer_id, meta, index, count, chunk) for each verified chunk as it arrives;
+# returning True means the sink consumed the chunk (a large transfer streamed to its destination,
+# never held whole in memory): the runtime keeps only its length, and the transfer listeners later
+# see an empty frame in its place.
+ChunkSink = Callable[[int, str, dict[str, str], int, int, "Frame"], bool]
 
 MAX_BULK_CHUNKS = 1 << 20
 MAX_RESENDS = 3  # per chunk: a link that corrupts more than this is reported, not retried forever
@@ -149,6 +154,7 @@ class RankRuntime:
         self._handlers: dict[str, list[Handler]] = {}
         self._listeners: list[MembershipListener] = []
         self._transfer_listeners: list[TransferListener] = []
+        self._chunk_sinks: list[ChunkSink] = []
         self._cond = threading.Condition()
         self._telemetry: dict[int, StepTelemetry] = {}
         self._progress: dict[int, tuple[int, int]] = {}
@@ -349,6 +355,9 @@ class RankRuntime:
 
     def add_transfer_listener(self, listener: TransferListener) -> None:
         self._transfer_listeners.append(listener)
+
+    def add_chunk_sink(self, sink: ChunkSink) -> None:
+        self._chunk_sinks.append(sink)
 
     def send_bulk(
         self,
@@ -586,6 +595,16 @@ class RankRuntime:
                 log.exception("rank %d: transfer listener failed", self.rank)
         return False
 
+    def _sink(self, chunk: BulkChunk, meta: dict[str, str]) -> bool:
+        for sink in self._chunk_sinks:
+            try:
+                if sink(chunk.rank, chunk.transfer_id, meta, chunk.index, chunk.count, chunk.buffers[0]):
+                    return True
+            except Exception:  # as for handlers: count, log, keep the chunk
+                self._stats.handler_errors += 1
+                log.exception("rank %d: chunk sink failed", self.rank)
+        return False
+
     def _record_telemetry(self, msg: StepTelemetry) -> None:
         with self._cond:
             self._telemetry[self.rank] = msg
@@ -609,10 +628,11 @@ class RankRuntime:
         ):
             self._stats.bulk_rejected += 1
             return
+        buf = chunk.buffers[0]
         if t.chunks[chunk.index] is None:
             t.received += 1
-            t.received_bytes += len(chunk.buffers[0])
-        t.chunks[chunk.index] = chunk.buffers[0]
+            t.received_bytes += len(buf)
+        t.chunks[chunk.index] = b"" if self._sink(chunk, t.meta) else buf
         if t.received < t.count:
             return
         del self._incoming[key]
