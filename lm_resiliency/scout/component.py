@@ -161,6 +161,7 @@ class Scout:
         self._audit_inbox: dict[tuple[int, int], bytes] = {}  # (step, sender) -> package
         self._audits: dict[int, dict[int, tuple[int, str, str]]] = {}  # step -> auditor -> result
         self.audit_stats: dict[str, int] = {}  # this rank's audits by finding ("ok", "skipped", ...)
+        self._audit_problems: set[str] = set()  # why own steps could not be audited (logged once each)
         audit = config.enable and config.audit_interval > 0 and len(self.group) > 1
         if audit and opt is not None and isinstance(model, torch.nn.Module):
             ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -339,29 +340,39 @@ class Scout:
         assert self._auditor is not None
         record = self._auditor.finish(step)
         n = self.config.audit_interval
-        if step % n or self._paused():
+        if step % n:
             return
         live = self.runtime.live()
         source = audit_source(self.group, self.rank, step, n)
         target = audit_target(self.group, self.rank, step, n)
         own, problem = (
-            (None, "not recorded")
-            if record is None
+            (None, "detection paused" if self._paused() else "not recorded")
+            if record is None or self._paused()
             else package(record, self._audit_scale, self.config.audit_max_mib << 20)
         )
-        if own is None:
-            if self._audit_state != "off":
-                log.info("rank %d: step %d cannot be audited: %s", self.rank, step, problem)
-        elif source is not None and source in live:
-            fut = self.runtime.send_bulk(source, f"audit/{step}", [dump_package(own)], {"step": str(step)})
+        blob = b""  # an empty package tells the auditor at once that there is nothing to audit
+        if own is not None:
+            try:
+                blob = dump_package(own)
+            except Exception as exc:  # inputs torch cannot serialise (a custom object in the batch)
+                own, problem = None, f"its inputs cannot be serialised: {type(exc).__name__}: {exc}"
+        if own is None and problem not in self._audit_problems:
+            self._audit_problems.add(problem)
+            log.warning("rank %d: step %d cannot be audited: %s", self.rank, step, problem)
+        if source is not None and source in live:
+            fut = self.runtime.send_bulk(source, f"audit/{step}", [blob], {"step": str(step)})
             fut.add_done_callback(functools.partial(self._sent, source))
+        if self._paused():
+            return
         finding, detail = "skipped", "audits off" if self._audit_state == "off" else "peer not live"
         if target is not None and target in live and self._audit_state != "off":
-            blob = self._await_package(step, target)
-            if blob is None:
+            got = self._await_package(step, target)
+            if got is None:
                 detail = "no package arrived"
+            elif not got:
+                detail = "the peer had nothing to audit"
             else:
-                finding, detail = self._check(step, target, blob, own)
+                finding, detail = self._check(step, target, got, own)
         self.audit_stats[finding] = self.audit_stats.get(finding, 0) + 1
         self.runtime.submit(AuditResult(self.rank, step, -1 if target is None else target, finding, detail))
 

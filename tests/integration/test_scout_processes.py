@@ -24,6 +24,7 @@ def _run(
     world: int = WORLD,
     clip: bool = False,
     audit: int = 0,
+    accumulate: int = 1,
 ) -> tuple[list[dict], dist.TCPStore]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = [
@@ -41,6 +42,7 @@ def _run(
                 "REPORT_DIR": str(tmp / "reports"),
                 "CLIP": "1" if clip else "0",
                 "AUDIT": str(audit),
+                "ACCUM": str(accumulate),
             },
             tmp / f"rank{r}.log",
         )
@@ -207,8 +209,18 @@ def test_two_replicas_that_accuse_each_other_stay_ambiguous(processes, tmp_path:
         assert res["faults"][0]["confidence"] == 0.5
 
 
-def test_clean_run_audited_every_step_has_no_verdict(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    results, _ = _run(processes, tmp_path, "clean", steps=60, audit=1)
+@pytest.mark.parametrize("accumulate", [1, 3], ids=["one-micro-batch", "accumulating-3"])
+def test_clean_run_audited_every_step_has_no_verdict(processes, tmp_path: Path, accumulate: int) -> None:  # type: ignore[no-untyped-def]
+    steps = 60 if accumulate == 1 else 20
+    results, _ = _run(processes, tmp_path, "clean", steps=steps, audit=1, accumulate=accumulate)
     for res in results:
         assert res["faults"] == [], res["faults"]
-        assert res["audits"] == {"ok": 60}, res["audits"]  # every step re-executed on a peer, bitwise
+        assert res["audits"] == {"ok": steps}, res["audits"]  # every step re-executed on a peer, bitwise
+
+
+def test_local_gradient_corruption_is_found_with_gradient_accumulation(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    results, _ = _run(processes, tmp_path, "localgrad", steps=8, culprit=3, at=4, audit=2, accumulate=2)
+    for res in results:
+        assert [(f["kind"], f["failed_ranks"], f["reason"]) for f in res["faults"]] == [
+            ("sdc", [3], "backward_replay_mismatch")
+        ], res["faults"]

@@ -2,13 +2,14 @@
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS,
 SCENARIO (clean|sdc|weight|optstate|recurring|compute|input|hang|output|output-once|localgrad),
-CULPRIT, AT_STEP, REPORT_DIR, AUDIT (audit interval, 0 = off). Faults are injected by this script,
-never told to SCOUT. Writes RESULT_DIR/rank<r>.json with every fault report and the step at which
-this rank first saw it.
+CULPRIT, AT_STEP, REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step).
+Faults are injected by this script, never told to SCOUT. Writes RESULT_DIR/rank<r>.json with every
+fault report and the step at which this rank first saw it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -141,6 +142,7 @@ def main() -> int:
         dist.destroy_process_group()
         return 0
     jitter = random.Random(rank)
+    accumulate = int(os.environ.get("ACCUM", "1"))
     loader = session.instrument_dataloader(Source(rank, scenario == "input" and rank == culprit))
     for step, x in zip(range(1, steps + 1), loader, strict=False):
         current["step"] = step
@@ -148,9 +150,16 @@ def main() -> int:
             store.set("test/stalled_at", str(time.time()).encode())
             threading.Event().wait(600)  # never enters this step's collective; killed by the test
         time.sleep(jitter.uniform(0, 0.004))  # timing jitter on every rank
-        loss = (model(x) - x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
+        if accumulate > 1:  # gradient accumulation: all-reduce only after the last micro-batch
+            opt.zero_grad()
+            parts = x.chunk(accumulate)
+            for j, part in enumerate(parts):
+                with model.no_sync() if j < len(parts) - 1 else contextlib.nullcontext():
+                    ((model(part) - part).pow(2).mean() / len(parts)).backward()
+        else:
+            loss = (model(x) - x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
         flip_grad = (scenario == "sdc" and step == at) or (scenario == "recurring" and step in (at, 2 * at))
         if flip_grad and rank == culprit:
             g = next(model.parameters()).grad
