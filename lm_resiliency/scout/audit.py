@@ -113,10 +113,8 @@ class AuditRecorder:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.replaying = False
         self._record: AuditRecord | None = None
-        self._handles = [
-            module.register_forward_pre_hook(self._pre, with_kwargs=True),
-            module.register_forward_hook(self._post),
-        ]
+        self._post_handle = module.register_forward_hook(self._post)
+        self._handles = [module.register_forward_pre_hook(self._pre, with_kwargs=True), self._post_handle]
 
     def close(self) -> None:
         for h in self._handles:
@@ -138,6 +136,10 @@ class AuditRecorder:
         if len(rec.micro) >= self.MAX_MICRO_BATCHES:
             rec.problem = f"more than {self.MAX_MICRO_BATCHES} micro-batches"
             return
+        # Our output hook runs after every other forward hook (one registered after ours included):
+        # it must see what the call returns, as the caller gets it.
+        with contextlib.suppress(AttributeError, KeyError):
+            module._forward_hooks.move_to_end(self._post_handle.id)
         device = self.params[0].device if self.params else torch.device("cpu")
         autocast = None
         if torch.is_autocast_enabled(device.type):
@@ -215,11 +217,12 @@ def package(rec: AuditRecord, scale: float | None, limit_bytes: int) -> tuple[di
     gradients are left out (only the forward is audited)."""
     if rec.problem:
         return None, rec.problem
-    grads_fp = b""
+    # Fingerprints travel as hex strings: a weights_only load refuses how torch.save pickles b"".
+    grads_fp = ""
     grad_index: list[int] = []
     if scale is not None and rec.contrib and all(mb.grads_seen for mb in rec.micro):
         grad_index = sorted(rec.contrib)
-        grads_fp = fingerprint(_canonical(rec.contrib[i]) for i in grad_index)
+        grads_fp = fingerprint(_canonical(rec.contrib[i]) for i in grad_index).hex()
     micro = []
     for mb in rec.micro:
         inputs, on_device = _host((mb.args, mb.kwargs))
@@ -231,13 +234,12 @@ def package(rec: AuditRecord, scale: float | None, limit_bytes: int) -> tuple[di
                 "cuda_rng": mb.cuda_rng,
                 "autocast": mb.autocast,
                 "buffers": {n: b.to("cpu") for n, b in mb.buffers.items()},
-                "out_fp": mb.out_fp,
-                "grad_out": {str(i): g.to("cpu") for i, g in mb.grad_out.items()},
+                "out_fp": mb.out_fp.hex(),
+                # Output gradients matter only when gradients are compared.
+                "grad_out": {str(i): g.to("cpu") for i, g in mb.grad_out.items()} if grads_fp else {},
             }
         )
     payload = {
-        "version": PACKAGE_VERSION,
-        "step": rec.step,
         "scale": scale,
         "grads_fp": grads_fp,
         "grad_index": grad_index,
@@ -247,7 +249,7 @@ def package(rec: AuditRecord, scale: float | None, limit_bytes: int) -> tuple[di
     if size > limit_bytes and grads_fp:
         for m in micro:
             m["grad_out"] = {}
-        payload["grads_fp"], payload["grad_index"] = b"", []
+        payload["grads_fp"], payload["grad_index"] = "", []
         size = _bytes(payload)
     if size > limit_bytes:
         return None, f"its micro-batches take {size / 2**20:.0f} MiB (audit_max_mib {limit_bytes >> 20})"
@@ -259,43 +261,54 @@ def _bytes(obj: Any) -> int:
     return sum(v.numel() * v.element_size() for v in leaves if isinstance(v, torch.Tensor))
 
 
-def dump_package(payload: dict[str, Any]) -> bytes:
+def dump_package(step: int, modules: Mapping[str, dict[str, Any]]) -> bytes:
+    """One step's packages, by audited module ("" = the whole model), as bytes for the auditor."""
     buf = io.BytesIO()
-    torch.save(payload, buf)
+    torch.save({"version": PACKAGE_VERSION, "step": step, "modules": dict(modules)}, buf)
     return buf.getvalue()
 
 
-def load_package(blob: bytes) -> dict[str, Any]:
-    """A package from a peer: loaded with `weights_only=True` and checked; ValueError names what is
-    wrong with a malformed one."""
+def load_package(blob: bytes) -> tuple[int, dict[str, dict[str, Any]]]:
+    """A peer's packages of one step: (step, module name -> package), loaded with
+    `weights_only=True` and checked; ValueError names what is wrong with a malformed one."""
     try:
-        payload = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
+        bundle = torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")
     except Exception as exc:
         raise ValueError(f"not a loadable audit package: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(payload, dict) or payload.get("version") != PACKAGE_VERSION:
+    if not isinstance(bundle, dict) or bundle.get("version") != PACKAGE_VERSION:
         raise ValueError(f"not an audit package of version {PACKAGE_VERSION}")
+    step, modules = bundle.get("step"), bundle.get("modules")
+    if type(step) is not int or not isinstance(modules, dict) or not modules:
+        raise ValueError("an audit package without a step or without modules")
+    for name, payload in modules.items():
+        if not isinstance(name, str) or not isinstance(payload, dict):
+            raise ValueError("an audit package with a malformed module entry")
+        _check_payload(payload)
+    return step, modules
+
+
+def _check_payload(payload: dict[str, Any]) -> None:
     micro = payload.get("micro")
     if not isinstance(micro, list) or not micro:
         raise ValueError("an audit package without micro-batches")
     for m in micro:
-        if not isinstance(m, dict) or not isinstance(m.get("out_fp"), bytes):
+        if not isinstance(m, dict) or not isinstance(m.get("out_fp"), str):
             raise ValueError("an audit package with a malformed micro-batch")
         inputs = m.get("inputs")
         if not (isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict)):
             raise ValueError("an audit package whose inputs are not (args, kwargs)")
         if not isinstance(m.get("cpu_rng"), torch.Tensor) or not isinstance(m.get("buffers"), dict):
             raise ValueError("an audit package without RNG state or buffers")
-    if not isinstance(payload.get("grads_fp"), bytes) or not isinstance(payload.get("grad_index"), list):
+    if not isinstance(payload.get("grads_fp"), str) or not isinstance(payload.get("grad_index"), list):
         raise ValueError("an audit package with malformed gradients")
-    return payload
 
 
 @dataclass(frozen=True)
 class AuditReplay:
     """What a replay of a package computed."""
 
-    out_fps: tuple[bytes, ...]
-    grads_fp: bytes  # b"" when the package carries no gradients to compare
+    out_fps: tuple[str, ...]  # hex
+    grads_fp: str  # hex; "" when the package carries no gradients to compare
 
     def finding(self, payload: Mapping[str, Any]) -> str:
         """ "output" or "grads" where the package's own fingerprints differ from ours, else "ok"."""
@@ -343,7 +356,7 @@ def replay_package(recorder: AuditRecorder, payload: Mapping[str, Any]) -> Audit
             with _rng(device, m["cpu_rng"], m["cuda_rng"]), autocast, torch.enable_grad():
                 out = torch.func.functional_call(module, buffers, tuple(args), dict(kwargs))
             outs = _tensors(out)
-            out_fps.append(fingerprint(outs))
+            out_fps.append(fingerprint(outs).hex())
             if not payload["grads_fp"] or not m["grad_out"]:
                 continue
             picked = [(int(i), g) for i, g in m["grad_out"].items()]
@@ -360,10 +373,10 @@ def replay_package(recorder: AuditRecorder, payload: Mapping[str, Any]) -> Audit
                     acc[i] = g if i not in acc else acc[i] + g  # as `.grad` accumulates
     finally:
         recorder.replaying = False
-    grads_fp = b""
+    grads_fp = ""
     if payload["grads_fp"]:
         scale = float(payload["scale"])
         grads_fp = fingerprint(
             _canonical(acc[i].mul(scale) if i in acc else torch.zeros_like(params[i])) for i in grad_index
-        )
+        ).hex()
     return AuditReplay(tuple(out_fps), grads_fp)

@@ -59,6 +59,21 @@ from lm_resiliency.scout.replay import ReplayRecorder, pack_contributions, repla
 __all__ = ["Scout"]
 
 
+def _expert_modules(inner: torch.nn.Module, info: Any) -> dict[str, torch.nn.Module]:
+    """`parallelism_info["expert_modules"]`: names of this rank's expert modules (relative to the
+    model, with or without DDP's "module." prefix), which the replica group's ranks hold alike."""
+    names = info.get("expert_modules", ()) if isinstance(info, dict) else ()
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"parallelism_info['expert_modules'] must be a list of module names, got {names!r}")
+    out = {}
+    for name in names:
+        try:
+            out[name] = inner.get_submodule(name.removeprefix("module."))
+        except AttributeError as exc:
+            raise ValueError(f"parallelism_info['expert_modules']: no module {name!r} in the model") from exc
+    return out
+
+
 def _tri(value: int) -> bool | None:
     return None if value < 0 else bool(value)
 
@@ -155,7 +170,10 @@ class Scout:
                 self._recorder = ReplayRecorder(model, opt)
                 self._handles.append(model.register_forward_pre_hook(self._arm_replay))
         # Audits: a peer re-executes this rank's micro-batches every `audit_interval` steps.
-        self._auditor: AuditRecorder | None = None
+        # Audited modules by name: "" for the whole model (below DDP); for an expert-parallel
+        # model, its expert modules (`parallelism_info["expert_modules"]`), audited by the replicas
+        # that hold the same experts (the replica group).
+        self._auditors: dict[str, AuditRecorder] = {}
         self._audit_scale: float | None = None
         self._audit_state = "unchecked"  # -> "ok" once our own replay reproduced us; "off": cannot
         self._audit_inbox: dict[tuple[int, int], bytes] = {}  # (step, sender) -> package
@@ -167,6 +185,7 @@ class Scout:
             ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
             inner: torch.nn.Module = model.module if ddp else model  # type: ignore[assignment]
             params = list(inner.parameters())
+            experts = _expert_modules(inner, getattr(adapter, "parallelism_info", {}) or {})
             why = (
                 "no parameters"
                 if not params
@@ -176,13 +195,17 @@ class Scout:
                 if not ddp and hasattr(model, "module")
                 else ""
             )
-            if why:
+            if experts:
+                # The whole model's forward holds the experts' all-to-all: not replayable on one
+                # rank. Each expert is: its replicas hold the same weights.
+                self._auditors = {name: AuditRecorder(m, self._audit_due) for name, m in experts.items()}
+            elif why:
                 log.info("rank %d: audits are off: %s", rank, why)
             else:
-                self._auditor = AuditRecorder(inner, self._audit_due)
+                self._auditors = {"": AuditRecorder(inner, self._audit_due)}
                 if ddp and hasattr(adapter, "contribution_tap"):  # our comm hook taps the gradients
                     self._audit_scale = 1.0 / len(self.group)
-        if hasattr(adapter, "contribution_tap") and (self._recorder or self._auditor):
+        if hasattr(adapter, "contribution_tap") and (self._recorder or self._audit_scale is not None):
             adapter.contribution_tap = self._on_contributions
         self._replay_lock = threading.Condition()
         self._peer_contrib: dict[int, dict[int, list[bytes]]] = {}  # step -> sender -> buffers
@@ -228,7 +251,7 @@ class Scout:
         return self.config.enable and len(self.group) > 1 and step % self.interval == 0
 
     def _arm_replay(self, module: Any, args: Any) -> None:
-        if self._auditor is not None and self._auditor.replaying:
+        if any(a.replaying for a in self._auditors.values()):
             return
         step = self._session_step() + 1
         if self._recorder is not None and self._due(step) and not self._paused():
@@ -237,8 +260,9 @@ class Scout:
     def _on_contributions(self, params: Any, grads: Any) -> None:
         if self._recorder is not None:
             self._recorder.on_contributions(params, grads)
-        if self._auditor is not None:
-            self._auditor.on_contributions(params, grads)
+        whole = self._auditors.get("")
+        if whole is not None:
+            whole.on_contributions(params, grads)
 
     def _audit_due(self) -> int | None:
         """The step to record for an audit, when the step about to run is one."""
@@ -258,7 +282,7 @@ class Scout:
                     # Nothing may change parameters or optimizer state between two steps.
                     pre = (fingerprint(self.adapter.model.parameters()), _optimizer_fingerprint(opt))
                     record.extra["drifted"] = int(pre != self._last_params[1:])
-        if self._auditor is not None:
+        if self._auditors:
             try:
                 self._audit(step)
             except Exception:  # an audit bug must not fail training
@@ -337,28 +361,36 @@ class Scout:
 
     # -- audits (training thread, at the optimizer pre-hook of an audited step) ---------------------
     def _audit(self, step: int) -> None:
-        assert self._auditor is not None
-        record = self._auditor.finish(step)
+        records = {name: a.finish(step) for name, a in self._auditors.items()}
         n = self.config.audit_interval
         if step % n:
             return
         live = self.runtime.live()
         source = audit_source(self.group, self.rank, step, n)
         target = audit_target(self.group, self.rank, step, n)
-        own, problem = (
-            (None, "detection paused" if self._paused() else "not recorded")
-            if record is None or self._paused()
-            else package(record, self._audit_scale, self.config.audit_max_mib << 20)
-        )
+        own: dict[str, dict[str, Any]] = {}
+        problems = []
+        for name, record in records.items():
+            if record is None or self._paused():
+                continue  # an expert no token reached, or detection paused
+            payload, problem = package(
+                record, self._audit_scale if name == "" else None, self.config.audit_max_mib << 20
+            )
+            if payload is None:
+                problems.append(f"{name or 'the model'}: {problem}")
+            else:
+                own[name] = payload
         blob = b""  # an empty package tells the auditor at once that there is nothing to audit
-        if own is not None:
+        if own:
             try:
-                blob = dump_package(own)
+                blob = dump_package(step, own)
             except Exception as exc:  # inputs torch cannot serialise (a custom object in the batch)
-                own, problem = None, f"its inputs cannot be serialised: {type(exc).__name__}: {exc}"
-        if own is None and problem not in self._audit_problems:
-            self._audit_problems.add(problem)
-            log.warning("rank %d: step %d cannot be audited: %s", self.rank, step, problem)
+                own = {}
+                problems.append(f"its inputs cannot be serialised: {type(exc).__name__}: {exc}")
+        for problem in problems:
+            if problem not in self._audit_problems:
+                self._audit_problems.add(problem)
+                log.warning("rank %d: step %d cannot be audited: %s", self.rank, step, problem)
         if source is not None and source in live:
             fut = self.runtime.send_bulk(source, f"audit/{step}", [blob], {"step": str(step)})
             fut.add_done_callback(functools.partial(self._sent, source))
@@ -387,21 +419,26 @@ class Scout:
                 self._replay_lock.wait(left)
             return self._audit_inbox.pop((step, sender), None)
 
-    def _check(self, step: int, target: int, blob: bytes, own: dict[str, Any] | None) -> tuple[str, str]:
-        """Replay `target`'s package; a finding only when two replays agree with each other and our
+    def _own_replays_hold(self, own: dict[str, dict[str, Any]]) -> bool:
+        return all(replay_package(self._auditors[n], p).finding(p) == "ok" for n, p in own.items())
+
+    def _check(self, step: int, target: int, blob: bytes, own: dict[str, dict[str, Any]]) -> tuple[str, str]:
+        """Replay `target`'s packages; a finding only when two replays agree with each other and our
         own step replays bitwise (the replay itself is sound here)."""
-        assert self._auditor is not None
         try:
-            theirs = load_package(blob)
+            their_step, theirs = load_package(blob)
         except ValueError as exc:
             log.warning("rank %d: audit package of rank %d for step %d: %s", self.rank, target, step, exc)
             return "skipped", f"malformed package: {exc}"
-        if theirs["step"] != step:
-            return "skipped", f"package of step {theirs['step']}"
-        if own is None:
+        if their_step != step:
+            return "skipped", f"package of step {their_step}"
+        unknown = sorted(set(theirs) - set(self._auditors))
+        if unknown:
+            return "skipped", f"modules {unknown} are not audited here"
+        if not own:
             return "skipped", "own step not recorded, so the replay cannot be verified"
         if self._audit_state == "unchecked":
-            if replay_package(self._auditor, own).finding(own) != "ok":
+            if not self._own_replays_hold(own):
                 self._audit_state = "off"
                 log.warning(
                     "rank %d: a replay of this rank's own step %d does not reproduce it bitwise "
@@ -412,16 +449,27 @@ class Scout:
                 )
                 return "skipped", "own replay does not reproduce this rank's step"
             self._audit_state = "ok"
-        first = replay_package(self._auditor, theirs)
-        finding = first.finding(theirs)
-        if finding == "ok":
-            return "ok", ""
-        if replay_package(self._auditor, theirs) != first:
-            return "skipped", "two replays differ"
-        if replay_package(self._auditor, own).finding(own) != "ok":
-            return "skipped", "own replay no longer reproduces this rank's step"
-        log.warning("rank %d: audit of rank %d at step %d: its %s differ", self.rank, target, step, finding)
-        return finding, ""
+        for name in sorted(theirs):
+            recorder, payload = self._auditors[name], theirs[name]
+            first = replay_package(recorder, payload)
+            finding = first.finding(payload)
+            if finding == "ok":
+                continue
+            if replay_package(recorder, payload) != first:
+                return "skipped", "two replays differ"
+            if not self._own_replays_hold(own):
+                return "skipped", "own replay no longer reproduces this rank's step"
+            where = f"module {name}" if name else ""
+            log.warning(
+                "rank %d: audit of rank %d at step %d: its %s differ %s",
+                self.rank,
+                target,
+                step,
+                finding,
+                where,
+            )
+            return finding, where
+        return "ok", ""
 
     def _on_audit_result(self, msg: AuditResult) -> None:
         if msg.rank not in self.group or self.config.audit_interval <= 0:
@@ -804,8 +852,8 @@ class Scout:
         self._closed = True
         for h in self._handles:
             h.remove()
-        if self._auditor is not None:
-            self._auditor.close()
+        for a in self._auditors.values():
+            a.close()
         if getattr(self.adapter, "contribution_tap", None) is not None:
             self.adapter.contribution_tap = None
         with self._replay_lock:

@@ -224,3 +224,40 @@ def test_local_gradient_corruption_is_found_with_gradient_accumulation(processes
         assert [(f["kind"], f["failed_ranks"], f["reason"]) for f in res["faults"]] == [
             ("sdc", [3], "backward_replay_mismatch")
         ], res["faults"]
+
+
+@pytest.mark.parametrize("scenario", ["clean", "expert-once"])
+def test_an_expert_is_audited_by_a_replica_of_it(processes, tmp_path: Path, scenario: str) -> None:  # type: ignore[no-untyped-def]
+    """Expert parallelism: the forward's all-to-all keeps the whole model from being replayed on one
+    rank, so each expert module is audited by the rank holding the same expert. A corrupted expert
+    output is averaged into every replica's gradients (fingerprints agree); the audit names it."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    steps = 8
+    procs = [
+        processes.start(
+            ["tests/integration/workers/moe_worker.py"],
+            {
+                "RANK": str(r),
+                "WORLD_SIZE": "4",
+                "STORE_PORT": str(store.port),
+                "RESULT_DIR": str(tmp_path),
+                "STEPS": str(steps),
+                "SCENARIO": scenario,
+                "CULPRIT": "3",
+                "AT_STEP": "5",
+            },
+            tmp_path / f"rank{r}.log",
+        )
+        for r in range(4)
+    ]
+    for r, p in enumerate(procs):
+        assert p.wait(180) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
+    for r in range(4):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        found = [(f["kind"], f["failed_ranks"], f["reason"], f["steps"]) for f in res["faults"]]
+        if scenario == "clean":
+            assert found == [] and res["audits"] == {"ok": steps}, res
+        elif r in (1, 3):  # the replica group of the culprit's expert decides
+            assert found == [("sdc", [3], "forward_replay_mismatch", [5])], res
+        else:
+            assert found == [] and res["audits"] == {"ok": steps}, res

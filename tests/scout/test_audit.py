@@ -37,7 +37,9 @@ def _step(model: nn.Module, rec: AuditRecorder, batches: list[torch.Tensor]) -> 
     record.contrib = {i: p.grad.clone() for i, p in enumerate(model.parameters())}
     payload, problem = package(record, 1.0, 1 << 30)
     assert payload is not None, problem
-    return load_package(dump_package(payload))
+    step, modules = load_package(dump_package(1, {"": payload}))
+    assert step == 1
+    return modules[""]
 
 
 @pytest.mark.timeout(60)
@@ -93,9 +95,19 @@ def test_malformed_packages_are_refused_with_a_reason() -> None:
     with pytest.raises(ValueError, match="not a loadable audit package"):
         load_package(b"garbage")
     with pytest.raises(ValueError, match="version"):
-        load_package(dump_package({"version": 99}))
+        load_package(_saved({"version": 99}))
+    with pytest.raises(ValueError, match="without modules"):
+        load_package(dump_package(3, {}))
     with pytest.raises(ValueError, match="micro-batches"):
-        load_package(dump_package({"version": 1, "micro": []}))
+        load_package(dump_package(3, {"": {"micro": []}}))
+
+
+def _saved(obj: object) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 @pytest.mark.timeout(60)
@@ -113,8 +125,46 @@ def test_no_grad_forwards_are_not_recorded_and_size_limit_drops_gradients() -> N
     record.contrib = {i: p.grad.clone() for i, p in enumerate(model.parameters())}
     # Inputs 512 B, buffers 264 B, RNG state 5056 B; output gradients 256 B: room for all but those.
     payload, _ = package(record, 1.0, 512 + 264 + 5056 + 100)
-    assert payload is not None and payload["grads_fp"] == b"" and not payload["micro"][0]["grad_out"]
+    assert payload is not None and payload["grads_fp"] == "" and not payload["micro"][0]["grad_out"]
+    _, modules = load_package(dump_package(1, {"": payload}))  # empty fingerprints travel too
+    payload = modules[""]
     assert replay_package(rec, payload).finding(payload) == "ok"
     payload, problem = package(record, 1.0, 16)
     assert payload is None and "audit_max_mib" in problem
     rec.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_forward_hook_registered_after_the_recorder_is_seen() -> None:
+    """Our output hook moves behind hooks registered later: it fingerprints what the call returns."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8))
+    rec = AuditRecorder(model, lambda: 1)
+
+    def flip_output(module: nn.Module, args: object, out: torch.Tensor) -> None:
+        with torch.no_grad():
+            out.view(-1).view(torch.int32)[2] ^= 1 << 12
+
+    handle = model.register_forward_hook(flip_output)
+    model(torch.randn(4, 16)).sum().backward()
+    record = rec.finish(1)
+    assert record is not None
+    payload, _ = package(record, None, 1 << 20)
+    assert payload is not None
+    handle.remove()
+    assert replay_package(rec, payload).finding(payload) == "output"
+    rec.close()
+
+
+@pytest.mark.timeout(60)
+def test_expert_module_names_are_checked_with_a_clear_error() -> None:
+    from lm_resiliency.scout.component import _expert_modules
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
+    found = _expert_modules(model, {"expert_modules": ["1.0", "module.1.1"]})
+    assert found == {"1.0": model[1][0], "module.1.1": model[1][1]}
+    assert _expert_modules(model, {}) == {}
+    with pytest.raises(ValueError, match="no module 'experts.3'"):
+        _expert_modules(model, {"expert_modules": ["experts.3"]})
+    with pytest.raises(ValueError, match="must be a list of module names"):
+        _expert_modules(model, {"expert_modules": "1.0"})
