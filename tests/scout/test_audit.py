@@ -164,7 +164,50 @@ def test_expert_module_names_are_checked_with_a_clear_error() -> None:
     found = _expert_modules(model, {"expert_modules": ["1.0", "module.1.1"]})
     assert found == {"1.0": model[1][0], "module.1.1": model[1][1]}
     assert _expert_modules(model, {}) == {}
-    with pytest.raises(ValueError, match="no module 'experts.3'"):
+    with pytest.raises(ValueError, match=r"no module 'experts\.3'"):
         _expert_modules(model, {"expert_modules": ["experts.3"]})
     with pytest.raises(ValueError, match="must be a list of module names"):
         _expert_modules(model, {"expert_modules": "1.0"})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+        ),
+    ],
+)
+def test_an_autocast_step_with_dropout_replays_bitwise_and_a_flip_is_found(device: str) -> None:
+    """RNG (CPU or CUDA dropout), buffers, autocast (bfloat16) and output gradients on the device."""
+    dev = torch.device(device)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.Dropout(0.2), nn.Linear(128, 16)).to(
+        dev
+    )
+    rec = AuditRecorder(model, lambda: 1)
+
+    def flip_output(module: nn.Module, args: object, out: torch.Tensor) -> None:
+        with torch.no_grad():
+            out.view(-1).view(torch.int16)[7] ^= 1 << 9
+
+    def step(flip: bool) -> dict:
+        handle = model[3].register_forward_hook(flip_output) if flip else None
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out = model(torch.randn(32, 64, device=dev))
+        out.float().pow(2).mean().backward()
+        if handle is not None:
+            handle.remove()
+        record = rec.finish(1)
+        assert record is not None and record.micro[0].autocast == "bfloat16"
+        payload, problem = package(record, None, 1 << 30)
+        assert payload is not None, problem
+        return load_package(dump_package(1, {"": payload}))[1][""]
+
+    clean = step(flip=False)
+    assert replay_package(rec, clean).finding(clean) == "ok"
+    flipped = step(flip=True)
+    assert replay_package(rec, flipped).finding(flipped) == "output"
+    rec.close()
