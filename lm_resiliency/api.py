@@ -536,21 +536,29 @@ class Session:
                 if getattr(c, "name", "") != "scout":
                     c.on_step(self, times)
             return
-        if rt is not None and not self._closed:
-            rt.set_progress(step)
-            rt.submit(
-                StepTelemetry(
-                    rank=self.rank,
-                    step=step,
-                    step_s=times.step_s,
-                    input_s=times.input_s,
-                    compute_s=times.compute_s,
-                    comm_s=times.comm_s,
-                    optimizer_s=times.optimizer_s,
+        detection = [c for c in self._components if getattr(c, "name", "") == "scout"]
+        live = rt is not None and not self._closed
+        # The step's telemetry and SCOUT's evidence leave as one batch (one receive per peer),
+        # before a capture's copy, not after it.
+        with rt.hold() if rt is not None and live else contextlib.nullcontext():
+            if rt is not None and live:
+                rt.set_progress(step)
+                rt.submit(
+                    StepTelemetry(
+                        rank=self.rank,
+                        step=step,
+                        step_s=times.step_s,
+                        input_s=times.input_s,
+                        compute_s=times.compute_s,
+                        comm_s=times.comm_s,
+                        optimizer_s=times.optimizer_s,
+                    )
                 )
-            )
+            for c in detection:
+                c.on_step(self, times)
         for c in self._components:
-            c.on_step(self, times)
+            if c not in detection:
+                c.on_step(self, times)
 
     def _on_membership(self, ev: MembershipEvent) -> None:
         if ev.kind is not EventKind.DIED:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 __all__ = [
     "MESSAGE_TYPES",
     "AuditResult",
+    "Batch",
     "BulkAck",
     "BulkChunk",
     "Evidence",
@@ -252,3 +253,14 @@ class AuditResult(Message):
     audited: int
     finding: str  # "output" | "grads" (core.scout.audit.AUDIT_FINDINGS)
     detail: str = ""
+
+
+@register
+@dataclass(frozen=True)
+class Batch(Message):
+    """Several gossip messages of one sender sealed and sent as one: the encoded header frame of
+    each (messages without buffers only; never a batch inside a batch)."""
+
+    TAG: ClassVar[str] = "bat"
+    rank: int
+    items: tuple[bytes, ...]

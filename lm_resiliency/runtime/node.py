@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -29,6 +29,7 @@ from lm_resiliency.core.auth import BufferCorrupt, Sealed, Signer, Verifier
 from lm_resiliency.core.clock import Clock
 from lm_resiliency.core.membership import FailureDetector, MembershipEvent, PeerState
 from lm_resiliency.core.messages import (
+    Batch,
     BulkAck,
     BulkChunk,
     Goodbye,
@@ -58,6 +59,7 @@ TransferListener = Callable[[int, str, dict[str, str], list["Frame"]], bool]
 ChunkSink = Callable[[int, str, dict[str, str], int, int, "Frame"], bool]
 
 MAX_BULK_CHUNKS = 1 << 20
+MAX_BATCH = 64  # gossip messages sealed together at most
 MAX_RESENDS = 3  # per chunk: a link that corrupts more than this is reported, not retried forever
 
 
@@ -162,6 +164,7 @@ class RankRuntime:
         # Training-thread side of submit(): a deque and one pending wake-up at a time.
         self._outbox: deque[tuple[int | None, Message]] = deque()
         self._wake_pending = False
+        self._holder: int | None = None  # the thread inside `hold()`
         self._wake: asyncio.Event | None = None
         self._step = 0
         self._progress_counter = 0
@@ -288,6 +291,26 @@ class RankRuntime:
         if peer is None and isinstance(msg, StepTelemetry):
             self._record_telemetry(msg)  # our own view is current the moment the step ends
         self._outbox.append((peer, msg))
+        if self._holder == threading.get_ident():
+            return  # `hold()`: sent with the rest when the holder is done
+        self._kick()
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Messages this thread submits inside the block go out together at its end (gossip ones as
+        one batch): a step's telemetry and evidence cost peers one receive, not several."""
+        if self._holder is not None:  # nested, or another thread holds: plain submits
+            yield
+            return
+        self._holder = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._holder = None
+            if self._outbox:
+                self._kick()
+
+    def _kick(self) -> None:
         if not self._wake_pending:
             self._wake_pending = True
             try:
@@ -425,8 +448,11 @@ class RankRuntime:
 
     # -- loop-thread internals --------------------------------------------------------------------
     async def _publish(self, msg: Message) -> None:
+        await self._publish_encoded(codec.encode(msg))
+
+    async def _publish_encoded(self, frames: list[Frame]) -> None:
         assert self._transport is not None
-        await self._transport.publish(self._signer.seal(codec.encode(msg)))
+        await self._transport.publish(self._signer.seal(frames))
         self._stats.gossip_sent += 1
 
     async def _send_direct(
@@ -449,11 +475,25 @@ class RankRuntime:
             self._wake.clear()
             while self._outbox:
                 peer, msg = self._outbox.popleft()
-                if peer is None:
-                    await self._publish(msg)
-                    self._loopback(msg)
-                else:
+                if peer is not None:
                     await self._send_direct(peer, msg)
+                    continue
+                batch = [msg]
+                while self._outbox and self._outbox[0][0] is None and len(batch) < MAX_BATCH:
+                    batch.append(self._outbox.popleft()[1])
+                await self._publish_batch(batch)
+                for m in batch:
+                    self._loopback(m)
+
+    async def _publish_batch(self, msgs: list[Message]) -> None:
+        """Gossip `msgs`: those without buffers sealed as one `Batch` when there are several."""
+        encoded = [codec.encode(m) for m in msgs]
+        headers = [bytes(f[0]) for f in encoded if len(f) == 1]
+        if len(headers) > 1:
+            await self._publish(Batch(self.rank, tuple(headers)))
+            encoded = [f for f in encoded if len(f) != 1]
+        for frames in encoded:
+            await self._publish_encoded(frames)
 
     def _loopback(self, msg: Message) -> None:
         """Our own gossip reaches our own handlers too: every rank judges the same evidence set."""
@@ -516,7 +556,28 @@ class RankRuntime:
                     sealed.sender,
                 )
                 continue
-            await self._dispatch(sealed, msg, incoming.channel)
+            if not isinstance(msg, Batch):
+                await self._dispatch(sealed, msg, incoming.channel)
+                continue
+            for item in msg.items:
+                try:
+                    inner = codec.decode([item])
+                except CodecError as exc:
+                    self._stats.codec_errors += 1
+                    log.warning(
+                        "rank %d dropped a malformed batched message from rank %d: %s",
+                        self.rank,
+                        sealed.sender,
+                        exc,
+                    )
+                    continue
+                if isinstance(inner, Batch) or getattr(inner, "rank", sealed.sender) != sealed.sender:
+                    self._stats.impersonation += 1
+                    log.warning(
+                        "rank %d dropped a batched %s from rank %d", self.rank, inner.TAG, sealed.sender
+                    )
+                    continue
+                await self._dispatch(sealed, inner, incoming.channel)
 
     async def _on_corrupt(self, exc: BufferCorrupt, frames: Sequence[Frame]) -> None:
         """An authentic bulk chunk arrived damaged: ask its sender for that chunk again."""

@@ -11,6 +11,7 @@ from lm_resiliency.core import codec
 from lm_resiliency.core.messages import (
     MESSAGE_TYPES,
     AuditResult,
+    Batch,
     BulkAck,
     BulkChunk,
     Evidence,
@@ -52,6 +53,7 @@ SAMPLES = [
     Vote(rank=1, key="sdc:2@6", kind="sdc", ranks=(2,), step=6, reason="grads_fingerprint_minority"),
     LinkReport(rank=2, round=3, seconds={"0": 0.001, "5": 0.25}),
     AuditResult(rank=1, step=6, audited=2, finding="output", detail=""),
+    Batch(rank=3, items=(b"\x94\xa4hbt", b"")),
     ReplayResult(rank=0, step=6, what="grads", replayed=b"\x01" * 16, recorded=b"\x02" * 16, note=""),
 ]
 

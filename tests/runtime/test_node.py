@@ -208,12 +208,12 @@ def test_bulk_transfer_zmq() -> None:
             rt.close()
 
 
-def test_bulk_chunk_corrupted_in_flight_is_resent() -> None:
-    net = InMemoryNetwork()
+def _corrupt_first_64k_buffer(net: InMemoryNetwork) -> list[int]:
+    """Flip one byte of the first 64 KiB buffer that passes through `net`, once; the returned
+    list is non-empty once it happened."""
     flipped: list[int] = []
 
     def corrupt_once(sender: str, frames: list[bytes]) -> list[bytes]:
-        # Flip one byte of the first 64 KiB buffer that passes, once.
         if not flipped and len(frames) == 3 and len(frames[2]) == 1 << 16:
             flipped.append(1)
             damaged = bytearray(frames[2])
@@ -222,6 +222,12 @@ def test_bulk_chunk_corrupted_in_flight_is_resent() -> None:
         return frames
 
     net.tamper = corrupt_once
+    return flipped
+
+
+def test_bulk_chunk_corrupted_in_flight_is_resent() -> None:
+    net = InMemoryNetwork()
+    flipped = _corrupt_first_64k_buffer(net)
     rts = _start(2, lambda: InMemoryTransport(net))
     try:
         data = [os.urandom(1 << 16) for _ in range(4)]
@@ -240,17 +246,7 @@ def test_chunk_sink_streams_a_transfer_and_sees_a_resent_chunk() -> None:
     """A sink takes each verified chunk as it arrives (GEMINI writes replicas this way); the runtime
     keeps only lengths, and a chunk damaged in flight reaches the sink once, after its resend."""
     net = InMemoryNetwork()
-    flipped: list[int] = []
-
-    def corrupt_once(sender: str, frames: list[bytes]) -> list[bytes]:
-        if not flipped and len(frames) == 3 and len(frames[2]) == 1 << 16:
-            flipped.append(1)
-            damaged = bytearray(frames[2])
-            damaged[7] ^= 0x10
-            return [frames[0], frames[1], bytes(damaged)]
-        return frames
-
-    net.tamper = corrupt_once
+    flipped = _corrupt_first_64k_buffer(net)
     rts = _start(2, lambda: InMemoryTransport(net))
     sunk: dict[int, bytes] = {}
     done: list[list[bytes]] = []
@@ -271,6 +267,60 @@ def test_chunk_sink_streams_a_transfer_and_sees_a_resent_chunk() -> None:
         assert rts[1].wait_for(lambda v: bool(done), 2.0) and done == [[b""] * 4]
         assert rts[0].send_bulk(1, "plain", data[:2]).result(10).ok  # not the sink's: kept whole
         assert rts[1].wait_for(lambda v: len(done) == 2, 2.0) and done[1] == data[:2]
+    finally:
+        for rt in rts:
+            rt.close()
+
+
+def test_messages_submitted_under_hold_travel_as_one_batch() -> None:
+    """A step's gossip leaves as one sealed batch; every item reaches the handlers, in order; a
+    batched item claiming another rank, a batch inside a batch and a malformed item are dropped."""
+    from lm_resiliency.core.messages import Batch
+
+    net = InMemoryNetwork()
+    wire: list[str] = []  # the tag of every message on the wire
+
+    def tap(sender: str, frames: list[bytes]) -> list[bytes]:
+        wire.append(codec.decode_header(frames[1])[0])
+        return frames
+
+    net.tamper = tap
+    rts = _start(2, lambda: InMemoryTransport(net))
+    got: list[int] = []
+    try:
+        assert rts[0].wait_for(lambda v: len(v.live) == 2, 2.0)
+        rts[0].add_handler("step", lambda sealed, msg: got.append(msg.step))
+        with rts[1].hold():
+            for step in (1, 2, 3):
+                rts[1].submit(StepTelemetry(rank=1, step=step, step_s=0.1))
+        assert rts[0].wait_for(lambda v: v.telemetry_step(1) == 3, 2.0)
+        assert got == [1, 2, 3]
+        assert wire.count("bat") == 1 and "step" not in wire  # one sealed message for the three
+
+        def inject(msg: Batch) -> None:
+            t1 = rts[1]._transport
+            assert t1 is not None
+            rts[1].loop.call(t1.publish, rts[1]._signer.seal(codec.encode(msg)))
+
+        forged = codec.encode(StepTelemetry(rank=0, step=50, step_s=0.1))[0]
+        nested = codec.encode(Batch(1, (codec.encode(StepTelemetry(rank=1, step=60, step_s=0.1))[0],)))[0]
+        inject(
+            Batch(
+                1,
+                (
+                    bytes(forged),
+                    bytes(nested),
+                    b"not msgpack",
+                    bytes(codec.encode(StepTelemetry(rank=1, step=7, step_s=0.1))[0]),
+                ),
+            )
+        )
+
+        def counted(v) -> bool:  # type: ignore[no-untyped-def]
+            return v.stats["impersonation"] >= 2 and v.stats["codec_errors"] >= 1 and 7 in got
+
+        assert rts[0].wait_for(counted, 2.0), str(rts[0].view().stats)
+        assert 50 not in got and 60 not in got
     finally:
         for rt in rts:
             rt.close()
