@@ -311,6 +311,11 @@ class RankRuntime:
                 self._kick()
 
     def _kick(self) -> None:
+        if self._loop.in_loop_thread():
+            # A task of our own loop (SCOUT's progress, link probes): wake the publisher directly.
+            # Going through call_soon_threadsafe would raise once close() began, and crash the loop.
+            self._wakeup()
+            return
         if not self._wake_pending:
             self._wake_pending = True
             try:
