@@ -690,7 +690,7 @@ class Gemini:
                 self.rank,
                 st.owner,
                 st.step,
-                st.bad or "no header",
+                st.bad or ("its slot could not be opened" if slot is None else "no header"),
             )
             if slot is not None:
                 slot.begin()

@@ -11,8 +11,12 @@ parameters, which the group agreed on, and compares bitwise.
 Pairing (`audit_target`) is a rotation of the replica group: every rank audits exactly one peer and
 is audited by exactly one, and the pairing moves each audited step so over time every peer checks
 every other. An auditor accuses only after it replayed the audited work twice with the same result
-and replayed its own work of that step bitwise (its device and setup reproduce computations), so a
-verdict says the audited rank computed something its inputs do not give.
+and replayed its own work of that step bitwise (its setup reproduces computations). Every auditor
+announces its result, and every rank decides from the same set (`audit_verdicts`), where an auditor
+accused at the same step loses its standing.
+
+With expert parallelism the audited units are the expert modules, and the replica group is the
+ranks that hold the same experts.
 """
 
 from __future__ import annotations
