@@ -182,6 +182,8 @@ class Gemini:
         runtime.add_transfer_listener(self._on_transfer)
         runtime.add_chunk_sink(self._on_chunk)
         self._streams: dict[tuple[int, str], _Stream] = {}  # replicas being written as they arrive
+        # Slots `scan()` verified: (header, digest table) of the commit it checked, by path.
+        self._verified: dict[Path, tuple[SlotHeader, list[bytes]]] = {}
         runtime.add_handler("rreq", self._on_replica_request)
         runtime.add_handler("ginv", self._on_inventory)
         self._inventories: dict[int, GeminiInventory] = {}
@@ -231,6 +233,7 @@ class Gemini:
             if h.topology != self.shape:
                 raise CorruptSlot(f"{path.name}: captured with topology {h.topology}, job has {self.shape}")
             slot.verify(h, self._verify_pool)
+            self._verified[path] = (h, slot.digest_table(h))
             if owner == self.rank and slot.certified(h):
                 self.carried_certificates.add(h.step)
             return h
@@ -308,7 +311,10 @@ class Gemini:
             h = fresh.read_header()
             if h.step != step:
                 raise CorruptSlot(f"{slot.path.name}: holds step {h.step}, expected {step}")
-            fresh.verify(h, self._verify_pool)
+            if self._verified.pop(slot.path, None) != (h, fresh.digest_table(h)):
+                # Not the commit this recovery's scan verified (a copy pulled from a peer or read
+                # from disk, or a slot written since): verify it now. A scanned one is verified once.
+                fresh.verify(h, self._verify_pool)
             payload = fresh.payload(h)
             skeleton, raw_specs = msgpack.unpackb(bytes(payload[: h.index_len]), raw=False)
             specs = [TensorSpec(d, tuple(s), n) for d, s, n in raw_specs]

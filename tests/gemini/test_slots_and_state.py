@@ -300,3 +300,62 @@ def test_checksums_on_a_thread_pool_equal_the_serial_ones() -> None:
         assert chunk_digests(payload, 1 << 16, pool) == serial
         assert chunk_digests(memoryview(b""), 1 << 16, pool) == chunk_digests(memoryview(b""), 1 << 16)
     assert len(serial) == 17
+
+
+def test_a_copy_the_scan_verified_is_not_hashed_again_but_a_changed_one_is(tmp_path: Path) -> None:
+    """Recovery verifies each copy once: `scan()` hashes it; the restore of that same commit does
+    not hash it again, while a slot recommitted after the scan is verified before it is loaded."""
+    from unittest import mock
+
+    from lm_resiliency.config import InMemoryCkptConfig
+    from lm_resiliency.core.topology import Topology
+    from lm_resiliency.gemini.component import Gemini
+    from lm_resiliency.runtime.shm import SlotFile
+
+    class NoRuntime:
+        alive = False
+
+        def add_transfer_listener(self, fn: object) -> None: ...
+        def add_chunk_sink(self, fn: object) -> None: ...
+        def add_handler(self, tag: str, fn: object) -> None: ...
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    gem = Gemini(
+        rank=0,
+        world_size=1,
+        node_id="n",
+        run_id="r",
+        topology=Topology.build(["n"], [[0]]),
+        runtime=NoRuntime(),
+        model=model,
+        optimizer=None,
+        scheduler=None,
+        extra_state_fn=None,
+        load_extra_state_fn=None,
+        config=InMemoryCkptConfig(),
+        interval=1,
+        shm_dir=str(tmp_path),
+    )
+    try:
+        assert gem.capture(1) and gem.drain(10)
+        assert gem.scan()["local"] == [1]
+        k = next(k for k, s in gem._own_step.items() if s == 1)
+        with mock.patch.object(SlotFile, "verify", autospec=True, side_effect=SlotFile.verify) as verify:
+            gem._restore_from(gem._own[k], 1)
+            assert verify.call_count == 0  # the scan's verification stands
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            assert gem.capture(2) and gem.drain(10)
+            assert gem.scan()["local"] == [1, 2]
+            k2 = next(k for k, s in gem._own_step.items() if s == 2)
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            gem._own_step.pop(k2)
+            assert gem.capture(3) and gem.drain(10)  # recommits the slot step 2 was in
+            gem._own_step[k2] = 3
+            verify.reset_mock()  # the second scan's own hashing
+            gem._restore_from(gem._own[k2], 3)
+            assert verify.call_count == 1  # not the commit the scan saw: verified before loading
+    finally:
+        gem.close()
