@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -201,12 +202,11 @@ def test_durable_round_trip_pruning_and_failure(tmp_path: Path) -> None:
         DurableStore(str(blocker), "run", 0).write(1, memoryview(b"abc"))
 
 
-def test_async_capture_is_fenced_before_the_optimizer_mutates_parameters(tmp_path: Path) -> None:
-    """The GPU path's ordering, with a deferred copier standing in for a side-stream D2H copy."""
+def _lone_gemini(tmp_path: Path, model: torch.nn.Module, opt: Any, copier: Any = None) -> Any:
+    """A GEMINI of a one-rank job with no runtime (nothing to replicate to)."""
     from lm_resiliency.config import InMemoryCkptConfig
     from lm_resiliency.core.topology import Topology
     from lm_resiliency.gemini.component import Gemini
-    from lm_resiliency.testing.copier import DeferredCopier
 
     class NoRuntime:
         alive = False
@@ -215,11 +215,7 @@ def test_async_capture_is_fenced_before_the_optimizer_mutates_parameters(tmp_pat
         def add_chunk_sink(self, fn: object) -> None: ...
         def add_handler(self, tag: str, fn: object) -> None: ...
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    copier = DeferredCopier()
-    gem = Gemini(
+    return Gemini(
         rank=0,
         world_size=1,
         node_id="n",
@@ -236,6 +232,17 @@ def test_async_capture_is_fenced_before_the_optimizer_mutates_parameters(tmp_pat
         shm_dir=str(tmp_path),
         copier=copier,
     )
+
+
+def test_async_capture_is_fenced_before_the_optimizer_mutates_parameters(tmp_path: Path) -> None:
+    """The GPU path's ordering, with a deferred copier standing in for a side-stream D2H copy."""
+    from lm_resiliency.testing.copier import DeferredCopier
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    copier = DeferredCopier()
+    gem = _lone_gemini(tmp_path, model, opt, copier=copier)
     try:
         model(torch.randn(2, 4)).sum().backward()
         want = [p.detach().clone() for p in model.parameters()]
@@ -307,36 +314,11 @@ def test_a_copy_the_scan_verified_is_not_hashed_again_but_a_changed_one_is(tmp_p
     not hash it again, while a slot recommitted after the scan is verified before it is loaded."""
     from unittest import mock
 
-    from lm_resiliency.config import InMemoryCkptConfig
-    from lm_resiliency.core.topology import Topology
-    from lm_resiliency.gemini.component import Gemini
     from lm_resiliency.runtime.shm import SlotFile
-
-    class NoRuntime:
-        alive = False
-
-        def add_transfer_listener(self, fn: object) -> None: ...
-        def add_chunk_sink(self, fn: object) -> None: ...
-        def add_handler(self, tag: str, fn: object) -> None: ...
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
-    gem = Gemini(
-        rank=0,
-        world_size=1,
-        node_id="n",
-        run_id="r",
-        topology=Topology.build(["n"], [[0]]),
-        runtime=NoRuntime(),
-        model=model,
-        optimizer=None,
-        scheduler=None,
-        extra_state_fn=None,
-        load_extra_state_fn=None,
-        config=InMemoryCkptConfig(),
-        interval=1,
-        shm_dir=str(tmp_path),
-    )
+    gem = _lone_gemini(tmp_path, model, None)
     try:
         assert gem.capture(1) and gem.drain(10)
         assert gem.scan()["local"] == [1]
