@@ -299,6 +299,9 @@ def _check_payload(payload: dict[str, Any]) -> None:
             raise ValueError("an audit package whose inputs are not (args, kwargs)")
         if not isinstance(m.get("cpu_rng"), torch.Tensor) or not isinstance(m.get("buffers"), dict):
             raise ValueError("an audit package without RNG state or buffers")
+        autocast = m.get("autocast")
+        if autocast is not None and not isinstance(getattr(torch, str(autocast), None), torch.dtype):
+            raise ValueError(f"an audit package with autocast {autocast!r}, not a torch dtype")
     if not isinstance(payload.get("grads_fp"), str) or not isinstance(payload.get("grad_index"), list):
         raise ValueError("an audit package with malformed gradients")
 

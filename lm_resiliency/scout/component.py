@@ -451,7 +451,11 @@ class Scout:
             self._audit_state = "ok"
         for name in sorted(theirs):
             recorder, payload = self._auditors[name], theirs[name]
-            first = replay_package(recorder, payload)
+            try:
+                first = replay_package(recorder, payload)
+            except Exception as exc:  # inputs this model does not take: not evidence against the peer
+                log.warning("rank %d: cannot replay rank %d's step %d: %s", self.rank, target, step, exc)
+                return "skipped", f"cannot replay: {type(exc).__name__}: {exc}"
             finding = first.finding(payload)
             if finding == "ok":
                 continue

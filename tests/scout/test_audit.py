@@ -100,6 +100,14 @@ def test_malformed_packages_are_refused_with_a_reason() -> None:
         load_package(dump_package(3, {}))
     with pytest.raises(ValueError, match="micro-batches"):
         load_package(dump_package(3, {"": {"micro": []}}))
+    torch.manual_seed(0)
+    model = Net()
+    rec = AuditRecorder(model, lambda: 1)
+    payload = _step(model, rec, [torch.randn(8, 16)])
+    rec.close()
+    payload["micro"][0]["autocast"] = "load"  # names a torch function, not a dtype
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        load_package(dump_package(3, {"": payload}))
 
 
 def _saved(obj: object) -> bytes:
