@@ -102,6 +102,12 @@ def main() -> int:
     if kill_rank >= 0 and rank == kill_rank:
         store.wait([f"test/killed/{kill_rank}"], datetime.timedelta(seconds=60))  # killed while waiting
         return 3
+    if kill_rank >= 0:
+        # A survivor that closes sends a genuine goodbye: wait until every survivor has recorded
+        # what it saw, so none records a peer that left on purpose as gone.
+        store.set(f"test/recorded/{rank}", b"1")
+        survivors = [r for r in range(world) if r != kill_rank]
+        store.wait([f"test/recorded/{r}" for r in survivors], datetime.timedelta(seconds=60))
     session.close()
     # gloo's teardown with a dead peer is not what this test is about; leave without it.
     sys.stdout.flush()
