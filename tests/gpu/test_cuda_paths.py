@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lm_resiliency.gemini.copier import CudaCopier, copier_for
-from lm_resiliency.scout.fingerprint import fingerprint
+from lm_resiliency.scout.fingerprint import device_fold, fingerprint
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -100,6 +100,9 @@ def test_device_fingerprints_are_bitwise() -> None:
     assert fingerprint([x]) != fingerprint([swapped])
     odd = torch.randn(7, dtype=torch.float16, device=dev)  # 14 bytes: padded to whole words
     assert fingerprint([odd]) == fingerprint([odd.clone()]) != fingerprint([odd + 1])
+    # The device computes the same fold as the CPU reference, in bounded passes or not.
+    big = torch.randn((1 << 20) + 3, dtype=torch.bfloat16, device=dev)
+    assert torch.equal(device_fold(big, words_per_pass=1 << 16).cpu(), device_fold(big.cpu()))
 
 
 def test_cuda_training_killed_and_resumed_is_bitwise_equal(tmp_path) -> None:  # type: ignore[no-untyped-def]
