@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import msgpack
@@ -32,6 +32,8 @@ Frame = bytes | memoryview
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAMES = 4096
 
+Checker = Callable[[Any], Any]
+
 
 @dataclasses.dataclass(frozen=True)
 class _FieldSpec:
@@ -39,6 +41,7 @@ class _FieldSpec:
     check: Any  # the resolved annotation
     frames: bool
     required: bool
+    checker: Checker  # built once from `check`
 
 
 _SPECS: dict[type[Message], tuple[_FieldSpec, ...]] = {}
@@ -52,7 +55,9 @@ def _spec(cls: type[Message]) -> tuple[_FieldSpec, ...]:
     out = []
     for f in dataclasses.fields(cls):
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        out.append(_FieldSpec(f.name, hints[f.name], bool(f.metadata.get("frames")), required))
+        frames = bool(f.metadata.get("frames"))
+        checker = _checker(hints[f.name]) if not frames else _checker(Any)
+        out.append(_FieldSpec(f.name, hints[f.name], frames, required, checker))
     _SPECS[cls] = tuple(out)
     return _SPECS[cls]
 
@@ -138,7 +143,10 @@ def decode(frames: Sequence[Frame]) -> Message:
             if spec.required:
                 raise CodecError(f"{tag}: missing field {spec.name!r}")
             continue
-        kwargs[spec.name] = _check(body[spec.name], spec.check, f"{tag}.{spec.name}")
+        try:
+            kwargs[spec.name] = spec.checker(body[spec.name])
+        except _Mismatch as exc:
+            raise CodecError(f"{tag}.{spec.name}{exc.path}: {exc.detail}") from None
     if n_frames and not any(s.frames for s in specs):
         raise CodecError(f"{tag}: carries no buffers but {n_frames} frames arrived")
     try:
@@ -147,55 +155,123 @@ def decode(frames: Sequence[Frame]) -> Message:
         raise CodecError(f"{tag}: {exc}") from exc
 
 
-def _check(value: Any, tp: Any, where: str) -> Any:
-    """Return `value` converted to the annotation `tp`, or raise CodecError naming `where`."""
+class _Mismatch(Exception):
+    """A value that does not fit its annotation; `path` grows as it leaves nested checkers."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        super().__init__(detail)
+        self.path = path
+        self.detail = detail
+
+
+_CHECKERS: dict[Any, Checker] = {}
+
+
+def _checker(tp: Any) -> Checker:
+    """A checker for annotation `tp`, built once: decoding is on every received message's path,
+    so the annotation is inspected here and not per value, and error paths are only formatted
+    when a value is wrong."""
+    cached = _CHECKERS.get(tp)
+    if cached is None:
+        cached = _CHECKERS[tp] = _build(tp)
+    return cached
+
+
+def _build(tp: Any) -> Checker:
     if tp is Any:
-        return value
+        return lambda value: value
     origin = typing.get_origin(tp)
     if origin is typing.Union or origin is types.UnionType:
         args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _check(value, arg, where)
-            except CodecError as exc:
-                errors.append(str(exc))
-        raise CodecError(f"{where}: {type(value).__name__} matches none of {tp}")
-    if tp is int:
-        if type(value) is not int:
-            raise CodecError(f"{where}: expected int, got {type(value).__name__}")
-        return value
+        optional = type(None) in args
+        options = [_checker(a) for a in args if a is not type(None)]
+
+        def union(value: Any) -> Any:
+            if value is None and optional:
+                return None
+            for option in options:
+                try:
+                    return option(value)
+                except _Mismatch:
+                    continue
+            raise _Mismatch("", f"{type(value).__name__} matches none of {tp}")
+
+        return union
     if tp is float:
-        if type(value) is float:
+
+        def as_float(value: Any) -> Any:
+            if type(value) is float:
+                return value
+            if type(value) is int:
+                return float(value)
+            raise _Mismatch("", f"expected float, got {type(value).__name__}")
+
+        return as_float
+    if tp in (int, bool, str, bytes):
+
+        def exact(value: Any) -> Any:
+            if type(value) is not tp:
+                raise _Mismatch("", f"expected {tp.__name__}, got {type(value).__name__}")
             return value
-        if type(value) is int:
-            return float(value)
-        raise CodecError(f"{where}: expected float, got {type(value).__name__}")
-    if tp is bool or tp is str or tp is bytes:
-        if type(value) is not tp:
-            raise CodecError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-        return value
+
+        return exact
     if tp is memoryview:
-        raise CodecError(f"{where}: buffers cannot appear in a header")
+
+        def never(value: Any) -> Any:
+            raise _Mismatch("", "buffers cannot appear in a header")
+
+        return never
     if origin is tuple:
         args = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise CodecError(f"{where}: expected array, got {type(value).__name__}")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_check(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-        if len(args) != len(value):
-            raise CodecError(f"{where}: expected {len(args)} items, got {len(value)}")
-        return tuple(_check(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(args, value, strict=True)))
+            item = _checker(args[0])
+
+            def homogeneous(value: Any) -> Any:
+                if not isinstance(value, list):
+                    raise _Mismatch("", f"expected array, got {type(value).__name__}")
+                out = []
+                for i, v in enumerate(value):
+                    try:
+                        out.append(item(v))
+                    except _Mismatch as exc:
+                        raise _Mismatch(f"[{i}]{exc.path}", exc.detail) from None
+                return tuple(out)
+
+            return homogeneous
+        items = [_checker(a) for a in args]
+
+        def fixed(value: Any) -> Any:
+            if not isinstance(value, list):
+                raise _Mismatch("", f"expected array, got {type(value).__name__}")
+            if len(items) != len(value):
+                raise _Mismatch("", f"expected {len(items)} items, got {len(value)}")
+            out = []
+            for i, (check, v) in enumerate(zip(items, value, strict=True)):
+                try:
+                    out.append(check(v))
+                except _Mismatch as exc:
+                    raise _Mismatch(f"[{i}]{exc.path}", exc.detail) from None
+            return tuple(out)
+
+        return fixed
     if origin is dict:
         key_tp, val_tp = typing.get_args(tp)
-        if not isinstance(value, dict):
-            raise CodecError(f"{where}: expected map, got {type(value).__name__}")
-        return {
-            _check(k, key_tp, f"{where}.<key>"): _check(v, val_tp, f"{where}[{k!r}]")
-            for k, v in value.items()
-        }
-    raise CodecError(f"{where}: unsupported annotation {tp!r}")
+        check_key, check_val = _checker(key_tp), _checker(val_tp)
+
+        def mapping(value: Any) -> Any:
+            if not isinstance(value, dict):
+                raise _Mismatch("", f"expected map, got {type(value).__name__}")
+            out = {}
+            for k, v in value.items():
+                try:
+                    key = check_key(k)
+                except _Mismatch as exc:
+                    raise _Mismatch(f".<key>{exc.path}", exc.detail) from None
+                try:
+                    out[key] = check_val(v)
+                except _Mismatch as exc:
+                    raise _Mismatch(f"[{k!r}]{exc.path}", exc.detail) from None
+            return out
+
+        return mapping
+    raise TypeError(f"unsupported annotation {tp!r} in a message type")
