@@ -13,6 +13,7 @@ real thing; `lm_resiliency.testing.InMemoryTransport` is its twin, and one contr
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -99,7 +100,8 @@ class ZmqTransport:
         self._sub: zmq.asyncio.Socket | None = None
         self._dealers: dict[int, zmq.asyncio.Socket] = {}
         self._subscribed: dict[int, str] = {}
-        self._poller: zmq.asyncio.Poller | None = None
+        self._readable: asyncio.Event | None = None
+        self._watched: list[int] = []
         self._sub_raw: zmq.Socket[Any] | None = None
         self._router_raw: zmq.Socket[Any] | None = None
         self._pending: deque[Incoming] = deque()
@@ -120,12 +122,18 @@ class ZmqTransport:
         if self._use_ipc:
             pub.insert(0, self._bind_ipc(self._pub, "pub"))
             router.insert(0, self._bind_ipc(self._router, "rtr"))
-        # Synchronous shadows of the same sockets: non-blocking reads without a future per message.
+        # Synchronous shadows of the same sockets, read without blocking. The loop watches their
+        # notification descriptors itself: zmq.asyncio's poller costs a future, a reader
+        # registration and several enum operations per wake-up, on every received message.
         self._sub_raw = zmq.Socket.shadow(self._sub.underlying)
         self._router_raw = zmq.Socket.shadow(self._router.underlying)
-        self._poller = zmq.asyncio.Poller()
-        self._poller.register(self._sub, zmq.POLLIN)
-        self._poller.register(self._router, zmq.POLLIN)
+        self._readable = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for raw in (self._sub_raw, self._router_raw):
+            fd = raw.getsockopt(zmq.FD)
+            assert isinstance(fd, int)
+            loop.add_reader(fd, self._readable.set)
+            self._watched.append(fd)
         return Endpoints(tuple(pub), tuple(router))
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
@@ -181,18 +189,25 @@ class ZmqTransport:
 
     async def recv(self) -> Incoming:
         while not self._pending:
-            if self._poller is None or self._closed:
+            if self._readable is None or self._sub_raw is None or self._router_raw is None or self._closed:
                 raise PeerUnavailable("transport is closed")
-            ready = dict(await self._poller.poll())
-            # Drain what is there without blocking, bounded so one channel cannot starve the other.
-            if ready.get(self._sub) and self._sub_raw is not None:
+            # ZeroMQ's descriptors signal edges, not levels: clear first, then ask each socket
+            # whether something is there (reading ZMQ_EVENTS also re-arms its descriptor), drain
+            # it without blocking, bounded so one channel cannot starve the other, and only sleep
+            # when neither had anything.
+            self._readable.clear()
+            if _has_input(self._sub_raw):
                 self._drain(self._sub_raw, GOSSIP, strip_identity=False)
-            if ready.get(self._router) and self._router_raw is not None:
+            if _has_input(self._router_raw):
                 self._drain(self._router_raw, DIRECT, strip_identity=True)
+            if not self._pending:
+                await self._readable.wait()
         return self._pending.popleft()
 
     def _drain(self, raw: zmq.Socket[Any], channel: str, strip_identity: bool, limit: int = 64) -> None:
-        for _ in range(limit):
+        for i in range(limit):
+            if i and not _has_input(raw):  # asking is cheaper than a failed read's exception
+                return
             try:
                 parts = raw.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -206,6 +221,13 @@ class ZmqTransport:
         if self._closed:
             return
         self._closed = True
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing is watched
+            loop = asyncio.get_running_loop()
+            for fd in self._watched:
+                loop.remove_reader(fd)
+        self._watched.clear()
+        if self._readable is not None:
+            self._readable.set()  # a receiver waiting now finds the transport closed
         for peer in list(self._dealers):
             self.disconnect(peer)
         for sock in (self._pub, self._router, self._sub):
@@ -220,6 +242,11 @@ class ZmqTransport:
 
 
 ZERO_COPY_THRESHOLD = 1 << 16
+
+
+def _has_input(raw: zmq.Socket[Any]) -> bool:
+    events = raw.getsockopt(zmq.EVENTS)
+    return isinstance(events, int) and bool(events & zmq.POLLIN)
 
 
 def _copy(frames: Sequence[Frame]) -> bool:
