@@ -3,6 +3,10 @@
 Prints progress, then one JSON object on the last line:
   healthy_throughput_ratio  steps/s with fingerprints + gossip every step / with detection paused,
                             alternating blocks in the same processes (goal >= 0.99)
+  healthy_throughput_ratio_vs_plain_ddp  the same against a plain DDP copy of the model in the same
+                            processes, which lm-resiliency never touched (our comm hook included)
+  overhead_ms_per_step      the per-step cost of detection, in milliseconds (a job with steps of
+                            T ms loses about overhead/T of its throughput)
   detect_steps_straggler    steps from the first slow step to the compute-straggler verdict
   detect_s_hang             seconds from a rank's stall to the hang verdict (threshold 2 s)
   detect_steps_sdc          steps from the bit flip to the SDC verdict
@@ -98,8 +102,15 @@ def main() -> None:
     res, _ = run("throughput", args.block_steps, extra={"BLOCKS": str(args.blocks)})
     on = statistics.median(res[0]["rates"]["on"])
     off = statistics.median(res[0]["rates"]["off"])
+    plain = statistics.median(res[0]["rates"]["plain"])
     out.update(
-        healthy_throughput_ratio=on / off, steps_per_s_detection_on=on, steps_per_s_detection_paused=off
+        healthy_throughput_ratio=on / off,
+        healthy_throughput_ratio_vs_plain_ddp=on / plain,
+        steps_per_s_detection_on=on,
+        steps_per_s_detection_paused=off,
+        steps_per_s_plain_ddp=plain,
+        step_ms_plain_ddp=1000.0 / plain,
+        overhead_ms_per_step=1000.0 / on - 1000.0 / off,
     )
     print(f"throughput: {out}", flush=True)
     res, _ = run(

@@ -8,8 +8,8 @@ overrides what we read. A plain module with no DDP and no DTensor is its own rep
 
 Hooks: a forward pre-hook marks the start of compute, an optimizer pre/post step hook marks the
 optimizer phase and the step boundary, and for DDP a comm hook that averages gradients like DDP but
-with one all-reduce per gradient, so the result does not depend on DDP's bucket layout (which differs
-for one iteration after a restart) and a resumed run is bitwise the uninterrupted one.
+in a canonical layout (`adapters/canonical.py`), so the result does not depend on DDP's bucket layout
+(which differs for one iteration after a restart) and a resumed run is bitwise the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import xxhash
 from torch import nn
 
 from lm_resiliency.adapters.base import AdapterTopology, StepSink, StepTimes
+from lm_resiliency.adapters.canonical import CanonicalReduction
 
 __all__ = ["PyTorchAdapter"]
 
@@ -70,6 +71,7 @@ class PyTorchAdapter:
         self.last_progress = time.monotonic()
         # Called from the comm hook with (parameters, gradients) of each bucket before its all-reduce.
         self.contribution_tap: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None] | None = None
+        self._reduction: CanonicalReduction | None = None
 
     # -- topology ---------------------------------------------------------------------------------
     def topology(self) -> AdapterTopology:
@@ -121,6 +123,7 @@ class PyTorchAdapter:
                     "bucket": dist.GradBucket,  # type: ignore[attr-defined]
                     "return": torch.futures.Future[torch.Tensor],
                 }
+                self._reduction = CanonicalReduction.for_ddp(ddp)
                 ddp.register_comm_hook(pg, comm_hook)
         self._t_step_start = time.perf_counter()
 
@@ -136,6 +139,8 @@ class PyTorchAdapter:
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
         if self._t_fwd is None:
             self._t_fwd = time.perf_counter()
+        if self._reduction is not None:
+            self._reduction.reset()
 
     def _comm_hook(self, pg: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         # Average the gradients as DDP does (multiply by 1/n, all-reduce SUM), but one all-reduce per
@@ -152,32 +157,29 @@ class PyTorchAdapter:
             self.in_collective_since = time.monotonic()
         group = pg if pg is not None else dist.group.WORLD
         buffer: torch.Tensor = bucket.buffer()
+        world = dist.get_world_size(group)
         # What this collective is, chained onto all before it: peers that entered as many collectives
         # must hold the same chain, or one of them issued a different collective (desync).
-        n_grads, size = len(bucket.gradients()), dist.get_world_size(group)
-        sig = f"allreduce:{buffer.numel()}:{buffer.dtype}:{n_grads}:{size}"
+        n_grads = len(bucket.gradients())
+        sig = f"allreduce:{buffer.numel()}:{buffer.dtype}:{n_grads}:{world}"
         count, chain = self.collective_state
         self.collective_state = (count + 1, xxhash.xxh3_64_digest(chain + sig.encode()))
-        buffer.mul_(1.0 / dist.get_world_size(group))
+        buffer.mul_(1.0 / world)  # averaged as DDP does: scaled, then summed
         tap = self.contribution_tap
         if tap is not None:  # SCOUT's replay record: this rank's share before the reduction
             tap(bucket.parameters(), bucket.gradients())
-        futures = [
-            dist.all_reduce(g, group=group, async_op=True).get_future()  # views into `buffer`
-            for g in bucket.gradients()
-        ]
+        assert self._reduction is not None
 
         def _done(f: Any) -> torch.Tensor:
             self.outstanding -= 1
             if self.outstanding <= 0:
                 self.outstanding = 0
                 self.in_collective_since = None
-            for each in f.value():
-                each.value()  # re-raises a failed all-reduce
             self._comm_end = time.perf_counter()
-            return buffer
+            out: torch.Tensor = f.value()  # re-raises a failed all-reduce
+            return out
 
-        done: torch.futures.Future[torch.Tensor] = torch.futures.collect_all(futures).then(_done)
+        done: torch.futures.Future[torch.Tensor] = self._reduction.reduce(bucket, group).then(_done)
         return done
 
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:

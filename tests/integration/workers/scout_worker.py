@@ -55,6 +55,12 @@ def main() -> int:
     model = nn.parallel.DistributedDataParallel(
         nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 128))
     )
+    plain = None
+    if scenario == "throughput":  # the same job without lm-resiliency, as the user runs it today
+        plain = nn.parallel.DistributedDataParallel(
+            nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 128))
+        )
+        plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
     if scenario == "optstate":
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
@@ -120,19 +126,24 @@ def main() -> int:
             return g
 
         model.module[0].weight.register_hook(flip_local_grad)
-    if scenario == "throughput":  # bench/scout.py: alternate blocks with detection on and paused
+    if scenario == "throughput":
+        # bench/scout.py: alternate blocks with detection on, paused, and a plain DDP copy of the model
+        # that lm-resiliency never touched (what our comm hook and hooks cost even when paused).
+        assert plain is not None
         x = torch.randn(32, 128, generator=torch.Generator().manual_seed(rank))
-        rates: dict[str, list[float]] = {"on": [], "off": []}
-        for b in range(2 * int(os.environ.get("BLOCKS", "5")) + 1):
-            mode = "on" if b % 2 else "off"
+        rates: dict[str, list[float]] = {"on": [], "off": [], "plain": []}
+        modes = ("off", "on", "plain")
+        for b in range(3 * int(os.environ.get("BLOCKS", "5")) + 1):
+            mode = modes[b % 3] if b else "off"
             session.pause_detection(mode == "off")
+            m, o = (plain, plain_opt) if mode == "plain" else (model, opt)
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(steps):
-                loss = (model(x) - x).pow(2).mean()
-                opt.zero_grad()
+                loss = (m(x) - x).pow(2).mean()
+                o.zero_grad()
                 loss.backward()
-                opt.step()
+                o.step()
             dist.barrier()
             if b:
                 rates[mode].append(steps / (time.perf_counter() - t0))

@@ -1,0 +1,201 @@
+"""Gradient all-reduce in a layout that does not depend on DDP's buckets.
+
+A ring all-reduce rounds each element according to where it sits in the reduced buffer and how
+long that buffer is. DDP reduces one iteration in its initial bucket layout after every construction
+and in a rebuilt one (the order gradients became ready) afterwards, so a resumed run would differ from
+the uninterrupted one in the last bits of the step after the restart.
+
+`CanonicalReduction` fixes the layout: the parameters are split once into canonical groups (reverse
+registration order, per dtype and device, the first group up to DDP's first-bucket cap and the others
+up to its bucket cap: the layout DDP rebuilds to when gradients become ready in reverse order, as they
+do in most models). Every gradient is reduced as part of its group's flat buffer. When a DDP bucket is
+exactly one canonical group (the common case after DDP's rebuild), its own buffer is reduced in place;
+otherwise the bucket's gradients are staged into their groups' buffers, a group is reduced once all its
+gradients arrived (possibly from later buckets of the same backward), and the results are copied back.
+Either way each element is rounded the same way in every run.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["CanonicalReduction", "canonical_groups"]
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+def canonical_groups(params: Sequence[torch.Tensor], first_cap: int, cap: int) -> list[list[int]]:
+    """Indices into `params`, grouped as DDP groups gradients that become ready in reverse order.
+
+    Pure function of the parameters' order, sizes, dtypes and devices and of the caps."""
+    groups: list[list[int]] = []
+    open_groups: dict[tuple[torch.dtype, str], tuple[list[int], int, int]] = {}  # members, bytes, n closed
+    for i in reversed(range(len(params))):
+        p = params[i]
+        key = (p.dtype, str(p.device))
+        members, size, closed = open_groups.get(key, ([], 0, 0))
+        members.append(i)
+        size += p.numel() * p.element_size()
+        limit = first_cap if closed == 0 else cap
+        if size >= limit:
+            groups.append(members)
+            open_groups[key] = ([], 0, closed + 1)
+        else:
+            open_groups[key] = (members, size, closed)
+    groups.extend(members for members, _, _ in open_groups.values() if members)
+    return groups
+
+
+def ddp_parameters(ddp: nn.Module) -> list[torch.Tensor]:
+    """The parameters a DDP module reduces, in registration order."""
+    module = getattr(ddp, "module", ddp)
+    ignore = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    return [p for name, p in module.named_parameters() if p.requires_grad and name not in ignore]
+
+
+@dataclass
+class _Group:
+    index: int
+    members: list[int]  # canonical parameter indices, in layout order
+    offsets: dict[int, int]  # parameter index -> element offset in the flat buffer
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    staging: torch.Tensor | None = None
+    arrived: set[int] = field(default_factory=set)
+    used: bool = False  # staged in the current iteration
+    done: torch.futures.Future[None] | None = None
+
+
+class CanonicalReduction:
+    """Sums a DDP bucket's gradients over a process group in the canonical layout (module doc).
+
+    Called from DDP's comm hook, on the thread running backward."""
+
+    def __init__(self, params: Sequence[torch.Tensor], first_cap: int, cap: int) -> None:
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._groups: list[_Group] = []
+        self._group_of: dict[int, _Group] = {}
+        for members in canonical_groups(params, first_cap, cap):
+            self._add_group(members, params)
+        self._lock = threading.Lock()
+        self.in_place = 0  # buckets reduced in their own buffer (statistics, tests)
+        self.staged = 0
+
+    @classmethod
+    def for_ddp(cls, ddp: nn.Module) -> CanonicalReduction:
+        config = getattr(ddp, "_bucket_config", None)
+        cap = int(getattr(ddp, "bucket_bytes_cap", 0) or DEFAULT_BUCKET_BYTES)
+        first = int(getattr(config, "first_bucket_bytes_cap", 0) or min(cap, DEFAULT_FIRST_BUCKET_BYTES))
+        return cls(ddp_parameters(ddp), first, cap)
+
+    def _add_group(self, members: list[int], params: Sequence[torch.Tensor]) -> _Group:
+        offsets, n = {}, 0
+        for i in members:
+            offsets[i] = n
+            n += params[i].numel()
+        first = params[members[0]]
+        g = _Group(len(self._groups), members, offsets, n, first.dtype, first.device)
+        self._groups.append(g)
+        for i in members:
+            self._group_of[i] = g
+        return g
+
+    def reset(self) -> None:
+        """Before a forward: forget partial arrivals (a backward that raised midway leaves some
+        behind), and free the staging buffers the last backward did not need (DDP's first
+        iteration after construction stages everything; later ones usually reduce in place)."""
+        with self._lock:
+            for g in self._groups:
+                g.arrived.clear()
+                g.done = None
+                if not g.used:
+                    g.staging = None
+                g.used = False
+
+    def reduce(self, bucket: Any, group: Any) -> torch.futures.Future[torch.Tensor]:
+        """Sum the bucket's gradients over `group` (the caller scaled them); a future of its buffer."""
+        buffer: torch.Tensor = bucket.buffer()
+        params: list[torch.Tensor] = list(bucket.parameters())
+        grads: list[torch.Tensor] = list(bucket.gradients())
+        indices = [self._param_index(p, g) for p, g in zip(params, grads, strict=True)]
+        whole = self._group_of[indices[0]]
+        if whole.members == indices and whole.numel == buffer.numel() and not whole.arrived:
+            self.in_place += 1
+            fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+
+            def reduced(f: Any) -> torch.Tensor:
+                f.value()  # re-raises a failed all-reduce
+                return buffer
+
+            out: torch.futures.Future[torch.Tensor] = fut.then(reduced)
+            return out
+        self.staged += 1
+        waits: list[torch.futures.Future[None]] = []
+        ready: list[_Group] = []
+        with self._lock:
+            for i, grad in zip(indices, grads, strict=True):
+                g = self._group_of[i]
+                if g.staging is None or g.staging.device != grad.device:
+                    g.staging = torch.empty(g.numel, dtype=g.dtype, device=grad.device)
+                if g.done is None:
+                    g.done = torch.futures.Future()
+                g.used = True
+                off = g.offsets[i]
+                g.staging[off : off + grad.numel()].copy_(grad.reshape(-1))
+                g.arrived.add(i)
+                if len(g.arrived) == len(g.members):
+                    ready.append(g)
+                if g.done not in waits:
+                    waits.append(g.done)
+        # Every rank completes groups in the same order (DDP hands buckets over in the same order).
+        for g in sorted(ready, key=lambda g: g.index):
+            self._launch(g, group)
+
+        def copy_back(_: Any) -> torch.Tensor:
+            for w in waits:
+                w.value()  # re-raises a failed all-reduce
+            for i, grad in zip(indices, grads, strict=True):
+                g = self._group_of[i]
+                assert g.staging is not None
+                off = g.offsets[i]
+                grad.reshape(-1).copy_(g.staging[off : off + grad.numel()])
+            return buffer
+
+        return torch.futures.collect_all(waits).then(copy_back)
+
+    def _launch(self, g: _Group, group: Any) -> None:
+        done, staging = g.done, g.staging
+        assert done is not None and staging is not None
+        g.arrived = set()
+        g.done = None
+        work = dist.all_reduce(staging, group=group, async_op=True).get_future()
+
+        def finish(f: Any) -> None:
+            try:
+                f.value()
+            except Exception as exc:
+                done.set_exception(exc)  # type: ignore[arg-type]  # typed as the result in torch
+            else:
+                done.set_result(None)
+
+        work.then(finish)
+
+    def _param_index(self, p: torch.Tensor, grad: torch.Tensor) -> int:
+        i = self._index.get(id(p))
+        if i is None:  # a parameter DDP reduces that we did not list: a group of its own
+            with self._lock:
+                i = self._index.setdefault(id(p), len(self._index))
+                if i not in self._group_of:
+                    g = _Group(len(self._groups), [i], {i: 0}, grad.numel(), grad.dtype, grad.device)
+                    self._groups.append(g)
+                    self._group_of[i] = g
+        return i
