@@ -143,11 +143,11 @@ class PyTorchAdapter:
             self._reduction.reset()
 
     def _comm_hook(self, pg: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        # Average the gradients as DDP does (multiply by 1/n, all-reduce SUM), but one all-reduce per
-        # gradient instead of one per bucket: the sum's rounding then depends only on the gradient,
-        # not on which bucket layout DDP happens to use. A fresh DDP (a resumed run) uses its initial
-        # layout for one iteration and a rebuilt one after; per-bucket reduction would make the
-        # resumed run differ from the uninterrupted one in the last bits.
+        # Average the gradients as DDP does (multiply by 1/n, all-reduce SUM), but in canonical
+        # groups rather than DDP's buckets: the sum's rounding then does not depend on which layout
+        # DDP happens to use. A fresh DDP (a resumed run) uses its initial layout for one iteration
+        # and a rebuilt one after; per-bucket reduction would make the resumed run differ from the
+        # uninterrupted one in the last bits.
         now = time.perf_counter()
         if self._comm_start is None:
             self._comm_start = now
