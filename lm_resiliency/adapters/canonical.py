@@ -87,6 +87,7 @@ class CanonicalReduction:
         for members in canonical_groups(params, first_cap, cap):
             self._add_group(members, params)
         self._lock = threading.Lock()
+        self._active = False  # a reduction ran since the last reset
         self.in_place = 0  # buckets reduced in their own buffer (statistics, tests)
         self.staged = 0
 
@@ -114,6 +115,9 @@ class CanonicalReduction:
         behind), and free the staging buffers the last backward did not need (DDP's first
         iteration after construction stages everything; later ones usually reduce in place)."""
         with self._lock:
+            if not self._active:  # no reduction since the last forward (gradient accumulation)
+                return
+            self._active = False
             for g in self._groups:
                 g.arrived.clear()
                 g.done = None
@@ -128,6 +132,7 @@ class CanonicalReduction:
         grads: list[torch.Tensor] = list(bucket.gradients())
         indices = [self._param_index(p, g) for p, g in zip(params, grads, strict=True)]
         whole = self._group_of[indices[0]]
+        self._active = True
         if whole.members == indices and whole.numel == buffer.numel() and not whole.arrived:
             self.in_place += 1
             fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
@@ -167,7 +172,7 @@ class CanonicalReduction:
                 g = self._group_of[i]
                 assert g.staging is not None
                 off = g.offsets[i]
-                grad.reshape(-1).copy_(g.staging[off : off + grad.numel()])
+                grad.view(-1).copy_(g.staging[off : off + grad.numel()])  # a view into `buffer`
             return buffer
 
         return torch.futures.collect_all(waits).then(copy_back)
