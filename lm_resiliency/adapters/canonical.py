@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["CanonicalReduction", "canonical_groups"]
+__all__ = ["CanonicalReduction", "canonical_groups", "ddp_caps", "ddp_parameters"]
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024
@@ -61,6 +61,14 @@ def ddp_parameters(ddp: nn.Module) -> list[torch.Tensor]:
     return [p for name, p in module.named_parameters() if p.requires_grad and name not in ignore]
 
 
+def ddp_caps(ddp: nn.Module) -> tuple[int, int]:
+    """(first bucket cap, bucket cap) in bytes, as this DDP module rebuilds its buckets with."""
+    config = getattr(ddp, "_bucket_config", None)
+    cap = int(getattr(ddp, "bucket_bytes_cap", 0) or DEFAULT_BUCKET_BYTES)
+    first = int(getattr(config, "first_bucket_bytes_cap", 0) or min(cap, DEFAULT_FIRST_BUCKET_BYTES))
+    return first, cap
+
+
 @dataclass
 class _Group:
     index: int
@@ -93,10 +101,7 @@ class CanonicalReduction:
 
     @classmethod
     def for_ddp(cls, ddp: nn.Module) -> CanonicalReduction:
-        config = getattr(ddp, "_bucket_config", None)
-        cap = int(getattr(ddp, "bucket_bytes_cap", 0) or DEFAULT_BUCKET_BYTES)
-        first = int(getattr(config, "first_bucket_bytes_cap", 0) or min(cap, DEFAULT_FIRST_BUCKET_BYTES))
-        return cls(ddp_parameters(ddp), first, cap)
+        return cls(ddp_parameters(ddp), *ddp_caps(ddp))
 
     def _add_group(self, members: list[int], params: Sequence[torch.Tensor]) -> _Group:
         offsets, n = {}, 0

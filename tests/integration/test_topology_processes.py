@@ -1,5 +1,5 @@
 """Replica groups read from real DDP, FSDP2, HSDP and FSDP+TP models on 4 gloo processes, and the
-DDP comm hook checked bitwise against a plain per-gradient average on a 3-rank group."""
+DDP comm hook checked bitwise against a plain average in the canonical layout on a 3-rank group."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lm_resiliency import RuntimeConfig, enable_resiliency
+from lm_resiliency.adapters.canonical import canonical_groups, ddp_caps
 from lm_resiliency.adapters.pytorch import PyTorchAdapter
 
 
@@ -78,22 +79,33 @@ def main() -> int:
         PyTorchAdapter(Block(), None, parallelism_info={"replica_group": [rank]}).topology().replica_group
     )
 
-    # Bitwise: the session's DDP comm hook must equal a plain per-gradient average (no DDP at all),
-    # whatever DDP's bucket layout, on a 3-rank subgroup (not a power of two, so rounding shows).
+    # Bitwise: the session's DDP comm hook must equal a plain average in the canonical layout (no
+    # DDP at all: each canonical group flattened and all-reduced), whatever DDP's bucket layout (its
+    # initial one in the first step, a rebuilt one after), on a 3-rank subgroup (not a power of two,
+    # so rounding shows).
     # Rank 3 joins the session with a plain module: a job with mixed replica groups.
     sub = dist.new_group([0, 1, 2])
     if rank < 3:
         torch.manual_seed(1)
         plain = Block()
+        probe = nn.parallel.DistributedDataParallel(Block(), process_group=sub, bucket_cap_mb=0.001)
+        params = list(plain.parameters())
+        groups = canonical_groups(params, *ddp_caps(probe))
+        assert len(groups) > 1  # the layout matters: several groups
         popt = torch.optim.SGD(plain.parameters(), lr=0.1)
         pgen = torch.Generator().manual_seed(rank)
         for _ in range(5):
             loss = plain(torch.randn(8, 16, generator=pgen)).pow(2).mean()
             popt.zero_grad()
             loss.backward()
-            for p in plain.parameters():
-                p.grad.mul_(1.0 / 3)
-                dist.all_reduce(p.grad, group=sub)
+            for members in groups:
+                flat = torch.cat([params[i].grad.reshape(-1) for i in members]).mul_(1.0 / 3)
+                dist.all_reduce(flat, group=sub)
+                off = 0
+                for i in members:
+                    n = params[i].numel()
+                    params[i].grad.copy_(flat[off : off + n].view_as(params[i]))
+                    off += n
             popt.step()
         ref = [p.detach().clone() for p in plain.parameters()]
         torch.manual_seed(1)
