@@ -168,6 +168,7 @@ class RankRuntime:
         self._wake: asyncio.Event | None = None
         self._step = 0
         self._progress_counter = 0
+        self._last_beat = float("-inf")  # when this rank's last heartbeat was published
         # Bulk transfers.
         self._incoming: dict[tuple[int, str], _Transfer] = {}
         self._completed: dict[tuple[int, str], list[Frame]] = {}
@@ -491,9 +492,18 @@ class RankRuntime:
                     self._loopback(m)
 
     async def _publish_batch(self, msgs: list[Message]) -> None:
-        """Gossip `msgs`: those without buffers sealed as one `Batch` when there are several."""
+        """Gossip `msgs`: those without buffers sealed as one `Batch` when there are several.
+
+        Gossip carries this rank's heartbeat too (in the batch) when the last one is half an
+        interval old: while steps are published (every step's telemetry), the timer's own
+        heartbeats are not needed, and all-to-all heartbeats are most of the gossip of a large job."""
         encoded = [codec.encode(m) for m in msgs]
         headers = [bytes(f[0]) for f in encoded if len(f) == 1]
+        now = self._clock.monotonic()
+        if headers and now - self._last_beat >= self.config.heartbeat_interval_s / 2:
+            beat = Heartbeat(self.rank, self.incarnation, self._step, self._progress_counter)
+            headers.append(bytes(codec.encode(beat)[0]))
+            self._last_beat = now
         if len(headers) > 1:
             await self._publish(Batch(self.rank, tuple(headers)))
             encoded = [f for f in encoded if len(f) != 1]
@@ -512,14 +522,14 @@ class RankRuntime:
 
     async def _timers_forever(self) -> None:
         interval = self.config.heartbeat_interval_s
-        next_beat = self._clock.monotonic()
         while True:
             now = self._clock.monotonic()
-            if now >= next_beat:
+            if now >= self._last_beat + interval:  # nothing carried one since (see _publish_batch)
+                self._last_beat = now
                 await self._publish(
                     Heartbeat(self.rank, self.incarnation, self._step, self._progress_counter)
                 )
-                next_beat = now + interval
+            next_beat = self._last_beat + interval
             self._apply_events(self._detector.tick(now))
             deadline = self._detector.next_deadline()
             wake = next_beat if deadline is None else min(next_beat, deadline)

@@ -324,3 +324,65 @@ def test_messages_submitted_under_hold_travel_as_one_batch() -> None:
     finally:
         for rt in rts:
             rt.close()
+
+
+def test_published_steps_carry_the_heartbeat_and_the_timer_stays_quiet() -> None:
+    """While a rank publishes steps more often than its heartbeat interval, its heartbeats travel
+    inside those batches and no stand-alone heartbeat is sent; peers still see it alive, at its step.
+    Once the steps stop, the timer beats again."""
+    from lm_resiliency.core.clock import ManualClock
+    from lm_resiliency.core.messages import Batch
+
+    net = InMemoryNetwork()
+    alone: list[int] = []  # stand-alone heartbeats of rank 1 on the wire
+    carried: list[int] = []  # heartbeats of rank 1 inside batches
+
+    def tap(sender: str, frames: list[bytes]) -> list[bytes]:
+        msg = codec.decode(frames[1:])
+        if isinstance(msg, Heartbeat) and msg.rank == 1:
+            alone.append(msg.step)
+        if isinstance(msg, Batch) and msg.rank == 1:
+            carried.extend(
+                m.step for m in map(codec.decode, ([i] for i in msg.items)) if isinstance(m, Heartbeat)
+            )
+        return frames
+
+    net.tamper = tap
+    clock = ManualClock(100.0)
+    cfg = RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0)
+    rts = [
+        RankRuntime(
+            rank=r,
+            world_size=2,
+            node_id="n0",
+            key=KEY,
+            incarnation=1,
+            config=cfg,
+            transport_factory=lambda: InMemoryTransport(net),
+            clock=clock if r == 1 else None,
+        )
+        for r in range(2)
+    ]
+    anns = [rt.start() for rt in rts]
+    try:
+        for rt in rts:
+            rt.connect_peers(anns, announce=True)
+        assert rts[0].wait_for(lambda v: len(v.live) == 2, 2.0)
+        assert rts[1].wait_for(lambda v: len(v.live) == 2, 2.0)
+        beats_before = len(alone)
+        for step in range(1, 21):
+            clock.advance(0.03)  # 0.6 of an interval per step: a heartbeat would be due every 2nd
+            rts[1].set_progress(step)
+            with rts[1].hold():
+                rts[1].submit(StepTelemetry(rank=1, step=step, step_s=0.03))
+                rts[1].submit(StepTelemetry(rank=1, step=step, step_s=0.03))
+            assert rts[0].wait_for(lambda v, s=step: v.telemetry_step(1) == s, 2.0)
+        assert len(alone) == beats_before  # the timer stayed quiet
+        assert len(carried) == 20 and carried[-1] == 20  # every step's batch carried one
+        view = rts[0].view()
+        assert 1 in view.live and view.peers[1].step == 20
+        clock.advance(0.06)  # no step for more than an interval: the timer beats again
+        assert rts[0].wait_for(lambda v: len(alone) > beats_before, 2.0)
+    finally:
+        for rt in rts:
+            rt.close()
