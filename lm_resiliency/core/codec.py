@@ -223,37 +223,23 @@ def _build(tp: Any) -> Checker:
         return never
     if origin is tuple:
         args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            item = _checker(args[0])
+        homogeneous = len(args) == 2 and args[1] is Ellipsis
+        checks = [_checker(a) for a in (args[:1] if homogeneous else args)]
 
-            def homogeneous(value: Any) -> Any:
-                if not isinstance(value, list):
-                    raise _Mismatch("", f"expected array, got {type(value).__name__}")
-                out = []
-                for i, v in enumerate(value):
-                    try:
-                        out.append(item(v))
-                    except _Mismatch as exc:
-                        raise _Mismatch(f"[{i}]{exc.path}", exc.detail) from None
-                return tuple(out)
-
-            return homogeneous
-        items = [_checker(a) for a in args]
-
-        def fixed(value: Any) -> Any:
+        def array(value: Any) -> Any:
             if not isinstance(value, list):
                 raise _Mismatch("", f"expected array, got {type(value).__name__}")
-            if len(items) != len(value):
-                raise _Mismatch("", f"expected {len(items)} items, got {len(value)}")
+            if not homogeneous and len(checks) != len(value):
+                raise _Mismatch("", f"expected {len(checks)} items, got {len(value)}")
             out = []
-            for i, (check, v) in enumerate(zip(items, value, strict=True)):
+            for i, v in enumerate(value):
                 try:
-                    out.append(check(v))
+                    out.append(checks[0 if homogeneous else i](v))
                 except _Mismatch as exc:
                     raise _Mismatch(f"[{i}]{exc.path}", exc.detail) from None
             return tuple(out)
 
-        return fixed
+        return array
     if origin is dict:
         key_tp, val_tp = typing.get_args(tp)
         check_key, check_val = _checker(key_tp), _checker(val_tp)

@@ -28,7 +28,14 @@ def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def _start(n: int, factory, key: bytes = KEY, nodes: list[str] | None = None) -> list[RankRuntime]:  # type: ignore[no-untyped-def]
+def _start(  # type: ignore[no-untyped-def]
+    n: int,
+    factory,
+    key: bytes = KEY,
+    nodes: list[str] | None = None,
+    config: RuntimeConfig = CFG,
+    clocks=None,
+) -> list[RankRuntime]:
     rts = [
         RankRuntime(
             rank=r,
@@ -36,8 +43,9 @@ def _start(n: int, factory, key: bytes = KEY, nodes: list[str] | None = None) ->
             node_id=(nodes or ["n0"] * n)[r],
             key=key,
             incarnation=1,
-            config=CFG,
+            config=config,
             transport_factory=factory,
+            clock=(clocks or [None] * n)[r],
         )
         for r in range(n)
     ]
@@ -350,23 +358,8 @@ def test_published_steps_carry_the_heartbeat_and_the_timer_stays_quiet() -> None
     net.tamper = tap
     clock = ManualClock(100.0)
     cfg = RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0)
-    rts = [
-        RankRuntime(
-            rank=r,
-            world_size=2,
-            node_id="n0",
-            key=KEY,
-            incarnation=1,
-            config=cfg,
-            transport_factory=lambda: InMemoryTransport(net),
-            clock=clock if r == 1 else None,
-        )
-        for r in range(2)
-    ]
-    anns = [rt.start() for rt in rts]
+    rts = _start(2, lambda: InMemoryTransport(net), config=cfg, clocks=[None, clock])
     try:
-        for rt in rts:
-            rt.connect_peers(anns, announce=True)
         assert rts[0].wait_for(lambda v: len(v.live) == 2, 2.0)
         assert rts[1].wait_for(lambda v: len(v.live) == 2, 2.0)
         beats_before = len(alone)
