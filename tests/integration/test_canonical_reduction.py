@@ -40,3 +40,8 @@ def test_gradients_do_not_depend_on_ddp_buckets(processes, tmp_path: Path) -> No
         assert all(staged > 0 for _, staged in res["fresh_paths"]), res
         # Without it the two layouts round differently: what a resumed run would have diverged by.
         assert not all(res["plain_equal"][1:]), res
+        # DDP's other modes: unused parameters, static graph, gradients as bucket views, gradient
+        # accumulation (no_sync), buckets of two dtypes: still bitwise, and the same average as DDP.
+        for name, v in res["variants"].items():
+            assert v["equal"] == [True] * 4, (name, v)
+            assert v["close"] == [True] * 4, (name, v)

@@ -3,13 +3,16 @@
 One model trained for a few iterations (DDP rebuilds its buckets after the first) and the same model
 wrapped in a fresh DDP at every iteration, as a resumed run is (DDP's initial layout), both reduced
 through `CanonicalReduction`; their gradients are compared bitwise. The same pair without our
-reduction (plain DDP) is recorded for reference.
+reduction (plain DDP) is recorded for reference. Then DDP's other modes (unused parameters, static
+graph, gradients as bucket views, gradient accumulation, buckets of two dtypes): warm against fresh
+bitwise, and ours against plain DDP up to rounding.
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS. Writes RESULT_DIR/rank<r>.json.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -28,6 +31,71 @@ def build() -> nn.Module:
     return nn.Sequential(
         nn.Linear(96, 384), nn.Tanh(), nn.Linear(384, 256), nn.LayerNorm(256), nn.Linear(256, 96)
     )
+
+
+class Branchy(nn.Module):
+    """A float64 layer among float32 ones (separate buckets per dtype) and a branch unused on
+    odd steps (DDP's find_unused_parameters path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(96, 192)
+        self.b = nn.Linear(192, 192).double()
+        self.c = nn.Linear(192, 96)
+        self.side = nn.Linear(96, 96)
+        self.use_side = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c(self.b(torch.tanh(self.a(x)).double()).float())
+        return h + self.side(x) if self.use_side else h
+
+
+VARIANTS: dict[str, tuple[Any, dict[str, Any], int]] = {  # model, DDP options, micro-batches
+    "unused_parameters": (Branchy, {"find_unused_parameters": True}, 1),
+    "static_graph": (build, {"static_graph": True}, 1),
+    "bucket_view": (build, {"gradient_as_bucket_view": True}, 1),
+    "accumulation": (build, {}, 3),
+    "mixed_dtypes": (Branchy, {}, 1),
+}
+
+
+def run_variant(name: str, rank: int, world: int, steps: int) -> dict[str, list[bool]]:
+    """Warm against fresh (bitwise) and ours against plain DDP (close: the same average)."""
+    make, kwargs, micro = VARIANTS[name]
+    opts = {"bucket_cap_mb": 0.05, **kwargs}
+    warm, _ = canonical(make(), world, **opts)
+    plain = nn.parallel.DistributedDataParallel(make(), **opts)
+    out: dict[str, list[bool]] = {"equal": [], "close": []}
+    for step in range(steps):
+        fresh, _ = canonical(make(), world, **opts)
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        x = torch.randn(48, 96, generator=g) * torch.logspace(-3, 3, 96)
+        grads = {}
+        for key, m in {"warm": warm, "fresh": fresh, "plain": plain}.items():
+            if isinstance(m.module, Branchy):
+                m.module.use_side = name != "unused_parameters" or step % 2 == 0
+            m.zero_grad()
+            for j, part in enumerate(x.chunk(micro)):
+                sync = j == micro - 1
+                with contextlib.nullcontext() if sync else m.no_sync():
+                    (m(part).pow(2).sum() * (rank + 1.37) / micro).backward()
+            grads[key] = [p.grad.clone() if p.grad is not None else None for p in m.parameters()]
+        out["equal"].append(all(_same(a, b) for a, b in zip(grads["warm"], grads["fresh"], strict=True)))
+        out["close"].append(all(_close(a, b) for a, b in zip(grads["warm"], grads["plain"], strict=True)))
+    return out
+
+
+def _close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Equal up to the rounding of a sum in another order (relative to the tensor's scale: an
+    element that cancels out can differ by more than its own magnitude's epsilon)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return bool((a - b).abs().max() <= 1e-5 * a.abs().max())
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
 def canonical(model: nn.Module, world: int, **ddp_kwargs: Any) -> tuple[nn.Module, CanonicalReduction]:
@@ -75,6 +143,7 @@ def main() -> int:
         result["plain_equal"].append(all(map(torch.equal, grads["warm_plain"], grads["fresh_plain"])))
         result["fresh_paths"].append([r_fresh.in_place, r_fresh.staged])
     result["warm_paths"] = [r_warm.in_place, r_warm.staged]
+    result["variants"] = {name: run_variant(name, rank, world, 4) for name in VARIANTS}
     out = os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json")
     with open(out + ".tmp", "w") as f:
         json.dump(result, f)
