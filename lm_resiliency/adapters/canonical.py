@@ -178,6 +178,11 @@ class CanonicalReduction:
                 assert g.staging is not None
                 off = g.offsets[i]
                 grad.view(-1).copy_(g.staging[off : off + grad.numel()])  # a view into `buffer`
+            if buffer.is_cuda:
+                # This future carries no CUDA events (its value came from plain futures): DDP must
+                # not read the buffer before the copies above ran. Staging is the rare path (DDP's
+                # first iteration after construction), so waiting here costs little.
+                torch.cuda.current_stream(buffer.device).synchronize()
             return buffer
 
         return torch.futures.collect_all(waits).then(copy_back)
