@@ -136,9 +136,11 @@ class CanonicalReduction:
         params: list[torch.Tensor] = list(bucket.parameters())
         grads: list[torch.Tensor] = list(bucket.gradients())
         indices = [self._param_index(p, g) for p, g in zip(params, grads, strict=True)]
-        whole = self._group_of[indices[0]]
         self._active = True
-        if whole.members == indices and whole.numel == buffer.numel() and not whole.arrived:
+        whole = self._group_of[indices[0]] if indices else None
+        if whole is None or (
+            whole.members == indices and whole.numel == buffer.numel() and not whole.arrived
+        ):
             self.in_place += 1
             fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
 
