@@ -10,14 +10,15 @@ registration order, per dtype and device, the first group up to DDP's first-buck
 up to its bucket cap: the layout DDP rebuilds to when gradients become ready in reverse order, as they
 do in most models). Every gradient is reduced as part of its group's flat buffer. When a DDP bucket is
 exactly one canonical group (the common case after DDP's rebuild), its own buffer is reduced in place;
-otherwise the bucket's gradients are staged into their groups' buffers, a group is reduced once all its
-gradients arrived (possibly from later buckets of the same backward), and the results are copied back.
+otherwise a group is staged into a buffer of its own once all its gradients arrived (possibly from later
+buckets of the same backward), reduced, and copied back, with a bound on the staging memory in flight.
 Either way each element is rounded the same way in every run.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,27 +78,42 @@ class _Group:
     numel: int
     dtype: torch.dtype
     device: torch.device
-    staging: torch.Tensor | None = None
-    arrived: set[int] = field(default_factory=set)
-    used: bool = False  # staged in the current iteration
+    # This backward's gradients of the group that arrived (views into DDP's bucket buffers, which
+    # DDP leaves alone until our futures complete), and the future of the group's reduction.
+    views: dict[int, torch.Tensor] = field(default_factory=dict)
     done: torch.futures.Future[None] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
 
 
 class CanonicalReduction:
     """Sums a DDP bucket's gradients over a process group in the canonical layout (module doc).
 
-    Called from DDP's comm hook, on the thread running backward."""
+    Called from DDP's comm hook, on the thread running backward. Staged groups are copied into a
+    buffer of their own only when all their gradients have arrived, and at most `staging_bytes` of
+    such buffers are in flight (a group waits for earlier ones beyond that): DDP's first iteration
+    after construction hands over the whole model as one bucket, and staging all of it at once
+    would need a second copy of every gradient on a device that training has filled."""
 
-    def __init__(self, params: Sequence[torch.Tensor], first_cap: int, cap: int) -> None:
+    def __init__(
+        self, params: Sequence[torch.Tensor], first_cap: int, cap: int, staging_bytes: int | None = None
+    ) -> None:
         self._index = {id(p): i for i, p in enumerate(params)}
         self._groups: list[_Group] = []
         self._group_of: dict[int, _Group] = {}
         for members in canonical_groups(params, first_cap, cap):
             self._add_group(members, params)
+        largest = max((g.nbytes for g in self._groups), default=0)
+        self._budget = max(staging_bytes if staging_bytes is not None else 2 * cap, largest)
+        self._inflight: deque[tuple[torch.futures.Future[None], int]] = deque()
+        self._inflight_bytes = 0
         self._lock = threading.Lock()
         self._active = False  # a reduction ran since the last reset
         self.in_place = 0  # buckets reduced in their own buffer (statistics, tests)
         self.staged = 0
+        self.peak_staging_bytes = 0
 
     @classmethod
     def for_ddp(cls, ddp: nn.Module) -> CanonicalReduction:
@@ -117,18 +133,16 @@ class CanonicalReduction:
 
     def reset(self) -> None:
         """Before a forward: forget partial arrivals (a backward that raised midway leaves some
-        behind), and free the staging buffers the last backward did not need (DDP's first
-        iteration after construction stages everything; later ones usually reduce in place)."""
+        behind)."""
         with self._lock:
             if not self._active:  # no reduction since the last forward (gradient accumulation)
                 return
             self._active = False
             for g in self._groups:
-                g.arrived.clear()
+                g.views = {}
                 g.done = None
-                if not g.used:
-                    g.staging = None
-                g.used = False
+            self._inflight.clear()
+            self._inflight_bytes = 0
 
     def reduce(self, bucket: Any, group: Any) -> torch.futures.Future[torch.Tensor]:
         """Sum the bucket's gradients over `group` (the caller scaled them); a future of its buffer."""
@@ -138,9 +152,7 @@ class CanonicalReduction:
         indices = [self._param_index(p, g) for p, g in zip(params, grads, strict=True)]
         self._active = True
         whole = self._group_of[indices[0]] if indices else None
-        if whole is None or (
-            whole.members == indices and whole.numel == buffer.numel() and not whole.arrived
-        ):
+        if whole is None or (whole.members == indices and whole.numel == buffer.numel() and not whole.views):
             self.in_place += 1
             fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
 
@@ -156,15 +168,10 @@ class CanonicalReduction:
         with self._lock:
             for i, grad in zip(indices, grads, strict=True):
                 g = self._group_of[i]
-                if g.staging is None or g.staging.device != grad.device:
-                    g.staging = torch.empty(g.numel, dtype=g.dtype, device=grad.device)
                 if g.done is None:
                     g.done = torch.futures.Future()
-                g.used = True
-                off = g.offsets[i]
-                g.staging[off : off + grad.numel()].copy_(grad.reshape(-1))
-                g.arrived.add(i)
-                if len(g.arrived) == len(g.members):
+                g.views[i] = grad
+                if len(g.views) == len(g.members):
                     ready.append(g)
                 if g.done not in waits:
                     waits.append(g.done)
@@ -172,33 +179,45 @@ class CanonicalReduction:
         for g in sorted(ready, key=lambda g: g.index):
             self._launch(g, group)
 
-        def copy_back(_: Any) -> torch.Tensor:
+        def handed_back(_: Any) -> torch.Tensor:
             for w in waits:
                 w.value()  # re-raises a failed all-reduce
-            for i, grad in zip(indices, grads, strict=True):
-                g = self._group_of[i]
-                assert g.staging is not None
-                off = g.offsets[i]
-                grad.view(-1).copy_(g.staging[off : off + grad.numel()])  # a view into `buffer`
-            if buffer.is_cuda:
-                # This future carries no CUDA events (its value came from plain futures): DDP must
-                # not read the buffer before the copies above ran. Staging is the rare path (DDP's
-                # first iteration after construction), so waiting here costs little.
-                torch.cuda.current_stream(buffer.device).synchronize()
             return buffer
 
-        return torch.futures.collect_all(waits).then(copy_back)
+        return torch.futures.collect_all(waits).then(handed_back)
 
     def _launch(self, g: _Group, group: Any) -> None:
-        done, staging = g.done, g.staging
-        assert done is not None and staging is not None
-        g.arrived = set()
-        g.done = None
+        done, views = g.done, g.views
+        assert done is not None
+        g.views, g.done = {}, None
+        nbytes = g.nbytes
+        while self._inflight and (
+            self._inflight[0][0].done() or self._inflight_bytes + nbytes > self._budget
+        ):
+            earlier, size = self._inflight.popleft()
+            earlier.wait()  # its sums are back in the buckets and its buffer is free
+            self._inflight_bytes -= size
+        first = next(iter(views.values()))
+        staging = torch.empty(g.numel, dtype=g.dtype, device=first.device)
+        for i, grad in views.items():
+            off = g.offsets[i]
+            staging[off : off + grad.numel()].copy_(grad.reshape(-1))
+        self._inflight.append((done, nbytes))
+        self._inflight_bytes += nbytes
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self._inflight_bytes)
         work = dist.all_reduce(staging, group=group, async_op=True).get_future()
 
         def finish(f: Any) -> None:
             try:
                 f.value()
+                for i, grad in views.items():
+                    off = g.offsets[i]
+                    grad.view(-1).copy_(staging[off : off + grad.numel()])  # a view into a bucket
+                if staging.is_cuda:
+                    # The futures DDP gets carry no CUDA events (their values come from plain
+                    # futures): the copies must have run before they complete. Staging is the rare
+                    # path (DDP's first iteration after construction), so waiting costs little.
+                    torch.cuda.current_stream(staging.device).synchronize()
             except Exception as exc:
                 done.set_exception(exc)  # type: ignore[arg-type]  # typed as the result in torch
             else:

@@ -38,6 +38,8 @@ def test_gradients_do_not_depend_on_ddp_buckets(processes, tmp_path: Path) -> No
         assert res["equal"] == [True] * 4, res
         assert res["warm_paths"][0] > 0, res
         assert all(staged > 0 for _, staged in res["fresh_paths"]), res
+        # The fresh DDP hands the whole model over as one bucket: staged a bounded part at a time.
+        assert 0 < res["fresh_peak_staging"] < res["grad_bytes"], res
         # Without it the two layouts round differently: what a resumed run would have diverged by.
         assert not all(res["plain_equal"][1:]), res
         # DDP's other modes: unused parameters, static graph, gradients as bucket views, gradient

@@ -142,7 +142,9 @@ def main() -> int:
         result["equal"].append(all(map(torch.equal, grads["warm"], grads["fresh"])))
         result["plain_equal"].append(all(map(torch.equal, grads["warm_plain"], grads["fresh_plain"])))
         result["fresh_paths"].append([r_fresh.in_place, r_fresh.staged])
+        result["fresh_peak_staging"] = r_fresh.peak_staging_bytes
     result["warm_paths"] = [r_warm.in_place, r_warm.staged]
+    result["grad_bytes"] = sum(p.numel() * p.element_size() for p in warm.parameters())
     result["variants"] = {name: run_variant(name, rank, world, 4) for name in VARIANTS}
     out = os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json")
     with open(out + ".tmp", "w") as f:
