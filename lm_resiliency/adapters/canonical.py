@@ -77,7 +77,6 @@ class _Group:
     offsets: dict[int, int]  # parameter index -> element offset in the flat buffer
     numel: int
     dtype: torch.dtype
-    device: torch.device
     # This backward's gradients of the group that arrived (views into DDP's bucket buffers, which
     # DDP leaves alone until our futures complete), and the future of the group's reduction.
     views: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -85,7 +84,7 @@ class _Group:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 class CanonicalReduction:
@@ -104,7 +103,7 @@ class CanonicalReduction:
         self._groups: list[_Group] = []
         self._group_of: dict[int, _Group] = {}
         for members in canonical_groups(params, first_cap, cap):
-            self._add_group(members, params)
+            self._add_group(members, [params[i].numel() for i in members], params[members[0]].dtype)
         largest = max((g.nbytes for g in self._groups), default=0)
         self._budget = max(staging_bytes if staging_bytes is not None else 2 * cap, largest)
         self._inflight: deque[tuple[torch.futures.Future[None], int]] = deque()
@@ -119,17 +118,15 @@ class CanonicalReduction:
     def for_ddp(cls, ddp: nn.Module) -> CanonicalReduction:
         return cls(ddp_parameters(ddp), *ddp_caps(ddp))
 
-    def _add_group(self, members: list[int], params: Sequence[torch.Tensor]) -> _Group:
+    def _add_group(self, members: list[int], numels: list[int], dtype: torch.dtype) -> None:
         offsets, n = {}, 0
-        for i in members:
+        for i, numel in zip(members, numels, strict=True):
             offsets[i] = n
-            n += params[i].numel()
-        first = params[members[0]]
-        g = _Group(len(self._groups), members, offsets, n, first.dtype, first.device)
+            n += numel
+        g = _Group(len(self._groups), members, offsets, n, dtype)
         self._groups.append(g)
         for i in members:
             self._group_of[i] = g
-        return g
 
     def reset(self) -> None:
         """Before a forward: forget partial arrivals (a backward that raised midway leaves some
@@ -231,7 +228,5 @@ class CanonicalReduction:
             with self._lock:
                 i = self._index.setdefault(id(p), len(self._index))
                 if i not in self._group_of:
-                    g = _Group(len(self._groups), [i], {i: 0}, grad.numel(), grad.dtype, grad.device)
-                    self._groups.append(g)
-                    self._group_of[i] = g
+                    self._add_group([i], [grad.numel()], grad.dtype)
         return i

@@ -38,10 +38,9 @@ Checker = Callable[[Any], Any]
 @dataclasses.dataclass(frozen=True)
 class _FieldSpec:
     name: str
-    check: Any  # the resolved annotation
     frames: bool
     required: bool
-    checker: Checker  # built once from `check`
+    checker: Checker  # built once from the field's annotation
 
 
 _SPECS: dict[type[Message], tuple[_FieldSpec, ...]] = {}
@@ -57,7 +56,7 @@ def _spec(cls: type[Message]) -> tuple[_FieldSpec, ...]:
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         frames = bool(f.metadata.get("frames"))
         checker = _checker(hints[f.name]) if not frames else _checker(Any)
-        out.append(_FieldSpec(f.name, hints[f.name], frames, required, checker))
+        out.append(_FieldSpec(f.name, frames, required, checker))
     _SPECS[cls] = tuple(out)
     return _SPECS[cls]
 
