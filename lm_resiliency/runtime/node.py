@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import logging
 import os
 import threading
@@ -41,7 +42,7 @@ from lm_resiliency.core.messages import (
 from lm_resiliency.errors import AuthError, CodecError
 from lm_resiliency.runtime.clock import SystemClock
 from lm_resiliency.runtime.loop import LoopThread
-from lm_resiliency.runtime.transport import DIRECT, Endpoints, PeerUnavailable, Transport
+from lm_resiliency.runtime.transport import ALL, DIRECT, Endpoints, PeerUnavailable, Transport
 
 __all__ = ["ClusterView", "PeerView", "RankRuntime"]
 
@@ -70,6 +71,8 @@ class PeerView:
     incarnation: int
     step: int
     progress: int
+    # The peer's last step telemetry; None for peers outside this rank's replica group once SCOUT
+    # scoped telemetry to the group (`RankRuntime.scope_to_group`).
     telemetry: StepTelemetry | None
 
 
@@ -141,6 +144,10 @@ class RankRuntime:
         self.incarnation = incarnation
         self.config = config
         self.replica_group = tuple(replica_group)
+        # Gossip of the tags in `_group_tags` reaches the replica group only (its own topic), when
+        # the group is not the whole job; everything else reaches every rank.
+        self._group_topic = _group_topic(self.replica_group, rank, world_size)
+        self._group_tags: set[str] = set()
         self.dims = {k: tuple(v) for k, v in (dims or {}).items()}
         self._clock = clock or SystemClock()
         self._transport_factory = transport_factory
@@ -202,6 +209,8 @@ class RankRuntime:
     async def _start_in_loop(self) -> Endpoints:
         self._transport = self._transport_factory()
         endpoints = await self._transport.start()
+        if self._group_topic != ALL:
+            self._transport.subscribe(self._group_topic)
         self._wake = asyncio.Event()
         self._loop.spawn(self._receive_forever, name="receive")
         self._loop.spawn(self._publish_forever, name="publish")
@@ -376,6 +385,11 @@ class RankRuntime:
             )
 
     # -- seams for later capabilities (callbacks run in the loop thread) -------------------------
+    def scope_to_group(self, *tags: str) -> None:
+        """Gossip messages of `tags` only to this rank's replica group (the peers that judge them),
+        not to the whole job. Peers outside the group no longer see them, in `view()` either."""
+        self._group_tags.update(tags)
+
     def add_handler(self, tag: str, handler: Handler) -> None:
         self._handlers.setdefault(tag, []).append(handler)
 
@@ -453,13 +467,16 @@ class RankRuntime:
             return self._completed.pop((sender, transfer_id), None)
 
     # -- loop-thread internals --------------------------------------------------------------------
-    async def _publish(self, msg: Message) -> None:
-        await self._publish_encoded(codec.encode(msg))
+    async def _publish(self, msg: Message, topic: bytes = ALL) -> None:
+        await self._publish_encoded(codec.encode(msg), topic)
 
-    async def _publish_encoded(self, frames: list[Frame]) -> None:
+    async def _publish_encoded(self, frames: list[Frame], topic: bytes = ALL) -> None:
         assert self._transport is not None
-        await self._transport.publish(self._signer.seal(frames))
+        await self._transport.publish(self._signer.seal(frames), topic)
         self._stats.gossip_sent += 1
+
+    def _topic(self, msg: Message) -> bytes:
+        return self._group_topic if msg.TAG in self._group_tags else ALL
 
     async def _send_direct(
         self, peer: int, msg: Message, raise_errors: bool = False, digests: Sequence[bytes] | None = None
@@ -484,31 +501,38 @@ class RankRuntime:
                 if peer is not None:
                     await self._send_direct(peer, msg)
                     continue
-                batch = [msg]
-                while self._outbox and self._outbox[0][0] is None and len(batch) < MAX_BATCH:
+                batch, topic = [msg], self._topic(msg)
+                while (
+                    self._outbox
+                    and self._outbox[0][0] is None
+                    and len(batch) < MAX_BATCH
+                    and self._topic(self._outbox[0][1]) == topic
+                ):
                     batch.append(self._outbox.popleft()[1])
-                await self._publish_batch(batch)
+                await self._publish_batch(batch, topic)
                 for m in batch:
                     self._loopback(m)
 
-    async def _publish_batch(self, msgs: list[Message]) -> None:
-        """Gossip `msgs`: those without buffers sealed as one `Batch` when there are several.
+    async def _publish_batch(self, msgs: list[Message], topic: bytes = ALL) -> None:
+        """Gossip `msgs` (all of one topic): those without buffers sealed as one `Batch` when there
+        are several.
 
-        Gossip carries this rank's heartbeat too (in the batch) when the last one is half an
-        interval old: while steps are published (every step's telemetry), the timer's own
-        heartbeats are not needed, and all-to-all heartbeats are most of the gossip of a large job."""
+        Gossip to every rank carries this rank's heartbeat too (in the batch) when the last one is
+        half an interval old: while steps are published (every step's telemetry), the timer's own
+        heartbeats are not needed, and all-to-all heartbeats are most of the gossip of a large job.
+        Gossip to the replica group only does not: the other ranks would not hear it."""
         encoded = [codec.encode(m) for m in msgs]
         headers = [bytes(f[0]) for f in encoded if len(f) == 1]
         now = self._clock.monotonic()
-        if headers and now - self._last_beat >= self.config.heartbeat_interval_s / 2:
+        if headers and topic == ALL and now - self._last_beat >= self.config.heartbeat_interval_s / 2:
             beat = Heartbeat(self.rank, self.incarnation, self._step, self._progress_counter)
             headers.append(bytes(codec.encode(beat)[0]))
             self._last_beat = now
         if len(headers) > 1:
-            await self._publish(Batch(self.rank, tuple(headers)))
+            await self._publish(Batch(self.rank, tuple(headers)), topic)
             encoded = [f for f in encoded if len(f) != 1]
         for frames in encoded:
-            await self._publish_encoded(frames)
+            await self._publish_encoded(frames, topic)
 
     def _loopback(self, msg: Message) -> None:
         """Our own gossip reaches our own handlers too: every rank judges the same evidence set."""
@@ -723,6 +747,15 @@ class RankRuntime:
             self._stats.bulk_rejected += 1
         reason = "" if ok else f"{t.received_bytes} bytes arrived, {t.total_bytes} announced"
         await self._send_direct(chunk.rank, BulkAck(self.rank, chunk.transfer_id, -1, ok, reason))
+
+
+def _group_topic(group: Sequence[int], rank: int, world_size: int) -> bytes:
+    """The gossip topic of `rank`'s replica group: `ALL` when the group is the whole job (or
+    unknown), else one topic per group, the same on each of its members."""
+    members = sorted(set(group))
+    if rank not in members or len(members) >= world_size:
+        return ALL
+    return b"g" + hashlib.blake2b(",".join(map(str, members)).encode(), digest_size=8).digest()
 
 
 def _pick(endpoints: Sequence[str], allow_ipc: bool) -> str:

@@ -2,7 +2,9 @@
 
 Two channels, both carrying lists of frames:
 - gossip: `publish` fans out to every runtime subscribed to us (ZeroMQ PUB/SUB). Best effort: a slow
-  subscriber drops gossip rather than stalling the publisher.
+  subscriber drops gossip rather than stalling the publisher. Each message has a topic: `ALL` (every
+  runtime takes it) or one a runtime `subscribe`s to besides (its replica group's): the publisher
+  sends a topic's messages only to subscribers of that topic (ZeroMQ filters at the publisher).
 - direct: `send` reaches one peer (a DEALER per peer, connected to the peer's ROUTER). Ordered per
   peer, flow-controlled by the high-water mark; used for requests and bulk transfers.
 
@@ -27,13 +29,14 @@ from typing import Any, Protocol, runtime_checkable
 import zmq
 import zmq.asyncio
 
-__all__ = ["Endpoints", "Incoming", "PeerUnavailable", "Transport", "ZmqTransport"]
+__all__ = ["ALL", "Endpoints", "Incoming", "PeerUnavailable", "Transport", "ZmqTransport"]
 
 log = logging.getLogger(__name__)
 Frame = bytes | memoryview
 
 GOSSIP = "gossip"
 DIRECT = "direct"
+ALL = b"*"  # the topic every runtime subscribes to; others must not start with it
 
 
 class PeerUnavailable(ConnectionError):
@@ -72,7 +75,13 @@ class Transport(Protocol):
         """Forget `peer`: stop receiving its gossip; `send` to it raises PeerUnavailable."""
         ...
 
-    async def publish(self, frames: Sequence[Frame]) -> None: ...
+    def subscribe(self, topic: bytes) -> None:
+        """Also take gossip published with `topic` (every transport takes `ALL`)."""
+        ...
+
+    async def publish(self, frames: Sequence[Frame], topic: bytes = ALL) -> None:
+        """Fan `frames` out to the subscribers of `topic`."""
+        ...
 
     async def send(self, peer: int, frames: Sequence[Frame]) -> None:
         """Queue `frames` to `peer`. Raises PeerUnavailable if it is not connected."""
@@ -116,7 +125,7 @@ class ZmqTransport:
         self._router.setsockopt(zmq.RCVHWM, self._hwm)
         self._sub = self._socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, self._hwm)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.SUBSCRIBE, ALL)
         pub = [self._bind(self._pub, "pub")]
         router = [self._bind(self._router, "router")]
         if self._use_ipc:
@@ -176,10 +185,17 @@ class ZmqTransport:
         if dealer is not None:
             dealer.close(linger=0)
 
-    async def publish(self, frames: Sequence[Frame]) -> None:
+    def subscribe(self, topic: bytes) -> None:
+        if self._sub is None or self._closed:
+            raise PeerUnavailable("transport is closed")
+        _check_topic(topic)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+
+    async def publish(self, frames: Sequence[Frame], topic: bytes = ALL) -> None:
         if self._pub is None or self._closed:
             raise PeerUnavailable("transport is closed")
-        await self._pub.send_multipart(frames, copy=_copy(frames))
+        # The topic travels as a frame of its own, ahead of the message (ZeroMQ matches the first).
+        await self._pub.send_multipart([topic, *frames], copy=_copy(frames))
 
     async def send(self, peer: int, frames: Sequence[Frame]) -> None:
         dealer = self._dealers.get(peer)
@@ -197,14 +213,14 @@ class ZmqTransport:
             # when neither had anything.
             self._readable.clear()
             if _has_input(self._sub_raw):
-                self._drain(self._sub_raw, GOSSIP, strip_identity=False)
+                self._drain(self._sub_raw, GOSSIP)
             if _has_input(self._router_raw):
-                self._drain(self._router_raw, DIRECT, strip_identity=True)
+                self._drain(self._router_raw, DIRECT)
             if not self._pending:
                 await self._readable.wait()
         return self._pending.popleft()
 
-    def _drain(self, raw: zmq.Socket[Any], channel: str, strip_identity: bool, limit: int = 64) -> None:
+    def _drain(self, raw: zmq.Socket[Any], channel: str, limit: int = 64) -> None:
         for i in range(limit):
             if i and not _has_input(raw):  # asking is cheaper than a failed read's exception
                 return
@@ -212,9 +228,8 @@ class ZmqTransport:
                 parts = raw.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            frames: list[Frame] = [p.buffer for p in parts]
-            if strip_identity:
-                frames = frames[1:]
+            # A ROUTER's first frame is the sender's identity, a SUB's the topic: neither is ours.
+            frames: list[Frame] = [p.buffer for p in parts[1:]]
             self._pending.append(Incoming(channel, frames))
 
     async def close(self) -> None:
@@ -242,6 +257,11 @@ class ZmqTransport:
 
 
 ZERO_COPY_THRESHOLD = 1 << 16
+
+
+def _check_topic(topic: bytes) -> None:
+    if not topic or topic.startswith(ALL):
+        raise ValueError(f"topic {topic!r}: must be non-empty and not start with {ALL!r}")
 
 
 def _has_input(raw: zmq.Socket[Any]) -> bool:

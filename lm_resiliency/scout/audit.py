@@ -99,22 +99,35 @@ class AuditRecord:
     micro: list[MicroBatch] = field(default_factory=list)
     contrib: dict[int, torch.Tensor] = field(default_factory=dict)  # parameter index -> contribution
     problem: str = ""
+    grads_problem: str = ""  # why this step's gradients cannot be compared (its forward still is)
 
 
 class AuditRecorder:
-    """Records the micro-batches of the steps `due()` names (training thread)."""
+    """Records the micro-batches of the steps `due()` names (training thread).
+
+    `local_grads`: the module's gradients are this rank's own `.grad` as backward accumulated it,
+    before whatever reduces them (an expert's replicas, a framework's own all-reduce), taken by
+    post-accumulate hooks. Otherwise they come from the DDP comm hook (`on_contributions`)."""
 
     MAX_MICRO_BATCHES = 64
 
-    def __init__(self, module: torch.nn.Module, due: Callable[[], int | None]) -> None:
+    def __init__(
+        self, module: torch.nn.Module, due: Callable[[], int | None], local_grads: bool = False
+    ) -> None:
         self.module = module
         self._due = due
+        self.local_grads = local_grads
         self.params = list(module.parameters())
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.replaying = False
         self._record: AuditRecord | None = None
         self._post_handle = module.register_forward_hook(self._post)
         self._handles = [module.register_forward_pre_hook(self._pre, with_kwargs=True), self._post_handle]
+        if local_grads:
+            for p in self.params:
+                if p.requires_grad:
+                    hook = p.register_post_accumulate_grad_hook(self._accumulated)  # type: ignore[no-untyped-call]
+                    self._handles.append(hook)
 
     def close(self) -> None:
         for h in self._handles:
@@ -130,6 +143,9 @@ class AuditRecorder:
             return
         if self._record is None or self._record.step != step:
             self._record = AuditRecord(step)
+            if self.local_grads and any(p.grad is not None and bool(p.grad.any()) for p in self.params):
+                # `.grad` will hold more than this step's gradients: nothing to compare them with.
+                self._record.grads_problem = "gradients were not zeroed before the step"
         rec = self._record
         if rec.problem:
             return
@@ -195,6 +211,20 @@ class AuditRecorder:
             if i is not None:
                 rec.contrib[i] = g.detach().clone()
 
+    def _accumulated(self, p: torch.Tensor) -> None:
+        """Backward accumulated into `p.grad`: keep what it holds (the last call, after the last
+        micro-batch, holds the step's sum)."""
+        rec = self._record
+        if rec is None or rec.problem or rec.grads_problem or self.replaying or p.grad is None:
+            return
+        if p.grad.layout != torch.strided:
+            rec.grads_problem = f"{p.grad.layout} gradients"
+            rec.contrib.clear()
+            return
+        i = self._index.get(id(p))
+        if i is not None:
+            rec.contrib[i] = p.grad.detach().clone()
+
     def finish(self, step: int) -> AuditRecord | None:
         """The record of `step`, if it was recorded (at its optimizer pre-hook)."""
         rec, self._record = self._record, None
@@ -213,14 +243,15 @@ def package(rec: AuditRecord, scale: float | None, limit_bytes: int) -> tuple[di
     """The record as host data for an auditor (None and why when it cannot be audited).
 
     `scale`: the factor the comm hook multiplied this rank's gradients by before the all-reduce
-    (None: no DDP reduction, so gradients are not audited). Above `limit_bytes`, the output
-    gradients are left out (only the forward is audited)."""
+    (1.0 for a `local_grads` recorder; None: no gradients to compare, only the forward is
+    audited). Above `limit_bytes`, the output gradients are left out (only the forward is
+    audited)."""
     if rec.problem:
         return None, rec.problem
     # Fingerprints travel as hex strings: a weights_only load refuses how torch.save pickles b"".
     grads_fp = ""
     grad_index: list[int] = []
-    if scale is not None and rec.contrib and all(mb.grads_seen for mb in rec.micro):
+    if scale is not None and rec.contrib and not rec.grads_problem and all(mb.grads_seen for mb in rec.micro):
         grad_index = sorted(rec.contrib)
         grads_fp = fingerprint(_canonical(rec.contrib[i]) for i in grad_index).hex()
     micro = []

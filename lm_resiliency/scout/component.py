@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,39 @@ def _expert_modules(inner: torch.nn.Module, info: Any) -> dict[str, torch.nn.Mod
         except AttributeError as exc:
             raise ValueError(f"parallelism_info['expert_modules']: no module {name!r} in the model") from exc
     return out
+
+
+def _builtin_only(module: torch.nn.Module) -> bool:
+    """Whether `module` and everything in it are torch's own layers, which compute locally (no
+    collective inside: SyncBatchNorm is the one that has one)."""
+    return all(
+        type(m).__module__.startswith("torch.nn.modules.")
+        and not isinstance(m, torch.nn.SyncBatchNorm)
+        and not any(callable(getattr(p, "to_local", None)) for p in m.parameters(recurse=False))
+        for m in module.modules()
+    )
+
+
+def _dense_units(inner: torch.nn.Module, experts: Iterable[torch.nn.Module]) -> dict[str, torch.nn.Module]:
+    """The dense layers of an expert-parallel model that a replica can re-execute on its own: the
+    largest subtrees with parameters made of torch's own layers only, outside the expert modules
+    (a custom module may hold the experts' all-to-all; torch's layers never do). In name order."""
+    skip = {id(m) for m in experts}
+    out: dict[str, torch.nn.Module] = {}
+
+    def walk(prefix: str, module: torch.nn.Module) -> None:
+        if id(module) in skip:
+            return
+        has_params = any(True for _ in module.parameters())
+        if has_params and _builtin_only(module) and not any(id(m) in skip for m in module.modules()):
+            out[prefix] = module
+            return
+        for name, child in module.named_children():
+            walk(f"{prefix}.{name}" if prefix else name, child)
+
+    walk("", inner)
+    out.pop("", None)  # the whole model is never a dense unit of an expert-parallel one
+    return dict(sorted(out.items()))
 
 
 def _tri(value: int) -> bool | None:
@@ -175,7 +208,8 @@ class Scout:
         # that hold the same experts (the replica group).
         self._auditors: dict[str, AuditRecorder] = {}
         self._audit_scale: float | None = None
-        self._audit_state = "unchecked"  # -> "ok" once our own replay reproduced us; "off": cannot
+        self._audit_state = "on"  # "off" once no audited module is left (see `_verify_own`)
+        self._verified: set[str] = set()  # audited modules whose replay of our own step reproduced it
         self._audit_inbox: dict[tuple[int, int], bytes] = {}  # (step, sender) -> package
         self._audits: dict[int, dict[int, tuple[int, str, str]]] = {}  # step -> auditor -> result
         self.audit_stats: dict[str, int] = {}  # this rank's audits by finding ("ok", "skipped", ...)
@@ -197,12 +231,24 @@ class Scout:
             )
             if experts:
                 # The whole model's forward holds the experts' all-to-all: not replayable on one
-                # rank. Each expert is: its replicas hold the same weights.
-                self._auditors = {name: AuditRecorder(m, self._audit_due) for name, m in experts.items()}
+                # rank. Each expert is (its replicas hold the same weights), and so is each dense
+                # unit (every rank holds the same dense weights), one dense unit per audited step in
+                # turn, so an audit records and re-executes about one layer more than the experts.
+                # Their gradients are compared as backward left them in `.grad`, before reduction.
+                self._auditors = {
+                    name: AuditRecorder(m, self._audit_due, local_grads=True) for name, m in experts.items()
+                }
+                dense = _dense_units(inner, experts.values())
+                for i, (name, m) in enumerate(dense.items()):
+                    due = functools.partial(self._dense_due, i, len(dense))
+                    self._auditors[name] = AuditRecorder(m, due, local_grads=True)
             elif why:
                 log.info("rank %d: audits are off: %s", rank, why)
             else:
-                self._auditors = {"": AuditRecorder(inner, self._audit_due)}
+                # Without DDP (the caller reduces gradients itself), `.grad` after backward is this
+                # rank's own; under DDP it may be a bucket the all-reduce is writing into, so the
+                # gradients come from our comm hook instead (when the adapter installed it).
+                self._auditors = {"": AuditRecorder(inner, self._audit_due, local_grads=not ddp)}
                 if ddp and hasattr(adapter, "contribution_tap"):  # our comm hook taps the gradients
                     self._audit_scale = 1.0 / len(self.group)
         if hasattr(adapter, "contribution_tap") and (self._recorder or self._audit_scale is not None):
@@ -217,6 +263,10 @@ class Scout:
         self.on_revoked: Callable[[int], None] | None = None
         self._last_params: tuple[int, bytes, bytes] = (-1, b"", b"")  # step, params, optimizer state
         self._params_split: tuple[int, set[int]] = (-1, set())  # last checked step params disagreed
+        # Phase times, evidence, audit and replay results, votes and link reports are judged by the
+        # replica group alone: only its members get them (job-wide gossip grows with the job).
+        # Progress stays job-wide: a hang's culprit may be in another group's collective.
+        runtime.scope_to_group("step", "evid", "audt", "rply", "vote", "link")
         runtime.add_handler("rply", lambda sealed, msg: self._on_replay_result(msg))
         runtime.add_handler("audt", lambda sealed, msg: self._on_audit_result(msg))
         runtime.add_transfer_listener(self._on_transfer)
@@ -269,6 +319,13 @@ class Scout:
         step = self._session_step() + 1
         interval = self.config.audit_interval
         if self._audit_state == "off" or step % interval or self._paused():
+            return None
+        return step
+
+    def _dense_due(self, index: int, units: int) -> int | None:
+        """The step to record for dense unit `index` of `units`: audited steps in turn."""
+        step = self._audit_due()
+        if step is None or (step // self.config.audit_interval) % units != index:
             return None
         return step
 
@@ -373,9 +430,8 @@ class Scout:
         for name, record in records.items():
             if record is None or self._paused():
                 continue  # an expert no token reached, or detection paused
-            payload, problem = package(
-                record, self._audit_scale if name == "" else None, self.config.audit_max_mib << 20
-            )
+            scale = 1.0 if self._auditors[name].local_grads else self._audit_scale
+            payload, problem = package(record, scale, self.config.audit_max_mib << 20)
             if payload is None:
                 problems.append(f"{name or 'the model'}: {problem}")
             else:
@@ -422,6 +478,33 @@ class Scout:
     def _own_replays_hold(self, own: dict[str, dict[str, Any]]) -> bool:
         return all(replay_package(self._auditors[n], p).finding(p) == "ok" for n, p in own.items())
 
+    def _verify_own(self, step: int, own: dict[str, dict[str, Any]]) -> None:
+        """A module is audited once a replay of this rank's own step of it reproduced that step
+        bitwise. One that does not (non-deterministic kernels, a forward that reads state outside
+        the module, weights also used outside it) is recorded no more, with a warning; audits stop
+        when none is left."""
+        for name in sorted(set(own) - self._verified):
+            try:
+                ok = replay_package(self._auditors[name], own[name]).finding(own[name]) == "ok"
+            except Exception as exc:  # what the module cannot take again: not auditable here
+                log.debug("rank %d: own replay of %r raised %s", self.rank, name, exc)
+                ok = False
+            if ok:
+                self._verified.add(name)
+                continue
+            log.warning(
+                "rank %d: a replay of this rank's own step %d does not reproduce %s bitwise "
+                "(non-deterministic kernels, a forward that depends on state outside the module or "
+                "weights also used outside it); it is not audited on this rank",
+                self.rank,
+                step,
+                f"module {name!r}" if name else "the model",
+            )
+            self._auditors.pop(name).close()
+            del own[name]
+        if not self._auditors:
+            self._audit_state = "off"
+
     def _check(self, step: int, target: int, blob: bytes, own: dict[str, dict[str, Any]]) -> tuple[str, str]:
         """Replay `target`'s packages; a finding only when two replays agree with each other and our
         own step replays bitwise (the replay itself is sound here)."""
@@ -432,24 +515,16 @@ class Scout:
             return "skipped", f"malformed package: {exc}"
         if their_step != step:
             return "skipped", f"package of step {their_step}"
-        unknown = sorted(set(theirs) - set(self._auditors))
-        if unknown:
-            return "skipped", f"modules {unknown} are not audited here"
-        if not own:
-            return "skipped", "own step not recorded, so the replay cannot be verified"
-        if self._audit_state == "unchecked":
-            if not self._own_replays_hold(own):
-                self._audit_state = "off"
-                log.warning(
-                    "rank %d: a replay of this rank's own step %d does not reproduce it bitwise "
-                    "(non-deterministic kernels or a forward that depends on state outside the "
-                    "module); audits are off on this rank",
-                    self.rank,
-                    step,
-                )
-                return "skipped", "own replay does not reproduce this rank's step"
-            self._audit_state = "ok"
-        for name in sorted(theirs):
+        self._verify_own(step, own)
+        # Only modules whose own step of this step replays here too: a finding counts when our own
+        # replay still holds after it (the auditor's device computes right now).
+        audited = [n for n in sorted(theirs) if n in self._verified and n in own]
+        if not audited:
+            unknown = sorted(set(theirs) - set(self._auditors))
+            if unknown:
+                return "skipped", f"modules {unknown} are not audited here"
+            return "skipped", "own step not recorded or not reproducible, so the replay cannot be verified"
+        for name in audited:
             recorder, payload = self._auditors[name], theirs[name]
             try:
                 first = replay_package(recorder, payload)

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from lm_resiliency.runtime.transport import DIRECT, GOSSIP, Endpoints, PeerUnavailable, Transport
+from lm_resiliency.runtime.transport import ALL, DIRECT, GOSSIP, Endpoints, PeerUnavailable, Transport
 
 __all__ = ["CONTRACT", "TransportFactory"]
 
@@ -68,6 +68,47 @@ async def check_gossip_reaches_every_subscriber(make: TransportFactory) -> None:
                 assert got.channel == GOSSIP and [bytes(f) for f in got.frames] == [b"hello"]
     finally:
         for t in (pub, *subs):
+            await t.close()
+
+
+async def check_gossip_topics_reach_their_subscribers_only(make: TransportFactory) -> None:
+    pub, inside, outside = make(), make(), make()
+    ep = await pub.start()
+    for s in (inside, outside):
+        await s.start()
+        s.connect(0, ep.pub[-1], ep.router[-1])
+    inside.subscribe(b"g-one")
+    try:
+        for bad in (b"", ALL + b"x"):
+            try:
+                inside.subscribe(bad)
+                raise AssertionError(f"topic {bad!r} must be refused")
+            except ValueError:
+                pass
+        with anyio.fail_after(TIMEOUT):
+            # Subscriptions take effect at the publisher a moment later: publish until both landed.
+            got = None
+            while got is None:
+                await pub.publish([b"group"], topic=b"g-one")
+                with anyio.move_on_after(0.05):
+                    got = await inside.recv()
+            assert got.channel == GOSSIP and [bytes(f) for f in got.frames] == [b"group"]
+            got = None
+            while got is None:
+                await pub.publish([b"everyone"])
+                with anyio.move_on_after(0.05):
+                    got = await outside.recv()
+            # Everything the outsider ever received is ALL gossip, none of the group's.
+            assert [bytes(f) for f in got.frames] == [b"everyone"]
+            await pub.publish([b"group"], topic=b"g-one")
+            await pub.publish([b"last"])
+            while True:
+                frames = [bytes(f) for f in (await outside.recv()).frames]
+                if frames == [b"last"]:
+                    break
+                assert frames == [b"everyone"], frames
+    finally:
+        for t in (pub, inside, outside):
             await t.close()
 
 
@@ -124,6 +165,7 @@ async def check_close_is_idempotent_and_final(make: TransportFactory) -> None:
 CONTRACT: list[Callable[[TransportFactory], Awaitable[None]]] = [
     check_direct_frames_intact_and_ordered,
     check_gossip_reaches_every_subscriber,
+    check_gossip_topics_reach_their_subscribers_only,
     check_send_to_unknown_or_disconnected_peer_raises,
     check_reconnect_reaches_a_restarted_peer,
     check_close_is_idempotent_and_final,

@@ -12,7 +12,15 @@ import asyncio
 import itertools
 from collections.abc import Callable, Sequence
 
-from lm_resiliency.runtime.transport import DIRECT, GOSSIP, Endpoints, Incoming, PeerUnavailable
+from lm_resiliency.runtime.transport import (
+    ALL,
+    DIRECT,
+    GOSSIP,
+    Endpoints,
+    Incoming,
+    PeerUnavailable,
+    _check_topic,
+)
 
 __all__ = ["InMemoryNetwork", "InMemoryTransport"]
 
@@ -60,6 +68,7 @@ class InMemoryTransport:
         self.inbox: asyncio.Queue[Incoming] = asyncio.Queue()
         self.closed = False
         self._subscribers: set[str] = set()  # router addresses of those subscribed to our pub
+        self.topics: set[bytes] = {ALL}  # gossip topics this transport takes
         self._subscriptions: dict[int, str] = {}  # peer -> its pub address
         self._routes: dict[int, str] = {}  # peer -> its router address
         self._started = False
@@ -95,11 +104,20 @@ class InMemoryTransport:
         if publisher is not None:
             publisher._subscribers.discard(self.router_address)
 
-    async def publish(self, frames: Sequence[Frame]) -> None:
+    def subscribe(self, topic: bytes) -> None:
+        if self.closed:
+            raise PeerUnavailable("transport is closed")
+        _check_topic(topic)
+        self.topics.add(topic)
+
+    async def publish(self, frames: Sequence[Frame], topic: bytes = ALL) -> None:
         if self.closed:
             raise PeerUnavailable("transport is closed")
         for address in sorted(self._subscribers):
-            self.network.deliver(self, address, Incoming(GOSSIP, list(frames)))
+            target = self.network.listeners.get(address)
+            # As ZeroMQ matches subscriptions: a prefix of the topic.
+            if target is not None and any(topic.startswith(t) for t in target.topics):
+                self.network.deliver(self, address, Incoming(GOSSIP, list(frames)))
         await asyncio.sleep(0)
 
     async def send(self, peer: int, frames: Sequence[Frame]) -> None:

@@ -226,11 +226,25 @@ def test_local_gradient_corruption_is_found_with_gradient_accumulation(processes
         ], res["faults"]
 
 
-@pytest.mark.parametrize("scenario", ["clean", "expert-once"])
-def test_an_expert_is_audited_by_a_replica_of_it(processes, tmp_path: Path, scenario: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("scenario", "module", "reason"),
+    [
+        ("clean", "expert", ""),
+        ("output-once", "expert", "forward_replay_mismatch"),
+        ("grad-once", "expert", "backward_replay_mismatch"),
+        # Dense units embed, gate, head are audited in turn (name order): step 5 is head's.
+        ("output-once", "head", "forward_replay_mismatch"),
+        ("grad-once", "head", "backward_replay_mismatch"),
+    ],
+    ids=["clean", "expert-output", "expert-grad", "dense-output", "dense-grad"],
+)
+def test_an_expert_parallel_model_is_audited_by_replicas(  # type: ignore[no-untyped-def]
+    processes, tmp_path: Path, scenario: str, module: str, reason: str
+) -> None:
     """Expert parallelism: the forward's all-to-all keeps the whole model from being replayed on one
-    rank, so each expert module is audited by the rank holding the same expert. A corrupted expert
-    output is averaged into every replica's gradients (fingerprints agree); the audit names it."""
+    rank, so each expert module is audited by the rank holding the same expert, and the dense layers
+    (torch's own layers outside the experts) one per audited step in turn. A corrupted output or local
+    gradient is averaged into every replica's gradients (fingerprints agree); the audit names it."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     steps = 8
     procs = [
@@ -243,6 +257,7 @@ def test_an_expert_is_audited_by_a_replica_of_it(processes, tmp_path: Path, scen
                 "RESULT_DIR": str(tmp_path),
                 "STEPS": str(steps),
                 "SCENARIO": scenario,
+                "MODULE": module,
                 "CULPRIT": "3",
                 "AT_STEP": "5",
             },
@@ -258,6 +273,6 @@ def test_an_expert_is_audited_by_a_replica_of_it(processes, tmp_path: Path, scen
         if scenario == "clean":
             assert found == [] and res["audits"] == {"ok": steps}, res
         elif r in (1, 3):  # the replica group of the culprit's expert decides
-            assert found == [("sdc", [3], "forward_replay_mismatch", [5])], res
+            assert found == [("sdc", [3], reason, [5])], res
         else:
             assert found == [] and res["audits"] == {"ok": steps}, res

@@ -35,6 +35,7 @@ def _start(  # type: ignore[no-untyped-def]
     nodes: list[str] | None = None,
     config: RuntimeConfig = CFG,
     clocks=None,
+    groups: list[tuple[int, ...]] | None = None,
 ) -> list[RankRuntime]:
     rts = [
         RankRuntime(
@@ -46,6 +47,7 @@ def _start(  # type: ignore[no-untyped-def]
             config=config,
             transport_factory=factory,
             clock=(clocks or [None] * n)[r],
+            replica_group=next((g for g in groups or () if r in g), ()),
         )
         for r in range(n)
     ]
@@ -376,6 +378,97 @@ def test_published_steps_carry_the_heartbeat_and_the_timer_stays_quiet() -> None
         assert 1 in view.live and view.peers[1].step == 20
         clock.advance(0.06)  # no step for more than an interval: the timer beats again
         assert rts[0].wait_for(lambda v: len(alone) > beats_before, 2.0)
+    finally:
+        for rt in rts:
+            rt.close()
+
+
+@pytest.mark.parametrize("kind", ["zmq", "memory"])
+def test_group_scoped_gossip_reaches_the_replica_group_only(kind: str) -> None:
+    """Tags scoped to the group travel on the group's topic (the publisher filters): replicas get
+    them, other ranks never do, yet still get job-wide gossip and keep everyone alive, with the
+    heartbeat no longer riding in group-only batches."""
+    from lm_resiliency.core.messages import Progress
+
+    net = InMemoryNetwork()
+    factory = (lambda: ZmqTransport("127.0.0.1")) if kind == "zmq" else (lambda: InMemoryTransport(net))
+    rts = _start(4, factory, groups=[(0, 1), (2, 3)])
+    seen: dict[int, list[str]] = {r: [] for r in range(4)}
+    try:
+        for rt in rts:
+            rt.scope_to_group("step")
+            rt.add_handler("step", lambda sealed, msg, r=rt.rank: seen[r].append(f"step{msg.rank}"))
+            rt.add_handler("prog", lambda sealed, msg, r=rt.rank: seen[r].append(f"prog{msg.rank}"))
+            assert rt.wait_for(lambda v: len(v.live) == 4, 5.0)
+        # A ZeroMQ subscription reaches the publisher a moment after connecting: publish until the
+        # replica has one step, then a job-wide marker; no rank may have more than it is owed.
+        step = 0
+        while not rts[1].wait_for(lambda v: v.telemetry_step(0) >= 0, 0.05):
+            step += 1
+            assert step < 200, "the replica never got the group's gossip"
+            rts[0].submit(StepTelemetry(rank=0, step=step, step_s=0.1))
+        for r in (2, 3):
+            while "prog0" not in seen[r]:
+                rts[0].submit(Progress(0, step, 0, 0.0, 0.0))
+                rts[r].wait_for(lambda v, r=r: "prog0" in seen[r], 0.05)
+        for r in (2, 3):
+            assert "step0" not in seen[r] and rts[r].view().peers[0].telemetry is None
+        assert "step0" in seen[1] and "step0" in seen[0]  # looped back to its own handlers too
+        for rt in rts:
+            assert rt.view().live == frozenset(range(4))
+        assert rts[0]._group_topic == rts[1]._group_topic != rts[2]._group_topic
+    finally:
+        for rt in rts:
+            rt.close()
+
+
+def test_a_group_that_is_the_whole_job_gossips_on_the_common_topic() -> None:
+    from lm_resiliency.runtime.node import _group_topic
+    from lm_resiliency.runtime.transport import ALL
+
+    assert _group_topic((0, 1, 2), 1, 3) == ALL
+    assert _group_topic((), 1, 3) == ALL
+    assert _group_topic((0, 2), 1, 3) == ALL  # not a member: nothing to scope to
+    assert _group_topic((2, 0), 0, 3) == _group_topic((0, 2), 2, 3) != ALL
+
+
+def test_group_only_gossip_does_not_carry_the_heartbeat() -> None:
+    """A rank whose steps go to its replica group only must still beat for the rest of the job."""
+    from lm_resiliency.core.clock import ManualClock
+    from lm_resiliency.core.messages import Batch
+
+    net = InMemoryNetwork()
+    alone: list[int] = []
+    carried: list[int] = []
+
+    def tap(sender: str, frames: list[bytes]) -> list[bytes]:
+        msg = codec.decode(frames[1:])
+        if isinstance(msg, Heartbeat) and msg.rank == 0:
+            alone.append(msg.step)
+        if isinstance(msg, Batch) and msg.rank == 0:
+            carried.extend(
+                m.step for m in map(codec.decode, ([i] for i in msg.items)) if isinstance(m, Heartbeat)
+            )
+        return frames
+
+    net.tamper = tap
+    clock = ManualClock(100.0)
+    cfg = RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0)
+    rts = _start(3, lambda: InMemoryTransport(net), config=cfg, clocks=[clock, None, None], groups=[(0, 1)])
+    try:
+        rts[0].scope_to_group("step")
+        assert rts[2].wait_for(lambda v: len(v.live) == 3, 2.0)
+        for step in range(1, 11):
+            clock.advance(0.03)
+            rts[0].set_progress(step)
+            with rts[0].hold():
+                rts[0].submit(StepTelemetry(rank=0, step=step, step_s=0.03))
+                rts[0].submit(StepTelemetry(rank=0, step=step, step_s=0.03))
+            assert rts[1].wait_for(lambda v, s=step: v.telemetry_step(0) == s, 2.0)
+        assert carried == [] and len(alone) >= 3  # the timer kept beating: ~every 2nd step
+        clock.advance(0.06)
+        assert rts[2].wait_for(lambda v: v.peers[0].step == 10, 2.0)  # from the timer's heartbeats
+        assert rts[2].view().peers[0].telemetry is None
     finally:
         for rt in rts:
             rt.close()

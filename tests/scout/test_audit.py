@@ -178,6 +178,100 @@ def test_expert_module_names_are_checked_with_a_clear_error() -> None:
         _expert_modules(model, {"expert_modules": "1.0"})
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_local_gradients_are_what_backward_left_before_any_reduction(micro_batches: int) -> None:
+    """`local_grads`: `.grad` as backward accumulated it is compared, whatever reduces it afterwards;
+    a gradient corrupted in backward is found; `.grad` not zeroed before the step is not compared."""
+    torch.manual_seed(0)
+    model = Net()
+    rec = AuditRecorder(model, lambda: 1, local_grads=True)
+    batches = [torch.randn(8, 16) for _ in range(micro_batches)]
+
+    def run(zero: bool = True) -> dict:
+        if zero:
+            model.zero_grad()
+        for x in batches:
+            (model(x, scale=0.5)["out"] - 1).pow(2).mean().backward()
+        for p in model.parameters():
+            p.grad.mul_(0.25)  # what an all-reduce would do after backward: too late to matter
+        record = rec.finish(1)
+        assert record is not None
+        payload, problem = package(record, 1.0, 1 << 30)
+        assert payload is not None, problem
+        return load_package(dump_package(1, {"": payload}))[1][""]
+
+    payload = run()
+    assert payload["grads_fp"] and len(payload["grad_index"]) == len(list(model.parameters()))
+    assert replay_package(rec, payload).finding(payload) == "ok"
+
+    model.zero_grad(set_to_none=False)  # zeros, not None: the same gradients (up to the sign of zero)
+    payload = run(zero=False)
+    assert replay_package(rec, payload).finding(payload) == "ok"
+
+    def flip_grad(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        g.view(-1).view(torch.int32)[5] ^= 1 << 4
+        return g
+
+    hook = model.b.weight.register_hook(flip_grad)
+    payload = run()
+    hook.remove()
+    assert replay_package(rec, payload).finding(payload) == "grads"
+
+    payload = run(zero=False)  # accumulates onto the last step's gradients
+    assert payload["grads_fp"] == ""
+    assert replay_package(rec, payload).finding(payload) == "ok"  # the forward is still audited
+    rec.close()
+
+
+class _Dispatch(nn.Module):
+    """Stands for a custom module holding an expert all-to-all: never a dense unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(8, 2)
+        self.experts = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.scale = nn.Parameter(torch.ones(8))
+
+
+@pytest.mark.timeout(60)
+def test_dense_units_are_torch_layers_outside_the_experts() -> None:
+    from lm_resiliency.scout.component import _dense_units
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))
+            self.moe = _Dispatch()
+            self.sync = nn.SyncBatchNorm(8)  # a collective inside: excluded
+            self.act = nn.GELU()  # no parameters: nothing to audit
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 8)
+            self.blocks = nn.ModuleList([Block(), Block()])
+            self.head = nn.Linear(8, 10)
+
+    model = Model()
+    experts = [b.moe.experts for b in model.blocks]
+    units = _dense_units(model, experts)
+    assert list(units) == [
+        "blocks.0.attn",
+        "blocks.0.moe.router",
+        "blocks.1.attn",
+        "blocks.1.moe.router",
+        "embed",
+        "head",
+    ]
+    assert units["blocks.1.attn"] is model.blocks[1].attn
+    # An expert that is a torch layer itself is not a dense unit, nor is a container holding it.
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    assert list(_dense_units(seq, [seq[1][0]])) == ["0", "1.1"]
+    assert _dense_units(nn.Linear(4, 4), []) == {}  # the whole model never is one
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "device",

@@ -6,7 +6,9 @@ whole forward cannot be replayed on one rank). Ranks {0,2} and {1,3} hold the sa
 expert-data-parallel replicas, the SCOUT replica group). Dense weights are averaged over all four
 ranks, expert weights over their replicas.
 
-Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, SCENARIO (clean|expert-once), CULPRIT, AT_STEP.
+Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, SCENARIO (clean | output-once: a bit of
+MODULE's output flipped once | grad-once: a bit of the gradient of MODULE's first weight flipped once,
+in backward), MODULE (expert, embed, gate or head), CULPRIT, AT_STEP.
 Writes RESULT_DIR/rank<r>.json with every fault report and this rank's audit results.
 """
 
@@ -74,15 +76,31 @@ def main() -> int:
         runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0),
     )
     current = {"step": 0, "flipped": False}
-    if scenario == "expert-once" and rank == culprit:
+    target = model.get_submodule(os.environ.get("MODULE", "expert"))
 
-        def flip_once(module: nn.Module, args: object, out: torch.Tensor) -> None:
-            if current["step"] == at and not current["flipped"]:  # an intermittent fault
-                current["flipped"] = True
+    def once() -> bool:  # an intermittent fault
+        hit = rank == culprit and current["step"] == at and not current["flipped"]
+        current["flipped"] |= hit
+        return hit
+
+    if scenario == "output-once":
+
+        def flip_output(module: nn.Module, args: object, out: torch.Tensor) -> None:
+            if once():
                 with torch.no_grad():
                     out.view(-1).view(torch.int32)[17] ^= 1 << 21
 
-        model.expert.register_forward_hook(flip_once)
+        target.register_forward_hook(flip_output)
+    elif scenario == "grad-once":
+
+        def flip_grad(g: torch.Tensor) -> torch.Tensor:
+            if not once():
+                return g
+            g = g.clone()
+            g.view(-1).view(torch.int32)[5] ^= 1 << 21
+            return g
+
+        next(target.parameters()).register_hook(flip_grad)
     dense = [model.embed, model.gate, model.head]
     for step in range(1, steps + 1):
         current["step"] = step
