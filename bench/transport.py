@@ -9,6 +9,10 @@ Prints progress lines, then one JSON object on the last line:
                           `..._digest_inline` makes the transport hash on the send path too.
   submit_us_p50/p99       training-thread cost of one step's telemetry hand-off (goal p50 <= 20 us)
   gossip_latency_ms_p50/p99  publish -> peer handler, 4 processes
+  scope_*                 8 processes in replica groups of 2, each step's telemetry gossiped to the
+                          whole job, then scoped to the group (ZeroMQ topics, filtered by the
+                          publisher), same processes: messages each rank receives per step and the
+                          process CPU per step, and their ratio (scoped / job-wide)
   fuzz_frames, fuzz_crashes  decoder fuzzing: anything but CodecError is a crash
   hostile_frames_live, live_runtime_survived  garbage sent to a live runtime's socket
 
@@ -215,6 +219,32 @@ def bench_fuzz(n: int) -> dict[str, int]:
     return {"fuzz_frames": n, "fuzz_crashes": crashes}
 
 
+def bench_scope(world: int, size: int, count: int) -> dict[str, float]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"MODE": "scope", "STORE_PORT": str(store.port), "WORLD_SIZE": str(world), "COUNT": str(count)}
+    procs = [spawn({**env, "RANK": str(r), "GROUP": str(size)}) for r in range(world)]
+    try:
+        for p in procs:
+            assert p.wait(300) == 0, "a scope peer failed"
+        per_rank = [json.loads(store.get(f"bench/scope/{r}")) for r in range(world)]
+
+        def med(phase: str, key: str) -> float:
+            return statistics.median(r[phase][key] for r in per_rank)
+
+        out: dict[str, float] = {"scope_processes": world, "scope_group_size": size, "scope_steps": count}
+        for phase in ("job", "group"):
+            out[f"scope_received_per_step_{phase}"] = med(phase, "received_per_step")
+            out[f"scope_cpu_ms_per_step_{phase}"] = med(phase, "cpu_ms_per_step")
+        job, group = out["scope_cpu_ms_per_step_job"], out["scope_cpu_ms_per_step_group"]
+        out["scope_cpu_ratio_group_vs_job"] = group / job
+        return out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=15)
@@ -225,6 +255,7 @@ def main() -> None:
     ap.add_argument("--fuzz", type=int, default=100_000)
     ap.add_argument("--gossip-count", type=int, default=200)
     ap.add_argument("--submit", type=int, default=20_000)
+    ap.add_argument("--scope-count", type=int, default=300)
     args = ap.parse_args()
     out: dict[str, object] = {}
     out.update(bench_fuzz(args.fuzz))
@@ -233,6 +264,13 @@ def main() -> None:
     print(f"submit: p50 {out['submit_us_p50']:.1f} us, p99 {out['submit_us_p99']:.1f} us", flush=True)
     out.update(bench_bulk(args.reps, args.mib, args.chunk_mib))
     out.update(bench_gossip(4, args.gossip_count))
+    out.update(bench_scope(8, 2, args.scope_count))
+    print(
+        f"scope: received per step {out['scope_received_per_step_job']:.1f} job-wide, "
+        f"{out['scope_received_per_step_group']:.1f} scoped; "
+        f"cpu ratio {out['scope_cpu_ratio_group_vs_job']:.2f}",
+        flush=True,
+    )
     out["goals"] = {
         "bulk_ratio_vs_raw_zmq": ">= 0.8",
         "submit_us_p50": "<= 20",
