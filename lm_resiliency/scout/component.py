@@ -26,7 +26,9 @@ from typing import Any
 
 import anyio
 import torch
+import torch.distributed as dist
 
+from lm_resiliency.adapters.canonical import ddp_parameters
 from lm_resiliency.config import ReplayHarnessConfig, SCOUTFaultReport
 from lm_resiliency.core.messages import (
     AuditResult,
@@ -88,7 +90,8 @@ def _builtin_only(module: torch.nn.Module) -> bool:
 def _dense_units(inner: torch.nn.Module, experts: Iterable[torch.nn.Module]) -> dict[str, torch.nn.Module]:
     """The dense layers of an expert-parallel model that a replica can re-execute on its own: the
     largest subtrees with parameters made of torch's own layers only, outside the expert modules
-    (a custom module may hold the experts' all-to-all; torch's layers never do). In name order."""
+    (a custom module may hold the experts' all-to-all; torch's layers never do), each one a module
+    that is called (a ModuleList is not: its layers are the units). In name order."""
     skip = {id(m) for m in experts}
     out: dict[str, torch.nn.Module] = {}
 
@@ -96,7 +99,13 @@ def _dense_units(inner: torch.nn.Module, experts: Iterable[torch.nn.Module]) -> 
         if id(module) in skip:
             return
         has_params = any(True for _ in module.parameters())
-        if has_params and _builtin_only(module) and not any(id(m) in skip for m in module.modules()):
+        callable_ = type(module).forward is not torch.nn.Module.forward  # not a ModuleList/ModuleDict
+        if (
+            has_params
+            and callable_
+            and _builtin_only(module)
+            and not any(id(m) in skip for m in module.modules())
+        ):
             out[prefix] = module
             return
         for name, child in module.named_children():
@@ -207,7 +216,9 @@ class Scout:
         # model, its expert modules (`parallelism_info["expert_modules"]`), audited by the replicas
         # that hold the same experts (the replica group).
         self._auditors: dict[str, AuditRecorder] = {}
-        self._audit_scale: float | None = None
+        # Per audited module: what the gradients compared were multiplied by (1.0: `.grad` as
+        # backward left it; 1/world: our DDP comm hook's share; None: only the forward is audited).
+        self._audit_scales: dict[str, float | None] = {}
         self._audit_state = "on"  # "off" once no audited module is left (see `_verify_own`)
         self._verified: set[str] = set()  # audited modules whose replay of our own step reproduced it
         self._audit_inbox: dict[tuple[int, int], bytes] = {}  # (step, sender) -> package
@@ -229,29 +240,36 @@ class Scout:
                 if not ddp and hasattr(model, "module")
                 else ""
             )
+            # `.grad` right after backward is this rank's own, unless DDP reduces the parameter:
+            # then it may be a bucket the all-reduce is writing into, and the gradients come from
+            # our comm hook instead (when the adapter installed it), scaled as it scaled them.
+            reduced = {id(p) for p in ddp_parameters(model)} if ddp else set()
+            tapped = ddp and hasattr(adapter, "contribution_tap")
+            ddp_scale = 1.0 / dist.get_world_size(getattr(model, "process_group", None)) if tapped else None
+
+            def recorder(name: str, m: torch.nn.Module, due: Callable[[], int | None]) -> None:
+                local = not any(id(p) in reduced for p in m.parameters())
+                self._auditors[name] = AuditRecorder(m, due, local_grads=local)
+                self._audit_scales[name] = 1.0 if local else ddp_scale
+
             if experts:
                 # The whole model's forward holds the experts' all-to-all: not replayable on one
                 # rank. Each expert is (its replicas hold the same weights), and so is each dense
                 # unit (every rank holds the same dense weights), one dense unit per audited step in
                 # turn, so an audit records and re-executes about one layer more than the experts.
-                # Their gradients are compared as backward left them in `.grad`, before reduction.
-                self._auditors = {
-                    name: AuditRecorder(m, self._audit_due, local_grads=True) for name, m in experts.items()
-                }
+                for name, m in experts.items():
+                    recorder(name, m, self._audit_due)
                 dense = _dense_units(inner, experts.values())
                 for i, (name, m) in enumerate(dense.items()):
-                    due = functools.partial(self._dense_due, i, len(dense))
-                    self._auditors[name] = AuditRecorder(m, due, local_grads=True)
+                    recorder(name, m, functools.partial(self._dense_due, i, len(dense)))
             elif why:
                 log.info("rank %d: audits are off: %s", rank, why)
             else:
-                # Without DDP (the caller reduces gradients itself), `.grad` after backward is this
-                # rank's own; under DDP it may be a bucket the all-reduce is writing into, so the
-                # gradients come from our comm hook instead (when the adapter installed it).
-                self._auditors = {"": AuditRecorder(inner, self._audit_due, local_grads=not ddp)}
-                if ddp and hasattr(adapter, "contribution_tap"):  # our comm hook taps the gradients
-                    self._audit_scale = 1.0 / len(self.group)
-        if hasattr(adapter, "contribution_tap") and (self._recorder or self._audit_scale is not None):
+                recorder("", inner, self._audit_due)
+        self._tapped = [
+            a for n, a in self._auditors.items() if not a.local_grads and self._audit_scales[n] is not None
+        ]
+        if hasattr(adapter, "contribution_tap") and (self._recorder or self._tapped):
             adapter.contribution_tap = self._on_contributions
         self._replay_lock = threading.Condition()
         self._peer_contrib: dict[int, dict[int, list[bytes]]] = {}  # step -> sender -> buffers
@@ -310,9 +328,8 @@ class Scout:
     def _on_contributions(self, params: Any, grads: Any) -> None:
         if self._recorder is not None:
             self._recorder.on_contributions(params, grads)
-        whole = self._auditors.get("")
-        if whole is not None:
-            whole.on_contributions(params, grads)
+        for auditor in self._tapped:
+            auditor.on_contributions(params, grads)
 
     def _audit_due(self) -> int | None:
         """The step to record for an audit, when the step about to run is one."""
@@ -430,8 +447,7 @@ class Scout:
         for name, record in records.items():
             if record is None or self._paused():
                 continue  # an expert no token reached, or detection paused
-            scale = 1.0 if self._auditors[name].local_grads else self._audit_scale
-            payload, problem = package(record, scale, self.config.audit_max_mib << 20)
+            payload, problem = package(record, self._audit_scales[name], self.config.audit_max_mib << 20)
             if payload is None:
                 problems.append(f"{name or 'the model'}: {problem}")
             else:
@@ -500,7 +516,9 @@ class Scout:
                 step,
                 f"module {name!r}" if name else "the model",
             )
-            self._auditors.pop(name).close()
+            dropped = self._auditors.pop(name)
+            dropped.close()
+            self._tapped = [a for a in self._tapped if a is not dropped]
             del own[name]
         if not self._auditors:
             self._audit_state = "off"

@@ -227,19 +227,21 @@ def test_local_gradient_corruption_is_found_with_gradient_accumulation(processes
 
 
 @pytest.mark.parametrize(
-    ("scenario", "module", "reason"),
+    ("scenario", "module", "reason", "wrap"),
     [
-        ("clean", "expert", ""),
-        ("output-once", "expert", "forward_replay_mismatch"),
-        ("grad-once", "expert", "backward_replay_mismatch"),
+        ("clean", "expert", "", "plain"),
+        ("output-once", "expert", "forward_replay_mismatch", "plain"),
+        ("grad-once", "expert", "backward_replay_mismatch", "plain"),
         # Dense units embed, gate, head are audited in turn (name order): step 5 is head's.
-        ("output-once", "head", "forward_replay_mismatch"),
-        ("grad-once", "head", "backward_replay_mismatch"),
+        ("output-once", "head", "forward_replay_mismatch", "plain"),
+        ("grad-once", "head", "backward_replay_mismatch", "plain"),
+        # Dense weights under DDP: their gradients come from our comm hook, scaled by 1/4.
+        ("grad-once", "head", "backward_replay_mismatch", "ddp"),
     ],
-    ids=["clean", "expert-output", "expert-grad", "dense-output", "dense-grad"],
+    ids=["clean", "expert-output", "expert-grad", "dense-output", "dense-grad", "ddp-dense-grad"],
 )
 def test_an_expert_parallel_model_is_audited_by_replicas(  # type: ignore[no-untyped-def]
-    processes, tmp_path: Path, scenario: str, module: str, reason: str
+    processes, tmp_path: Path, scenario: str, module: str, reason: str, wrap: str
 ) -> None:
     """Expert parallelism: the forward's all-to-all keeps the whole model from being replayed on one
     rank, so each expert module is audited by the rank holding the same expert, and the dense layers
@@ -258,6 +260,7 @@ def test_an_expert_parallel_model_is_audited_by_replicas(  # type: ignore[no-unt
                 "STEPS": str(steps),
                 "SCENARIO": scenario,
                 "MODULE": module,
+                "WRAP": wrap,
                 "CULPRIT": "3",
                 "AT_STEP": "5",
             },

@@ -269,6 +269,12 @@ def test_dense_units_are_torch_layers_outside_the_experts() -> None:
     # An expert that is a torch layer itself is not a dense unit, nor is a container holding it.
     seq = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
     assert list(_dense_units(seq, [seq[1][0]])) == ["0", "1.1"]
+    # Containers that are never called themselves: their layers are the units.
+    holder = nn.Module()
+    holder.layers = nn.ModuleList([nn.Linear(4, 4), nn.LayerNorm(4)])
+    holder.by_name = nn.ModuleDict({"q": nn.Linear(4, 4)})
+    holder.expert = nn.Linear(4, 4)
+    assert list(_dense_units(holder, [holder.expert])) == ["by_name.q", "layers.0", "layers.1"]
     assert _dense_units(nn.Linear(4, 4), []) == {}  # the whole model never is one
 
 

@@ -8,7 +8,8 @@ ranks, expert weights over their replicas.
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, SCENARIO (clean | output-once: a bit of
 MODULE's output flipped once | grad-once: a bit of the gradient of MODULE's first weight flipped once,
-in backward), MODULE (expert, embed, gate or head), CULPRIT, AT_STEP.
+in backward), MODULE (expert, embed, gate or head), CULPRIT, AT_STEP, WRAP (plain: every gradient
+reduced by this script | ddp: dense weights under DDP, experts ignored by it).
 Writes RESULT_DIR/rank<r>.json with every fault report and this rank's audit results.
 """
 
@@ -64,9 +65,14 @@ def main() -> int:
     ep_rank = rank % 2
     model = ExpertParallelMoE(ep_groups[rank // 2], ep_rank)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    trained: nn.Module = model
+    if os.environ.get("WRAP", "plain") == "ddp":
+        ignored = [f"expert.{n}" for n, _ in model.expert.named_parameters()]
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+        trained = nn.parallel.DistributedDataParallel(model)
     faults: list[dict[str, object]] = []
     session = enable_resiliency(
-        model,
+        trained,
         opt,
         interval=1,
         enable_checkpoint=False,
@@ -106,8 +112,8 @@ def main() -> int:
         current["step"] = step
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank * 7919 + step))
         opt.zero_grad()
-        (model(x) - x).pow(2).mean().backward()
-        for m in dense:
+        (trained(x) - x).pow(2).mean().backward()
+        for m in dense if trained is model else ():
             for p in m.parameters():
                 dist.all_reduce(p.grad)
                 p.grad.div_(world)
