@@ -25,6 +25,7 @@ def _run(
     clip: bool = False,
     audit: int = 0,
     accumulate: int = 1,
+    wrap: str = "ddp",
 ) -> tuple[list[dict], dist.TCPStore]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = [
@@ -43,6 +44,7 @@ def _run(
                 "CLIP": "1" if clip else "0",
                 "AUDIT": str(audit),
                 "ACCUM": str(accumulate),
+                "WRAP": wrap,
             },
             tmp / f"rank{r}.log",
         )
@@ -218,8 +220,15 @@ def test_clean_run_audited_every_step_has_no_verdict(processes, tmp_path: Path, 
         assert res["audits"] == {"ok": steps}, res["audits"]  # every step re-executed on a peer, bitwise
 
 
-def test_local_gradient_corruption_is_found_with_gradient_accumulation(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    results, _ = _run(processes, tmp_path, "localgrad", steps=8, culprit=3, at=4, audit=2, accumulate=2)
+@pytest.mark.parametrize("wrap", ["ddp", "plain"], ids=["ddp", "reduced-by-the-caller"])
+def test_local_gradient_corruption_is_found_with_gradient_accumulation(  # type: ignore[no-untyped-def]
+    processes, tmp_path: Path, wrap: str
+) -> None:
+    """DDP: the gradients come from our comm hook. Without DDP (the script all-reduces after
+    backward): from `.grad` as backward accumulated it, before that all-reduce."""
+    results, _ = _run(
+        processes, tmp_path, "localgrad", steps=8, culprit=3, at=4, audit=2, accumulate=2, wrap=wrap
+    )
     for res in results:
         assert [(f["kind"], f["failed_ranks"], f["reason"]) for f in res["faults"]] == [
             ("sdc", [3], "backward_replay_mismatch")

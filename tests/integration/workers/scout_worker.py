@@ -2,7 +2,8 @@
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS,
 SCENARIO (clean|sdc|weight|optstate|recurring|compute|input|hang|output|output-once|localgrad),
-CULPRIT, AT_STEP, REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step).
+CULPRIT, AT_STEP, REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
+WRAP (ddp | plain: no DDP, this script all-reduces the gradients after backward).
 Faults are injected by this script, never told to SCOUT. Writes RESULT_DIR/rank<r>.json with every
 fault report and the step at which this rank first saw it.
 """
@@ -52,9 +53,9 @@ def main() -> int:
         "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
     )
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(
-        nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 128))
-    )
+    inner = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 128))
+    wrapped = os.environ.get("WRAP", "ddp") == "ddp"
+    model: nn.Module = nn.parallel.DistributedDataParallel(inner) if wrapped else inner
     plain = None
     if scenario == "throughput":  # the same job without lm-resiliency, as the user runs it today
         plain = nn.parallel.DistributedDataParallel(
@@ -92,6 +93,7 @@ def main() -> int:
         interval=1,
         enable_checkpoint=scenario == "sdc",
         fault_callback=on_fault,
+        group=None if wrapped else dist.group.WORLD,  # a plain module's data-parallel peers
         replay=ReplayHarnessConfig(
             straggler_ratio=1.5,
             straggler_min_ms=20.0,
@@ -103,7 +105,7 @@ def main() -> int:
         runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0),
     )
     if scenario == "compute" and rank == culprit:
-        model.module[0].register_forward_hook(lambda m, i, o: time.sleep(0.06))  # ~3x this job's compute
+        inner[0].register_forward_hook(lambda m, i, o: time.sleep(0.06))  # ~3x this job's compute
     if scenario in ("output", "output-once") and rank == culprit:
         # A device that corrupts one forward output: every forward at the step (replays included, as
         # faulty hardware would), or only the first one (an intermittent fault).
@@ -115,7 +117,7 @@ def main() -> int:
                 with torch.no_grad():
                     out.view(-1).view(torch.int32)[5] ^= 1 << 22
 
-        model.module[2].register_forward_hook(flip_output)
+        inner[2].register_forward_hook(flip_output)
     if scenario == "localgrad" and rank == culprit:
 
         def flip_local_grad(g: torch.Tensor) -> torch.Tensor:
@@ -125,7 +127,7 @@ def main() -> int:
             g.view(-1).view(torch.int32)[9] ^= 1 << 21  # before the all-reduce averages it away
             return g
 
-        model.module[0].weight.register_hook(flip_local_grad)
+        inner[0].weight.register_hook(flip_local_grad)
     if scenario == "throughput":
         # bench/scout.py: alternate blocks with detection on, paused, and a plain DDP copy of the model
         # that lm-resiliency never touched (what our comm hook and hooks cost even when paused).
@@ -165,12 +167,17 @@ def main() -> int:
             opt.zero_grad()
             parts = x.chunk(accumulate)
             for j, part in enumerate(parts):
-                with model.no_sync() if j < len(parts) - 1 else contextlib.nullcontext():
+                last = j == len(parts) - 1
+                with model.no_sync() if wrapped and not last else contextlib.nullcontext():
                     ((model(part) - part).pow(2).mean() / len(parts)).backward()
         else:
             loss = (model(x) - x).pow(2).mean()
             opt.zero_grad()
             loss.backward()
+        if not wrapped:  # the caller's own reduction, after backward
+            for p in inner.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
         flip_grad = (scenario == "sdc" and step == at) or (scenario == "recurring" and step in (at, 2 * at))
         if flip_grad and rank == culprit:
             g = next(model.parameters()).grad
@@ -180,11 +187,11 @@ def main() -> int:
         opt.step()
         if scenario == "optstate" and rank == culprit and step == at:
             with torch.no_grad():
-                m = opt.state[model.module[0].weight]["exp_avg"]
+                m = opt.state[inner[0].weight]["exp_avg"]
                 m.view(-1).view(torch.int32)[3] ^= 1 << 29  # one bit of a moment, between steps
         if scenario == "weight" and rank == culprit and step == at:
             with torch.no_grad():
-                w = model.module[2].weight
+                w = inner[2].weight
                 w.view(-1).view(torch.int32)[11] ^= 1 << 20  # one bit of a weight, after the step
     if scenario in ("output", "output-once", "localgrad"):
         result["certified"] = {str(s): session.scout.certified(s) for s in range(1, steps + 1)}
