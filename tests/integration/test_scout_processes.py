@@ -281,6 +281,9 @@ def test_an_expert_parallel_model_is_audited_by_replicas(  # type: ignore[no-unt
         assert p.wait(180) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
     for r in range(4):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        # The replica group's gossip (telemetry, evidence, audits, votes) reached the group alone,
+        # while every rank still knows every other alive.
+        assert res["telemetry_from"] == [r % 2, r % 2 + 2] and res["live"] == [0, 1, 2, 3], res
         found = [(f["kind"], f["failed_ranks"], f["reason"], f["steps"]) for f in res["faults"]]
         if scenario == "clean":
             assert found == [] and res["audits"] == {"ok": steps}, res

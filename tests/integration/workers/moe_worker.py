@@ -123,7 +123,15 @@ def main() -> int:
         opt.step()
     dist.barrier()
     time.sleep(0.3)  # let the last step's gossip land before reading verdicts
-    result = {"rank": rank, "faults": faults, "audits": dict(session.scout.audit_stats)}
+    view = session.cluster_view()
+    result = {
+        "rank": rank,
+        "faults": faults,
+        "audits": dict(session.scout.audit_stats),
+        # Step telemetry is gossiped to the replica group only: whose this rank ever received.
+        "telemetry_from": sorted(r for r, p in view.peers.items() if p.telemetry is not None),
+        "live": sorted(view.live),
+    }
     with open(os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json.tmp"), "w") as f:
         json.dump(result, f)
     os.replace(
