@@ -1,7 +1,8 @@
 """One rank of a 4-rank gloo DDP job with SCOUT checking every step, and one injected fault.
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS,
-SCENARIO (clean|sdc|weight|optstate|recurring|compute|input|hang|output|output-once|localgrad),
+SCENARIO (clean|sdc|weight|optstate|recurring|compute|input|hang|output|output-once|localgrad|
+nondeterministic: every rank's forward depends on the clock, so no replay can reproduce it),
 CULPRIT, AT_STEP, REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
 WRAP (ddp | plain: no DDP, this script all-reduces the gradients after backward).
 Faults are injected by this script, never told to SCOUT. Writes RESULT_DIR/rank<r>.json with every
@@ -118,6 +119,8 @@ def main() -> int:
                     out.view(-1).view(torch.int32)[5] ^= 1 << 22
 
         inner[2].register_forward_hook(flip_output)
+    if scenario == "nondeterministic":  # on every rank: not a fault, a model audits cannot check
+        inner[0].register_forward_hook(lambda m, i, o: o + (time.perf_counter_ns() % 1009) * 1e-9)
     if scenario == "localgrad" and rank == culprit:
 
         def flip_local_grad(g: torch.Tensor) -> torch.Tensor:
