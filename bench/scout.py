@@ -7,6 +7,11 @@ Prints progress, then one JSON object on the last line:
                             processes, which lm-resiliency never touched (our comm hook included)
   overhead_ms_per_step      the per-step cost of detection, in milliseconds (a job with steps of
                             T ms loses about overhead/T of its throughput)
+  ..._2_ranks               the same three with 2 ranks (one per core of this 2-core machine, as a
+                            GPU node has cores to spare per rank; 4 ranks share 2 cores above).
+                            Two replicas also keep replay records on every checked step (host copies
+                            of the parameters, gradients and optimizer state, ~0.7 ms a step here),
+                            which groups of three or more do not need
   detect_steps_straggler    steps from the first slow step to the compute-straggler verdict
   detect_s_hang             seconds from a rank's stall to the hang verdict (threshold 2 s)
   detect_steps_sdc          steps from the bit flip to the SDC verdict
@@ -46,17 +51,18 @@ def run(
     at: int = -1,
     extra: dict[str, str] | None = None,
     wait_all: bool = True,
+    world: int = 4,
 ) -> tuple[list[dict], float]:
     tmp = Path(tempfile.mkdtemp(prefix=f"lmr-scout-{scenario}-"))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = []
-    for r in range(4):
+    for r in range(world):
         env = {
             **os.environ,
             "PYTHONPATH": str(ROOT),
             "OMP_NUM_THREADS": "1",
             "RANK": str(r),
-            "WORLD_SIZE": "4",
+            "WORLD_SIZE": str(world),
             "STORE_PORT": str(store.port),
             "RESULT_DIR": str(tmp),
             "STEPS": str(steps),
@@ -75,7 +81,7 @@ def run(
                 stderr=subprocess.DEVNULL,
             )
         )
-    expect = [r for r in range(4) if wait_all or r != culprit]
+    expect = [r for r in range(world) if wait_all or r != culprit]
     try:
         deadline = time.monotonic() + 600
         while not all((tmp / f"rank{r}.json").exists() for r in expect):
@@ -113,6 +119,17 @@ def main() -> None:
         overhead_ms_per_step=1000.0 / on - 1000.0 / off,
     )
     print(f"throughput: {out}", flush=True)
+    # The same with one rank per core: no rank's runtime threads compete with another's training.
+    res, _ = run("throughput", args.block_steps, extra={"BLOCKS": str(args.blocks)}, world=2)
+    on2 = statistics.median(res[0]["rates"]["on"])
+    off2 = statistics.median(res[0]["rates"]["off"])
+    plain2 = statistics.median(res[0]["rates"]["plain"])
+    out.update(
+        healthy_throughput_ratio_2_ranks=on2 / off2,
+        healthy_throughput_ratio_vs_plain_ddp_2_ranks=on2 / plain2,
+        overhead_ms_per_step_2_ranks=1000.0 / on2 - 1000.0 / off2,
+    )
+    print(f"2 ranks: on/paused {on2 / off2:.3f}, on/plain {on2 / plain2:.3f}", flush=True)
     res, _ = run(
         "throughput",
         args.block_steps,
