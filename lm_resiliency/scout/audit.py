@@ -137,6 +137,8 @@ class AuditRecorder:
     def _pre(self, module: Any, args: Any, kwargs: Any) -> None:
         if self.replaying or not torch.is_grad_enabled():
             return
+        if torch._C._current_graph_task_id() != -1:
+            return  # inside backward: activation checkpointing recomputing a forward already recorded
         step = self._due()
         if step is None:
             self._record = None

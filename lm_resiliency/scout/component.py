@@ -94,9 +94,10 @@ def _dense_units(inner: torch.nn.Module, experts: Iterable[torch.nn.Module]) -> 
     that is called (a ModuleList is not: its layers are the units). In name order."""
     skip = {id(m) for m in experts}
     out: dict[str, torch.nn.Module] = {}
+    taken: set[int] = set()  # a module registered under two names is one unit
 
     def walk(prefix: str, module: torch.nn.Module) -> None:
-        if id(module) in skip:
+        if id(module) in skip or id(module) in taken:
             return
         has_params = any(True for _ in module.parameters())
         callable_ = type(module).forward is not torch.nn.Module.forward  # not a ModuleList/ModuleDict
@@ -107,6 +108,7 @@ def _dense_units(inner: torch.nn.Module, experts: Iterable[torch.nn.Module]) -> 
             and not any(id(m) in skip for m in module.modules())
         ):
             out[prefix] = module
+            taken.add(id(module))
             return
         for name, child in module.named_children():
             walk(f"{prefix}.{name}" if prefix else name, child)

@@ -276,6 +276,27 @@ def test_dense_units_are_torch_layers_outside_the_experts() -> None:
     holder.expert = nn.Linear(4, 4)
     assert list(_dense_units(holder, [holder.expert])) == ["by_name.q", "layers.0", "layers.1"]
     assert _dense_units(nn.Linear(4, 4), []) == {}  # the whole model never is one
+    shared = nn.Linear(4, 4)
+    twice = nn.Module()
+    twice.a, twice.b = shared, shared
+    assert list(_dense_units(twice, [])) == ["a"]
+
+
+@pytest.mark.timeout(60)
+def test_a_forward_recomputed_by_activation_checkpointing_is_recorded_once() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    unit = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+    rec = AuditRecorder(unit, lambda: 1, local_grads=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    checkpoint(unit, x, use_reentrant=False).pow(2).sum().backward()  # forward runs again in backward
+    record = rec.finish(1)
+    assert record is not None and len(record.micro) == 1
+    payload, problem = package(record, 1.0, 1 << 30)
+    assert payload is not None and payload["grads_fp"], problem
+    assert replay_package(rec, payload).finding(payload) == "ok"
+    rec.close()
 
 
 @pytest.mark.timeout(120)
