@@ -134,6 +134,7 @@ def _optimizer_fingerprint(opt: Any) -> bytes:
 
 log = logging.getLogger(__name__)
 KEEP_STEPS = 64
+DENSE_ROUNDS = 8  # audits over which every dense layer of an expert-parallel model is re-executed
 PROBES_PER_ROUND = 4  # link probes one rank sends per round, so probing stays O(1) per rank
 
 
@@ -257,13 +258,13 @@ class Scout:
             if experts:
                 # The whole model's forward holds the experts' all-to-all: not replayable on one
                 # rank. Each expert is (its replicas hold the same weights), and so is each dense
-                # unit (every rank holds the same dense weights), one dense unit per audited step in
-                # turn, so an audit records and re-executes about one layer more than the experts.
+                # unit (every rank holds the same dense weights), the units taking turns: each audit
+                # re-executes about 1/DENSE_ROUNDS of the dense layers besides the experts.
                 for name, m in experts.items():
                     recorder(name, m, self._audit_due)
                 dense = _dense_units(inner, experts.values())
                 for i, (name, m) in enumerate(dense.items()):
-                    recorder(name, m, functools.partial(self._dense_due, i, len(dense)))
+                    recorder(name, m, functools.partial(self._dense_due, i, min(len(dense), DENSE_ROUNDS)))
             elif why:
                 log.info("rank %d: audits are off: %s", rank, why)
             else:
@@ -341,10 +342,11 @@ class Scout:
             return None
         return step
 
-    def _dense_due(self, index: int, units: int) -> int | None:
-        """The step to record for dense unit `index` of `units`: audited steps in turn."""
+    def _dense_due(self, index: int, rounds: int) -> int | None:
+        """The step to record for dense unit `index`: every `rounds`-th audited step, the units
+        taking turns so that each audit re-executes about 1/`rounds` of the dense layers."""
         step = self._audit_due()
-        if step is None or (step // self.config.audit_interval) % units != index:
+        if step is None or (step // self.config.audit_interval) % rounds != index % rounds:
             return None
         return step
 
