@@ -97,6 +97,12 @@ def run(
             p.wait()
 
 
+def medians(res: list[dict]) -> tuple[float, float, float]:
+    """Rank 0's median steps/s with detection on, paused, and of the plain DDP copy."""
+    rates = res[0]["rates"]
+    return tuple(statistics.median(rates[mode]) for mode in ("on", "off", "plain"))  # type: ignore[return-value]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clean-steps", type=int, default=500)
@@ -106,9 +112,7 @@ def main() -> None:
     args = ap.parse_args()
     out: dict[str, object] = {}
     res, _ = run("throughput", args.block_steps, extra={"BLOCKS": str(args.blocks)})
-    on = statistics.median(res[0]["rates"]["on"])
-    off = statistics.median(res[0]["rates"]["off"])
-    plain = statistics.median(res[0]["rates"]["plain"])
+    on, off, plain = medians(res)
     out.update(
         healthy_throughput_ratio=on / off,
         healthy_throughput_ratio_vs_plain_ddp=on / plain,
@@ -121,9 +125,7 @@ def main() -> None:
     print(f"throughput: {out}", flush=True)
     # The same with one rank per core: no rank's runtime threads compete with another's training.
     res, _ = run("throughput", args.block_steps, extra={"BLOCKS": str(args.blocks)}, world=2)
-    on2 = statistics.median(res[0]["rates"]["on"])
-    off2 = statistics.median(res[0]["rates"]["off"])
-    plain2 = statistics.median(res[0]["rates"]["plain"])
+    on2, off2, plain2 = medians(res)
     out.update(
         healthy_throughput_ratio_2_ranks=on2 / off2,
         healthy_throughput_ratio_vs_plain_ddp_2_ranks=on2 / plain2,
@@ -135,8 +137,7 @@ def main() -> None:
         args.block_steps,
         extra={"BLOCKS": str(args.blocks), "AUDIT": str(args.audit_interval)},
     )
-    on = statistics.median(res[0]["rates"]["on"])
-    off = statistics.median(res[0]["rates"]["off"])
+    on, off, _ = medians(res)
     out.update(audited_throughput_ratio=on / off, audit_interval=args.audit_interval)
     print(f"audited throughput: {on / off:.3f}", flush=True)
     res, _ = run("compute", 15, culprit=1)

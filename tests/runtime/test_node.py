@@ -57,6 +57,27 @@ def _start(  # type: ignore[no-untyped-def]
     return rts
 
 
+def _tap_heartbeats(net: InMemoryNetwork, rank: int) -> tuple[list[int], list[int]]:
+    """Steps of `rank`'s heartbeats on the wire: (sent alone, carried inside batches)."""
+    from lm_resiliency.core.messages import Batch
+
+    alone: list[int] = []
+    carried: list[int] = []
+
+    def tap(sender: str, frames: list[bytes]) -> list[bytes]:
+        msg = codec.decode(frames[1:])
+        if isinstance(msg, Heartbeat) and msg.rank == rank:
+            alone.append(msg.step)
+        if isinstance(msg, Batch) and msg.rank == rank:
+            carried.extend(
+                m.step for m in map(codec.decode, ([i] for i in msg.items)) if isinstance(m, Heartbeat)
+            )
+        return frames
+
+    net.tamper = tap
+    return alone, carried
+
+
 @pytest.fixture(params=["zmq", "memory"])
 def cluster(request: pytest.FixtureRequest) -> Iterator[tuple[list[RankRuntime], InMemoryNetwork | None]]:
     if request.param == "zmq":
@@ -341,23 +362,9 @@ def test_published_steps_carry_the_heartbeat_and_the_timer_stays_quiet() -> None
     inside those batches and no stand-alone heartbeat is sent; peers still see it alive, at its step.
     Once the steps stop, the timer beats again."""
     from lm_resiliency.core.clock import ManualClock
-    from lm_resiliency.core.messages import Batch
 
     net = InMemoryNetwork()
-    alone: list[int] = []  # stand-alone heartbeats of rank 1 on the wire
-    carried: list[int] = []  # heartbeats of rank 1 inside batches
-
-    def tap(sender: str, frames: list[bytes]) -> list[bytes]:
-        msg = codec.decode(frames[1:])
-        if isinstance(msg, Heartbeat) and msg.rank == 1:
-            alone.append(msg.step)
-        if isinstance(msg, Batch) and msg.rank == 1:
-            carried.extend(
-                m.step for m in map(codec.decode, ([i] for i in msg.items)) if isinstance(m, Heartbeat)
-            )
-        return frames
-
-    net.tamper = tap
+    alone, carried = _tap_heartbeats(net, 1)
     clock = ManualClock(100.0)
     cfg = RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0)
     rts = _start(2, lambda: InMemoryTransport(net), config=cfg, clocks=[None, clock])
@@ -435,23 +442,9 @@ def test_a_group_that_is_the_whole_job_gossips_on_the_common_topic() -> None:
 def test_group_only_gossip_does_not_carry_the_heartbeat() -> None:
     """A rank whose steps go to its replica group only must still beat for the rest of the job."""
     from lm_resiliency.core.clock import ManualClock
-    from lm_resiliency.core.messages import Batch
 
     net = InMemoryNetwork()
-    alone: list[int] = []
-    carried: list[int] = []
-
-    def tap(sender: str, frames: list[bytes]) -> list[bytes]:
-        msg = codec.decode(frames[1:])
-        if isinstance(msg, Heartbeat) and msg.rank == 0:
-            alone.append(msg.step)
-        if isinstance(msg, Batch) and msg.rank == 0:
-            carried.extend(
-                m.step for m in map(codec.decode, ([i] for i in msg.items)) if isinstance(m, Heartbeat)
-            )
-        return frames
-
-    net.tamper = tap
+    alone, carried = _tap_heartbeats(net, 0)
     clock = ManualClock(100.0)
     cfg = RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0)
     rts = _start(3, lambda: InMemoryTransport(net), config=cfg, clocks=[clock, None, None], groups=[(0, 1)])
