@@ -121,9 +121,9 @@ def main() -> int:
             dist.all_reduce(p.grad, group=edp_groups[ep_rank])
             p.grad.div_(2)
         opt.step()
+    view = session.cluster_view()  # before the barrier: no rank has closed (left) yet
     dist.barrier()
     time.sleep(0.3)  # let the last step's gossip land before reading verdicts
-    view = session.cluster_view()
     result = {
         "rank": rank,
         "faults": faults,
