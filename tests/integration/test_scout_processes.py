@@ -249,16 +249,15 @@ def test_local_gradient_corruption_is_found_with_gradient_accumulation(  # type:
 @pytest.mark.parametrize(
     ("scenario", "module", "reason", "wrap"),
     [
-        ("clean", "expert", "", "plain"),
+        # The other replica group (ranks 0 and 2) runs clean in each: every audit "ok", no verdict.
         ("output-once", "expert", "forward_replay_mismatch", "plain"),
         ("grad-once", "expert", "backward_replay_mismatch", "plain"),
         # Dense units embed, gate, head are audited in turn (name order): step 5 is head's.
-        ("output-once", "head", "forward_replay_mismatch", "plain"),
         ("grad-once", "head", "backward_replay_mismatch", "plain"),
         # Dense weights under DDP: their gradients come from our comm hook, scaled by 1/4.
         ("grad-once", "head", "backward_replay_mismatch", "ddp"),
     ],
-    ids=["clean", "expert-output", "expert-grad", "dense-output", "dense-grad", "ddp-dense-grad"],
+    ids=["expert-output", "expert-grad", "dense-grad", "ddp-dense-grad"],
 )
 def test_an_expert_parallel_model_is_audited_by_replicas(  # type: ignore[no-untyped-def]
     processes, tmp_path: Path, scenario: str, module: str, reason: str, wrap: str
@@ -296,9 +295,7 @@ def test_an_expert_parallel_model_is_audited_by_replicas(  # type: ignore[no-unt
         # while every rank still knows every other alive.
         assert res["telemetry_from"] == [r % 2, r % 2 + 2] and res["live"] == [0, 1, 2, 3], res
         found = [(f["kind"], f["failed_ranks"], f["reason"], f["steps"]) for f in res["faults"]]
-        if scenario == "clean":
-            assert found == [] and res["audits"] == {"ok": steps}, res
-        elif r in (1, 3):  # the replica group of the culprit's expert decides
+        if r in (1, 3):  # the replica group of the culprit decides
             assert found == [("sdc", [3], reason, [5])], res
         else:
             assert found == [] and res["audits"] == {"ok": steps}, res
