@@ -123,16 +123,27 @@ class AuditRecorder:
         self._record: AuditRecord | None = None
         self._post_handle = module.register_forward_hook(self._post)
         self._handles = [module.register_forward_pre_hook(self._pre, with_kwargs=True), self._post_handle]
-        if local_grads:
-            for p in self.params:
-                if p.requires_grad:
-                    hook = p.register_post_accumulate_grad_hook(self._accumulated)  # type: ignore[no-untyped-call]
-                    self._handles.append(hook)
+        self._grad_handles: list[Any] = []  # post-accumulate hooks, held only while recording
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+        self._watch_grads(False)
         self._record = None
+
+    def _watch_grads(self, on: bool) -> None:
+        """Hook `.grad` accumulation only while a step is recorded: a step that is not audited
+        pays no call per parameter in backward."""
+        if on and not self._grad_handles:
+            self._grad_handles = [
+                p.register_post_accumulate_grad_hook(self._accumulated)  # type: ignore[no-untyped-call]
+                for p in self.params
+                if p.requires_grad
+            ]
+        elif not on:
+            for h in self._grad_handles:
+                h.remove()
+            self._grad_handles = []
 
     def _pre(self, module: Any, args: Any, kwargs: Any) -> None:
         if self.replaying or not torch.is_grad_enabled():
@@ -141,13 +152,16 @@ class AuditRecorder:
             return  # inside backward: activation checkpointing recomputing a forward already recorded
         step = self._due()
         if step is None:
-            self._record = None
+            if self._record is not None:
+                self._record = None
+                self._watch_grads(False)
             return
         if self._record is None or self._record.step != step:
             self._record = AuditRecord(step)
             if self.local_grads and any(p.grad is not None and bool(p.grad.any()) for p in self.params):
                 # `.grad` will hold more than this step's gradients: nothing to compare them with.
                 self._record.grads_problem = "gradients were not zeroed before the step"
+            self._watch_grads(self.local_grads)
         rec = self._record
         if rec.problem:
             return
@@ -230,6 +244,7 @@ class AuditRecorder:
     def finish(self, step: int) -> AuditRecord | None:
         """The record of `step`, if it was recorded (at its optimizer pre-hook)."""
         rec, self._record = self._record, None
+        self._watch_grads(False)
         return rec if rec is not None and rec.step == step and rec.micro else None
 
 

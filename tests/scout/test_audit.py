@@ -224,6 +224,20 @@ def test_local_gradients_are_what_backward_left_before_any_reduction(micro_batch
     assert replay_package(rec, payload).finding(payload) == "ok"  # the forward is still audited
     rec.close()
 
+    # Steps that are not audited pay no hook per parameter in backward.
+    due: list[int | None] = [None]
+    rec = AuditRecorder(model, lambda: due[0], local_grads=True)
+    model(batches[0])["out"].sum().backward()
+    assert rec.finish(1) is None and not rec._grad_handles
+    due[0] = 1
+    model.zero_grad()
+    model(batches[0])["out"].sum().backward()
+    assert rec._grad_handles  # held while the step is recorded
+    record = rec.finish(1)
+    assert record is not None and len(record.contrib) == len(list(model.parameters()))
+    assert not rec._grad_handles
+    rec.close()
+
 
 class _Dispatch(nn.Module):
     """Stands for a custom module holding an expert all-to-all: never a dense unit."""
