@@ -572,6 +572,7 @@ class Session:
             reason="heartbeat_timeout",
             node=topo.node_of(ev.peer) if topo is not None else None,
             confidence=1.0,
+            detection_latency_s=ev.silent_s,
         ).to_dict()
         self._emit_fault(report)
 

@@ -42,6 +42,7 @@ class MembershipEvent:
     incarnation: int
     at: float
     reason: str
+    silent_s: float | None = None  # DIED: how long the peer had been silent (the detection latency)
 
 
 @dataclass
@@ -97,7 +98,7 @@ class FailureDetector:
                 silent = now - p.last_heard
                 why = f"silent for {silent:.3f}s" if p.ever_seen else f"never heard in {silent:.3f}s"
                 p.state = PeerState.DEAD
-                events.append(MembershipEvent(EventKind.DIED, peer, p.incarnation, now, why))
+                events.append(MembershipEvent(EventKind.DIED, peer, p.incarnation, now, why, silent))
         return events
 
     def next_deadline(self) -> float | None:

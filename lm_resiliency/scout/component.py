@@ -134,6 +134,7 @@ def _optimizer_fingerprint(opt: Any) -> bytes:
 
 log = logging.getLogger(__name__)
 KEEP_STEPS = 64
+ENDED_STEPS = 1024  # step end times kept for detection latencies
 DENSE_ROUNDS = 8  # audits over which every dense layer of an expert-parallel model is re-executed
 PROBES_PER_ROUND = 4  # link probes one rank sends per round, so probing stays O(1) per rank
 
@@ -184,6 +185,9 @@ class Scout:
         self._lock = threading.Lock()
         self.verdicts: list[Verdict] = []
         self._grads_fp: bytes | None = None
+        # When this rank finished each recent step (monotonic): a verdict's detection latency counts
+        # from the end of the step its evidence came from.
+        self._ended: dict[int, float] = {}
         self._report_path = (
             Path(config.report_dir) / f"reports-rank{rank}.jsonl" if config.report_dir else None
         )
@@ -368,6 +372,8 @@ class Scout:
 
     def on_step(self, session: Any, times: Any) -> None:
         step = session.step_count
+        self._ended[step] = time.monotonic()
+        self._ended.pop(step - ENDED_STEPS, None)
         if not self._due(step):
             return
         params = fingerprint(p for p in self.adapter.model.parameters())
@@ -904,8 +910,10 @@ class Scout:
             confidence=0.5 if v.kind in ("sdc_ambiguous", "collective_stall") else 1.0,
             reason=v.reason,
             node=self.topology.node_of(v.ranks[0]) if v.ranks else None,
-            detection_latency_s=v.stall_duration_s,
+            detection_latency_s=self._latency(v),
         ).to_dict()
+        if v.step >= 0:
+            report["detection_latency_steps"] = max(0, self._session_step() - self._onset(v))
         report["detail"] = v.detail
         report["reported_by"] = self.rank
         report["votes"] = voters
@@ -918,6 +926,19 @@ class Scout:
         self._emit(report)
         if recurring is not None:
             self._act(recurring, voters)
+
+    @staticmethod
+    def _onset(v: Verdict) -> int:
+        """The first step that showed the fault: a straggler's streak began `confirmations` steps back."""
+        return v.step - (v.confirmations or 1) + 1 if v.kind == "straggler" else v.step
+
+    def _latency(self, v: Verdict) -> float | None:
+        """Seconds from the fault's first evidence to this verdict: a hang's stall, else the end of
+        the onset step on this rank (None when that step is older than the times kept)."""
+        if v.stall_duration_s is not None:
+            return v.stall_duration_s
+        ended = self._ended.get(self._onset(v))
+        return None if ended is None else max(0.0, time.monotonic() - ended)
 
     def _write_report(self, report: dict[str, Any]) -> None:
         if self._report_path is None:

@@ -21,6 +21,7 @@ def test_join_death_and_rejoin_with_literal_times() -> None:
     assert d.state(1) is PeerState.ALIVE and d.next_deadline() == pytest.approx(1.2)
     died = d.tick(now=1.2)
     assert kinds(died) == [(EventKind.DIED, 1)] and "silent for 1.000s" in died[0].reason
+    assert died[0].silent_s == pytest.approx(1.0)
     assert d.alive() == frozenset()
     assert kinds(d.heard(1, 2, now=5.0)) == [(EventKind.REJOINED, 1)]
     assert d.incarnation(1) == 2 and d.alive() == {1}

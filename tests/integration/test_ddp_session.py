@@ -95,5 +95,6 @@ def test_four_ranks_membership_telemetry_death_and_forgery(processes, tmp_path: 
         assert latency <= HB_TIMEOUT_S + 0.5, f"rank {r['rank']} noticed after {latency:.3f}s"
         assert [f["failed_ranks"] for f in r["faults"]] == [[3]]
         assert r["faults"][0]["kind"] == "process_failure"
+        assert HB_TIMEOUT_S <= r["faults"][0]["detection_latency_s"] <= HB_TIMEOUT_S + 0.5, r["faults"]
     assert results[0]["forged_rejected"] >= 1
     assert 1 in results[0]["live_after"]  # the forged goodbye was not acted on

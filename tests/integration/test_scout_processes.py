@@ -87,6 +87,8 @@ def test_bit_flip_in_a_gradient_after_reduction_is_named_sdc_and_not_certified(
         sdc = [f for f in res["faults"] if f["kind"] == "sdc"]
         assert sdc and sdc[0]["failed_ranks"] == [culprit] and sdc[0]["steps"] == [6], res["faults"]
         assert sdc[0]["reason"] == reason and sdc[0]["confidence"] == 1.0, sdc
+        # Latency counts from the end of step 6 on the reporting rank: the verdict lands a step later.
+        assert 0 <= sdc[0]["detection_latency_steps"] <= 2 and 0 <= sdc[0]["detection_latency_s"] < 10, sdc
         assert res["certified"]["5"] and not res["certified"]["6"], res["certified"]
         # After SDC, recovery goes back to the last certified capture; after a crash, the latest.
         assert res["sdc_decision"]["recovery_mode"] == "recovery_verified"
@@ -103,6 +105,9 @@ def test_compute_slowdown_is_named_a_compute_straggler_within_3_steps(processes,
         found = [f for f in res["faults"] if f["kind"] == "straggler"]
         assert [(f["failed_ranks"], f["straggler_type"]) for f in found] == [([1], "compute")], res["faults"]
         assert found[0]["confirmations"] == 3
+        # From the first slow step: the 3 confirming steps, then the telemetry's arrival.
+        assert 2 <= found[0]["detection_latency_steps"] <= 4, found
+        assert 0 < found[0]["detection_latency_s"] < 10, found
         assert res["first_seen_step"]["straggler:[1]"] <= 3 + 2  # evidence of step 3 lands during step 4-5
 
 
