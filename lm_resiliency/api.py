@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -37,7 +38,7 @@ from lm_resiliency.config import (
 )
 from lm_resiliency.core.membership import EventKind, MembershipEvent
 from lm_resiliency.core.messages import StepTelemetry
-from lm_resiliency.core.taxonomy import FAILURE_KINDS, default_recovery_mode
+from lm_resiliency.core.taxonomy import EXIT_FAILURES, FAILURE_KINDS, classify_exit, default_recovery_mode
 from lm_resiliency.core.topology import ParallelDim, Topology, replica_groups_from
 from lm_resiliency.errors import ConfigError, UnsupportedFrameworkError
 from lm_resiliency.runtime.discovery import StoreDiscovery
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 
 # Verdicts the torchrun backend's leader acts on (restart in place, or replace the culprit's node).
 BACKEND_ACTIONABLE = frozenset({"sdc", "hardware", "hang"})
+
+MAX_ERROR_TEXT = 2000  # characters of an uncaught exception's text carried in reports and goodbyes
 
 # Options each framework's adapter cannot take: the framework object owns them.
 _FORBIDDEN_OPTIONS = {
@@ -257,6 +260,10 @@ class Session:
         self._context: dict[str, Any] | None = None  # the backend's restart context, when restarted
         self._closed = False
         self._detection_paused = False
+        self._previous_excepthook: Any = None
+        replay_cfg = settings.get("replay")
+        report_dir = getattr(replay_cfg, "report_dir", None)
+        self._report_dir = Path(report_dir) if report_dir else None
         self.rank = 0
         self.world_size = 1
 
@@ -317,6 +324,7 @@ class Session:
                 self._recovered_step,
             )
         atexit.register(self.close)
+        self._install_excepthook()
         log.info(
             "lm-resiliency enabled on rank %d/%d (node %s, generation %d, replica group %s)",
             self.rank,
@@ -561,24 +569,81 @@ class Session:
                 c.on_step(self, times)
 
     def _on_membership(self, ev: MembershipEvent) -> None:
-        if ev.kind is not EventKind.DIED:
-            return
         topo = self._topology
-        report = SCOUTFaultReport(
-            kind="process_failure",
-            failed_ranks=(ev.peer,),
-            scope="rank",
-            sources=("heartbeat",),
-            reason="heartbeat_timeout",
-            node=topo.node_of(ev.peer) if topo is not None else None,
-            confidence=1.0,
-            detection_latency_s=ev.silent_s,
-        ).to_dict()
-        self._emit_fault(report)
+        node = topo.node_of(ev.peer) if topo is not None else None
+        if ev.kind is EventKind.DIED:
+            report = SCOUTFaultReport(
+                kind="process_failure",
+                failed_ranks=(ev.peer,),
+                scope="rank",
+                sources=("heartbeat",),
+                reason="heartbeat_timeout",
+                node=node,
+                confidence=1.0,
+                detection_latency_s=ev.silent_s,
+            ).to_dict()
+            self._emit_fault(report)
+            return
+        # A peer whose worker died of an uncaught exception says so in its goodbye (`_exiting`).
+        reason, _, error = ev.reason.partition(": ")
+        if ev.kind is EventKind.LEFT and reason in EXIT_FAILURES:
+            report = SCOUTFaultReport(
+                kind="process_failure",
+                failed_ranks=(ev.peer,),
+                scope="rank",
+                sources=("goodbye",),
+                reason=reason,
+                node=node,
+                confidence=1.0,
+            ).to_dict()
+            report["error"] = error
+            self._emit_fault(report)
+
+    # -- a worker that dies of an uncaught exception says why ----------------------------------------
+    def _install_excepthook(self) -> None:
+        """Chain onto `sys.excepthook` (the main thread's uncaught exceptions, `@record` included:
+        it re-raises): report our own failure with its error text, then let the previous hook print."""
+        previous = sys.excepthook
+
+        def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+            try:
+                self._exiting(value)
+            except Exception:  # reporting must never hide the user's traceback
+                log.exception("reporting the uncaught exception failed")
+            previous(tp, value, tb)
+
+        sys.excepthook = hook
+        self._previous_excepthook = (hook, previous)
+
+    def _exiting(self, exc: BaseException) -> None:
+        """This worker is dying of `exc`: one process_failure report naming this rank (unless a collective
+        failed under it: a peer's failure, not ours), then a goodbye that tells the peers the reason."""
+        if self._closed:
+            return
+        reason = classify_exit(exc)
+        error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]
+        if reason in EXIT_FAILURES:
+            report = SCOUTFaultReport(
+                kind="process_failure",
+                failed_ranks=(self.rank,),
+                scope="rank",
+                sources=("self",),
+                steps=(self.step_count,),
+                reason=reason,
+                node=self._topology.node_of(self.rank) if self._topology is not None else None,
+                confidence=1.0,
+            ).to_dict()
+            report["error"] = error
+            self._emit_fault(report)
+            if self._control is not None:  # the leader's restart says why
+                self._control.post_verdict(self.env.generation, report)
+        log.error("rank %d dies of an uncaught exception (%s): %s", self.rank, reason, error)
+        self.close(reason=f"{reason}: {error}")
 
     def _emit_fault(self, report: dict[str, Any]) -> None:
         with self._reports_lock:
             self._reports.append(report)
+        self._write_report(report)
         # Hardware telemetry that is not fatal (thermal, throttling, NVLink counters) is reported,
         # never a reason for the leader to restart or replace a node.
         not_fatal = report.get("kind") == "hardware" and report.get("fatal") is False
@@ -683,13 +748,28 @@ class Session:
         """Write the newest recoverable state to disk; return its step, or -1 when there is none."""
         return max((c.flush_for_restart() for c in self._components), default=-1)
 
-    def close(self) -> None:
+    def _write_report(self, report: dict[str, Any]) -> None:
+        """Append the report to `<report_dir>/reports-rank<R>.jsonl` (ReplayHarnessConfig.report_dir)."""
+        if self._report_dir is None:
+            return
+        path = self._report_dir / f"reports-rank{self.rank}.jsonl"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            line = json.dumps({"time": time.time(), "pid": os.getpid(), **report}, default=str)
+            with open(path, "a") as f:
+                f.write(line + "\n")
+        except OSError as exc:
+            log.error("cannot append the fault report to %s: %s", path, exc)
+
+    def close(self, reason: str = "close") -> None:
         """Stop hooks, components and the runtime. Idempotent; also runs at interpreter exit."""
         if self._closed:
             return
         self._closed = True
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
+        if self._previous_excepthook is not None and sys.excepthook is self._previous_excepthook[0]:
+            sys.excepthook = self._previous_excepthook[1]
         self._adapter.detach()
         for c in reversed(self._components):
             try:
@@ -697,7 +777,7 @@ class Session:
             except Exception:  # closing one component must not leave the others open
                 log.exception("closing component %s failed", getattr(c, "name", c))
         if self._runtime is not None:
-            self._runtime.close()
+            self._runtime.close(reason=reason)
         if self._control is not None:
             self._control.close()
 

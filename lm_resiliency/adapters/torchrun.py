@@ -537,6 +537,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             "reason_code": plan.get("reason_code", "restart"),
             "failure_kind": plan.get("failure_kind", "process_failure"),
             "culprits": plan.get("culprits", []),
+            "error": plan.get("error", ""),
             "admitted": plan.get("admitted", []),
             "leader": s.leader,
             "term": s.term,
@@ -584,6 +585,7 @@ class _Pulse:
         self._liveness = rs.Liveness(handler.heartbeat_timeout_s)
         # A connection of its own: a TCPStore client is not shared across threads.
         self._control: _Control | None = None
+        self._verdicts_read = (-1, 0)  # (generation, verdicts of it already applied)
 
     def start(self) -> None:
         self._thread.start()
@@ -668,24 +670,32 @@ class _Pulse:
         return s
 
     def _apply_verdicts(self, control: _Control, s: rs.RdzvState) -> rs.RdzvState:
-        """Agreed SCOUT verdicts that workers posted: restart, or quarantine the culprits' nodes."""
+        """Agreed SCOUT verdicts that workers posted: restart, or quarantine the culprits' nodes.
+
+        While the failed generation is being restarted, only a worker's own report of the exception
+        it died of is still read: it names why the agent saw the exit."""
         h = self.h
-        if s.phase != rs.RUNNING:
+        restarting = s.phase == rs.RESTARTING and s.pending.get("from_generation") == s.generation
+        if s.phase != rs.RUNNING and not restarting:
             return s
+        gen, first = self._verdicts_read
+        first = first if gen == s.generation else 0
         n = int(control.store.add(control.key(f"verdicts/g{s.generation}/n"), 0))
-        for i in range(n):
+        for i in range(first, n):
             v = control.json_get(f"verdicts/g{s.generation}/{i}")
+            self._verdicts_read = (s.generation, i + 1)
             if not isinstance(v, dict):
                 continue
             kind = str(v.get("kind", "unknown"))
+            if s.phase != rs.RUNNING and kind != "process_failure":
+                continue
             ranks = [int(r) for r in v.get("failed_ranks", []) if isinstance(r, int)]
             culprits = {n for n in (_node_of_rank(s, r) for r in ranks) if n is not None}
             quarantine = _quarantines(v, h.replace_on) and bool(culprits)
             log.warning("run %s: verdict %s on ranks %s -> %s", h.run_id, kind, ranks, sorted(culprits))
-            args = (s.generation, kind, str(v.get("reason", kind)), culprits, quarantine)
+            error = str(v.get("error", ""))[:2000]
+            args = (s.generation, kind, str(v.get("reason", kind)), culprits, quarantine, error)
             s = control.update(partial(_if_leader, me=h.node_id, fn=rs.request_restart, args=args))
-            if s.phase != rs.RUNNING:
-                break
         return s
 
     def _plan(self, control: _Control, old: rs.RdzvState, new: rs.RdzvState) -> dict[str, Any]:
@@ -697,6 +707,7 @@ class _Pulse:
             "failure_kind": kind,
             "reason_code": str(pending.get("reason", "startup")),
             "culprits": list(pending.get("culprits", [])),
+            "error": str(pending.get("error", "")),
             "recovery_mode": mode,
             "checkpoint_source": "none",
             "checkpoint_step": -1,

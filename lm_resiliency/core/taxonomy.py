@@ -7,7 +7,7 @@ a hang, a lost node) may resume from the latest capture.
 
 from __future__ import annotations
 
-__all__ = ["FAILURE_KINDS", "VERIFIED_KINDS", "default_recovery_mode"]
+__all__ = ["EXIT_FAILURES", "FAILURE_KINDS", "VERIFIED_KINDS", "classify_exit", "default_recovery_mode"]
 
 FAILURE_KINDS = frozenset(
     {
@@ -33,3 +33,47 @@ VERIFIED_KINDS = frozenset({"sdc", "stale_state", "payload_corruption", "collect
 def default_recovery_mode(failure_kind: str) -> str:
     """ "recovery_verified" when the fault may have corrupted state silently, else "latest"."""
     return "recovery_verified" if failure_kind in VERIFIED_KINDS else "latest"
+
+
+# How a worker's uncaught exception ended it (the reason code of its own process_failure report).
+# Not failures of the rank: `collective_error` (a collective failed under it, most often because a
+# peer died first: a casualty, the others name the culprit) and `interrupted` (KeyboardInterrupt:
+# someone stopped the job on purpose).
+EXIT_FAILURES = frozenset({"uncaught_exception", "resource_exhaustion"})
+
+_RESOURCE_TYPES = frozenset({"MemoryError", "OutOfMemoryError"})
+_RESOURCE_ERRNOS = frozenset({12, 23, 24, 28})  # ENOMEM, ENFILE, EMFILE, ENOSPC
+_RESOURCE_TEXT = (
+    "out of memory",
+    "not enough memory",
+    "can't allocate memory",
+    "cannot allocate memory",
+    "too many open files",
+    "no space left on device",
+)
+_COLLECTIVE_TYPES = frozenset({"DistError", "DistBackendError", "DistNetworkError", "DistStoreError"})
+_COLLECTIVE_TEXT = (
+    "gloo",
+    "nccl",
+    "processgroup",
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+)
+
+
+def classify_exit(exc: BaseException) -> str:
+    """The reason code of an uncaught exception: resource_exhaustion (memory, file descriptors,
+    disk), collective_error (a collective failed under the rank), interrupted (KeyboardInterrupt),
+    else uncaught_exception. Judged from type names and text only, so any framework's errors work."""
+    names = {t.__name__ for t in type(exc).__mro__}
+    text = str(exc).lower()
+    if names & _RESOURCE_TYPES or getattr(exc, "errno", None) in _RESOURCE_ERRNOS:
+        return "resource_exhaustion"
+    if any(t in text for t in _RESOURCE_TEXT):
+        return "resource_exhaustion"
+    if names & _COLLECTIVE_TYPES or any(t in text for t in _COLLECTIVE_TEXT):
+        return "collective_error"
+    if "KeyboardInterrupt" in names:
+        return "interrupted"
+    return "uncaught_exception"

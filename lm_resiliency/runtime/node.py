@@ -245,23 +245,24 @@ class RankRuntime:
             "rank %d connected to rank %d (incarnation %d) at %s", self.rank, ann.rank, ann.incarnation, pub
         )
 
-    def close(self, timeout: float = 1.0) -> None:
-        """Say goodbye to peers, close every socket and join the loop thread. Idempotent."""
+    def close(self, timeout: float = 1.0, reason: str = "close") -> None:
+        """Say goodbye to peers (with `reason`: why this rank leaves), close every socket and join the
+        loop thread. Idempotent."""
         if self._closed:
             return
         self._closed = True
         if self._loop.alive:
             with contextlib.suppress(TimeoutError, RuntimeError, concurrent.futures.CancelledError):
-                self._loop.call(self._shutdown, timeout=timeout)
+                self._loop.call(self._shutdown, reason, timeout=timeout)
         self._loop.close(timeout)
         with self._cond:
             self._cond.notify_all()
 
-    async def _shutdown(self) -> None:
+    async def _shutdown(self, reason: str) -> None:
         if self._transport is None:
             return
         with anyio.move_on_after(0.2):
-            await self._publish(Goodbye(self.rank, self.incarnation, "close"))
+            await self._publish(Goodbye(self.rank, self.incarnation, reason))
 
     async def _close_transport(self) -> None:
         for fut in self._acks.values():

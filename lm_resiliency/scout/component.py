@@ -5,7 +5,7 @@ optimizer step (after reduction) and of the parameters after it, sent as `Eviden
 times already travel as `StepTelemetry`. Runtime thread: publishes `Progress` every heartbeat (so a
 hung training thread is still described), collects evidence from the replica group, runs the pure
 verdict functions of `core.scout.verdicts`, and reports each verdict once: to `fault_callback`, to
-`OrchestrationHooks.report_fault`, and as a JSON line in `report_dir`.
+`OrchestrationHooks.report_fault`, and (by the session) as a JSON line in `report_dir`.
 
 Certification: a step is recovery-verified when its fingerprints agreed across the replica group
 and no SDC was open; an SDC revokes certificates from its step on.
@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -188,9 +186,6 @@ class Scout:
         # When this rank finished each recent step (monotonic): a verdict's detection latency counts
         # from the end of the step its evidence came from.
         self._ended: dict[int, float] = {}
-        self._report_path = (
-            Path(config.report_dir) / f"reports-rank{rank}.jsonl" if config.report_dir else None
-        )
         self._handles: list[Any] = []
         opt = getattr(adapter, "optimizer", None)
         if opt is not None:
@@ -833,7 +828,6 @@ class Scout:
         (log.error if ev.fatal else log.warning)(
             "rank %d hardware: %s on %s: %s", self.rank, ev.kind, ev.device, ev.detail
         )
-        self._write_report(report)
         self._emit(report)
 
     # -- reports ----------------------------------------------------------------------------------
@@ -922,7 +916,6 @@ class Scout:
         )
         if v.reason == "recurring_sdc":
             report["quarantine"] = True
-        self._write_report(report)
         self._emit(report)
         if recurring is not None:
             self._act(recurring, voters)
@@ -939,16 +932,6 @@ class Scout:
             return v.stall_duration_s
         ended = self._ended.get(self._onset(v))
         return None if ended is None else max(0.0, time.monotonic() - ended)
-
-    def _write_report(self, report: dict[str, Any]) -> None:
-        if self._report_path is None:
-            return
-        try:
-            self._report_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self._report_path, "a") as f:
-                f.write(json.dumps({"time": time.time(), "pid": os.getpid(), **report}) + "\n")
-        except OSError as exc:
-            log.error("cannot append the fault report to %s: %s", self._report_path, exc)
 
     # -- certification ----------------------------------------------------------------------------
     def certified(self, step: int) -> bool:

@@ -59,6 +59,21 @@ def test_worker_exit_restarts_in_place_once_every_holder_arrived() -> None:
     assert rs.arrive(s, "a", 0) == s  # a late report about generation 0 changes nothing
 
 
+@pytest.mark.parametrize("order", ["exit-first", "words-first"])
+def test_a_worker_that_said_why_it_died_names_the_reason_whichever_arrives_first(order: str) -> None:
+    s = _formed(["a", "b", "c"])
+    said = ("process_failure", "uncaught_exception", ["b"], False, "ValueError: loss is nan")
+    if order == "exit-first":
+        s = rs.request_restart(rs.arrive(s, "b", 0), 0, *said)
+    else:
+        s = rs.arrive(rs.request_restart(s, 0, *said), "b", 0)
+    assert s.pending["reason"] == "uncaught_exception" and s.pending["error"] == "ValueError: loss is nan"
+    assert s.pending["culprits"] == ["b"]
+    # Another kind's report in the meantime only widens the culprits; the reason stays.
+    s = rs.request_restart(s, 0, "hang", "never_entered_collective", ["a"])
+    assert s.pending["reason"] == "uncaught_exception" and s.pending["culprits"] == ["a", "b"]
+
+
 def test_lost_node_is_replaced_by_the_oldest_live_standby_in_its_slot() -> None:
     s = _formed(["a", "b", "c", "d"])
     s = rs.mark_dead(s, "a")

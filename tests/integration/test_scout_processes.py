@@ -304,3 +304,30 @@ def test_an_expert_parallel_model_is_audited_by_replicas(  # type: ignore[no-unt
             assert found == [("sdc", [3], reason, [5])], res
         else:
             assert found == [] and res["audits"] == {"ok": steps}, res
+
+
+def test_a_worker_that_dies_of_an_uncaught_error_is_named_with_its_error(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The culprit's allocation fails at step 5 and nothing catches it: it reports itself (resource
+    exhaustion, with the allocator's text) and its goodbye tells the peers why; the peers, whose next
+    collective then breaks, are casualties and accuse nobody else."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"WORLD_SIZE": str(WORLD), "STORE_PORT": str(store.port), "RESULT_DIR": str(tmp_path)}
+    env |= {"STEPS": "30", "SCENARIO": "oom", "CULPRIT": "2", "AT_STEP": "5"}
+    env["REPORT_DIR"] = str(tmp_path / "reports")
+    procs = [
+        processes.start(
+            ["tests/integration/workers/scout_worker.py"], {**env, "RANK": str(r)}, tmp_path / f"rank{r}.log"
+        )
+        for r in range(WORLD)
+    ]
+    codes = [p.wait(90) for p in procs]
+    assert all(c != 0 for c in codes), codes  # the culprit, then every peer's broken collective
+    assert "DefaultCPUAllocator" in (tmp_path / "rank2.log").read_text()  # the user's traceback still prints
+    for r in range(WORLD):
+        path = tmp_path / "reports" / f"reports-rank{r}.jsonl"
+        reports = [json.loads(line) for line in path.read_text().splitlines()]
+        failures = [f for f in reports if f["kind"] == "process_failure"]
+        assert [f["failed_ranks"] for f in failures] == [[2]], reports
+        assert failures[0]["reason"] == "resource_exhaustion", failures
+        assert "DefaultCPUAllocator" in failures[0]["error"], failures
+        assert failures[0]["sources"] == (["self"] if r == 2 else ["goodbye"]), failures

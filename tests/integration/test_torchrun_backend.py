@@ -240,12 +240,16 @@ def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, t
     base.start(policies=[str(policy)] * 2)
     base.wait()
     job = Job(processes, tmp_path, "plain", worker=script)
-    job.start({"FAULT": "worker"}, policies=[str(policy)] * 3)
+    job.start({"FAULT": "raise"}, policies=[str(policy)] * 3)
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1] and gens[1]["instrumented"], job.logs()
     assert 0 < gens[1]["start"] <= 10, gens
     assert "instrumented automatically" in job.logs()
+    # The worker said why it died (its uncaught exception), and the restart context carries it.
+    ctx = json.loads(Path(gens[1]["context"]).read_text())
+    assert ctx["failure_kind"] == "process_failure" and ctx["reason_code"] == "uncaught_exception", ctx
+    assert ctx["error"] == "RuntimeError: injected: the loss diverged at step 10", ctx
     assert _equal(job.final(), base.final())
 
 

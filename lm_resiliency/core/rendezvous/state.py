@@ -156,8 +156,11 @@ def request_restart(
     reason: str,
     culprits: Iterable[str] = (),
     quarantine: bool = False,
+    error: str = "",
 ) -> RdzvState:
-    """Generation `generation` failed. Requests about an older generation are already handled."""
+    """Generation `generation` failed. Requests about an older generation are already handled.
+
+    `error`: the failing worker's own words (its uncaught exception), when it said them."""
     if s.phase == CLOSED or generation != s.generation:
         return s
     culprits = tuple(sorted(set(culprits)))
@@ -169,6 +172,10 @@ def request_restart(
         pending = dict(s.pending)
         pending["culprits"] = sorted(set(pending.get("culprits", ())) | set(culprits))
         pending["quarantine"] = bool(pending.get("quarantine")) or quarantine
+        if pending.get("reason") == "worker_exit" and failure_kind == pending.get("failure_kind"):
+            pending["reason"] = reason  # the worker said why it exited: more than the exit itself
+            if error:
+                pending["error"] = error
         return replace(s, pending=pending, excluded=excluded)
     if s.phase != RUNNING:
         return s
@@ -179,6 +186,8 @@ def request_restart(
         "quarantine": quarantine,
         "from_generation": generation,
     }
+    if error:
+        pending["error"] = error
     return replace(s, phase=RESTARTING, arrived=(), pending=pending, excluded=excluded)
 
 

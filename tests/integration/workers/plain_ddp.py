@@ -1,11 +1,10 @@
 """An unmodified DDP script: it never imports lm_resiliency. Under the backend with a worker policy
 it is instrumented automatically; it reads only the step to resume at (its data position).
 
-In generation 0, rank 1 SIGKILLs itself after step 10 when FAULT=worker."""
+In generation 0, rank 1 raises an uncaught RuntimeError after step 10 when FAULT=raise."""
 
 import json
 import os
-import signal
 import sys
 
 import torch
@@ -31,10 +30,12 @@ for step in range(start + 1, 25):
     loss.backward()
     opt.step()
     sched.step()
-    if os.environ.get("FAULT") == "worker" and gen == 0 and rank == 1 and step == 10:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("FAULT") == "raise" and gen == 0 and rank == 1 and step == 10:
+        raise RuntimeError("injected: the loss diverged at step 10")
 if rank == 0:
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
     with open(f"{out}.gen{gen}.json", "w") as f:
-        json.dump({"generation": gen, "start": start, "instrumented": "lm_resiliency" in sys.modules}, f)
+        context = os.environ.get("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT")
+        instrumented = "lm_resiliency" in sys.modules
+        json.dump({"generation": gen, "start": start, "instrumented": instrumented, "context": context}, f)
 dist.destroy_process_group()

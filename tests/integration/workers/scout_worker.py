@@ -2,7 +2,8 @@
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS,
 SCENARIO (clean|sdc|weight|optstate|recurring|compute|input|hang|output|output-once|localgrad|
-nondeterministic: every rank's forward depends on the clock, so no replay can reproduce it),
+nondeterministic: every rank's forward depends on the clock, so no replay can reproduce it;
+oom: the culprit's allocation of 16 TiB fails at AT_STEP and the exception goes uncaught),
 CULPRIT, AT_STEP, REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
 WRAP (ddp | plain: no DDP, this script all-reduces the gradients after backward).
 Faults are injected by this script, never told to SCOUT. Writes RESULT_DIR/rank<r>.json with every
@@ -166,6 +167,8 @@ def main() -> int:
             store.set("test/stalled_at", str(time.time()).encode())
             threading.Event().wait(600)  # never enters this step's collective; killed by the test
         time.sleep(jitter.uniform(0, 0.004))  # timing jitter on every rank
+        if scenario == "oom" and rank == culprit and step == at:
+            torch.empty(1 << 44, dtype=torch.uint8)  # the allocator refuses: a real, uncaught error
         if accumulate > 1:  # gradient accumulation: all-reduce only after the last micro-batch
             opt.zero_grad()
             parts = x.chunk(accumulate)

@@ -1,0 +1,49 @@
+"""How an uncaught exception is classified (pure: type names and text only)."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from lm_resiliency.core.taxonomy import EXIT_FAILURES, classify_exit
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class DistBackendError(RuntimeError):
+    """Named like torch.distributed's: classification goes by the type's name, not by importing it."""
+
+
+class OutOfMemoryError(RuntimeError):
+    """Named like torch.cuda's."""
+
+
+@pytest.mark.parametrize(
+    ("exc", "reason"),
+    [
+        (ValueError("loss is nan"), "uncaught_exception"),
+        (RuntimeError("shape mismatch"), "uncaught_exception"),
+        (MemoryError(), "resource_exhaustion"),
+        (OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "resource_exhaustion"),
+        (
+            RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 1 bytes"),
+            "resource_exhaustion",
+        ),
+        (OSError(errno.EMFILE, "Too many open files"), "resource_exhaustion"),
+        (OSError(errno.ENOSPC, "No space left on device"), "resource_exhaustion"),
+        (OSError(errno.ENOENT, "No such file or directory"), "uncaught_exception"),
+        (DistBackendError("NCCL communicator was aborted"), "collective_error"),
+        (
+            RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"),
+            "collective_error",
+        ),
+        (KeyboardInterrupt(), "interrupted"),
+    ],
+)
+def test_uncaught_exceptions_are_classified(exc: BaseException, reason: str) -> None:
+    assert classify_exit(exc) == reason
+
+
+def test_only_the_rank_own_failures_accuse_it() -> None:
+    assert {"uncaught_exception", "resource_exhaustion"} == EXIT_FAILURES  # not casualties, not Ctrl-C
