@@ -15,6 +15,7 @@ Prints progress, then one JSON object on the last line:
   detect_steps_straggler    steps from the first slow step to the compute-straggler verdict
   detect_s_hang             seconds from a rank's stall to the hang verdict (threshold 2 s)
   detect_steps_sdc          steps from the bit flip to the SDC verdict
+  detect_s_<kind>           the same in seconds, from the reports' detection_latency_s (slowest rank)
   audited_throughput_ratio  as healthy_throughput_ratio, with a peer re-executing every rank's
                             micro-batch every --audit-interval steps (audits pause with detection)
   detect_steps_output_sdc   steps from a corrupted forward output (averaged away by the all-reduce,
@@ -103,6 +104,12 @@ def medians(res: list[dict]) -> tuple[float, float, float]:
     return tuple(statistics.median(rates[mode]) for mode in ("on", "off", "plain"))  # type: ignore[return-value]
 
 
+def latency_s(res: list[dict], kind: str) -> float | None:
+    """The slowest rank's detection latency (seconds, from its report) for verdicts of `kind`."""
+    found = [f["detection_latency_s"] for r in res for f in r["faults"] if f["kind"] == kind]
+    return max(found) if found and None not in found else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clean-steps", type=int, default=500)
@@ -143,6 +150,7 @@ def main() -> None:
     res, _ = run("compute", 15, culprit=1)
     seen = [r["first_seen_step"].get("straggler:[1]") for r in res]
     out["detect_steps_straggler"] = max(s for s in seen if s is not None) if all(seen) else None
+    out["detect_s_straggler"] = latency_s(res, "straggler")
     res, stalled = run("hang", 60, culprit=0, at=8, wait_all=False)
     out["detect_s_hang"] = max(r["hang_seen_at"] for r in res) - stalled
     out["hang_stall_threshold_s"] = 2.0
@@ -151,11 +159,13 @@ def main() -> None:
     out["detect_steps_sdc"] = (
         (max(s for s in seen if s is not None) - 6) if all(s is not None for s in seen) else None
     )
+    out["detect_s_sdc"] = latency_s(res, "sdc")
     res, _ = run("output", 10, culprit=2, at=6, extra={"AUDIT": "1"})
     seen = [r["first_seen_step"].get("sdc:[2]") for r in res]
     out["detect_steps_output_sdc"] = (
         (max(s for s in seen if s is not None) - 6) if all(s is not None for s in seen) else None
     )
+    out["detect_s_output_sdc"] = latency_s(res, "sdc")
     res, _ = run("clean", args.clean_steps)
     out["false_positives"] = sum(len(r["faults"]) for r in res)
     out["clean_steps"] = args.clean_steps
