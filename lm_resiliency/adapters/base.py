@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["AdapterTopology", "FrameworkAdapter", "StepTimes"]
 
@@ -55,3 +55,23 @@ class FrameworkAdapter(Protocol):
     def detach(self) -> None:
         """Remove every hook this adapter installed. Idempotent."""
         ...
+
+
+def uncompiled(module: Any) -> Any:
+    """The module under `torch.compile`'s wrappers (`OptimizedModule._orig_mod`, repeatedly).
+
+    Its state_dict keys are the plain model's (no `_orig_mod.` prefix), so a capture restores into
+    the model with or without compile; hooks that must run eagerly stay on the wrapper."""
+    while type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
+        module = module._orig_mod
+    return module
+
+
+def is_compiled(module: Any) -> bool:
+    """True when `module` or a module under a DDP/FSDP-style `.module` wrapper is torch.compile'd."""
+    seen = 0
+    while module is not None and seen < 8:
+        if uncompiled(module) is not module:
+            return True
+        module, seen = getattr(module, "__dict__", {}).get("_modules", {}).get("module"), seen + 1
+    return False

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import xxhash
 from torch import nn
 
-from lm_resiliency.adapters.base import AdapterTopology, StepSink, StepTimes
+from lm_resiliency.adapters.base import AdapterTopology, StepSink, StepTimes, uncompiled
 from lm_resiliency.adapters.canonical import CanonicalReduction
 
 __all__ = ["PyTorchAdapter"]
@@ -85,12 +85,12 @@ class PyTorchAdapter:
                 str(k): _ranks(v, f"parallelism_info['dims'][{k!r}]") for k, v in info.get("dims", {}).items()
             }
             return AdapterTopology(group, dims, tuple(info.get("replicated_dims", ())), "parallelism_info")
-        ddp = _find_ddp(self.model)
+        ddp = _find_ddp(uncompiled(self.model))
         if ddp is not None and dist.is_initialized():
             pg = getattr(ddp, "process_group", None) or dist.group.WORLD
             ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
             return AdapterTopology(ranks, {"dp": ranks}, ("dp",), "ddp")
-        mesh_topo = _mesh_topology(self.model, rank)
+        mesh_topo = _mesh_topology(uncompiled(self.model), rank)
         if mesh_topo is not None:
             return mesh_topo
         if self.group is not None and dist.is_initialized():
@@ -108,7 +108,7 @@ class PyTorchAdapter:
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre))
             self._handles.append(self.optimizer.register_step_post_hook(self._opt_post))
-        ddp = _find_ddp(self.model)
+        ddp = _find_ddp(uncompiled(self.model))  # hooks above stay on the compiled wrapper: eager
         if ddp is not None and self._time_comm:
             if getattr(ddp, "_comm_hooks", None):
                 log.info("DDP model already has a comm hook; communication time will not be measured")

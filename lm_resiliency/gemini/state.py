@@ -22,6 +22,8 @@ import msgpack
 import numpy as np
 import torch
 
+from lm_resiliency.adapters.base import uncompiled
+
 __all__ = ["LocalShard", "TensorSpec", "apply_state", "collect_state", "flatten", "materialize", "unflatten"]
 
 SKELETON_VERSION = 1
@@ -164,7 +166,7 @@ def collect_state(
 ) -> dict[str, Any]:
     state: dict[str, Any] = {
         "step": step,
-        "model": model.state_dict(),
+        "model": uncompiled(model).state_dict(),
         "rng": {
             "torch": torch.get_rng_state(),
             "python": random.getstate(),
@@ -189,6 +191,7 @@ def apply_state(
     scheduler: Any,
     load_extra_state_fn: Callable[[Any], None] | None,
 ) -> None:
+    model = uncompiled(model)
     _resolve_shards(state, model, optimizer)
     model.load_state_dict(state["model"])
     if optimizer is not None and "optimizer" in state:

@@ -26,6 +26,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
+from lm_resiliency.adapters.base import is_compiled
 from lm_resiliency.adapters.canonical import ddp_parameters
 from lm_resiliency.config import ReplayHarnessConfig, SCOUTFaultReport
 from lm_resiliency.core.messages import (
@@ -232,10 +233,13 @@ class Scout:
             ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
             inner: torch.nn.Module = model.module if ddp else model  # type: ignore[assignment]
             params = list(inner.parameters())
+            compiled = is_compiled(model)
             experts = _expert_modules(inner, getattr(adapter, "parallelism_info", {}) or {})
             why = (
                 "no parameters"
                 if not params
+                else "a torch.compile'd model (recording its layers would break its graphs)"
+                if compiled
                 else "DTensor parameters (FSDP2, TP)"
                 if any(callable(getattr(p, "to_local", None)) for p in params)
                 else f"a {type(model).__name__} model (only DDP and plain modules are audited)"
@@ -254,7 +258,7 @@ class Scout:
                 self._auditors[name] = AuditRecorder(m, due, local_grads=local)
                 self._audit_scales[name] = 1.0 if local else ddp_scale
 
-            if experts:
+            if experts and not compiled:
                 # The whole model's forward holds the experts' all-to-all: not replayable on one
                 # rank. Each expert is (its replicas hold the same weights), and so is each dense
                 # unit (every rank holds the same dense weights), the units taking turns: each audit

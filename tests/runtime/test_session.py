@@ -173,3 +173,44 @@ def test_fsdp2_dtensor_state_is_captured_and_resumed_bitwise(
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_compiled_ddp_model_is_seen_through_and_its_capture_loads_uncompiled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.compile(DDP(model)): the replica group is DDP's (not a group of one, which would check
+    nothing), and the capture's keys are the plain model's, so it restores into the
+    same model without compile and continues bitwise."""
+    import torch.distributed as dist
+
+    from lm_resiliency.adapters.base import is_compiled, uncompiled
+
+    monkeypatch.setenv("LM_RESILIENCY_SHM_DIR", str(tmp_path / "shm"))
+    data = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    ckpt = InMemoryCkptConfig(run_id="compiled-resume", disk_folder=str(tmp_path / "disk"))
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
+        return ddp, torch.optim.AdamW(ddp.parameters(), lr=0.05)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp, opt = build(0)
+        compiled = torch.compile(ddp, backend="eager")
+        assert uncompiled(compiled) is ddp and is_compiled(compiled) and not is_compiled(ddp)
+        inner_compiled = torch.compile(nn.Linear(2, 2), backend="eager")
+        assert is_compiled(nn.parallel.DistributedDataParallel(inner_compiled))
+        with enable_resiliency(compiled, opt, interval=1, checkpoint=ckpt) as s:
+            assert s._adapter.topology().source == "ddp"  # type: ignore[attr-defined]
+            _train(s, compiled, opt, 3, loader=data[:3])
+            assert s.gemini is not None and s.gemini.drain(30)
+        _train(None, ddp, opt, 2, loader=data[3:])  # the uninterrupted continuation
+        want = [p.detach().clone() for p in ddp.parameters()]
+        ddp2, opt2 = build(1)  # not compiled this time, another init
+        with enable_resiliency(ddp2, opt2, interval=1, checkpoint=ckpt, enable_detection=False) as s2:
+            assert s2.recovered_step == 3
+            _train(s2, ddp2, opt2, 2, loader=data[3:])
+        assert all(torch.equal(a, b) for a, b in zip(ddp2.parameters(), want, strict=True))
+    finally:
+        dist.destroy_process_group()
