@@ -482,6 +482,19 @@ class Session:
         replay: ReplayHarnessConfig = self.settings["replay"]
         if not (self.settings["enable_detection"] and replay.enable):
             return
+        timeout = _collective_timeout_s()
+        if timeout is not None and replay.hang_stall_threshold_s > timeout / 2:
+            # A hang is named within about twice the threshold: it must come before torch's own
+            # collective timeout turns the hang into a crash that names nobody.
+            log.warning(
+                "rank %d: hang_stall_threshold_s %.1f s would not name a hang before the process "
+                "group's collective timeout (%.1f s); using %.1f s",
+                self.rank,
+                replay.hang_stall_threshold_s,
+                timeout,
+                timeout / 2,
+            )
+            replay = dataclasses.replace(replay, hang_stall_threshold_s=timeout / 2)
         from lm_resiliency.scout.component import Scout
 
         assert self._runtime is not None and self._topology is not None
@@ -813,6 +826,26 @@ class _TimedLoader:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
+
+
+def _collective_timeout_s() -> float | None:
+    """The default process group's collective timeout (the shortest of its backends), or None."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = dist.distributed_c10d._get_default_group()
+    found = []
+    for device in ("cpu", "cuda"):
+        try:
+            backend = pg._get_backend(torch.device(device))
+        except Exception:  # no backend for that device type
+            continue
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if timeout is not None and hasattr(timeout, "total_seconds") and timeout.total_seconds() > 0:
+            found.append(float(timeout.total_seconds()))
+    return min(found) if found else None
 
 
 def _assemble_topology(anns: dict[int, Any], world_size: int) -> Topology:

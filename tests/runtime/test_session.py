@@ -214,3 +214,23 @@ def test_a_compiled_ddp_model_is_seen_through_and_its_capture_loads_uncompiled(
         assert all(torch.equal(a, b) for a, b in zip(ddp2.parameters(), want, strict=True))
     finally:
         dist.destroy_process_group()
+
+
+def test_hang_threshold_comes_before_the_process_group_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    """The default 30 s threshold with a 10 s gloo timeout could never name a hang: gloo would
+    raise first. The session halves the group's timeout instead, and says so."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=10)
+    )
+    try:
+        model = nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with enable_resiliency(model, opt, enable_checkpoint=False) as s:
+            assert s.scout is not None and s.scout.config.hang_stall_threshold_s == 5.0
+        assert "before the process group's collective timeout (10.0 s); using 5.0 s" in caplog.text
+    finally:
+        dist.destroy_process_group()
