@@ -713,7 +713,11 @@ class Session:
 
     def instrument_dataloader(self, dataloader: Any, name: str = "train") -> Any:
         """Wrap `dataloader` so the time spent in `next()` counts as the step's input time."""
-        return _TimedLoader(dataloader, name, self._adapter.note_input_time)
+        return _TimedLoader(dataloader, name, self._adapter.note_input_time, self._mark_phase)
+
+    def _mark_phase(self, phase: str | None) -> None:
+        """What the training thread is inside of, for out-of-band stall checks: one tuple, replaced whole."""
+        self._adapter.phase = (phase, time.monotonic()) if phase else None
 
     @contextlib.contextmanager
     def checkpoint_io(self, kind: str, name: str = "") -> Iterator[None]:
@@ -721,10 +725,15 @@ class Session:
         if kind not in ("read", "write"):
             raise ValueError(f"checkpoint_io kind must be 'read' or 'write', got {kind!r}")
         t0 = time.perf_counter()
+        outer = getattr(self._adapter, "phase", None)
+        if outer is None:
+            self._mark_phase("checkpoint_io")
         try:
             yield
         finally:
             self._io.append((kind, name, time.perf_counter() - t0))
+            if outer is None:
+                self._mark_phase(None)
 
     def prepare_recovery(self, failure_kind: str, all_ranks_accessible: bool = True) -> RecoveryMode:
         """Decide which checkpoint trust level a recovery from `failure_kind` needs."""
@@ -804,21 +813,30 @@ class Session:
 class _TimedLoader:
     """A proxy that times `next()` on the wrapped loader's iterators; everything else passes through."""
 
-    def __init__(self, loader: Any, name: str, sink: Callable[[float], None]) -> None:
+    def __init__(
+        self, loader: Any, name: str, sink: Callable[[float], None], mark: Callable[[str | None], None]
+    ) -> None:
         self._loader = loader
         self.name = name
         self._sink = sink
+        self._mark = mark
 
     def __iter__(self) -> Iterator[Any]:
         it = iter(self._loader)
+        first = True
         while True:
             t0 = time.perf_counter()
+            if not first:  # an iterator's first batch waits for its workers to start: not a stall
+                self._mark("input")
             try:
                 item = next(it)
             except StopIteration:
                 return
             finally:
                 self._sink(time.perf_counter() - t0)
+                if not first:
+                    self._mark(None)
+                first = False
             yield item
 
     def __len__(self) -> int:

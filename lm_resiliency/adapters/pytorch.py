@@ -69,6 +69,9 @@ class PyTorchAdapter:
         self.outstanding = 0
         self.in_collective_since: float | None = None
         self.last_progress = time.monotonic()
+        # (phase, since) while the training thread is in its data loader ("input") or in checkpoint I/O
+        # ("checkpoint_io"), set by the session; None otherwise.
+        self.phase: tuple[str, float] | None = None
         # Called from the comm hook with (parameters, gradients) of each bucket before its all-reduce.
         self.contribution_tap: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None] | None = None
         self._reduction: CanonicalReduction | None = None

@@ -193,6 +193,8 @@ class Progress(Message):
     in_collective_s: float
     idle_s: float
     chain: bytes = b""  # hash chain over every collective entered (op, size, dtype, group)
+    phase: str = ""  # "input" (in the data loader), "checkpoint_io", or ""
+    in_phase_s: float = 0.0
 
 
 @register

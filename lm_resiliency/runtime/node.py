@@ -345,6 +345,11 @@ class RankRuntime:
         with self._cond:
             return self._detector.alive() | {self.rank}
 
+    def silent(self) -> frozenset[int]:
+        """Ranks declared dead: their heartbeats stopped without a goodbye."""
+        with self._cond:
+            return frozenset(r for r, st in self._detector.snapshot().items() if st is PeerState.DEAD)
+
     def view(self) -> ClusterView:
         with self._cond:
             return self._view_locked()

@@ -45,6 +45,7 @@ from lm_resiliency.core.scout.replay import ReplayOutcome, SdcHistory, replay_ve
 from lm_resiliency.core.scout.verdicts import (
     HangDetector,
     PhaseTimes,
+    StallDetector,
     StragglerDetector,
     Verdict,
     desync_verdict,
@@ -133,6 +134,9 @@ def _optimizer_fingerprint(opt: Any) -> bytes:
 
 log = logging.getLogger(__name__)
 KEEP_STEPS = 64
+# Verdicts each rank reaches at its own step (out of band, while training is stuck): voted on
+# without the step, so that ranks at different steps agree on one key.
+UNSTEPPED = frozenset({"hang", "collective_stall", "data_stall", "checkpoint_stall"})
 ENDED_STEPS = 1024  # step end times kept for detection latencies
 DENSE_ROUNDS = 8  # audits over which every dense layer of an expert-parallel model is re-executed
 PROBES_PER_ROUND = 4  # link probes one rank sends per round, so probing stays O(1) per rank
@@ -160,6 +164,7 @@ class Scout:
         self.rank = rank
         self.topology = topology
         self.group = topology.replica_group_of(rank)
+        self._group_set = frozenset(self.group)
         self.runtime = runtime
         self.adapter = adapter
         self.config = config
@@ -174,7 +179,12 @@ class Scout:
         self._stragglers = StragglerDetector(
             config.straggler_ratio, config.straggler_min_ms / 1e3, config.straggler_confirmations
         )
-        self._hangs = HangDetector(config.hang_stall_threshold_s)
+        phases = {
+            "input": config.dataloader_latency_threshold_s,
+            "checkpoint_io": config.checkpoint_io_latency_threshold_s,
+        }
+        self._hangs = HangDetector(config.hang_stall_threshold_s, phases)
+        self._stalls = StallDetector(phases)
         self._evidence: dict[int, dict[int, Evidence]] = {}
         self._times: dict[int, dict[int, PhaseTimes]] = {}
         self._progress: dict[int, Progress] = {}
@@ -766,6 +776,7 @@ class Scout:
         since = getattr(a, "in_collective_since", None)
         now = time.monotonic()
         count, chain = getattr(a, "collective_state", (0, b""))
+        phase = getattr(a, "phase", None)  # (name, since), replaced whole by the training thread
         return Progress(
             self.rank,
             self._session_step(),
@@ -773,6 +784,8 @@ class Scout:
             0.0 if since is None else now - since,
             now - float(getattr(a, "last_progress", now)),
             bytes(chain),
+            phase[0] if phase else "",
+            now - phase[1] if phase else 0.0,
         )
 
     async def _progress_forever(self) -> None:
@@ -782,14 +795,17 @@ class Scout:
             live = self._live_group()
             self._progress[self.rank] = own
             evidence = {
-                r: ProgressValue(p.step, p.collectives, p.in_collective_s, p.idle_s)
+                r: ProgressValue(p.step, p.collectives, p.in_collective_s, p.idle_s, p.phase, p.in_phase_s)
                 for r, p in self._progress.items()
                 if r in live
             }
             if len(evidence) > 1 and self.config.enable:
-                v = self._hangs.observe(own.step, evidence)
+                v = self._hangs.observe(own.step, evidence, self.runtime.silent() & self._group_set)
                 if v is not None:
                     self._report(v)
+                ours = {r: p for r, p in evidence.items() if r in self._group_set}
+                for stall in self._stalls.observe(own.step, ours):
+                    self._report(stall)
                 chains = {r: (p.collectives, p.chain) for r, p in self._progress.items() if r in live}
                 d = desync_verdict(own.step, chains) if len(self.group) >= 3 else None
                 if d is not None:
@@ -837,7 +853,7 @@ class Scout:
     # -- reports ----------------------------------------------------------------------------------
     def _report(self, v: Verdict) -> None:
         """Vote for a verdict this rank reached; acting waits for a majority of the group."""
-        key = (v.kind, v.ranks, v.step if v.kind not in ("hang", "collective_stall") else -1)
+        key = (v.kind, v.ranks, -1 if v.kind in UNSTEPPED else v.step)
         with self._lock:
             if key in self._reported:
                 return

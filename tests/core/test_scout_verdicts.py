@@ -8,6 +8,7 @@ from lm_resiliency.core.scout.verdicts import (
     HangDetector,
     PhaseTimes,
     Progress,
+    StallDetector,
     StragglerDetector,
     desync_verdict,
     fingerprint_verdict,
@@ -99,6 +100,47 @@ def test_hang_detector_reports_once_until_progress() -> None:
     assert d.observe(1, prog) is None
     assert d.observe(2, {0: Progress(2, 5, 0.0), 1: Progress(2, 5, 0.0)}) is None
     assert d.observe(3, prog) is not None
+
+
+def test_a_silent_rank_is_the_hang_when_every_live_peer_waits() -> None:
+    """Rank 3's heartbeats stopped (stopped, frozen, partitioned): it is not in the progress the
+    live ranks exchange, and without it the rest would be an anonymous 'every rank is stuck'."""
+    stuck = {r: Progress(9, 40, 31.0) for r in range(3)}
+    v = hang_verdict(9, stuck, 30.0, silent=frozenset({3}))
+    assert v is not None and (v.kind, v.ranks, v.reason) == ("hang", (3,), "silent_while_peers_wait")
+    assert v.stall_duration_s == 31.0
+    # A live culprit is named before a silent one; silence alone, with nobody waiting, is no hang.
+    prog = {**stuck, 2: Progress(9, 39, 0.0)}
+    assert hang_verdict(9, prog, 30.0, silent=frozenset({3})).ranks == (2,)  # type: ignore[union-attr]
+    assert hang_verdict(9, {r: Progress(9, 40, 0.0) for r in range(3)}, 30.0, frozenset({3})) is None
+
+
+def test_a_rank_in_marked_checkpoint_io_or_its_loader_is_excused_until_it_overstays() -> None:
+    excused = {"checkpoint_io": 120.0, "input": 10.0}
+    waiting = {0: Progress(9, 40, 35.0), 1: Progress(9, 40, 35.0)}
+    saving = {**waiting, 2: Progress(9, 39, 0.0, phase="checkpoint_io", in_phase_s=36.0)}
+    assert hang_verdict(9, saving, 30.0, excused_s=excused) is None
+    over = {**waiting, 2: Progress(9, 39, 0.0, phase="checkpoint_io", in_phase_s=121.0)}
+    v = hang_verdict(9, over, 30.0, excused_s=excused)
+    assert v is not None and v.ranks == (2,) and "in its checkpoint I/O" in v.detail
+    loading = {**waiting, 2: Progress(9, 39, 0.0, phase="input", in_phase_s=36.0)}
+    v = hang_verdict(9, loading, 30.0, excused_s=excused)
+    assert v is not None and v.ranks == (2,) and "in its data loader" in v.detail
+
+
+def test_stalls_in_the_data_loader_and_checkpoint_io_are_named_once_per_stall() -> None:
+    d = StallDetector({"input": 10.0, "checkpoint_io": 120.0})
+    calm = {0: Progress(5, 10, 0.0), 1: Progress(5, 10, 0.0, phase="input", in_phase_s=9.9)}
+    assert d.observe(5, calm) == []
+    stalled = {**calm, 1: Progress(5, 10, 0.0, phase="input", in_phase_s=10.5)}
+    [v] = d.observe(5, stalled)
+    assert (v.kind, v.ranks, v.reason, v.stall_duration_s) == ("data_stall", (1,), "dataloader_stalled", 10.5)
+    assert d.observe(5, stalled) == []  # still the same stall
+    assert d.observe(6, calm) == []  # it got its batch
+    assert [v.kind for v in d.observe(7, stalled)] == ["data_stall"]  # a new stall
+    saving = {0: Progress(8, 12, 0.0, phase="checkpoint_io", in_phase_s=130.0)}
+    [v] = d.observe(8, saving)
+    assert (v.kind, v.ranks, v.reason) == ("checkpoint_stall", (0,), "checkpoint_io_stalled")
 
 
 def test_collective_desync_names_the_rank_whose_chain_differs() -> None:

@@ -26,6 +26,7 @@ def _run(
     audit: int = 0,
     accumulate: int = 1,
     wrap: str = "ddp",
+    extra: dict[str, str] | None = None,
 ) -> tuple[list[dict], dist.TCPStore]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = [
@@ -45,6 +46,7 @@ def _run(
                 "AUDIT": str(audit),
                 "ACCUM": str(accumulate),
                 "WRAP": wrap,
+                **(extra or {}),
             },
             tmp / f"rank{r}.log",
         )
@@ -131,6 +133,33 @@ def test_rank_that_never_enters_a_collective_is_named_before_gloo_times_out(
         latency = res["hang_seen_at"] - stalled_at
         assert latency <= 2 * 2.0, f"hang named {latency:.2f}s after the stall (threshold 2s)"
         assert latency < 30.0  # gloo's timeout in this job
+
+
+def test_a_data_loader_that_blocks_is_named_a_data_stall(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1's loader blocks for 3 s (threshold 1 s): a data stall naming it, from its own
+    runtime's out-of-band progress, while its training thread is still inside `next()`."""
+    results, _ = _run(processes, tmp_path, "datastall", steps=10, culprit=1, at=5, extra={"LOADER_S": "1.0"})
+    for res in results:
+        stalls = [f for f in res["faults"] if f["kind"] == "data_stall"]
+        found = [(f["failed_ranks"], f["reason"]) for f in stalls]
+        assert found == [([1], "dataloader_stalled")], res["faults"]
+        assert 1.0 <= stalls[0]["stall_duration_s"] < 3.0, stalls
+        # Peers waited in the all-reduce past the hang threshold too: that hang names the same rank.
+        assert {tuple(f["failed_ranks"]) for f in res["faults"]} == {(1,)}, res["faults"]
+
+
+def test_a_frozen_rank_is_named_for_the_hang_although_it_fell_silent(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """SIGSTOP freezes the culprit, runtime thread included: its heartbeats stop (process_failure
+    after 1 s), and when its peers have waited in the all-reduce for the hang threshold (2 s), the
+    silent rank is the hang's culprit (before: 'every rank is stuck', naming the waiting ones)."""
+    results, _ = _run(
+        processes, tmp_path, "sigstop", steps=60, culprit=2, at=6, wait_all=False, extra={"HB_TIMEOUT": "1.0"}
+    )
+    for res in results:
+        hangs = [f for f in res["faults"] if f["kind"] == "hang"]
+        assert [(f["failed_ranks"], f["reason"]) for f in hangs] == [([2], "silent_while_peers_wait")], res
+        assert ("process_failure", [2]) in _kinds(res), res["faults"]
+        assert {tuple(f["failed_ranks"]) for f in res["faults"]} == {(2,)}, res["faults"]
 
 
 def test_clean_run_of_500_steps_with_jitter_has_no_verdict(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

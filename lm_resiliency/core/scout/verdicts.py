@@ -16,7 +16,12 @@ that reports and tests rely on.
 - Desync (`desync_verdict`): ranks that entered the same number of collectives carry the same hash
   chain of (op, size, dtype, group) unless one issued a different collective.
 - Hangs (`hang_verdict`): peers wait inside collective k for `stall_threshold` seconds while a rank
-  never entered it (its collective count is lower): that rank is the culprit.
+  never entered it (its collective count is lower): that rank is the culprit. A rank that went
+  silent (its heartbeats stopped: frozen, stopped, partitioned) while its peers wait is the culprit
+  too, since it cannot describe itself any more.
+- Stalls (`StallDetector`): a rank whose training thread has been inside its data loader, or inside
+  the framework's checkpoint I/O, for longer than that phase's threshold (`data_stall`,
+  `checkpoint_stall`).
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from dataclasses import dataclass
 
 __all__ = [
     "PHASES",
+    "STALL_KINDS",
     "HangDetector",
     "PhaseTimes",
     "Progress",
+    "StallDetector",
     "StragglerDetector",
     "Verdict",
     "desync_verdict",
@@ -147,24 +154,57 @@ class Progress:
     collectives: int  # collectives this rank has entered
     in_collective_s: float  # how long it has been waiting in the current one (0: not in one)
     idle_s: float = 0.0  # how long since its training thread last made progress
+    phase: str = ""  # "input" (in its data loader), "checkpoint_io", or "" (anything else)
+    in_phase_s: float = 0.0  # how long it has been in that phase
 
 
-def hang_verdict(now_step: int, progress: Mapping[int, Progress], stall_threshold_s: float) -> Verdict | None:
-    """Name the ranks that never entered the collective their peers are stuck in."""
+def hang_verdict(
+    now_step: int,
+    progress: Mapping[int, Progress],
+    stall_threshold_s: float,
+    silent: frozenset[int] = frozenset(),
+    excused_s: Mapping[str, float] | None = None,
+) -> Verdict | None:
+    """Name the ranks that never entered the collective their peers are stuck in; failing that, the
+    `silent` ranks (peers of the group whose heartbeats stopped, so they are not in `progress`).
+
+    `excused_s`: phases a rank may spend that long in while its peers wait (checkpoint I/O the
+    framework marked, a data loader's batch): no hang is named until it overstays."""
     waiting = {r: p for r, p in progress.items() if p.in_collective_s >= stall_threshold_s}
     if not waiting:
         return None
     k = max(p.collectives for p in waiting.values())
     culprits = tuple(sorted(r for r, p in progress.items() if p.collectives < k and p.in_collective_s == 0))
     stall = max(p.in_collective_s for p in waiting.values())
+    excused = excused_s or {}
+    if any(
+        p.phase in excused and p.in_phase_s < excused[p.phase] for r, p in progress.items() if r in culprits
+    ):
+        return None  # within what its phase may take
     if culprits:
+        where = {
+            r: f" (in its {'data loader' if p.phase == 'input' else 'checkpoint I/O'})"
+            for r, p in progress.items()
+            if r in culprits and p.phase
+        }
         return Verdict(
             "hang",
             culprits,
             now_step,
             "never_entered_collective",
             f"ranks {sorted(waiting)} wait in collective #{k} for {stall:.1f}s; "
-            f"ranks {list(culprits)} never entered it",
+            f"ranks {list(culprits)} never entered it" + "".join(where.values()),
+            stall_duration_s=stall,
+        )
+    gone = tuple(sorted(silent - set(progress)))
+    if gone:
+        return Verdict(
+            "hang",
+            gone,
+            now_step,
+            "silent_while_peers_wait",
+            f"ranks {sorted(waiting)} wait in collective #{k} for {stall:.1f}s; "
+            f"ranks {list(gone)} went silent (no heartbeat)",
             stall_duration_s=stall,
         )
     if len(waiting) == len(progress):
@@ -204,12 +244,15 @@ def desync_verdict(now_step: int, chains: Mapping[int, tuple[int, bytes]]) -> Ve
 class HangDetector:
     """Reports each distinct hang once (until progress resumes)."""
 
-    def __init__(self, stall_threshold_s: float) -> None:
+    def __init__(self, stall_threshold_s: float, excused_s: Mapping[str, float] | None = None) -> None:
         self.stall_threshold_s = stall_threshold_s
+        self.excused_s = dict(excused_s or {})
         self._open: tuple[str, tuple[int, ...]] | None = None
 
-    def observe(self, now_step: int, progress: Mapping[int, Progress]) -> Verdict | None:
-        v = hang_verdict(now_step, progress, self.stall_threshold_s)
+    def observe(
+        self, now_step: int, progress: Mapping[int, Progress], silent: frozenset[int] = frozenset()
+    ) -> Verdict | None:
+        v = hang_verdict(now_step, progress, self.stall_threshold_s, silent, self.excused_s)
         if v is None:
             self._open = None
             return None
@@ -218,3 +261,44 @@ class HangDetector:
             return None
         self._open = key
         return v
+
+
+STALL_KINDS = {
+    "input": ("data_stall", "dataloader_stalled"),
+    "checkpoint_io": ("checkpoint_stall", "checkpoint_io_stalled"),
+}
+
+
+class StallDetector:
+    """Names each rank stuck in a phase (data loader, checkpoint I/O) past its threshold, once per
+    stall: a rank that leaves the phase and stalls again is named again."""
+
+    def __init__(self, thresholds_s: Mapping[str, float]) -> None:
+        self.thresholds_s = dict(thresholds_s)
+        self._open: set[tuple[int, str]] = set()
+
+    def observe(self, now_step: int, progress: Mapping[int, Progress]) -> list[Verdict]:
+        out = []
+        stalled = set()
+        for r, p in sorted(progress.items()):
+            limit = self.thresholds_s.get(p.phase)
+            if p.phase not in STALL_KINDS or limit is None or p.in_phase_s < limit:
+                continue
+            stalled.add((r, p.phase))
+            if (r, p.phase) in self._open:
+                continue
+            kind, reason = STALL_KINDS[p.phase]
+            what = "its data loader" if p.phase == "input" else "checkpoint I/O"
+            out.append(
+                Verdict(
+                    kind,
+                    (r,),
+                    now_step,
+                    reason,
+                    f"rank {r} has been in {what} for {p.in_phase_s:.1f}s (threshold {limit:.1f}s)",
+                    stall_duration_s=p.in_phase_s,
+                )
+            )
+        # Ranks we no longer hear from keep their open stall: silence is not recovery.
+        self._open = stalled | {(r, ph) for r, ph in self._open if r not in progress}
+        return out

@@ -3,8 +3,11 @@
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS,
 SCENARIO (clean|sdc|weight|optstate|recurring|compute|input|hang|output|output-once|localgrad|
 nondeterministic: every rank's forward depends on the clock, so no replay can reproduce it;
-oom: the culprit's allocation of 16 TiB fails at AT_STEP and the exception goes uncaught),
+oom: the culprit's allocation of 16 TiB fails at AT_STEP and the exception goes uncaught;
+datastall: the culprit's data loader blocks for 3 s at AT_STEP; sigstop: the culprit SIGSTOPs itself
+at AT_STEP, runtime thread and all),
 CULPRIT, AT_STEP, REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
+HB_TIMEOUT (heartbeat timeout, s; default 10), LOADER_S (dataloader_latency_threshold_s; default 10),
 WRAP (ddp | plain: no DDP, this script all-reduces the gradients after backward).
 Faults are injected by this script, never told to SCOUT. Writes RESULT_DIR/rank<r>.json with every
 fault report and the step at which this rank first saw it.
@@ -17,6 +20,7 @@ import datetime
 import json
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -31,8 +35,8 @@ from lm_resiliency import ReplayHarnessConfig, RuntimeConfig, enable_resiliency
 class Source:
     """Batches that depend on (rank, step); a slow loader on the culprit in the input scenario."""
 
-    def __init__(self, rank: int, slow: bool) -> None:
-        self.rank, self.slow = rank, slow
+    def __init__(self, rank: int, slow: bool, stall_at: int = -1) -> None:
+        self.rank, self.slow, self.stall_at = rank, slow, stall_at
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         step = 0
@@ -40,6 +44,8 @@ class Source:
             step += 1
             if self.slow:
                 time.sleep(0.08)
+            if step == self.stall_at:
+                time.sleep(3.0)  # a loader that blocks (a stuck storage read)
             yield torch.randn(32, 128, generator=torch.Generator().manual_seed(self.rank * 7919 + step))
 
 
@@ -101,10 +107,13 @@ def main() -> int:
             straggler_min_ms=20.0,
             straggler_confirmations=3,
             hang_stall_threshold_s=2.0,
+            dataloader_latency_threshold_s=float(os.environ.get("LOADER_S", "10")),
             report_dir=os.environ["REPORT_DIR"],
             audit_interval=int(os.environ.get("AUDIT", "0")),
         ),
-        runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=10.0),
+        runtime=RuntimeConfig(
+            heartbeat_interval_s=0.1, heartbeat_timeout_s=float(os.environ.get("HB_TIMEOUT", "10"))
+        ),
     )
     if scenario == "compute" and rank == culprit:
         inner[0].register_forward_hook(lambda m, i, o: time.sleep(0.06))  # ~3x this job's compute
@@ -160,13 +169,16 @@ def main() -> int:
         return 0
     jitter = random.Random(rank)
     accumulate = int(os.environ.get("ACCUM", "1"))
-    loader = session.instrument_dataloader(Source(rank, scenario == "input" and rank == culprit))
+    stall_at = at if scenario == "datastall" and rank == culprit else -1
+    loader = session.instrument_dataloader(Source(rank, scenario == "input" and rank == culprit, stall_at))
     for step, x in zip(range(1, steps + 1), loader, strict=False):
         current["step"] = step
         if scenario == "hang" and rank == culprit and step == at:
             store.set("test/stalled_at", str(time.time()).encode())
             threading.Event().wait(600)  # never enters this step's collective; killed by the test
         time.sleep(jitter.uniform(0, 0.004))  # timing jitter on every rank
+        if scenario == "sigstop" and rank == culprit and step == at:
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen whole: no heartbeat, no progress; the test kills it
         if scenario == "oom" and rank == culprit and step == at:
             torch.empty(1 << 44, dtype=torch.uint8)  # the allocator refuses: a real, uncaught error
         if accumulate > 1:  # gradient accumulation: all-reduce only after the last micro-batch
