@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from lm_resiliency.adapters import collectives
 
 __all__ = ["CanonicalReduction", "canonical_groups", "ddp_caps", "ddp_parameters"]
 
@@ -151,7 +152,7 @@ class CanonicalReduction:
         whole = self._group_of[indices[0]] if indices else None
         if whole is None or (whole.members == indices and whole.numel == buffer.numel() and not whole.views):
             self.in_place += 1
-            fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+            fut = collectives.original("all_reduce")(buffer, group=group, async_op=True).get_future()
 
             def reduced(f: Any) -> torch.Tensor:
                 f.value()  # re-raises a failed all-reduce
@@ -202,7 +203,7 @@ class CanonicalReduction:
         self._inflight.append((done, nbytes))
         self._inflight_bytes += nbytes
         self.peak_staging_bytes = max(self.peak_staging_bytes, self._inflight_bytes)
-        work = dist.all_reduce(staging, group=group, async_op=True).get_future()
+        work = collectives.original("all_reduce")(staging, group=group, async_op=True).get_future()
 
         def finish(f: Any) -> None:
             try:

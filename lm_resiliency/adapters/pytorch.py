@@ -24,6 +24,7 @@ import torch.distributed as dist
 import xxhash
 from torch import nn
 
+from lm_resiliency.adapters import collectives
 from lm_resiliency.adapters.base import AdapterTopology, StepSink, StepTimes, uncompiled
 from lm_resiliency.adapters.canonical import CanonicalReduction
 
@@ -108,6 +109,7 @@ class PyTorchAdapter:
         self._attached = True
         self._on_step = on_step
         self._handles.append(self.model.register_forward_pre_hook(self._forward_pre))
+        collectives.install(self)  # the step's own torch.distributed collectives, for hang/desync checks
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre))
             self._handles.append(self.optimizer.register_step_post_hook(self._opt_post))
@@ -131,6 +133,7 @@ class PyTorchAdapter:
         self._t_step_start = time.perf_counter()
 
     def detach(self) -> None:
+        collectives.uninstall(self)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -144,6 +147,25 @@ class PyTorchAdapter:
             self._t_fwd = time.perf_counter()
         if self._reduction is not None:
             self._reduction.reset()
+
+    # -- collectives the script issues inside a step (see `collectives`) ------------------------------
+    def in_step(self) -> bool:
+        return self._t_fwd is not None
+
+    def enter_collective(self, signature: str, waits: bool) -> None:
+        count, chain = self.collective_state
+        self.collective_state = (count + 1, xxhash.xxh3_64_digest(chain + signature.encode()))
+        if waits:
+            self.outstanding += 1
+            if self.in_collective_since is None:
+                self.in_collective_since = time.monotonic()
+
+    def exit_collective(self) -> None:
+        self.outstanding -= 1
+        if self.outstanding <= 0:
+            self.outstanding = 0
+            self.in_collective_since = None
+        self.last_progress = time.monotonic()
 
     def _comm_hook(self, pg: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         # Average the gradients as DDP does (multiply by 1/n, all-reduce SUM), but in canonical

@@ -120,10 +120,13 @@ def test_slow_data_loader_is_named_an_input_straggler(processes, tmp_path: Path)
         assert found == [([3], "input")], res["faults"]
 
 
+@pytest.mark.parametrize("wrap", ["ddp", "plain"])
 def test_rank_that_never_enters_a_collective_is_named_before_gloo_times_out(
-    processes, tmp_path: Path
+    processes, tmp_path: Path, wrap: str
 ) -> None:  # type: ignore[no-untyped-def]
-    results, store = _run(processes, tmp_path, "hang", steps=50, culprit=0, at=8, wait_all=False)
+    """Under DDP the peers wait in its all-reduce (our comm hook); without DDP, in the script's own
+    `dist.all_reduce` of the gradients (seen through the wrapped torch.distributed functions)."""
+    results, store = _run(processes, tmp_path, "hang", steps=50, culprit=0, at=8, wait_all=False, wrap=wrap)
     stalled_at = float(store.get("test/stalled_at"))
     for res in results:
         hang = [f for f in res["faults"] if f["kind"] == "hang"]

@@ -1,0 +1,81 @@
+"""The step's own torch.distributed collectives: wrapped while a session is attached, tracked in-step
+only, restored after (one real gloo process group of one rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lm_resiliency.adapters import collectives
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Tracker:
+    def __init__(self) -> None:
+        self.stepping = False
+        self.seen: list[tuple[str, bool]] = []
+        self.open = 0
+
+    def in_step(self) -> bool:
+        return self.stepping
+
+    def enter_collective(self, signature: str, waits: bool) -> None:
+        self.seen.append((signature, waits))
+        self.open += waits
+
+    def exit_collective(self) -> None:
+        self.open -= 1
+
+
+@pytest.fixture
+def group():  # type: ignore[no-untyped-def]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_in_step_collectives_are_tracked_and_torch_is_restored_after(group) -> None:  # type: ignore[no-untyped-def]
+    torch_all_reduce = dist.all_reduce
+    a, b = Tracker(), Tracker()
+    collectives.install(a)
+    collectives.install(b)  # a second session: the newest one tracks
+    try:
+        assert dist.all_reduce is not torch_all_reduce
+        assert collectives.original("all_reduce") is torch_all_reduce
+        x = torch.ones(6)
+        dist.all_reduce(x)  # between steps: not tracked
+        assert b.seen == []
+        b.stepping = True
+        dist.all_reduce(x)
+        dist.broadcast(torch.ones(3, dtype=torch.int64), 0)
+        dist.barrier()
+        dist.all_reduce(x, async_op=True).wait()
+        dist.all_to_all_single(torch.empty(2), torch.ones(2))
+        assert b.seen == [
+            ("all_reduce:6:torch.float32:1", True),
+            ("broadcast:3:torch.int64:1", True),
+            ("barrier:1", True),
+            ("all_reduce:6:torch.float32:1", False),  # async: entered, but the wait is not ours to see
+            ("all_to_all_single:1", True),  # uneven splits are legal: op and group size only
+        ]
+        assert b.open == 0 and a.seen == []
+        assert x.tolist() == [1.0] * 6  # the real collective ran
+    finally:
+        collectives.uninstall(b)
+        assert dist.all_reduce is not torch_all_reduce  # a is still attached
+        collectives.uninstall(a)
+    assert dist.all_reduce is torch_all_reduce
+
+
+def test_an_error_in_the_collective_still_closes_it(group) -> None:  # type: ignore[no-untyped-def]
+    t = Tracker()
+    t.stepping = True
+    collectives.install(t)
+    try:
+        with pytest.raises(RuntimeError, match="invalid root rank"):
+            dist.broadcast(torch.ones(2), src=5)  # no rank 5 in a group of one
+        assert t.open == 0 and len(t.seen) == 1
+    finally:
+        collectives.uninstall(t)
