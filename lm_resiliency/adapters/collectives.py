@@ -5,9 +5,10 @@ of gradients for a model without DDP, an all-to-all in a mixture-of-experts laye
 step) are seen here: while a session is attached, the public `torch.distributed` functions below are
 replaced by thin wrappers that tell the adapter a collective was entered (its op, size, dtype and
 group size, chained for desync checks) and, for a blocking call, when it returned (how long peers
-wait in it, for hang checks). Only calls made *inside a step* (from the step's first forward to its
-optimizer step) are tracked: every rank issues those in the same order, while what a script does
-between steps (a final barrier, rank 0's evaluation) may legitimately differ.
+wait in it, for hang checks). Only calls made *inside a step* (from the step's first forward with
+gradients enabled to its optimizer step) are tracked: every rank issues those in the same order,
+while what a script does between steps (an evaluation, rank 0's save, a final barrier) may
+legitimately keep its peers waiting.
 
 Calls that bypass the `torch.distributed` attribute (`from torch.distributed import all_reduce`
 before the session started, torch's internal calls) are not seen. `original(name)` is the unwrapped

@@ -63,6 +63,7 @@ class PyTorchAdapter:
         self._comm_last_call: float | None = None
         self._comm_end: float | None = None
         self._input_s = 0.0
+        self._stepping = False  # between a training forward and the optimizer step (see `in_step`)
         # Progress for out-of-band hang detection (read by the runtime thread; plain attribute writes).
         # (collectives entered, hash chain over them): one tuple, replaced whole, so the runtime thread
         # never reads a count from one collective with the chain of another.
@@ -145,12 +146,14 @@ class PyTorchAdapter:
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
         if self._t_fwd is None:
             self._t_fwd = time.perf_counter()
+        if torch.is_grad_enabled():  # a training forward opens the step (an evaluation's does not)
+            self._stepping = True
         if self._reduction is not None:
             self._reduction.reset()
 
     # -- collectives the script issues inside a step (see `collectives`) ------------------------------
     def in_step(self) -> bool:
-        return self._t_fwd is not None
+        return self._stepping
 
     def enter_collective(self, signature: str, waits: bool) -> None:
         count, chain = self.collective_state
@@ -234,6 +237,7 @@ class PyTorchAdapter:
         )
         self._t_step_start = now
         self.last_progress = time.monotonic()
+        self._stepping = False
         self._t_fwd = self._t_opt = self._comm_start = self._comm_end = self._comm_last_call = None
         self._input_s = 0.0
         if self._on_step is not None:
