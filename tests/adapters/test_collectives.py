@@ -79,3 +79,22 @@ def test_an_error_in_the_collective_still_closes_it(group) -> None:  # type: ign
         assert t.open == 0 and len(t.seen) == 1
     finally:
         collectives.uninstall(t)
+
+
+def test_a_step_opens_at_a_training_forward_and_closes_at_the_optimizer_step() -> None:
+    from lm_resiliency.adapters.pytorch import PyTorchAdapter
+
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    adapter = PyTorchAdapter(model, opt)
+    adapter.attach(lambda times: None)
+    try:
+        with torch.no_grad():
+            model(torch.ones(2, 3))  # an evaluation between steps
+        assert not adapter.in_step()
+        model(torch.ones(2, 3)).sum().backward()
+        assert adapter.in_step()
+        opt.step()
+        assert not adapter.in_step()
+    finally:
+        adapter.detach()
