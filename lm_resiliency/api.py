@@ -261,6 +261,7 @@ class Session:
         self._closed = False
         self._detection_paused = False
         self._previous_excepthook: Any = None
+        self._silent_nodes: set[str] = set()  # nodes reported silent as a whole (once per node)
         replay_cfg = settings.get("replay")
         report_dir = getattr(replay_cfg, "report_dir", None)
         self._report_dir = Path(report_dir) if report_dir else None
@@ -302,12 +303,14 @@ class Session:
             transport_factory=lambda: ZmqTransport(host, cfg.use_ipc, cfg.send_high_water_mark),
             replica_group=local.replica_group,
             dims=local.dims,
+            settings=self._shared_settings(),
         )
         self._runtime.add_membership_listener(self._on_membership)
         ann = self._runtime.start()
         if discovery is not None:
             discovery.publish(ann)
             anns = discovery.wait_all(cfg.discovery_timeout_s)
+            self._check_settings(anns)
             self._runtime.connect_peers(anns.values(), announce=True)
             self._topology = _assemble_topology(anns, self.world_size)
         else:
@@ -332,6 +335,65 @@ class Session:
             node_id,
             self.env.generation,
             list(local.replica_group),
+        )
+
+    # Per rank by nature (paths of its own, callables): not compared across ranks.
+    _LOCAL_SETTINGS = frozenset({"checkpoint.disk_folder", "replay.report_dir", "runtime.bind_host"})
+
+    def _shared_settings(self) -> dict[str, str]:
+        """The settings every rank of the job must share, flattened to strings for the announcement."""
+        out = {
+            "framework": self.framework,
+            "interval": repr(self.interval),
+            "enable_checkpoint": repr(bool(self.settings["enable_checkpoint"])),
+            "enable_detection": repr(bool(self.settings["enable_detection"])),
+            "recovery_mode": repr(self._recovery_mode.value if self._recovery_mode else None),
+        }
+        for prefix, cfg in (
+            ("checkpoint", self.settings["checkpoint"]),
+            ("replay", self.settings["replay"]),
+            ("runtime", self._runtime_config),
+        ):
+            for f in dataclasses.fields(cfg):
+                key = f"{prefix}.{f.name}"
+                if key not in self._LOCAL_SETTINGS:
+                    out[key] = repr(getattr(cfg, f.name))
+        return out
+
+    def _check_settings(self, anns: dict[int, Any]) -> None:
+        """Config drift: ranks that started with other settings than the job's majority are named
+        (a `config_drift` report) and every rank refuses to start, with the same error."""
+        diffs = []
+        odd: set[int] = set()
+        for key in sorted({k for a in anns.values() for k in a.settings}):
+            by_value: dict[str, list[int]] = {}
+            for r, a in sorted(anns.items()):
+                by_value.setdefault(a.settings.get(key, "<unset>"), []).append(r)
+            if len(by_value) < 2:
+                continue
+            common = max(by_value.items(), key=lambda kv: (len(kv[1]), -kv[1][0]))[0]
+            parts = [f"ranks {ranks} have {value}" for value, ranks in by_value.items()]
+            diffs.append(f"{key}: " + ", ".join(parts))
+            odd |= {r for value, ranks in by_value.items() if value != common for r in ranks}
+        if not diffs:
+            return
+        nodes = sorted({anns[r].node_id for r in odd})
+        whole_node = len(nodes) == 1 and odd == {r for r, a in anns.items() if a.node_id == nodes[0]}
+        report = SCOUTFaultReport(
+            kind="config_drift",
+            failed_ranks=tuple(sorted(odd)),
+            scope="node" if whole_node else "rank",
+            sources=("announcement",),
+            reason="settings_mismatch",
+            node=nodes[0] if len(nodes) == 1 else None,
+            confidence=1.0,
+        ).to_dict()
+        report["detail"] = "; ".join(diffs)
+        self._emit_fault(report)
+        raise ConfigError(
+            "settings",
+            f"ranks started with different lm-resiliency settings (every rank must pass the same): "
+            f"{'; '.join(diffs)}",
         )
 
     def _round(self, distributed: bool) -> int | str:
@@ -596,7 +658,10 @@ class Session:
                 detection_latency_s=ev.silent_s,
             ).to_dict()
             self._emit_fault(report)
+            self._node_silent(node)
             return
+        if ev.kind in (EventKind.JOINED, EventKind.REJOINED) and node is not None:
+            self._silent_nodes.discard(node)  # back: its next silence is news again
         # A peer whose worker died of an uncaught exception says so in its goodbye (`_exiting`).
         reason, _, error = ev.reason.partition(": ")
         if ev.kind is EventKind.LEFT and reason in EXIT_FAILURES:
@@ -611,6 +676,28 @@ class Session:
             ).to_dict()
             report["error"] = error
             self._emit_fault(report)
+
+    def _node_silent(self, node: str | None) -> None:
+        """Every rank of another node fell silent: one report naming the node (lost, or cut off from
+        us: from inside the job the two look the same), besides each rank's own."""
+        topo, rt = self._topology, self._runtime
+        if node is None or topo is None or rt is None or node == topo.node_of(self.rank):
+            return
+        ranks = topo.ranks_on(node)
+        if node in self._silent_nodes or not set(ranks) <= rt.silent():
+            return
+        self._silent_nodes.add(node)
+        report = SCOUTFaultReport(
+            kind="process_failure",
+            failed_ranks=ranks,
+            scope="node",
+            sources=("heartbeat",),
+            reason="node_silent",
+            node=node,
+            confidence=1.0,
+        ).to_dict()
+        report["detail"] = f"every rank of node {node} ({list(ranks)}) stopped sending heartbeats"
+        self._emit_fault(report)
 
     # -- a worker that dies of an uncaught exception says why ----------------------------------------
     def _install_excepthook(self) -> None:

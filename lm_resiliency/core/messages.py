@@ -76,6 +76,7 @@ class PeerAnnouncement(Message):
     router: tuple[str, ...]
     replica_group: tuple[int, ...] = ()
     dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    settings: dict[str, str] = field(default_factory=dict)  # what every rank must agree on (config drift)
 
 
 @register

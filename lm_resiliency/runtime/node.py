@@ -135,6 +135,7 @@ class RankRuntime:
         clock: Clock | None = None,
         replica_group: Sequence[int] = (),
         dims: Mapping[str, Sequence[int]] | None = None,
+        settings: Mapping[str, str] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
@@ -149,6 +150,7 @@ class RankRuntime:
         self._group_topic = _group_topic(self.replica_group, rank, world_size)
         self._group_tags: set[str] = set()
         self.dims = {k: tuple(v) for k, v in (dims or {}).items()}
+        self.settings = dict(settings or {})  # announced: the settings every rank must share
         self._clock = clock or SystemClock()
         self._transport_factory = transport_factory
         self._transport: Transport | None = None
@@ -201,6 +203,7 @@ class RankRuntime:
             router=endpoints.router,
             replica_group=self.replica_group,
             dims=self.dims,
+            settings=dict(self.settings),
         )
         with self._cond:
             self._progress[self.rank] = (0, 0)

@@ -52,8 +52,9 @@ def test_four_ranks_membership_telemetry_death_and_forgery(processes, tmp_path: 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = []
     for rank in range(WORLD):
-        node_file = tmp_path / f"machine-id-{rank // 2}"
-        node_file.write_text(f"synthetic-node-{rank // 2}\n")
+        node = 0 if rank < 3 else 1  # rank 3, the one killed, is a node of its own
+        node_file = tmp_path / f"machine-id-{node}"
+        node_file.write_text(f"synthetic-node-{node}\n")
         procs.append(
             processes.start(
                 ["tests/integration/workers/ddp_worker.py"],
@@ -93,8 +94,10 @@ def test_four_ranks_membership_telemetry_death_and_forgery(processes, tmp_path: 
         assert r["dead_state"] == "dead"
         latency = r["noticed_at_wall"] - killed_at
         assert latency <= HB_TIMEOUT_S + 0.5, f"rank {r['rank']} noticed after {latency:.3f}s"
-        assert [f["failed_ranks"] for f in r["faults"]] == [[3]]
+        # The rank, then its node as a whole (every rank of it went silent).
+        assert [(f["failed_ranks"], f["scope"]) for f in r["faults"]] == [([3], "rank"), ([3], "node")]
         assert r["faults"][0]["kind"] == "process_failure"
+        assert r["faults"][1]["reason"] == "node_silent" and r["faults"][1]["node"] == "synthetic-node-1"
         assert HB_TIMEOUT_S <= r["faults"][0]["detection_latency_s"] <= HB_TIMEOUT_S + 0.5, r["faults"]
     assert results[0]["forged_rejected"] >= 1
     assert 1 in results[0]["live_after"]  # the forged goodbye was not acted on

@@ -41,3 +41,10 @@ def test_replica_groups_and_bitwise_comm_hook(processes, tmp_path: Path) -> None
             assert out["comm_measured"]
         assert out["session_steps"] == 5
         assert out["session_groups"] == [[0, 1, 2], [3]]
+        assert out["drift_error"] == (
+            "settings: ranks started with different lm-resiliency settings (every rank must pass the same): "
+            "interval: ranks [0, 1, 2] have 10, ranks [3] have 5"
+        ), out["drift_error"]
+        [drift] = out["drift_reports"]
+        assert drift["kind"] == "config_drift" and drift["failed_ranks"] == [3], drift
+        assert drift["reason"] == "settings_mismatch", drift

@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -37,13 +38,20 @@ def main() -> int:
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     faults: list[dict[str, object]] = []
+    node_reported = threading.Event()  # the last report a death brings: its node fell silent
+
+    def on_fault(report: dict[str, object]) -> None:
+        faults.append(report)
+        if report.get("reason") == "node_silent":
+            node_reported.set()
+
     t_enable = time.monotonic()
     session = enable_resiliency(
         model,
         opt,
         interval=1,
         runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=timeout_s),
-        fault_callback=faults.append,
+        fault_callback=on_fault,
     )
     all_live = session.wait_for(lambda v: len(v.live) == world, timeout=5.0)
     t_live = time.monotonic() - t_enable
@@ -90,7 +98,7 @@ def main() -> int:
         # Wait for the test to mark the rank as killed, then for our runtime to notice.
         store.wait([f"test/killed/{kill_rank}"], datetime.timedelta(seconds=60))
         noticed = session.wait_for(lambda v: kill_rank not in v.live, timeout=timeout_s * 5 + 5)
-        result["noticed_death"] = noticed
+        result["noticed_death"] = noticed and node_reported.wait(timeout_s + 5)
         result["noticed_at_wall"] = time.time()
         result["dead_state"] = session.cluster_view().peers[kill_rank].state.value
         result["forged_rejected"] = session.cluster_view().stats["rejected_auth"]

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lm_resiliency import RuntimeConfig, enable_resiliency
+from lm_resiliency import ConfigError, RuntimeConfig, enable_resiliency
 from lm_resiliency.adapters.canonical import canonical_groups, ddp_caps
 from lm_resiliency.adapters.pytorch import PyTorchAdapter
 
@@ -129,6 +129,20 @@ def main() -> int:
     out["session_steps"] = session.step_count
     out["session_groups"] = [list(g) for g in session.topology.replica_groups]
     session.close()
+    # Config drift: rank 3 starts its next session with another interval; every rank refuses it.
+    drift: list[dict] = []
+    try:
+        enable_resiliency(
+            nn.Linear(2, 2),
+            interval=5 if rank == 3 else 10,
+            enable_checkpoint=False,
+            fault_callback=drift.append,
+            runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0),
+        ).close()
+        out["drift_error"] = None
+    except ConfigError as exc:
+        out["drift_error"] = str(exc)
+    out["drift_reports"] = drift
     with open(os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.barrier()
