@@ -242,6 +242,9 @@ def flatten(state: Any) -> tuple[bytes, list[torch.Tensor], list[TensorSpec]]:
             else:
                 items = [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
             return {"__tuple": items} if isinstance(obj, tuple) else items
+        if isinstance(obj, (set, frozenset)):  # a caller's seen-sample ids and the like
+            members = [walk(v, f"{path}{{{v!r}}}") for v in sorted(obj, key=repr)]
+            return {"__set": members, "frozen": isinstance(obj, frozenset)}
         if isinstance(obj, dict):
             if all(type(k) is str for k in obj) and not any(k.startswith("__") for k in obj):
                 return {k: walk(v, f"{path}.{k}") for k, v in obj.items()}
@@ -279,6 +282,9 @@ def unflatten(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
                 return LocalShard(walk(obj["__dt"]), tuple(obj["shape"]), str(obj["placements"]))
             if "__tuple" in obj:
                 return tuple(walk(v) for v in obj["__tuple"])
+            if "__set" in obj:
+                members = [walk(v) for v in obj["__set"]]
+                return frozenset(members) if obj.get("frozen") else set(members)
             if "__dict" in obj:
                 return {k: walk(v) for k, v in obj["__dict"]}
             if "__bigint" in obj:

@@ -46,6 +46,8 @@ def test_flatten_round_trip_keeps_types_exactly() -> None:
         "big": 2**80,
         "nested": [{"x": b"bytes"}, (1,)],
         "__weird": 1,
+        "seen": {3, 1, "a", (2, 5)},
+        "frozen": frozenset({7}),
     }
     skeleton, tensors, specs = flatten(state)
     assert [s.nbytes for s in specs] == [12, 4, 0, 2, 16]
