@@ -17,6 +17,7 @@ FAILURE_KINDS = frozenset(
         "data_stall",
         "checkpoint_stall",
         "process_failure",
+        "node_lost",
         "hardware",
         "collective_desync",
         "network_partition",

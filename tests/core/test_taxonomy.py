@@ -47,3 +47,12 @@ def test_uncaught_exceptions_are_classified(exc: BaseException, reason: str) -> 
 
 def test_only_the_rank_own_failures_accuse_it() -> None:
     assert {"uncaught_exception", "resource_exhaustion"} == EXIT_FAILURES  # not casualties, not Ctrl-C
+
+
+def test_every_failure_kind_the_backend_plans_has_a_recovery_mode() -> None:
+    """A restart context's failure_kind goes to `session.prepare_recovery` as it is."""
+    from lm_resiliency.config import FAILURE_ACTIONS
+    from lm_resiliency.core.taxonomy import FAILURE_KINDS, default_recovery_mode
+
+    assert set(FAILURE_ACTIONS) <= FAILURE_KINDS
+    assert default_recovery_mode("node_lost") == "latest" and default_recovery_mode("sdc") == "recovery_verified"
