@@ -55,4 +55,5 @@ def test_every_failure_kind_the_backend_plans_has_a_recovery_mode() -> None:
     from lm_resiliency.core.taxonomy import FAILURE_KINDS, default_recovery_mode
 
     assert set(FAILURE_ACTIONS) <= FAILURE_KINDS
-    assert default_recovery_mode("node_lost") == "latest" and default_recovery_mode("sdc") == "recovery_verified"
+    assert default_recovery_mode("node_lost") == "latest"
+    assert default_recovery_mode("sdc") == "recovery_verified"
