@@ -96,10 +96,15 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     async_at = params.index("async_op") if "async_op" in params else None
     sized = name in _SIZED
 
+    import torch
+
+    compiling = torch.compiler.is_compiling
+
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
         tracker = _trackers[-1] if _trackers else None
-        if tracker is None or not tracker.in_step():
+        # Inside a graph torch.compile is tracing, the call is torch's own again (no graph break).
+        if tracker is None or compiling() or not tracker.in_step():
             return fn(*args, **kwargs)
         group = kwargs.get("group", _arg(args, group_at, None))
         waits = not kwargs.get("async_op", _arg(args, async_at, False))

@@ -98,3 +98,23 @@ def test_a_step_opens_at_a_training_forward_and_closes_at_the_optimizer_step() -
         assert not adapter.in_step()
     finally:
         adapter.detach()
+
+
+def test_a_compiled_graph_calls_torch_collective_without_a_graph_break(group) -> None:  # type: ignore[no-untyped-def]
+    t = Tracker()
+    t.stepping = True
+    collectives.install(t)
+    try:
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            y = x * 2
+            dist.all_reduce(y)
+            return y + 1
+
+        compiled = torch.compile(f, fullgraph=True, backend="eager")  # fullgraph: a break would raise
+        assert compiled(torch.ones(3)).tolist() == [3.0] * 3
+        assert t.seen == []  # traced as torch's own collective
+        assert f(torch.ones(3)).tolist() == [3.0] * 3
+        assert [s for s, _ in t.seen] == ["all_reduce:3:torch.float32:1"]  # eager: tracked
+    finally:
+        collectives.uninstall(t)
