@@ -806,7 +806,9 @@ class Scout:
                 ours = {r: p for r, p in evidence.items() if r in self._group_set}
                 for stall in self._stalls.observe(own.step, ours):
                     self._report(stall)
-                chains = {r: (p.collectives, p.chain) for r, p in self._progress.items() if r in live}
+                # Replicas issue the same collectives (each in its own tensor- or expert-parallel
+                # group where it has one); ranks of other groups may legitimately differ.
+                chains = {r: (p.collectives, p.chain) for r, p in self._progress.items() if r in ours}
                 d = desync_verdict(own.step, chains) if len(self.group) >= 3 else None
                 if d is not None:
                     self._report(d)
