@@ -470,6 +470,7 @@ class Session:
             channel.publish_inventory(self.rank, doc)
 
         gem.on_inventory = publish
+        gem.flush_inventory = channel.flush
         publish(gem.inventory())
 
     def _start_gemini(self, discovery: StoreDiscovery | None, node_id: str) -> None:

@@ -136,6 +136,7 @@ class Gemini:
         self.certifier: Callable[[int], bool] | None = None  # set by the session when SCOUT runs
         # Called with every new inventory (worker/receiver threads): the torchrun backend's feed.
         self.on_inventory: Callable[[GeminiInventory], None] | None = None
+        self.flush_inventory: Callable[[float], bool] | None = None  # waits until on_inventory's sends left
         self._copier = copier
         self._pinned: dict[int, Any] = {}  # slot index -> mapping registered with the copier
         self._fence: Completion | None = None
@@ -901,9 +902,14 @@ class Gemini:
                 self._idle.notify_all()
 
     def drain(self, timeout: float = 60.0) -> bool:
-        """Wait until every capture handed to the worker is committed and replicated."""
+        """Wait until every capture handed to the worker is committed, replicated and published
+        (the inventory sent on, where a sink such as the torchrun backend's control store takes it)."""
+        deadline = time.monotonic() + timeout
         with self._idle:
-            return self._idle.wait_for(lambda: not self._busy, timeout)
+            if not self._idle.wait_for(lambda: not self._busy, timeout):
+                return False
+        flush = self.flush_inventory
+        return flush is None or flush(max(0.0, deadline - time.monotonic()))
 
     def held_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.dir.glob("*")) if self.dir.exists() else 0
