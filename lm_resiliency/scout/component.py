@@ -928,7 +928,7 @@ class Scout:
             node=self.topology.node_of(v.ranks[0]) if v.ranks else None,
             detection_latency_s=self._latency(v),
         ).to_dict()
-        if v.step >= 0:
+        if v.step >= 0 and v.kind not in UNSTEPPED:  # out-of-band verdicts count in seconds only
             report["detection_latency_steps"] = max(0, self._session_step() - self._onset(v))
         report["detail"] = v.detail
         report["reported_by"] = self.rank
