@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -92,9 +93,11 @@ def test_single_process_restart_restores_bitwise(monkeypatch: pytest.MonkeyPatch
 
 def test_unserialisable_extra_state_fails_at_enable_naming_the_path() -> None:
     model = nn.Linear(2, 2)
-    with pytest.raises(TypeError, match=r"state\.extra\.bad: objects of type set"):
+    with pytest.raises(TypeError, match=r"state\.extra\.bad: objects of type Random"):
         enable_resiliency(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), extra_state_fn=lambda: {"bad": {1}}
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            extra_state_fn=lambda: {"bad": random.Random(0)},  # its getstate() would do
         )
 
 
@@ -106,7 +109,7 @@ def test_a_capture_that_cannot_be_taken_is_reported_not_raised_into_training() -
 
     def extra() -> dict:
         calls["n"] += 1
-        return {"pos": calls["n"]} if calls["n"] < 3 else {"bad": {1, 2}}  # breaks mid-run
+        return {"pos": calls["n"]} if calls["n"] < 3 else {"bad": random.Random(0)}  # breaks mid-run
 
     with enable_resiliency(model, opt, interval=1, fault_callback=reports.append, extra_state_fn=extra) as s:
         for _ in range(4):
@@ -114,7 +117,7 @@ def test_a_capture_that_cannot_be_taken_is_reported_not_raised_into_training() -
             opt.step()  # from the 2nd step on the capture inside this hook fails: training goes on
         assert s.step_count == 4 and s.gemini.stats.capture_failures == 3
     assert reports and reports[0]["kind"] == "checkpoint_capture_failed"
-    assert "state.extra.bad: objects of type set" in reports[0]["detail"]
+    assert "state.extra.bad: objects of type Random" in reports[0]["detail"]
 
 
 def test_replica_slots_keep_the_newest_certified_copy() -> None:
