@@ -648,17 +648,9 @@ class Session:
         topo = self._topology
         node = topo.node_of(ev.peer) if topo is not None else None
         if ev.kind is EventKind.DIED:
-            report = SCOUTFaultReport(
-                kind="process_failure",
-                failed_ranks=(ev.peer,),
-                scope="rank",
-                sources=("heartbeat",),
-                reason="heartbeat_timeout",
-                node=node,
-                confidence=1.0,
-                detection_latency_s=ev.silent_s,
-            ).to_dict()
-            self._emit_fault(report)
+            self._process_failure(
+                (ev.peer,), "heartbeat_timeout", "heartbeat", detection_latency_s=ev.silent_s
+            )
             self._node_silent(node)
             return
         if ev.kind in (EventKind.JOINED, EventKind.REJOINED) and node is not None:
@@ -666,17 +658,34 @@ class Session:
         # A peer whose worker died of an uncaught exception says so in its goodbye (`_exiting`).
         reason, _, error = ev.reason.partition(": ")
         if ev.kind is EventKind.LEFT and reason in EXIT_FAILURES:
-            report = SCOUTFaultReport(
-                kind="process_failure",
-                failed_ranks=(ev.peer,),
-                scope="rank",
-                sources=("goodbye",),
-                reason=reason,
-                node=node,
-                confidence=1.0,
-            ).to_dict()
-            report["error"] = error
-            self._emit_fault(report)
+            self._process_failure((ev.peer,), reason, "goodbye", error=error)
+
+    def _process_failure(
+        self,
+        ranks: tuple[int, ...],
+        reason: str,
+        source: str,
+        scope: str = "rank",
+        detection_latency_s: float | None = None,
+        steps: tuple[int, ...] = (),
+        **extra: str,
+    ) -> dict[str, Any]:
+        """Report a process failure of `ranks` (one rank, or a whole node's with scope "node")."""
+        topo = self._topology
+        report = SCOUTFaultReport(
+            kind="process_failure",
+            failed_ranks=ranks,
+            scope=scope,
+            sources=(source,),
+            steps=steps,
+            reason=reason,
+            node=topo.node_of(ranks[0]) if topo is not None and ranks else None,
+            confidence=1.0,
+            detection_latency_s=detection_latency_s,
+        ).to_dict()
+        report.update(extra)
+        self._emit_fault(report)
+        return report
 
     def _node_silent(self, node: str | None) -> None:
         """Every rank of another node fell silent: one report naming the node (lost, or cut off from
@@ -688,17 +697,8 @@ class Session:
         if node in self._silent_nodes or not set(ranks) <= rt.silent():
             return
         self._silent_nodes.add(node)
-        report = SCOUTFaultReport(
-            kind="process_failure",
-            failed_ranks=ranks,
-            scope="node",
-            sources=("heartbeat",),
-            reason="node_silent",
-            node=node,
-            confidence=1.0,
-        ).to_dict()
-        report["detail"] = f"every rank of node {node} ({list(ranks)}) stopped sending heartbeats"
-        self._emit_fault(report)
+        detail = f"every rank of node {node} ({list(ranks)}) stopped sending heartbeats"
+        self._process_failure(ranks, "node_silent", "heartbeat", scope="node", detail=detail)
 
     # -- a worker that dies of an uncaught exception says why ----------------------------------------
     def _install_excepthook(self) -> None:
@@ -724,18 +724,9 @@ class Session:
         reason = classify_exit(exc)
         error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]
         if reason in EXIT_FAILURES:
-            report = SCOUTFaultReport(
-                kind="process_failure",
-                failed_ranks=(self.rank,),
-                scope="rank",
-                sources=("self",),
-                steps=(self.step_count,),
-                reason=reason,
-                node=self._topology.node_of(self.rank) if self._topology is not None else None,
-                confidence=1.0,
-            ).to_dict()
-            report["error"] = error
-            self._emit_fault(report)
+            report = self._process_failure(
+                (self.rank,), reason, "self", steps=(self.step_count,), error=error
+            )
             if self._control is not None:  # the leader's restart says why
                 self._control.post_verdict(self.env.generation, report)
         log.error("rank %d dies of an uncaught exception (%s): %s", self.rank, reason, error)
