@@ -12,6 +12,7 @@ and restores the chosen step bitwise from local memory or by pulling the replica
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -29,13 +30,14 @@ from typing import Any
 import msgpack
 import torch
 
+from lm_resiliency._proc import pid_alive
 from lm_resiliency.config import InMemoryCkptConfig, SCOUTFaultReport
 from lm_resiliency.core.auth import frame_digest
 from lm_resiliency.core.gemini.placement import replica_holders
 from lm_resiliency.core.gemini.recovery import RecoveryPlan, plan_recovery
 from lm_resiliency.core.messages import GeminiInventory, ReplicaRequest
 from lm_resiliency.core.topology import Topology
-from lm_resiliency.errors import DiscoveryError
+from lm_resiliency.errors import ConfigError, DiscoveryError
 from lm_resiliency.gemini.copier import Completion, Copier, copier_for
 from lm_resiliency.gemini.durable import DurableError, DurableStore
 from lm_resiliency.gemini.state import (
@@ -912,7 +914,11 @@ class Gemini:
         return flush is None or flush(max(0.0, deadline - time.monotonic()))
 
     def held_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.dir.glob("*")) if self.dir.exists() else 0
+        total = 0
+        for p in self.dir.glob("*"):
+            with contextlib.suppress(FileNotFoundError):  # a peer rank dropping its old slots
+                total += p.stat().st_size
+        return total
 
     def close(self) -> None:
         if self._closed:
@@ -941,11 +947,27 @@ class Gemini:
         for slots in self._replica_slots.values():
             for slot in slots:
                 slot.close()
+        owner = self.dir / f".owner-r{self.rank}"
+        from lm_resiliency.gemini.hygiene import owner_pid
+
+        if owner_pid(owner) == os.getpid():  # the copies stay for a restart; the claim ends here
+            owner.unlink(missing_ok=True)
 
     def claim(self, stale_after_s: float = 3600.0) -> None:
         """Record this process as an owner of the node directory; reclaim runs that are over."""
-        from lm_resiliency.gemini.hygiene import reclaim_stale_runs, write_owner
+        from lm_resiliency.gemini.hygiene import owner_pid, reclaim_stale_runs, write_owner
 
+        pid = owner_pid(self.dir / f".owner-r{self.rank}")
+        if pid > 0 and pid != os.getpid() and pid_alive(pid):
+            # A worker of an earlier generation is gone by now; a live one is another job that
+            # runs under the same run id on this node, and the two would overwrite each other's
+            # copies (torchrun's default run id is "none" for every job).
+            raise ConfigError(
+                "run_id",
+                f"another live process (pid {pid}) holds rank {self.rank}'s in-memory checkpoints of run "
+                f"{self.run_id!r} on this node ({self.dir}); give each concurrent job its own run id "
+                "(torchrun --rdzv-id, LM_RESILIENCY_RUN_ID or InMemoryCkptConfig.run_id)",
+            )
         write_owner(self.dir, self.rank)
         for u in reclaim_stale_runs(self.dir.parent.parent, stale_after_s, keep_run=self.dir.parent.name):
             log.info(

@@ -8,15 +8,17 @@ its restart, so recent ones are kept).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from lm_resiliency._proc import pid_alive
 
-__all__ = ["RunUsage", "reclaim_stale_runs", "usage", "write_owner"]
+__all__ = ["RunUsage", "owner_pid", "reclaim_stale_runs", "usage", "write_owner"]
 
 
 @dataclass(frozen=True)
@@ -38,30 +40,56 @@ def usage(shm_dir: str | Path, now: float | None = None) -> list[RunUsage]:
     root = Path(shm_dir)
     now = time.time() if now is None else now
     out = []
-    for run in sorted(p for p in root.iterdir() if p.is_dir()) if root.exists() else []:
-        for node in sorted(p for p in run.iterdir() if p.is_dir()):
-            files = [p for p in node.iterdir() if p.is_file()]
+    # Other processes create and delete files here while we look (a fresh run's ranks drop their
+    # old slots, a peer reclaims a stale run): whatever vanishes mid-scan is simply not counted.
+    for run in _dirs(root):
+        for node in _dirs(run):
+            try:
+                node_mtime = node.stat().st_mtime
+                entries = list(node.iterdir())
+            except FileNotFoundError:
+                continue
+            stats = {}
+            for f in entries:
+                try:
+                    st = f.stat()
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    stats[f] = st
             owners = []
-            for f in files:
+            for f in stats:
                 if f.name.startswith(".owner-r"):
-                    try:
-                        pid = int(f.read_text().strip() or "0")
-                    except (OSError, ValueError):
-                        continue
+                    pid = owner_pid(f)
                     if pid > 0 and pid_alive(pid):
                         owners.append(pid)
-            newest = max((f.stat().st_mtime for f in files), default=node.stat().st_mtime)
+            newest = max((st.st_mtime for st in stats.values()), default=node_mtime)
             out.append(
                 RunUsage(
                     run.name,
                     node.name,
-                    sum(f.stat().st_size for f in files),
-                    len(files),
+                    sum(st.st_size for st in stats.values()),
+                    len(stats),
                     tuple(sorted(owners)),
                     max(0.0, now - newest),
                 )
             )
     return out
+
+
+def _dirs(path: Path) -> list[Path]:
+    try:
+        return sorted(p for p in path.iterdir() if p.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def owner_pid(path: Path) -> int:
+    """The pid an owner file names (0 when it is gone or unreadable)."""
+    try:
+        return int(path.read_text().strip() or "0")
+    except (OSError, ValueError):
+        return 0
 
 
 def reclaim_stale_runs(
@@ -74,7 +102,6 @@ def reclaim_stale_runs(
             continue
         shutil.rmtree(Path(shm_dir) / u.run / u.node, ignore_errors=True)
         reclaimed.append(u)
-        run_dir = Path(shm_dir) / u.run
-        if run_dir.exists() and not any(run_dir.iterdir()):
-            run_dir.rmdir()
+        with contextlib.suppress(OSError):  # not empty, or another process removed it first
+            (Path(shm_dir) / u.run).rmdir()
     return reclaimed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -343,3 +344,68 @@ def test_a_copy_the_scan_verified_is_not_hashed_again_but_a_changed_one_is(tmp_p
             assert verify.call_count == 1  # not the commit the scan saw: verified before loading
     finally:
         gem.close()
+
+
+def test_shm_usage_tolerates_files_vanishing_while_it_looks(tmp_path: Path) -> None:
+    """A fresh run's ranks drop their old slots while a peer scans the folder for stale runs: a
+    file deleted between listing and `stat` is not counted, never an error (it crashed a rank's
+    `enable_resiliency` once)."""
+    import threading
+
+    from lm_resiliency.gemini.hygiene import reclaim_stale_runs, usage, write_owner
+
+    node = tmp_path / "run" / "node"
+    write_owner(node, 0)
+    stop = threading.Event()
+
+    def churn() -> None:
+        i = 0
+        while not stop.is_set():
+            f = node / f"own-r1-s{i % 2}"
+            f.write_bytes(b"x")
+            f.unlink()
+            i += 1
+
+    t = threading.Thread(target=churn, daemon=True)
+    t.start()
+    try:
+        for _ in range(3000):
+            (u,) = usage(tmp_path)
+            assert u.live_owners == (os.getpid(),)
+            assert reclaim_stale_runs(tmp_path, stale_after_s=0.0, keep_run="run") == []
+    finally:
+        stop.set()
+        t.join(timeout=10)
+
+
+def test_a_second_live_job_with_the_same_run_id_is_refused(tmp_path: Path) -> None:
+    """Two jobs on one node under one run id (torchrun's default "none") would overwrite each other's
+    in-memory copies: the second is refused with the key to change; a dead owner (an earlier
+    generation) is not in the way, and a closed session gives its claim up."""
+    import subprocess
+    import sys
+
+    from lm_resiliency.errors import ConfigError
+
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        owner = tmp_path / "r" / "n" / ".owner-r0"
+        owner.parent.mkdir(parents=True)
+        owner.write_text(str(other.pid))
+        gem = _lone_gemini(tmp_path, torch.nn.Linear(2, 2), None)
+        try:
+            with pytest.raises(ConfigError, match=rf"run_id: another live process \(pid {other.pid}\)"):
+                gem.claim()
+        finally:
+            gem.close()
+        assert owner.read_text() == str(other.pid)  # the live job's claim is untouched
+    finally:
+        other.stdin.close()  # type: ignore[union-attr]
+        other.wait(timeout=30)
+    gem = _lone_gemini(tmp_path, torch.nn.Linear(2, 2), None)
+    try:
+        gem.claim()  # its owner is gone now
+        assert owner.read_text() == str(os.getpid())
+    finally:
+        gem.close()
+    assert not owner.exists()
