@@ -302,6 +302,7 @@ class Session:
             config=cfg,
             transport_factory=lambda: ZmqTransport(host, cfg.use_ipc, cfg.send_high_water_mark),
             replica_group=local.replica_group,
+            peer_group=local.peer_group,
             dims=local.dims,
             settings=self._shared_settings(),
         )
@@ -314,7 +315,7 @@ class Session:
             self._runtime.connect_peers(anns.values(), announce=True)
             self._topology = _assemble_topology(anns, self.world_size)
         else:
-            self._topology = Topology.build([node_id], [local.replica_group])
+            self._topology = Topology.build([node_id], [local.replica_group], peer_groups=[local.peer_group])
         self._check_restart_context()
         self._start_gemini(discovery, node_id)
         self._start_scout()
@@ -952,7 +953,15 @@ def _assemble_topology(anns: dict[int, Any], world_size: int) -> Topology:
         for name, members in a.dims.items():
             dim_groups.setdefault(name, set()).add(tuple(members))
     dims = [ParallelDim(n, tuple(sorted(g))) for n, g in sorted(dim_groups.items())]
-    return Topology.build([anns[r].node_id for r in range(world_size)], groups, dims)
+    nodes = [anns[r].node_id for r in range(world_size)]
+    try:
+        peers = replica_groups_from(
+            {r: a.peer_group or a.replica_group for r, a in anns.items()}, world_size, "peer group"
+        )
+        return Topology.build(nodes, groups, dims, peer_groups=peers)
+    except ValueError as exc:  # only timing comparisons lose peers: never worth failing the job
+        log.warning("peer groups ignored (each replica group compares its own step times): %s", exc)
+        return Topology.build(nodes, groups, dims)
 
 
 def _bind_host(cfg: RuntimeConfig, env: Environment) -> str:

@@ -16,12 +16,16 @@ class AdapterTopology:
     `replica_group`: the ranks holding bitwise-identical state to ours after each step (ours included).
     `dims`: for each named parallel dimension, the ranks of our group along it.
     `replicated_dims`: names of the dimensions along which state is identical.
+    `peer_group`: the ranks doing the same work as ours each step (same model part, same
+    collectives), whether or not they hold the same state: every rank of an FSDP2/TP mesh. Empty:
+    the replica group.
     """
 
     replica_group: tuple[int, ...]
     dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
     replicated_dims: tuple[str, ...] = ()
     source: str = ""
+    peer_group: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,15 @@ __all__ = ["TRACKED", "CollectiveTracker", "install", "original", "uninstall"]
 # Ops whose first tensor has the same size on every rank of the group (so it is part of what a
 # collective is); the others (all-to-all with uneven splits, gathers into lists) are identified by
 # op and group size.
-_SIZED = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+_SIZED = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_gather_single",  # FSDP2's all-gather and reduce-scatter (torch >= 2.12); absent ones are skipped
+    "reduce_scatter_single",
+)
 TRACKED = (
     *_SIZED,
     "all_gather",

@@ -2,9 +2,11 @@
 
 Topology: a DDP model's process group is one replica group. For DTensor parameters (FSDP2, HSDP, TP)
 the mesh dimensions on which every parameter is `Replicate()` are replica dimensions; ranks that differ
-only along them hold identical shards. `parallelism_info={"replica_group": [...], "dims": {...}}`
-overrides what we read. A plain module with no DDP and no DTensor is its own replica group unless
-`group` names its data-parallel peers.
+only along them hold identical shards, and every rank of the mesh is a peer (same layers, same
+collectives: step times, stalls and hangs are compared across it).
+`parallelism_info={"replica_group": [...], "peer_group": [...], "dims": {...}}` overrides what we
+read. A plain module with no DDP and no DTensor is its own replica group unless `group` names its
+data-parallel peers.
 
 Hooks: a forward pre-hook marks the start of compute, an optimizer pre/post step hook marks the
 optimizer phase and the step boundary, and for DDP a comm hook that averages gradients like DDP but
@@ -64,6 +66,9 @@ class PyTorchAdapter:
         self._comm_end: float | None = None
         self._input_s = 0.0
         self._stepping = False  # between a training forward and the optimizer step (see `in_step`)
+        self._blocking = 0  # blocking tracked collectives this thread is in (nested: one interval)
+        self._blocked_since = 0.0
+        self._blocked: list[tuple[float, float]] = []  # this step's (start, end) in blocking collectives
         # Progress for out-of-band hang detection (read by the runtime thread; plain attribute writes).
         # (collectives entered, hash chain over them): one tuple, replaced whole, so the runtime thread
         # never reads a count from one collective with the chain of another.
@@ -89,7 +94,15 @@ class PyTorchAdapter:
             dims = {
                 str(k): _ranks(v, f"parallelism_info['dims'][{k!r}]") for k, v in info.get("dims", {}).items()
             }
-            return AdapterTopology(group, dims, tuple(info.get("replicated_dims", ())), "parallelism_info")
+            peers = group
+            if "peer_group" in info:
+                peers = _ranks(info["peer_group"], "parallelism_info['peer_group']")
+                if not set(group) <= set(peers):
+                    raise ValueError(
+                        f"parallelism_info['peer_group'] {peers} must contain the replica group {group}"
+                    )
+            replicated = tuple(info.get("replicated_dims", ()))
+            return AdapterTopology(group, dims, replicated, "parallelism_info", peers)
         ddp = _find_ddp(uncompiled(self.model))
         if ddp is not None and dist.is_initialized():
             pg = getattr(ddp, "process_group", None) or dist.group.WORLD
@@ -109,7 +122,9 @@ class PyTorchAdapter:
             raise RuntimeError("PyTorchAdapter already attached")
         self._attached = True
         self._on_step = on_step
-        self._handles.append(self.model.register_forward_pre_hook(self._forward_pre))
+        # First of the forward pre-hooks: FSDP2's own (registered when the model was sharded) all-gathers
+        # the parameters, and waiting in that for a slow peer is not this rank's input time.
+        self._handles.append(self.model.register_forward_pre_hook(self._forward_pre, prepend=True))
         collectives.install(self)  # the step's own torch.distributed collectives, for hang/desync checks
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre))
@@ -162,8 +177,17 @@ class PyTorchAdapter:
             self.outstanding += 1
             if self.in_collective_since is None:
                 self.in_collective_since = time.monotonic()
+            self._blocking += 1
+            if self._blocking == 1:
+                self._blocked_since = time.perf_counter()
 
     def exit_collective(self) -> None:
+        self._blocking -= 1
+        if self._blocking <= 0:
+            self._blocking = 0
+            # Time blocked in a collective inside forward/backward is waiting for peers (FSDP2's
+            # all-gathers, a script's own all-reduce), not this rank's compute.
+            self._blocked.append((self._blocked_since, time.perf_counter()))
         self.outstanding -= 1
         if self.outstanding <= 0:
             self.outstanding = 0
@@ -226,22 +250,28 @@ class PyTorchAdapter:
         if self._comm_last_call is not None and self._comm_end is not None:
             compute_end = self._comm_last_call
             comm = max(0.0, opt_start - self._comm_last_call)
+        waited = sum(max(0.0, min(b, compute_end) - max(a, fwd)) for a, b in self._blocked)
+        self._blocked.clear()
         input_s = self._input_s if self._input_s > 0 else max(0.0, fwd - t0)
         times = StepTimes(
             step=self._step,
             step_s=now - t0,
             input_s=input_s,
-            compute_s=max(0.0, compute_end - fwd),
-            comm_s=comm,
+            compute_s=max(0.0, compute_end - fwd - waited),
+            comm_s=comm + waited,
             optimizer_s=now - opt_start,
         )
-        self._t_step_start = now
         self.last_progress = time.monotonic()
         self._stepping = False
         self._t_fwd = self._t_opt = self._comm_start = self._comm_end = self._comm_last_call = None
         self._input_s = 0.0
-        if self._on_step is not None:
-            self._on_step(times)
+        try:
+            if self._on_step is not None:
+                self._on_step(times)
+        finally:
+            # The next step starts after our own work (telemetry, a capture's copy): that time is
+            # ours, not the gap before the script's next forward (its input time).
+            self._t_step_start = time.perf_counter()
 
     def set_step(self, step: int) -> None:
         """Start counting from `step` (after a recovery)."""
@@ -306,4 +336,6 @@ def _mesh_topology(model: nn.Module, rank: int) -> AdapterTopology | None:
         if all(replicated[i] or pos[i] == coords[i] for i in range(grid.ndim)):
             group.append(int(grid[tuple(pos)]))
     rep_names = tuple(n for n, r in zip(names, replicated, strict=True) if r)
-    return AdapterTopology(tuple(sorted(group)), dims, rep_names, "device_mesh")
+    # Every rank of the mesh runs the same layers on its own shard and batch: peers for timing.
+    peers = tuple(sorted(int(r) for r in grid.flatten().tolist()))
+    return AdapterTopology(tuple(sorted(group)), dims, rep_names, "device_mesh", peers)

@@ -76,6 +76,7 @@ class PeerAnnouncement(Message):
     router: tuple[str, ...]
     replica_group: tuple[int, ...] = ()
     dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    peer_group: tuple[int, ...] = ()  # ranks doing the same work each step (empty: the replica group)
     settings: dict[str, str] = field(default_factory=dict)  # what every rank must agree on (config drift)
 
 

@@ -3,6 +3,10 @@
 A *replica group* is a set of ranks that hold bitwise-identical state after every optimizer step
 (DDP ranks; HSDP ranks along the replicate dimension with equal shard coordinates). SCOUT compares
 fingerprints inside a replica group; GEMINI places copies on ranks of other nodes.
+
+A *peer group* is a set of ranks that do the same work each step, whether or not they hold the same
+state: every rank of an FSDP2/TP mesh (one pipeline stage), the ranks of a DDP group. SCOUT compares
+step times, stalls and hangs inside a peer group. Each one contains its members' replica groups.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ class Topology:
     ranks: tuple[RankInfo, ...]
     replica_groups: tuple[tuple[int, ...], ...]
     dims: tuple[ParallelDim, ...] = ()
+    peer_groups: tuple[tuple[int, ...], ...] = ()  # none listed: each replica group is its own
     _group_of: Mapping[int, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
+    _peers_of: Mapping[int, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         world = len(self.ranks)
@@ -59,6 +65,17 @@ class Topology:
         if missing:
             raise ValueError(f"ranks {missing} are in no replica group")
         object.__setattr__(self, "_group_of", group_of)
+        peers_of: dict[int, tuple[int, ...]] = {}
+        for group in self.peer_groups:
+            for r in group:
+                if not 0 <= r < world:
+                    raise ValueError(f"peer group {group} names rank {r} outside world size {world}")
+                if r in peers_of:
+                    raise ValueError(f"rank {r} is in two peer groups: {peers_of[r]} and {group}")
+                if not set(group_of[r]) <= set(group):
+                    raise ValueError(f"peer group {group} lacks replicas of rank {r}: {group_of[r]}")
+                peers_of[r] = group
+        object.__setattr__(self, "_peers_of", peers_of)
 
     @classmethod
     def build(
@@ -67,12 +84,14 @@ class Topology:
         replica_groups: Iterable[Iterable[int]],
         dims: Iterable[ParallelDim] = (),
         local_ranks: Iterable[int] | None = None,
+        peer_groups: Iterable[Iterable[int]] = (),
     ) -> Topology:
         nodes = list(node_ids)
         locals_ = list(local_ranks) if local_ranks is not None else _local_ranks(nodes)
         ranks = tuple(RankInfo(r, n, lr) for r, (n, lr) in enumerate(zip(nodes, locals_, strict=True)))
         groups = tuple(sorted({tuple(sorted(g)) for g in replica_groups}))
-        return cls(ranks, groups, tuple(dims))
+        peers = tuple(sorted({tuple(sorted(g)) for g in peer_groups}))
+        return cls(ranks, groups, tuple(dims), peers)
 
     @property
     def world_size(self) -> int:
@@ -90,6 +109,10 @@ class Topology:
 
     def replica_group_of(self, rank: int) -> tuple[int, ...]:
         return self._group_of[rank]
+
+    def peer_group_of(self, rank: int) -> tuple[int, ...]:
+        """The ranks doing the same work as `rank` each step (its replica group when none is known)."""
+        return self._peers_of.get(rank) or self._group_of[rank]
 
     def digest(self) -> str:
         """A short hash of ranks, node ids and groups; a replaced node changes it."""
@@ -121,9 +144,9 @@ def _local_ranks(nodes: list[str]) -> list[int]:
 
 
 def replica_groups_from(
-    per_rank: Mapping[int, Iterable[int]], world_size: int
+    per_rank: Mapping[int, Iterable[int]], world_size: int, what: str = "replica group"
 ) -> tuple[tuple[int, ...], ...]:
-    """Assemble the replica groups from what each rank reported as its own group.
+    """Assemble the replica (or peer) groups from what each rank reported as its own group.
 
     Ranks that reported nothing form singleton groups. Raises ValueError when reports contradict.
     """
@@ -131,11 +154,11 @@ def replica_groups_from(
     for rank in range(world_size):
         reported = tuple(sorted(per_rank.get(rank, ()))) or (rank,)
         if rank not in reported:
-            raise ValueError(f"rank {rank} reported replica group {reported} that does not contain it")
+            raise ValueError(f"rank {rank} reported {what} {reported} that does not contain it")
         for member in reported:
             if member in groups and groups[member] != reported:
                 raise ValueError(
-                    f"ranks disagree on the replica group of rank {member}: {groups[member]} vs {reported}"
+                    f"ranks disagree on the {what} of rank {member}: {groups[member]} vs {reported}"
                 )
             groups[member] = reported
     return tuple(sorted(set(groups.values())))

@@ -134,6 +134,7 @@ class RankRuntime:
         transport_factory: Callable[[], Transport],
         clock: Clock | None = None,
         replica_group: Sequence[int] = (),
+        peer_group: Sequence[int] = (),
         dims: Mapping[str, Sequence[int]] | None = None,
         settings: Mapping[str, str] | None = None,
     ) -> None:
@@ -149,6 +150,11 @@ class RankRuntime:
         # the group is not the whole job; everything else reaches every rank.
         self._group_topic = _group_topic(self.replica_group, rank, world_size)
         self._group_tags: set[str] = set()
+        # Likewise the tags in `_peer_tags` reach the peer group only (the ranks doing the same work:
+        # a superset of the replica group).
+        self.peer_group = tuple(peer_group) or self.replica_group
+        self._peer_topic = _group_topic(self.peer_group, rank, world_size)
+        self._peer_tags: set[str] = set()
         self.dims = {k: tuple(v) for k, v in (dims or {}).items()}
         self.settings = dict(settings or {})  # announced: the settings every rank must share
         self._clock = clock or SystemClock()
@@ -203,6 +209,7 @@ class RankRuntime:
             router=endpoints.router,
             replica_group=self.replica_group,
             dims=self.dims,
+            peer_group=self.peer_group,
             settings=dict(self.settings),
         )
         with self._cond:
@@ -212,8 +219,8 @@ class RankRuntime:
     async def _start_in_loop(self) -> Endpoints:
         self._transport = self._transport_factory()
         endpoints = await self._transport.start()
-        if self._group_topic != ALL:
-            self._transport.subscribe(self._group_topic)
+        for topic in {self._group_topic, self._peer_topic} - {ALL}:
+            self._transport.subscribe(topic)
         self._wake = asyncio.Event()
         self._loop.spawn(self._receive_forever, name="receive")
         self._loop.spawn(self._publish_forever, name="publish")
@@ -398,6 +405,12 @@ class RankRuntime:
         """Gossip messages of `tags` only to this rank's replica group (the peers that judge them),
         not to the whole job. Peers outside the group no longer see them, in `view()` either."""
         self._group_tags.update(tags)
+        self._peer_tags.difference_update(tags)
+
+    def scope_to_peers(self, *tags: str) -> None:
+        """Gossip messages of `tags` only to this rank's peer group (see `Topology.peer_group_of`)."""
+        self._peer_tags.update(tags)
+        self._group_tags.difference_update(tags)
 
     def add_handler(self, tag: str, handler: Handler) -> None:
         self._handlers.setdefault(tag, []).append(handler)
@@ -485,7 +498,9 @@ class RankRuntime:
         self._stats.gossip_sent += 1
 
     def _topic(self, msg: Message) -> bytes:
-        return self._group_topic if msg.TAG in self._group_tags else ALL
+        if msg.TAG in self._group_tags:
+            return self._group_topic
+        return self._peer_topic if msg.TAG in self._peer_tags else ALL
 
     async def _send_direct(
         self, peer: int, msg: Message, raise_errors: bool = False, digests: Sequence[bytes] | None = None

@@ -138,6 +138,7 @@ KEEP_STEPS = 64
 # without the step, so that ranks at different steps agree on one key.
 UNSTEPPED = frozenset({"hang", "collective_stall", "data_stall", "checkpoint_stall"})
 ENDED_STEPS = 1024  # step end times kept for detection latencies
+PEERS_SCOPE = "peers/"  # vote keys of verdicts the peer group decides (not only the replica group)
 DENSE_ROUNDS = 8  # audits over which every dense layer of an expert-parallel model is re-executed
 PROBES_PER_ROUND = 4  # link probes one rank sends per round, so probing stays O(1) per rank
 
@@ -165,6 +166,10 @@ class Scout:
         self.topology = topology
         self.group = topology.replica_group_of(rank)
         self._group_set = frozenset(self.group)
+        # Peers do the same work (every rank of an FSDP2/TP mesh): step times, stalls and hangs are
+        # compared among them, state only among replicas.
+        self.peers = topology.peer_group_of(rank)
+        self._peer_set = frozenset(self.peers)
         self.runtime = runtime
         self.adapter = adapter
         self.config = config
@@ -297,10 +302,12 @@ class Scout:
         self.on_revoked: Callable[[int], None] | None = None
         self._last_params: tuple[int, bytes, bytes] = (-1, b"", b"")  # step, params, optimizer state
         self._params_split: tuple[int, set[int]] = (-1, set())  # last checked step params disagreed
-        # Phase times, evidence, audit and replay results, votes and link reports are judged by the
-        # replica group alone: only its members get them (job-wide gossip grows with the job).
-        # Progress stays job-wide: a hang's culprit may be in another group's collective.
-        runtime.scope_to_group("step", "evid", "audt", "rply", "vote", "link")
+        # Evidence, audit and replay results and link reports are judged by the replica group
+        # alone, phase times and votes by the peer group (its superset): only their members get them
+        # (job-wide gossip grows with the job). Progress stays job-wide; hangs are judged among peers
+        # (every rank of an FSDP2 mesh waits in the same all-gather).
+        runtime.scope_to_group("evid", "audt", "rply", "link")
+        runtime.scope_to_peers("step", "vote")
         runtime.add_handler("rply", lambda sealed, msg: self._on_replay_result(msg))
         runtime.add_handler("audt", lambda sealed, msg: self._on_audit_result(msg))
         runtime.add_transfer_listener(self._on_transfer)
@@ -407,6 +414,10 @@ class Scout:
     def _live_group(self) -> set[int]:
         live = self.runtime.live()
         return {r for r in self.group if r in live}
+
+    def _live_peers(self) -> set[int]:
+        live = self.runtime.live()
+        return {r for r in self.peers if r in live}
 
     def _judge_fingerprints(self, step: int, per_step: dict[int, Evidence]) -> None:
         verdict = fingerprint_verdict(step, "grads", {r: e.grads for r, e in per_step.items()})
@@ -692,13 +703,13 @@ class Scout:
             del self._replays[old]
 
     def _on_times(self, msg: StepTelemetry) -> None:
-        if msg.rank not in self.group or len(self.group) < 3:
+        if msg.rank not in self._peer_set or len(self.peers) < 3:
             return
         per_step = self._times.setdefault(msg.step, {})
         per_step[msg.rank] = PhaseTimes(msg.input_s, msg.compute_s, msg.comm_s)
-        if set(per_step) >= self._live_group():
+        if set(per_step) >= self._live_peers():
             for v in self._stragglers.observe(msg.step, per_step):
-                self._report(v)
+                self._report(v, among_peers=True)
             del self._times[msg.step]
         for old in [s for s in self._times if s < msg.step - KEEP_STEPS]:
             del self._times[old]
@@ -792,7 +803,7 @@ class Scout:
         while True:
             own = self._own_progress()
             self.runtime.submit(own)
-            live = self._live_group()
+            live = self._live_peers()  # the ranks that issue the same collectives as this one
             self._progress[self.rank] = own
             evidence = {
                 r: ProgressValue(p.step, p.collectives, p.in_collective_s, p.idle_s, p.phase, p.in_phase_s)
@@ -800,15 +811,19 @@ class Scout:
                 if r in live
             }
             if len(evidence) > 1 and self.config.enable:
-                v = self._hangs.observe(own.step, evidence, self.runtime.silent() & self._group_set)
+                v = self._hangs.observe(own.step, evidence, self.runtime.silent() & self._peer_set)
                 if v is not None:
-                    self._report(v)
-                ours = {r: p for r, p in evidence.items() if r in self._group_set}
+                    self._report(v, among_peers=True)
+                ours = {r: p for r, p in evidence.items() if r in self._peer_set}
                 for stall in self._stalls.observe(own.step, ours):
-                    self._report(stall)
+                    self._report(stall, among_peers=True)
                 # Replicas issue the same collectives (each in its own tensor- or expert-parallel
                 # group where it has one); ranks of other groups may legitimately differ.
-                chains = {r: (p.collectives, p.chain) for r, p in self._progress.items() if r in ours}
+                chains = {
+                    r: (p.collectives, p.chain)
+                    for r, p in self._progress.items()
+                    if r in ours and r in self._group_set
+                }
                 d = desync_verdict(own.step, chains) if len(self.group) >= 3 else None
                 if d is not None:
                     self._report(d)
@@ -853,14 +868,16 @@ class Scout:
         self._emit(report)
 
     # -- reports ----------------------------------------------------------------------------------
-    def _report(self, v: Verdict) -> None:
-        """Vote for a verdict this rank reached; acting waits for a majority of the group."""
+    def _report(self, v: Verdict, among_peers: bool = False) -> None:
+        """Vote for a verdict this rank reached; acting waits for a majority of the replica group,
+        or of the peer group for verdicts on timing and progress (`among_peers`)."""
         key = (v.kind, v.ranks, -1 if v.kind in UNSTEPPED else v.step)
         with self._lock:
             if key in self._reported:
                 return
             self._reported.add(key)
-        vote_key = f"{key[0]}:{','.join(map(str, key[1]))}@{key[2]}"
+        scope = PEERS_SCOPE if among_peers and self.peers != self.group else ""
+        vote_key = f"{scope}{key[0]}:{','.join(map(str, key[1]))}@{key[2]}"
         self.runtime.submit(
             Vote(
                 self.rank,
@@ -878,14 +895,16 @@ class Scout:
         )  # gossiped to the group and looped back to our own _on_vote
 
     def _on_vote(self, vote: Vote) -> None:
-        if vote.rank not in self.group:
+        among_peers = vote.key.startswith(PEERS_SCOPE)
+        group = self.peers if among_peers else self.group
+        if vote.rank not in group:
             return
         self._candidates.setdefault(vote.key, vote)
         self._book.vote(vote.rank, vote.key)
         if vote.key in self._acted:
             return
-        quorum = len(self._live_group() | {vote.rank}) or 1
-        if self._book.count(vote.key, self.group) * 2 > quorum:
+        quorum = len((self._live_peers() if among_peers else self._live_group()) | {vote.rank}) or 1
+        if self._book.count(vote.key, group) * 2 > quorum:
             self._acted.add(vote.key)
             c = self._candidates[vote.key]
             self._act(
@@ -900,7 +919,7 @@ class Scout:
                     c.stall_duration_s,
                     c.endpoint,
                 ),
-                voters=self._book.count(vote.key, self.group),
+                voters=self._book.count(vote.key, group),
             )
 
     def _act(self, v: Verdict, voters: int) -> None:

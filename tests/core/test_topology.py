@@ -37,6 +37,21 @@ def test_replica_groups_from_reports() -> None:
         replica_groups_from({0: [1]}, 2)
 
 
+def test_peer_groups_contain_replica_groups_and_default_to_them() -> None:
+    """HSDP over 2 replicas x 2 shards: replicas (0, 2) and (1, 3), all four ranks peers; without
+    peer groups each replica group is its own, and digests do not depend on them."""
+    t = Topology.build(["a", "a", "b", "b"], [[0, 2], [1, 3]], peer_groups=[[3, 2, 1, 0]])
+    assert t.peer_group_of(1) == (0, 1, 2, 3) and t.replica_group_of(1) == (1, 3)
+    plain = Topology.build(["a", "a", "b", "b"], [[0, 2], [1, 3]])
+    assert plain.peer_group_of(1) == (1, 3) and plain.digest() == t.digest()
+    with pytest.raises(ValueError, match=r"lacks replicas of rank 0: \(0, 2\)"):
+        Topology.build(["a", "a", "b", "b"], [[0, 2], [1, 3]], peer_groups=[[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="two peer groups"):
+        Topology.build(["a", "a"], [[0], [1]], peer_groups=[[0, 1], [1]])
+    with pytest.raises(ValueError, match="disagree on the peer group"):
+        replica_groups_from({0: [0, 1], 1: [1]}, 2, "peer group")
+
+
 def test_manual_clock() -> None:
     c = ManualClock(1.0)
     assert c.advance(0.5) == 1.5

@@ -120,7 +120,21 @@ def test_slow_data_loader_is_named_an_input_straggler(processes, tmp_path: Path)
         assert found == [([3], "input")], res["faults"]
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "plain"])
+@pytest.mark.parametrize(("scenario", "kind"), [("compute", "compute"), ("input", "input")])
+def test_fsdp2_stragglers_are_named_among_the_mesh_peers(  # type: ignore[no-untyped-def]
+    processes, tmp_path: Path, scenario: str, kind: str
+) -> None:
+    """No two ranks of an FSDP2 job hold the same state, but all do the same work: step times are
+    compared across the mesh. A slow rank's peers wait for it inside FSDP2's all-gathers, so only
+    the time outside the collectives is its compute."""
+    results, _ = _run(processes, tmp_path, scenario, steps=15, culprit=2, wrap="fsdp2")
+    for res in results:
+        found = [(f["failed_ranks"], f["straggler_type"]) for f in res["faults"] if f["kind"] == "straggler"]
+        assert found == [([2], kind)], res["faults"]
+        assert {f["kind"] for f in res["faults"]} == {"straggler"}, res["faults"]
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "plain", "fsdp2"])
 def test_rank_that_never_enters_a_collective_is_named_before_gloo_times_out(
     processes, tmp_path: Path, wrap: str
 ) -> None:  # type: ignore[no-untyped-def]

@@ -35,6 +35,8 @@ def test_replica_groups_and_bitwise_comm_hook(processes, tmp_path: Path) -> None
         assert out["hsdp_replicated"] == ["dp_replicate"]
         assert out["hsdp_dims"]["dp_shard"] == ([0, 1] if r < 2 else [2, 3])
         assert out["fsdp_tp"] == [r]
+        # Every rank of the mesh does the same work: peers for step times, stalls and hangs.
+        assert out["fsdp2_peers"] == out["hsdp_peers"] == out["fsdp_tp_peers"] == [0, 1, 2, 3]
         assert out["override"] == [r]
         if r < 3:
             assert out["bitwise_equal"], "the session's DDP comm hook changed the training numerics"

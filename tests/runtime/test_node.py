@@ -36,6 +36,7 @@ def _start(  # type: ignore[no-untyped-def]
     config: RuntimeConfig = CFG,
     clocks=None,
     groups: list[tuple[int, ...]] | None = None,
+    peers: list[tuple[int, ...]] | None = None,
 ) -> list[RankRuntime]:
     rts = [
         RankRuntime(
@@ -48,6 +49,7 @@ def _start(  # type: ignore[no-untyped-def]
             transport_factory=factory,
             clock=(clocks or [None] * n)[r],
             replica_group=next((g for g in groups or () if r in g), ()),
+            peer_group=next((g for g in peers or () if r in g), ()),
         )
         for r in range(n)
     ]
@@ -399,19 +401,22 @@ def test_published_steps_carry_the_heartbeat_and_the_timer_stays_quiet() -> None
 def test_group_scoped_gossip_reaches_the_replica_group_only(kind: str) -> None:
     """Tags scoped to the group travel on the group's topic (the publisher filters): replicas get
     them, other ranks never do, yet still get job-wide gossip and keep everyone alive, with the
-    heartbeat no longer riding in group-only batches."""
-    from lm_resiliency.core.messages import Progress
+    heartbeat no longer riding in group-only batches. Tags scoped to the peer group (replicas and
+    ranks doing the same work) reach exactly it."""
+    from lm_resiliency.core.messages import Progress, Vote
 
     net = InMemoryNetwork()
     factory = (lambda: ZmqTransport("127.0.0.1")) if kind == "zmq" else (lambda: InMemoryTransport(net))
-    rts = _start(4, factory, groups=[(0, 1), (2, 3)])
-    seen: dict[int, list[str]] = {r: [] for r in range(4)}
+    rts = _start(6, factory, groups=[(0, 1), (2, 3)], peers=[(0, 1, 2, 3)])
+    seen: dict[int, list[str]] = {r: [] for r in range(6)}
     try:
         for rt in rts:
             rt.scope_to_group("step")
+            rt.scope_to_peers("vote")  # the peer group: (0, 1, 2, 3), never 4 or 5
             rt.add_handler("step", lambda sealed, msg, r=rt.rank: seen[r].append(f"step{msg.rank}"))
+            rt.add_handler("vote", lambda sealed, msg, r=rt.rank: seen[r].append(f"vote{msg.rank}"))
             rt.add_handler("prog", lambda sealed, msg, r=rt.rank: seen[r].append(f"prog{msg.rank}"))
-            assert rt.wait_for(lambda v: len(v.live) == 4, 5.0)
+            assert rt.wait_for(lambda v: len(v.live) == 6, 5.0)
         # A ZeroMQ subscription reaches the publisher a moment after connecting: publish until the
         # replica has one step, then a job-wide marker; no rank may have more than it is owed.
         step = 0
@@ -420,15 +425,22 @@ def test_group_scoped_gossip_reaches_the_replica_group_only(kind: str) -> None:
             assert step < 200, "the replica never got the group's gossip"
             rts[0].submit(StepTelemetry(rank=0, step=step, step_s=0.1))
         for r in (2, 3):
+            while "vote0" not in seen[r]:
+                rts[0].submit(Vote(0, "k", "straggler", (0,), step, "r"))
+                rts[r].wait_for(lambda v, r=r: "vote0" in seen[r], 0.05)
+        for r in (2, 3, 4, 5):
             while "prog0" not in seen[r]:
                 rts[0].submit(Progress(0, step, 0, 0.0, 0.0))
                 rts[r].wait_for(lambda v, r=r: "prog0" in seen[r], 0.05)
-        for r in (2, 3):
+        for r in (2, 3, 4, 5):
             assert "step0" not in seen[r] and rts[r].view().peers[0].telemetry is None
+        for r in (4, 5):
+            assert "vote0" not in seen[r]
         assert "step0" in seen[1] and "step0" in seen[0]  # looped back to its own handlers too
         for rt in rts:
-            assert rt.view().live == frozenset(range(4))
+            assert rt.view().live == frozenset(range(6))
         assert rts[0]._group_topic == rts[1]._group_topic != rts[2]._group_topic
+        assert rts[0]._peer_topic == rts[3]._peer_topic != rts[4]._peer_topic
     finally:
         for rt in rts:
             rt.close()

@@ -8,7 +8,8 @@ datastall: the culprit's data loader blocks for 3 s at AT_STEP; sigstop: the cul
 at AT_STEP, runtime thread and all),
 CULPRIT, AT_STEP, REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
 HB_TIMEOUT (heartbeat timeout, s; default 10), LOADER_S (dataloader_latency_threshold_s; default 10),
-WRAP (ddp | plain: no DDP, this script all-reduces the gradients after backward).
+WRAP (ddp | plain: no DDP, this script all-reduces the gradients after backward | fsdp2: every layer
+sharded with `fully_shard`).
 Faults are injected by this script, never told to SCOUT. Writes RESULT_DIR/rank<r>.json with every
 fault report and the step at which this rank first saw it.
 """
@@ -64,6 +65,12 @@ def main() -> int:
     inner = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 128))
     wrapped = os.environ.get("WRAP", "ddp") == "ddp"
     model: nn.Module = nn.parallel.DistributedDataParallel(inner) if wrapped else inner
+    sharded = os.environ.get("WRAP") == "fsdp2"
+    if sharded:  # every parameter sharded over the 4 ranks: no two ranks hold the same state
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (inner[0], inner[2], inner):
+            fully_shard(layer)
     plain = None
     if scenario == "throughput":  # the same job without lm-resiliency, as the user runs it today
         plain = nn.parallel.DistributedDataParallel(
@@ -101,7 +108,7 @@ def main() -> int:
         interval=1,
         enable_checkpoint=scenario == "sdc",
         fault_callback=on_fault,
-        group=None if wrapped else dist.group.WORLD,  # a plain module's data-parallel peers
+        group=None if wrapped or sharded else dist.group.WORLD,  # a plain module's data-parallel peers
         replay=ReplayHarnessConfig(
             straggler_ratio=1.5,
             straggler_min_ms=20.0,
@@ -192,7 +199,7 @@ def main() -> int:
             loss = (model(x) - x).pow(2).mean()
             opt.zero_grad()
             loss.backward()
-        if not wrapped:  # the caller's own reduction, after backward
+        if not wrapped and not sharded:  # the caller's own reduction, after backward
             for p in inner.parameters():
                 dist.all_reduce(p.grad)
                 p.grad.div_(world)

@@ -57,7 +57,9 @@ def main() -> int:
     fsdp = Block()
     mesh1 = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
     fully_shard(fsdp, mesh=mesh1)
-    out["fsdp2"] = list(PyTorchAdapter(fsdp, None).topology().replica_group)
+    fsdp_topo = PyTorchAdapter(fsdp, None).topology()
+    out["fsdp2"] = list(fsdp_topo.replica_group)
+    out["fsdp2_peers"] = list(fsdp_topo.peer_group)
 
     torch.manual_seed(0)
     hsdp = Block()
@@ -67,13 +69,16 @@ def main() -> int:
     out["hsdp"] = list(topo.replica_group)
     out["hsdp_dims"] = {k: list(v) for k, v in topo.dims.items()}
     out["hsdp_replicated"] = list(topo.replicated_dims)
+    out["hsdp_peers"] = list(topo.peer_group)
 
     torch.manual_seed(0)
     tp = Block()
     mesh3 = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp_shard", "tp"))
     parallelize_module(tp, mesh3["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     fully_shard(tp, mesh=mesh3["dp_shard"])
-    out["fsdp_tp"] = list(PyTorchAdapter(tp, None).topology().replica_group)
+    tp_topo = PyTorchAdapter(tp, None).topology()
+    out["fsdp_tp"] = list(tp_topo.replica_group)
+    out["fsdp_tp_peers"] = list(tp_topo.peer_group)
 
     out["override"] = list(
         PyTorchAdapter(Block(), None, parallelism_info={"replica_group": [rank]}).topology().replica_group
