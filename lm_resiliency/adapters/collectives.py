@@ -17,13 +17,22 @@ function, for our own collectives.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-__all__ = ["TRACKED", "CollectiveTracker", "install", "original", "uninstall"]
+__all__ = [
+    "TRACKED",
+    "CollectiveForbidden",
+    "CollectiveTracker",
+    "forbidden",
+    "install",
+    "original",
+    "uninstall",
+]
 
 # Ops whose first tensor has the same size on every rank of the group (so it is part of what a
 # collective is); the others (all-to-all with uneven splits, gathers into lists) are identified by
@@ -58,6 +67,19 @@ class CollectiveTracker(Protocol):
 _lock = threading.Lock()
 _originals: dict[str, Callable[..., Any]] = {}
 _trackers: list[CollectiveTracker] = []  # attached sessions' adapters; the newest is the active one
+_local = threading.local()  # `forbidden`: why this thread may not issue a collective now
+
+
+@contextlib.contextmanager
+def forbidden(why: str) -> Iterator[None]:
+    """Inside the block, a tracked collective on this thread raises instead of running: an audit
+    replays one rank's work alone, and a collective there would wait for peers that never join."""
+    before = getattr(_local, "why", None)
+    _local.why = why
+    try:
+        yield
+    finally:
+        _local.why = before
 
 
 def original(name: str) -> Callable[..., Any]:
@@ -110,6 +132,9 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
+        why = getattr(_local, "why", None)
+        if why is not None:
+            raise CollectiveForbidden(f"torch.distributed.{name} inside {why}")
         tracker = _trackers[-1] if _trackers else None
         # Inside a graph torch.compile is tracing, the call is torch's own again (no graph break).
         if tracker is None or compiling() or not tracker.in_step():
@@ -125,6 +150,10 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     tracked._lm_resiliency_wraps = fn  # type: ignore[attr-defined]
     return tracked
+
+
+class CollectiveForbidden(RuntimeError):
+    """A collective was called where it would wait for peers that never join (see `forbidden`)."""
 
 
 def _arg(args: tuple[Any, ...], at: int | None, default: Any) -> Any:

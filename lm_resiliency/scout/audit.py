@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from lm_resiliency.adapters import collectives
 from lm_resiliency.scout.fingerprint import fingerprint
 
 __all__ = ["AuditRecorder", "AuditReplay", "dump_package", "load_package", "replay_package"]
@@ -74,6 +75,22 @@ def _rewrap(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return callable(getattr(t, "to_local", None))
+
+
+class _Body(torch.nn.Module):
+    """Calls a module's own `forward`, not the module: none of its hooks run (FSDP2's would
+    all-gather; a replay runs on one rank)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.forward(*args, **kwargs)
+
+
 def _canonical(t: torch.Tensor) -> torch.Tensor:
     # -0.0 + 0.0 == +0.0: a gradient accumulated into a zeroed `.grad` and the same gradient taken
     # fresh differ only in the sign of zeros.
@@ -100,6 +117,9 @@ class AuditRecord:
     contrib: dict[int, torch.Tensor] = field(default_factory=dict)  # parameter index -> contribution
     problem: str = ""
     grads_problem: str = ""  # why this step's gradients cannot be compared (its forward still is)
+    # A sharded unit's parameters as its forward saw them (gathered), by name: what a replay of a
+    # peer's micro-batches of the same step computes with.
+    params: dict[str, torch.Tensor] | None = None
 
 
 class AuditRecorder:
@@ -107,16 +127,25 @@ class AuditRecorder:
 
     `local_grads`: the module's gradients are this rank's own `.grad` as backward accumulated it,
     before whatever reduces them (an expert's replicas, a framework's own all-reduce), taken by
-    post-accumulate hooks. Otherwise they come from the DDP comm hook (`on_contributions`)."""
+    post-accumulate hooks. Otherwise they come from the DDP comm hook (`on_contributions`).
+
+    `gathered`: an FSDP2 unit, whose parameters exist whole only inside its forward (between
+    FSDP2's all-gather and its reshard). The record keeps a copy of them as the forward saw them,
+    taken by our pre-hook, which runs after FSDP2's; only the forward is audited."""
 
     MAX_MICRO_BATCHES = 64
 
     def __init__(
-        self, module: torch.nn.Module, due: Callable[[], int | None], local_grads: bool = False
+        self,
+        module: torch.nn.Module,
+        due: Callable[[], int | None],
+        local_grads: bool = False,
+        gathered: bool = False,
     ) -> None:
         self.module = module
         self._due = due
         self.local_grads = local_grads
+        self.gathered = gathered
         self.params = list(module.parameters())
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.replaying = False
@@ -158,6 +187,14 @@ class AuditRecorder:
             return
         if self._record is None or self._record.step != step:
             self._record = AuditRecord(step)
+            if self.gathered:
+                params = dict(module.named_parameters())
+                if any(_is_dtensor(p) for p in params.values()):
+                    # Still distributed after the gather (tensor parallel inside the unit): its
+                    # forward holds collectives, which a replay on one rank cannot join.
+                    self._record.problem = "tensor-parallel parameters inside the unit"
+                    return
+                self._record.params = {n: p.detach().clone() for n, p in params.items()}
             if self.local_grads and any(p.grad is not None and bool(p.grad.any()) for p in self.params):
                 # `.grad` will hold more than this step's gradients: nothing to compare them with.
                 self._record.grads_problem = "gradients were not zeroed before the step"
@@ -193,6 +230,8 @@ class AuditRecorder:
             return None
         mb = rec.micro[-1]
         mb.out_fp = fingerprint(_tensors(output))
+        if self.gathered:
+            return None  # only the forward is audited
         # The caller gets a view of each output: what reaches a view in backward is exactly what the
         # caller's use of that output sends back (a gradient taken on the output itself would also
         # hold what flows into it from other outputs computed from it, e.g. a loss from the logits).
@@ -380,9 +419,14 @@ def _rng(device: torch.device, cpu_state: torch.Tensor, cuda_state: torch.Tensor
         yield
 
 
-def replay_package(recorder: AuditRecorder, payload: Mapping[str, Any]) -> AuditReplay:
-    """Re-execute a package's micro-batches on the recorder's module with its current parameters."""
+def replay_package(
+    recorder: AuditRecorder, payload: Mapping[str, Any], gathered: Mapping[str, torch.Tensor] | None = None
+) -> AuditReplay:
+    """Re-execute a package's micro-batches on the recorder's module with its current parameters,
+    or, for a gathered unit, with `gathered` (this rank's copy of the same step's parameters)."""
     module, params = recorder.module, recorder.params
+    if recorder.gathered and gathered is None:
+        raise ValueError("no gathered parameters of this step to replay with")
     device = params[0].device if params else torch.device("cpu")
     grad_index: list[int] = list(payload["grad_index"])
     if any(type(i) is not int or not 0 <= i < len(params) for i in grad_index):
@@ -404,8 +448,17 @@ def replay_package(recorder: AuditRecorder, payload: Mapping[str, Any]) -> Audit
                 if m["autocast"]
                 else contextlib.nullcontext()
             )
-            with _rng(device, m["cpu_rng"], m["cuda_rng"]), autocast, torch.enable_grad():
-                out = torch.func.functional_call(module, buffers, tuple(args), dict(kwargs))
+            with (
+                _rng(device, m["cpu_rng"], m["cuda_rng"]),
+                autocast,
+                torch.enable_grad(),
+                collectives.forbidden("an audit replay"),
+            ):
+                if gathered is not None:
+                    state = {f"inner.{n}": t for n, t in {**gathered, **buffers}.items()}
+                    out = torch.func.functional_call(_Body(module), state, tuple(args), dict(kwargs))
+                else:
+                    out = torch.func.functional_call(module, buffers, tuple(args), dict(kwargs))
             outs = _tensors(out)
             out_fps.append(fingerprint(outs).hex())
             if not payload["grads_fp"] or not m["grad_out"]:

@@ -118,6 +118,24 @@ def _dense_units(inner: torch.nn.Module, experts: Iterable[torch.nn.Module]) -> 
     return dict(sorted(out.items()))
 
 
+def _gathered_units(inner: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The FSDP2 units of `inner` with no unit inside them, by name ("" when the whole model is
+    one): between its all-gather and its reshard each runs on whole weights that every rank of the
+    mesh holds alike, with no collective of FSDP2's inside."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return {}
+    units = {n for n, m in inner.named_modules() if isinstance(m, FSDPModule)}
+    out = {}
+    for name in sorted(units):
+        m = inner.get_submodule(name)
+        nested = any(isinstance(c, FSDPModule) for c in m.modules() if c is not m)
+        if not nested and next(m.parameters(), None) is not None:
+            out[name] = m
+    return out
+
+
 def _tri(value: int) -> bool | None:
     return None if value < 0 else bool(value)
 
@@ -239,24 +257,33 @@ class Scout:
         self._audit_scales: dict[str, float | None] = {}
         self._audit_state = "on"  # "off" once no audited module is left (see `_verify_own`)
         self._verified: set[str] = set()  # audited modules whose replay of our own step reproduced it
+        self._gathered: dict[str, dict[str, torch.Tensor]] = {}  # unit -> this audit's gathered weights
         self._audit_inbox: dict[tuple[int, int], bytes] = {}  # (step, sender) -> package
         self._audits: dict[int, dict[int, tuple[int, str, str]]] = {}  # step -> auditor -> result
         self.audit_stats: dict[str, int] = {}  # this rank's audits by finding ("ok", "skipped", ...)
         self._audit_problems: set[str] = set()  # why own steps could not be audited (logged once each)
-        audit = config.enable and config.audit_interval > 0 and len(self.group) > 1
+        # The ranks that audit each other: replicas (they hold the same weights), or for an FSDP2
+        # model every peer (each holds the same gathered weights inside a unit's forward).
+        self._audit_group = self.group
+        audit = config.enable and config.audit_interval > 0 and len(self.peers) > 1
         if audit and opt is not None and isinstance(model, torch.nn.Module):
             ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
             inner: torch.nn.Module = model.module if ddp else model  # type: ignore[assignment]
             params = list(inner.parameters())
             compiled = is_compiled(model)
             experts = _expert_modules(inner, getattr(adapter, "parallelism_info", {}) or {})
+            gathered = {} if compiled or ddp else _gathered_units(inner)
             why = (
                 "no parameters"
                 if not params
                 else "a torch.compile'd model (recording its layers would break its graphs)"
                 if compiled
-                else "DTensor parameters (FSDP2, TP)"
+                else ""
+                if gathered
+                else "DTensor parameters outside FSDP2 units (TP)"
                 if any(callable(getattr(p, "to_local", None)) for p in params)
+                else "no replica holds this rank's weights"
+                if len(self.group) < 2
                 else f"a {type(model).__name__} model (only DDP and plain modules are audited)"
                 if not ddp and hasattr(model, "module")
                 else ""
@@ -273,7 +300,16 @@ class Scout:
                 self._auditors[name] = AuditRecorder(m, due, local_grads=local)
                 self._audit_scales[name] = 1.0 if local else ddp_scale
 
-            if experts and not compiled:
+            if gathered:
+                # Each FSDP2 unit's forward, replayed with the weights the auditor gathered for its
+                # own forward of the same step (the units take turns, as dense units do).
+                self._audit_group = self.peers
+                rounds = min(len(gathered), DENSE_ROUNDS)
+                for i, (name, m) in enumerate(gathered.items()):
+                    due = functools.partial(self._dense_due, i, rounds)
+                    self._auditors[name] = AuditRecorder(m, due, gathered=True)
+                    self._audit_scales[name] = None
+            elif experts and not compiled and len(self.group) > 1:
                 # The whole model's forward holds the experts' all-to-all: not replayable on one
                 # rank. Each expert is (its replicas hold the same weights), and so is each dense
                 # unit (every rank holds the same dense weights), the units taking turns: each audit
@@ -306,8 +342,12 @@ class Scout:
         # alone, phase times and votes by the peer group (its superset): only their members get them
         # (job-wide gossip grows with the job). Progress stays job-wide; hangs are judged among peers
         # (every rank of an FSDP2 mesh waits in the same all-gather).
-        runtime.scope_to_group("evid", "audt", "rply", "link")
+        runtime.scope_to_group("evid", "rply", "link")
         runtime.scope_to_peers("step", "vote")
+        if self._audit_group is self.peers:
+            runtime.scope_to_peers("audt")
+        else:
+            runtime.scope_to_group("audt")
         runtime.add_handler("rply", lambda sealed, msg: self._on_replay_result(msg))
         runtime.add_handler("audt", lambda sealed, msg: self._on_audit_result(msg))
         runtime.add_transfer_listener(self._on_transfer)
@@ -470,8 +510,12 @@ class Scout:
         if step % n:
             return
         live = self.runtime.live()
-        source = audit_source(self.group, self.rank, step, n)
-        target = audit_target(self.group, self.rank, step, n)
+        source = audit_source(self._audit_group, self.rank, step, n)
+        target = audit_target(self._audit_group, self.rank, step, n)
+        # Gathered units: this rank's copy of this step's weights, to replay its peer's work with.
+        self._gathered = {
+            name: r.params for name, r in records.items() if r is not None and r.params is not None
+        }
         own: dict[str, dict[str, Any]] = {}
         problems = []
         for name, record in records.items():
@@ -521,8 +565,11 @@ class Scout:
                 self._replay_lock.wait(left)
             return self._audit_inbox.pop((step, sender), None)
 
+    def _replay_unit(self, name: str, payload: dict[str, Any]) -> Any:
+        return replay_package(self._auditors[name], payload, self._gathered.get(name))
+
     def _own_replays_hold(self, own: dict[str, dict[str, Any]]) -> bool:
-        return all(replay_package(self._auditors[n], p).finding(p) == "ok" for n, p in own.items())
+        return all(self._replay_unit(n, p).finding(p) == "ok" for n, p in own.items())
 
     def _verify_own(self, step: int, own: dict[str, dict[str, Any]]) -> None:
         """A module is audited once a replay of this rank's own step of it reproduced that step
@@ -531,7 +578,7 @@ class Scout:
         when none is left."""
         for name in sorted(set(own) - self._verified):
             try:
-                ok = replay_package(self._auditors[name], own[name]).finding(own[name]) == "ok"
+                ok = self._replay_unit(name, own[name]).finding(own[name]) == "ok"
             except Exception as exc:  # what the module cannot take again: not auditable here
                 log.debug("rank %d: own replay of %r raised %s", self.rank, name, exc)
                 ok = False
@@ -573,16 +620,16 @@ class Scout:
                 return "skipped", f"modules {unknown} are not audited here"
             return "skipped", "own step not recorded or not reproducible, so the replay cannot be verified"
         for name in audited:
-            recorder, payload = self._auditors[name], theirs[name]
+            payload = theirs[name]
             try:
-                first = replay_package(recorder, payload)
+                first = self._replay_unit(name, payload)
             except Exception as exc:  # inputs this model does not take: not evidence against the peer
                 log.warning("rank %d: cannot replay rank %d's step %d: %s", self.rank, target, step, exc)
                 return "skipped", f"cannot replay: {type(exc).__name__}: {exc}"
             finding = first.finding(payload)
             if finding == "ok":
                 continue
-            if replay_package(recorder, payload) != first:
+            if self._replay_unit(name, payload) != first:
                 return "skipped", "two replays differ"
             if not self._own_replays_hold(own):
                 return "skipped", "own replay no longer reproduces this rank's step"
@@ -599,14 +646,16 @@ class Scout:
         return "ok", ""
 
     def _on_audit_result(self, msg: AuditResult) -> None:
-        if msg.rank not in self.group or self.config.audit_interval <= 0:
+        group = self._audit_group
+        if msg.rank not in group or self.config.audit_interval <= 0:
             return
         got = self._audits.setdefault(msg.step, {})
         got[msg.rank] = (msg.audited, msg.finding, msg.detail)
-        if set(got) >= self._live_group():
+        live = self.runtime.live()
+        if set(got) >= {r for r in group if r in live}:
             del self._audits[msg.step]
-            for v in audit_verdicts(msg.step, got, self.group, self.config.audit_interval):
-                self._report(v)
+            for v in audit_verdicts(msg.step, got, group, self.config.audit_interval):
+                self._report(v, among_peers=group is self.peers)
         for old in [s for s in self._audits if s < msg.step - KEEP_STEPS]:
             del self._audits[old]
 
@@ -670,7 +719,7 @@ class Scout:
         kind, _, tail = transfer_id.partition("/")
         if kind not in ("replay", "audit"):
             return False
-        if sender not in self.group:
+        if sender not in (self._audit_group if kind == "audit" else self.group):
             return True  # not ours to judge: dropped
         try:
             step = int(tail)

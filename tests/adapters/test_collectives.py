@@ -118,3 +118,31 @@ def test_a_compiled_graph_calls_torch_collective_without_a_graph_break(group) ->
         assert [s for s, _ in t.seen] == ["all_reduce:3:torch.float32:1"]  # eager: tracked
     finally:
         collectives.uninstall(t)
+
+
+def test_a_collective_where_none_may_run_raises_at_once_and_only_on_that_thread(group) -> None:  # type: ignore[no-untyped-def]
+    """An audit replays one rank's work alone: a collective inside would wait for peers that never
+    join, so it raises instead (the replay fails; the module is not audited), on that thread only."""
+    import threading
+
+    tracker = Tracker()
+    collectives.install(tracker)
+    try:
+        x = torch.ones(2)
+        with collectives.forbidden("an audit replay"):
+            with pytest.raises(collectives.CollectiveForbidden, match=r"all_reduce inside an audit replay"):
+                dist.all_reduce(x)
+            done = threading.Event()
+
+            def elsewhere() -> None:
+                dist.all_reduce(x)  # another thread is not inside the replay
+                done.set()
+
+            t = threading.Thread(target=elsewhere)
+            t.start()
+            t.join(timeout=30)
+            assert done.is_set()
+        dist.all_reduce(x)  # allowed again after the block
+        assert tracker.seen == [] and torch.equal(x, torch.ones(2))
+    finally:
+        collectives.uninstall(tracker)

@@ -219,33 +219,37 @@ def test_b_fsdp2_sharded_state_restores_from_peer_replicas_bitwise(
         assert rep["decision"]["reason"].startswith(want), rep
 
 
-@pytest.mark.parametrize("how", ["corrupt", "truncate", "delete"])
-def test_c_damaged_copy_is_skipped_and_another_used_bitwise(
+def test_c_damaged_copies_are_skipped_and_others_used_bitwise(
     processes,
     tmp_path: Path,
     shm_root: Path,  # type: ignore[no-untyped-def]
     baseline: Path,
-    how: str,
 ) -> None:
-    def damage(run: Path) -> None:
-        slots = sorted((run / "node-0").glob("own-r0-s*"), key=lambda p: p.stat().st_mtime)
-        newest = slots[-1]
-        if how == "corrupt":
-            with open(newest, "r+b") as f:
-                f.seek(4096 + 200)
-                byte = f.read(1)
-                f.seek(4096 + 200)
-                f.write(bytes([byte[0] ^ 0x10]))
-        elif how == "truncate":
-            os.truncate(newest, newest.stat().st_size // 2)
-        else:
-            newest.unlink()
+    """In one run: rank 0's newest local copy has a flipped byte, rank 2's is truncated, rank 3's
+    is gone. Each is detected and skipped (the first two reported), and every rank restores the
+    same step from another copy (its older slot or its peer's replica), bitwise, not from disk."""
 
-    reports = _scenario(processes, tmp_path, shm_root, baseline, damage=damage)
-    if how != "delete":
-        assert reports[0]["rejected_copies"], "the damaged copy was not reported"
-        assert any(f["kind"] == "checkpoint_corruption" for f in reports[0]["faults"])
-    assert not reports[0]["decision"]["reason"].startswith("disk")
+    def damage(run: Path) -> None:
+        for rank, node, how in ((0, "node-0", "corrupt"), (2, "node-1", "truncate"), (3, "node-1", "delete")):
+            slots = sorted((run / node).glob(f"own-r{rank}-s*"), key=lambda p: p.stat().st_mtime)
+            newest = slots[-1]
+            if how == "corrupt":
+                with open(newest, "r+b") as f:
+                    f.seek(4096 + 200)
+                    byte = f.read(1)
+                    f.seek(4096 + 200)
+                    f.write(bytes([byte[0] ^ 0x10]))
+            elif how == "truncate":
+                os.truncate(newest, newest.stat().st_size // 2)
+            else:
+                newest.unlink()
+
+    reports = {rep["rank"]: rep for rep in _scenario(processes, tmp_path, shm_root, baseline, damage=damage)}
+    for r in (0, 2):
+        assert reports[r]["rejected_copies"], f"rank {r}'s damaged copy was not reported"
+        assert any(f["kind"] == "checkpoint_corruption" for f in reports[r]["faults"]), reports[r]
+    for rep in reports.values():
+        assert not rep["decision"]["reason"].startswith("disk"), rep["decision"]
 
 
 def test_d_read_only_disk_keeps_training_and_reports(

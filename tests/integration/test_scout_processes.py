@@ -251,6 +251,24 @@ def test_corruption_before_the_all_reduce_is_found_by_an_audit(
         assert res["audits"].get("skipped", 0) == 0, res["audits"]
 
 
+def test_fsdp2_output_corruption_is_found_by_a_peer_replaying_the_unit(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """FSDP2: no two ranks hold the same shards, so fingerprints have nothing to compare, but every
+    rank gathers the same weights for a unit's forward. A peer replays the culprit's micro-batch
+    of one unit with its own copy of the gathered weights (the units take turns: layer 2 at odd
+    steps) and finds the corrupted output; a clean audit of every step accuses nobody."""
+    for sub in ("sdc", "clean"):
+        (tmp_path / sub).mkdir()
+    results, _ = _run(processes, tmp_path / "sdc", "output", steps=8, culprit=2, at=5, audit=1, wrap="fsdp2")
+    for res in results:
+        assert [(f["kind"], f["failed_ranks"], f["reason"], f["steps"]) for f in res["faults"]] == [
+            ("sdc", [2], "forward_replay_mismatch", [5])
+        ], res["faults"]
+        assert res["audits"].get("skipped", 0) == 0, res["audits"]
+    results, _ = _run(processes, tmp_path / "clean", "clean", steps=20, audit=1, wrap="fsdp2")
+    for res in results:
+        assert res["faults"] == [] and res["audits"] == {"ok": 20}, (res["faults"], res["audits"])
+
+
 def test_two_replicas_that_accuse_each_other_stay_ambiguous(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A device that corrupts its replay of the peer's work exactly as it corrupted its own: each
     replica's audit accuses the other, and two cannot tell which is right."""
