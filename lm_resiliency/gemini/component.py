@@ -37,7 +37,7 @@ from lm_resiliency.core.gemini.placement import replica_holders
 from lm_resiliency.core.gemini.recovery import RecoveryPlan, plan_recovery
 from lm_resiliency.core.messages import GeminiInventory, ReplicaRequest
 from lm_resiliency.core.topology import Topology
-from lm_resiliency.errors import ConfigError, DiscoveryError
+from lm_resiliency.errors import DiscoveryError
 from lm_resiliency.gemini.copier import Completion, Copier, copier_for
 from lm_resiliency.gemini.durable import DurableError, DurableStore
 from lm_resiliency.gemini.state import (
@@ -959,15 +959,24 @@ class Gemini:
 
         pid = owner_pid(self.dir / f".owner-r{self.rank}")
         if pid > 0 and pid != os.getpid() and pid_alive(pid):
-            # A worker of an earlier generation is gone by now; a live one is another job that
-            # runs under the same run id on this node, and the two would overwrite each other's
-            # copies (torchrun's default run id is "none" for every job).
-            raise ConfigError(
-                "run_id",
-                f"another live process (pid {pid}) holds rank {self.rank}'s in-memory checkpoints of run "
-                f"{self.run_id!r} on this node ({self.dir}); give each concurrent job its own run id "
-                "(torchrun --rdzv-id, LM_RESILIENCY_RUN_ID or InMemoryCkptConfig.run_id)",
+            # A worker of an earlier generation is gone by now; a live one is another job that runs
+            # under the same run id on this node (torchrun's default run id is "none" for every
+            # job), and the two would overwrite each other's copies. This job keeps its copies in a
+            # folder of its own: it trains and checkpoints on, but a restart of it cannot find them
+            # (peer replicas and disk still serve it).
+            private = self.dir.parent.with_name(f"{self.dir.parent.name}.pid{os.getpid()}") / self.dir.name
+            log.warning(
+                "rank %d: another live process (pid %d) holds this rank's in-memory checkpoints of run %r "
+                "on this node; this job keeps its own in %s, which a restart will not find. Give each "
+                "concurrent job its own run id (torchrun --rdzv-id, LM_RESILIENCY_RUN_ID or "
+                "InMemoryCkptConfig.run_id)",
+                self.rank,
+                pid,
+                self.run_id,
+                private,
             )
+            self.dir = private
+            self._own = [SlotFile(self.dir / f"own-r{self.rank}-s{k}") for k in (0, 1)]
         write_owner(self.dir, self.rank)
         for u in reclaim_stale_runs(self.dir.parent.parent, stale_after_s, keep_run=self.dir.parent.name):
             log.info(

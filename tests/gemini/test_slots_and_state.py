@@ -378,34 +378,44 @@ def test_shm_usage_tolerates_files_vanishing_while_it_looks(tmp_path: Path) -> N
         t.join(timeout=10)
 
 
-def test_a_second_live_job_with_the_same_run_id_is_refused(tmp_path: Path) -> None:
+def test_a_second_live_job_with_the_same_run_id_keeps_its_copies_apart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Two jobs on one node under one run id (torchrun's default "none") would overwrite each other's
-    in-memory copies: the second is refused with the key to change; a dead owner (an earlier
-    generation) is not in the way, and a closed session gives its claim up."""
+    in-memory copies: the second keeps its own in a folder of its own, with a warning naming the
+    fix, and captures there; the live job's files are untouched. A dead owner (the worker an earlier
+    generation lost) is not in the way, and a closed session gives its claim up."""
     import subprocess
     import sys
 
-    from lm_resiliency.errors import ConfigError
-
     other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    owner = tmp_path / "r" / "n" / ".owner-r0"
     try:
-        owner = tmp_path / "r" / "n" / ".owner-r0"
         owner.parent.mkdir(parents=True)
         owner.write_text(str(other.pid))
-        gem = _lone_gemini(tmp_path, torch.nn.Linear(2, 2), None)
+        (owner.parent / "own-r0-s0").write_bytes(b"the live job's copy")
+        model = torch.nn.Linear(2, 2)
+        gem = _lone_gemini(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1))
         try:
-            with pytest.raises(ConfigError, match=rf"run_id: another live process \(pid {other.pid}\)"):
+            with caplog.at_level("WARNING"):
                 gem.claim()
+            assert f"another live process (pid {other.pid})" in caplog.text and "--rdzv-id" in caplog.text
+            assert gem.dir == tmp_path / f"r.pid{os.getpid()}" / "n"
+            gem.prepare()
+            model(torch.ones(1, 2)).sum().backward()
+            assert gem.capture(1) and gem.drain(10)
+            assert sorted(p.name for p in gem.dir.glob("own-r0-s*"))
         finally:
             gem.close()
-        assert owner.read_text() == str(other.pid)  # the live job's claim is untouched
+        assert owner.read_text() == str(other.pid)  # the live job's claim and copy are untouched
+        assert (owner.parent / "own-r0-s0").read_bytes() == b"the live job's copy"
     finally:
         other.stdin.close()  # type: ignore[union-attr]
         other.wait(timeout=30)
     gem = _lone_gemini(tmp_path, torch.nn.Linear(2, 2), None)
     try:
         gem.claim()  # its owner is gone now
-        assert owner.read_text() == str(os.getpid())
+        assert gem.dir == owner.parent and owner.read_text() == str(os.getpid())
     finally:
         gem.close()
     assert not owner.exists()
