@@ -66,6 +66,21 @@ def test_input_straggler_and_streak_broken_by_a_normal_step() -> None:
     assert v.straggler_type == "input" and v.ranks == (1,)
 
 
+def test_waiting_for_two_stragglers_is_not_a_communication_straggler() -> None:
+    """Rank 2 computes slowly and rank 3 reads slowly: ranks 0 and 1 wait for both (their waits
+    differ by chance), but waiting is explained by the stragglers; only those two are named. A
+    communication outlier with nobody else slow is still named."""
+    d = StragglerDetector(ratio=1.5, min_s=0.02, confirmations=2)
+    both = {0: pt(m=0.20), 1: pt(m=0.12), 2: pt(c=0.3, m=0.05), 3: pt(i=0.1, m=0.06)}
+    assert d.observe(1, both) == []
+    got = sorted((v.ranks, v.straggler_type) for v in d.observe(2, both))
+    assert got == [((2,), "compute"), ((3,), "input")]
+    d = StragglerDetector(ratio=1.5, min_s=0.02, confirmations=2)
+    link = {0: pt(m=0.2), 1: pt(), 2: pt(), 3: pt()}
+    assert d.observe(1, link) == []
+    assert [(v.ranks, v.straggler_type) for v in d.observe(2, link)] == [((0,), "communication")]
+
+
 def test_jitter_alone_is_never_a_straggler() -> None:
     rng = random.Random(3)
     d = StragglerDetector(ratio=1.5, min_s=0.02, confirmations=3)

@@ -120,6 +120,11 @@ class StragglerDetector:
                 value = t.get(phase)
                 if value > self.ratio * base and value - base > self.min_s:
                     slow_now.add((r, phase))
+        if any(phase != "communication" for _, phase in slow_now):
+            # Waiting in a collective is a symptom of whoever arrives late: with a compute or input
+            # straggler in the step, a rank that waited longer than its peers (for two stragglers
+            # instead of one) is explained by them, not slow itself.
+            slow_now = {(r, phase) for r, phase in slow_now if phase != "communication"}
         for key in list(self._streak):
             if key not in slow_now:
                 del self._streak[key]

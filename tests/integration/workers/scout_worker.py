@@ -7,7 +7,8 @@ oom: the culprit's allocation of 16 TiB fails at AT_STEP and the exception goes 
 datastall: the culprit's data loader blocks for 3 s at AT_STEP; sigstop: the culprit SIGSTOPs itself
 at AT_STEP, runtime thread and all),
 CULPRIT, AT_STEP, REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
-HB_TIMEOUT (heartbeat timeout, s; default 10), LOADER_S (dataloader_latency_threshold_s; default 10),
+SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
+default 10), LOADER_S (dataloader_latency_threshold_s; default 10),
 WRAP (ddp | plain: no DDP, this script all-reduces the gradients after backward | fsdp2: every layer
 sharded with `fully_shard`).
 Faults are injected by this script, never told to SCOUT. Writes RESULT_DIR/rank<r>.json with every
@@ -177,7 +178,10 @@ def main() -> int:
     jitter = random.Random(rank)
     accumulate = int(os.environ.get("ACCUM", "1"))
     stall_at = at if scenario == "datastall" and rank == culprit else -1
-    loader = session.instrument_dataloader(Source(rank, scenario == "input" and rank == culprit, stall_at))
+    slow_loader = (scenario == "input" and rank == culprit) or rank == int(
+        os.environ.get("SLOW_LOADER", "-1")
+    )
+    loader = session.instrument_dataloader(Source(rank, slow_loader, stall_at))
     for step, x in zip(range(1, steps + 1), loader, strict=False):
         current["step"] = step
         if scenario == "hang" and rank == culprit and step == at:
