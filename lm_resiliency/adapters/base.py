@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["AdapterTopology", "FrameworkAdapter", "StepTimes"]
+__all__ = ["AdapterTopology", "FrameworkAdapter", "StepTimes", "is_dtensor"]
 
 
 @dataclass(frozen=True)
@@ -79,3 +79,8 @@ def is_compiled(module: Any) -> bool:
             return True
         module, seen = getattr(module, "__dict__", {}).get("_modules", {}).get("module"), seen + 1
     return False
+
+
+def is_dtensor(t: object) -> bool:
+    """True for a DTensor (FSDP2, TP, HSDP): it has a local shard (`to_local`)."""
+    return callable(getattr(t, "to_local", None))

@@ -28,6 +28,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lm_resiliency.adapters import collectives
+from lm_resiliency.adapters.base import is_dtensor
 from lm_resiliency.scout.fingerprint import fingerprint
 
 __all__ = ["AuditRecorder", "AuditReplay", "dump_package", "load_package", "replay_package"]
@@ -73,10 +74,6 @@ def _rewrap(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         except Exception as exc:
             raise _Unwrappable(type(obj).__name__) from exc
     return obj
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return callable(getattr(t, "to_local", None))
 
 
 class _Body(torch.nn.Module):
@@ -189,7 +186,7 @@ class AuditRecorder:
             self._record = AuditRecord(step)
             if self.gathered:
                 params = dict(module.named_parameters())
-                if any(_is_dtensor(p) for p in params.values()):
+                if any(is_dtensor(p) for p in params.values()):
                     # Still distributed after the gather (tensor parallel inside the unit): its
                     # forward holds collectives, which a replay on one rank cannot join.
                     self._record.problem = "tensor-parallel parameters inside the unit"

@@ -26,7 +26,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from lm_resiliency.adapters.base import is_compiled
+from lm_resiliency.adapters.base import is_compiled, is_dtensor
 from lm_resiliency.adapters.canonical import ddp_parameters
 from lm_resiliency.config import ReplayHarnessConfig, SCOUTFaultReport
 from lm_resiliency.core.messages import (
@@ -82,7 +82,7 @@ def _builtin_only(module: torch.nn.Module) -> bool:
     return all(
         type(m).__module__.startswith("torch.nn.modules.")
         and not isinstance(m, torch.nn.SyncBatchNorm)
-        and not any(callable(getattr(p, "to_local", None)) for p in m.parameters(recurse=False))
+        and not any(is_dtensor(p) for p in m.parameters(recurse=False))
         for m in module.modules()
     )
 
@@ -281,7 +281,7 @@ class Scout:
                 else ""
                 if gathered
                 else "DTensor parameters outside FSDP2 units (TP)"
-                if any(callable(getattr(p, "to_local", None)) for p in params)
+                if any(is_dtensor(p) for p in params)
                 else "no replica holds this rank's weights"
                 if len(self.group) < 2
                 else f"a {type(model).__name__} model (only DDP and plain modules are audited)"
@@ -451,13 +451,15 @@ class Scout:
         for old in [s for s in self._evidence if s < ev.step - KEEP_STEPS]:
             del self._evidence[old]
 
-    def _live_group(self) -> set[int]:
+    def _live_of(self, group: tuple[int, ...]) -> set[int]:
         live = self.runtime.live()
-        return {r for r in self.group if r in live}
+        return {r for r in group if r in live}
+
+    def _live_group(self) -> set[int]:
+        return self._live_of(self.group)
 
     def _live_peers(self) -> set[int]:
-        live = self.runtime.live()
-        return {r for r in self.peers if r in live}
+        return self._live_of(self.peers)
 
     def _judge_fingerprints(self, step: int, per_step: dict[int, Evidence]) -> None:
         verdict = fingerprint_verdict(step, "grads", {r: e.grads for r, e in per_step.items()})
@@ -651,8 +653,7 @@ class Scout:
             return
         got = self._audits.setdefault(msg.step, {})
         got[msg.rank] = (msg.audited, msg.finding, msg.detail)
-        live = self.runtime.live()
-        if set(got) >= {r for r in group if r in live}:
+        if set(got) >= self._live_of(group):
             del self._audits[msg.step]
             for v in audit_verdicts(msg.step, got, group, self.config.audit_interval):
                 self._report(v, among_peers=group is self.peers)

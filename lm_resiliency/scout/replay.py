@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from lm_resiliency.adapters.base import is_dtensor
 from lm_resiliency.scout.fingerprint import fingerprint
 
 __all__ = ["ReplayRecord", "ReplayRecorder", "pack_contributions", "replay_grads", "replay_params"]
@@ -52,10 +53,6 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 
 def _host_tree(obj: Any) -> Any:
     return tree_map(lambda v: _host(v) if isinstance(v, torch.Tensor) else v, obj)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return callable(getattr(t, "to_local", None))
 
 
 class ReplayRecorder:
@@ -96,7 +93,7 @@ class ReplayRecorder:
         where = {id(p): i for i, p in enumerate(mparams)}
         oparams = [p for g in opt.param_groups for p in g["params"]]
         problem = ""
-        if any(_is_dtensor(p) for p in mparams):
+        if any(is_dtensor(p) for p in mparams):
             problem = "DTensor parameters are not replayed"
         elif any(id(p) not in where for p in oparams):
             problem = "the optimizer holds parameters that are not the model's"
