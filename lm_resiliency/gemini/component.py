@@ -40,6 +40,7 @@ from lm_resiliency.core.topology import Topology
 from lm_resiliency.errors import DiscoveryError
 from lm_resiliency.gemini.copier import Completion, Copier, copier_for
 from lm_resiliency.gemini.durable import DurableError, DurableStore
+from lm_resiliency.gemini.hygiene import owner_pid, reclaim_stale_runs, write_owner
 from lm_resiliency.gemini.state import (
     TensorSpec,
     apply_state,
@@ -152,7 +153,7 @@ class Gemini:
         self._on_disk: set[int] = set()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._own = [SlotFile(self.dir / f"own-r{rank}-s{k}") for k in (0, 1)]
+        self._own = self._own_slots()
         self._own_step: dict[int, int] = {}  # slot index -> committed step
         # Steps whose own slot carried a SCOUT certificate when this worker started (a restart).
         self.carried_certificates: set[int] = set()
@@ -948,15 +949,11 @@ class Gemini:
             for slot in slots:
                 slot.close()
         owner = self.dir / f".owner-r{self.rank}"
-        from lm_resiliency.gemini.hygiene import owner_pid
-
         if owner_pid(owner) == os.getpid():  # the copies stay for a restart; the claim ends here
             owner.unlink(missing_ok=True)
 
     def claim(self, stale_after_s: float = 3600.0) -> None:
         """Record this process as an owner of the node directory; reclaim runs that are over."""
-        from lm_resiliency.gemini.hygiene import owner_pid, reclaim_stale_runs, write_owner
-
         pid = owner_pid(self.dir / f".owner-r{self.rank}")
         if pid > 0 and pid != os.getpid() and pid_alive(pid):
             # A worker of an earlier generation is gone by now; a live one is another job that runs
@@ -976,12 +973,16 @@ class Gemini:
                 private,
             )
             self.dir = private
-            self._own = [SlotFile(self.dir / f"own-r{self.rank}-s{k}") for k in (0, 1)]
+            self._own = self._own_slots()
         write_owner(self.dir, self.rank)
         for u in reclaim_stale_runs(self.dir.parent.parent, stale_after_s, keep_run=self.dir.parent.name):
             log.info(
                 "reclaimed %d bytes of stale run %s (node %s, idle %.0fs)", u.bytes, u.run, u.node, u.idle_s
             )
+
+    def _own_slots(self) -> list[SlotFile]:
+        """This rank's two (double-buffered) capture slots in the node directory."""
+        return [SlotFile(self.dir / f"own-r{self.rank}-s{k}") for k in (0, 1)]
 
     def reclaim(self) -> None:
         """Delete this node's slots of this run (a fresh run must not find an old one's state)."""
