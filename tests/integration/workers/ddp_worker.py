@@ -91,10 +91,24 @@ def main() -> int:
         "nodes": list(session.topology.nodes()),
         "final_param_sum": float(sum(p.double().sum() for p in model.parameters())),
     }
+
+    def write_result() -> None:
+        tmp = os.path.join(result_dir, f"rank{rank}.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, os.path.join(result_dir, f"rank{rank}.json"))
+
     tcp_router = next(e for e in session.runtime.announcement.router if e.startswith("tcp://"))
     store.set(f"test/router/{rank}", tcp_router.encode())
+    if kill_rank >= 0 and rank == kill_rank:
+        # The test kills this rank as soon as it signals: its result is on disk before that.
+        result["faults"] = faults
+        write_result()
+        store.set(f"test/trained/{rank}", b"1")
+        store.wait([f"test/killed/{kill_rank}"], datetime.timedelta(seconds=60))  # killed while waiting
+        return 3
     store.set(f"test/trained/{rank}", b"1")
-    if kill_rank >= 0 and rank != kill_rank:
+    if kill_rank >= 0:
         # Wait for the test to mark the rank as killed, then for our runtime to notice.
         store.wait([f"test/killed/{kill_rank}"], datetime.timedelta(seconds=60))
         noticed = session.wait_for(lambda v: kill_rank not in v.live, timeout=timeout_s * 5 + 5)
@@ -104,12 +118,7 @@ def main() -> int:
         result["forged_rejected"] = session.cluster_view().stats["rejected_auth"]
         result["live_after"] = sorted(session.cluster_view().live)
     result["faults"] = faults
-    with open(os.path.join(result_dir, f"rank{rank}.json.tmp"), "w") as f:
-        json.dump(result, f)
-    os.replace(os.path.join(result_dir, f"rank{rank}.json.tmp"), os.path.join(result_dir, f"rank{rank}.json"))
-    if kill_rank >= 0 and rank == kill_rank:
-        store.wait([f"test/killed/{kill_rank}"], datetime.timedelta(seconds=60))  # killed while waiting
-        return 3
+    write_result()
     if kill_rank >= 0:
         # A survivor that closes sends a genuine goodbye: wait until every survivor has recorded
         # what it saw, so none records a peer that left on purpose as gone.
