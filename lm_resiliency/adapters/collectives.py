@@ -10,6 +10,11 @@ gradients enabled to its optimizer step) are tracked: every rank issues those in
 while what a script does between steps (an evaluation, rank 0's save, a final barrier) may
 legitimately keep its peers waiting.
 
+Tensor parallelism (DTensor's redistributions, `parallelize_module`'s plans) issues *functional*
+collectives (`torch.distributed._functional_collectives`): the call enqueues the collective and
+returns at once, and the rank blocks later in `wait_tensor` (when the result is first used). Both
+are wrapped: the call is an entered collective, the wait is time spent waiting in one.
+
 Calls that bypass the `torch.distributed` attribute (`from torch.distributed import all_reduce`
 before the session started, torch's internal calls) are not seen. `original(name)` is the unwrapped
 function, for our own collectives.
@@ -58,14 +63,43 @@ TRACKED = (
 )
 
 
+# Functional collectives (tensor parallelism): a call enqueues one and returns, `wait_tensor` blocks.
+# Some call others (`all_gather_tensor` is `all_gather_single`): only the outermost call counts.
+_FUNCOL_SIZED = (
+    "broadcast",
+    "all_reduce",
+    "all_gather_single",
+    "all_gather_single_autograd",
+    "all_gather_tensor",
+    "all_gather_tensor_autograd",
+    "reduce_scatter_single",
+    "reduce_scatter_single_autograd",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_autograd",
+)
+FUNCOL_TRACKED = (
+    *_FUNCOL_SIZED,
+    "all_reduce_coalesced",
+    "all_gather_single_coalesced",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "all_to_all_single",
+    "all_to_all_single_autograd",
+    "permute_tensor",
+)
+
+
 class CollectiveTracker(Protocol):
     def in_step(self) -> bool: ...
     def enter_collective(self, signature: str, waits: bool) -> None: ...
+    def wait_collective(self) -> None: ...  # blocks in one entered before (ended by exit_collective)
     def exit_collective(self) -> None: ...
 
 
 _lock = threading.Lock()
 _originals: dict[str, Callable[..., Any]] = {}
+_funcol_originals: dict[str, Callable[..., Any]] = {}
 _trackers: list[CollectiveTracker] = []  # attached sessions' adapters; the newest is the active one
 _local = threading.local()  # `forbidden`: why this thread may not issue a collective now
 
@@ -102,6 +136,13 @@ def install(tracker: CollectiveTracker) -> None:
                     continue
                 _originals[name] = fn
                 setattr(dist, name, _wrap(name, fn))
+            funcol = _funcol_module()
+            for name in (*FUNCOL_TRACKED, "wait_tensor") if funcol is not None else ():
+                fn = getattr(funcol, name, None)
+                if fn is None or getattr(fn, "_lm_resiliency_wraps", None) is not None:
+                    continue
+                _funcol_originals[name] = fn
+                setattr(funcol, name, _wrap_wait(fn) if name == "wait_tensor" else _wrap_funcol(name, fn))
         _trackers.append(tracker)
 
 
@@ -114,10 +155,19 @@ def uninstall(tracker: CollectiveTracker) -> None:
             _trackers.remove(tracker)
         if _trackers:
             return
-        for name, fn in _originals.items():
-            if getattr(getattr(dist, name, None), "_lm_resiliency_wraps", None) is fn:
-                setattr(dist, name, fn)  # never clobber what someone else put there since
-        _originals.clear()
+        for module, originals in ((dist, _originals), (_funcol_module(), _funcol_originals)):
+            for name, fn in originals.items():
+                if getattr(getattr(module, name, None), "_lm_resiliency_wraps", None) is fn:
+                    setattr(module, name, fn)  # never clobber what someone else put there since
+            originals.clear()
+
+
+def _funcol_module() -> Any:
+    try:
+        import torch.distributed._functional_collectives as funcol
+    except ImportError:  # a torch without them (or without distributed support)
+        return None
+    return funcol
 
 
 def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -126,18 +176,10 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     async_at = params.index("async_op") if "async_op" in params else None
     sized = name in _SIZED
 
-    import torch
-
-    compiling = torch.compiler.is_compiling
-
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
-        why = getattr(_local, "why", None)
-        if why is not None:
-            raise CollectiveForbidden(f"torch.distributed.{name} inside {why}")
-        tracker = _trackers[-1] if _trackers else None
-        # Inside a graph torch.compile is tracing, the call is torch's own again (no graph break).
-        if tracker is None or compiling() or not tracker.in_step():
+        tracker = _tracking(f"torch.distributed.{name}")
+        if tracker is None:
             return fn(*args, **kwargs)
         group = kwargs.get("group", _arg(args, group_at, None))
         waits = not kwargs.get("async_op", _arg(args, async_at, False))
@@ -150,6 +192,90 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     tracked._lm_resiliency_wraps = fn  # type: ignore[attr-defined]
     return tracked
+
+
+def _tracking(what: str) -> CollectiveTracker | None:
+    """The tracker to tell about a collective now, or None (raises where collectives are forbidden)."""
+    import torch
+
+    why = getattr(_local, "why", None)
+    if why is not None:
+        raise CollectiveForbidden(f"{what} inside {why}")
+    tracker = _trackers[-1] if _trackers else None
+    # Inside a graph torch.compile is tracing, the call is torch's own again (no graph break).
+    if tracker is None or torch.compiler.is_compiling() or not tracker.in_step():
+        return None
+    return tracker
+
+
+def _wrap_funcol(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    params = list(inspect.signature(fn).parameters)
+    group_at = params.index("group") if "group" in params else None
+    sized = name in _FUNCOL_SIZED
+
+    @functools.wraps(fn)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_local, "funcol", False):  # called by another functional collective we track
+            return fn(*args, **kwargs)
+        tracker = _tracking(f"torch.distributed._functional_collectives.{name}")
+        if tracker is None:
+            return fn(*args, **kwargs)
+        group = kwargs.get("group", _arg(args, group_at, None))
+        tracker.enter_collective(_funcol_signature(name, args, group, sized), waits=False)
+        _local.funcol = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _local.funcol = False
+
+    tracked._lm_resiliency_wraps = fn  # type: ignore[attr-defined]
+    return tracked
+
+
+def _wrap_wait(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        tracker = _tracking("wait_tensor")
+        if tracker is None:
+            return fn(*args, **kwargs)
+        tracker.wait_collective()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            tracker.exit_collective()
+
+    tracked._lm_resiliency_wraps = fn  # type: ignore[attr-defined]
+    return tracked
+
+
+def _funcol_signature(name: str, args: tuple[Any, ...], group: Any, sized: bool) -> str:
+    import torch
+
+    size = _funcol_group_size(group)
+    first = args[0] if args else None
+    if sized and isinstance(first, torch.Tensor):
+        return f"{name}:{first.numel()}:{first.dtype}:{size}"
+    return f"{name}:{size}"
+
+
+def _funcol_group_size(group: Any) -> int:
+    """The size of a functional collective's group: a process group, a device mesh, (mesh, dim), a
+    list of ranks or a group name (-1 when it does not resolve: the call itself will say why)."""
+    import torch.distributed as dist
+
+    try:
+        if isinstance(group, dist.ProcessGroup):
+            return int(group.size())
+        if isinstance(group, tuple) and len(group) == 2:
+            mesh, dim = group
+            return int(mesh.size(dim))
+        if isinstance(group, list):
+            return len(group) if all(isinstance(r, int) for r in group) else sum(len(g) for g in group)
+        if isinstance(group, str):
+            return int(dist.distributed_c10d._get_group_size_by_name(group))  # type: ignore[arg-type]
+        return int(group.size())  # a DeviceMesh: all of it
+    except Exception:
+        return -1
 
 
 class CollectiveForbidden(RuntimeError):

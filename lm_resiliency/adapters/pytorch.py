@@ -174,12 +174,15 @@ class PyTorchAdapter:
         count, chain = self.collective_state
         self.collective_state = (count + 1, xxhash.xxh3_64_digest(chain + signature.encode()))
         if waits:
-            self.outstanding += 1
-            if self.in_collective_since is None:
-                self.in_collective_since = time.monotonic()
-            self._blocking += 1
-            if self._blocking == 1:
-                self._blocked_since = time.perf_counter()
+            self.wait_collective()
+
+    def wait_collective(self) -> None:
+        self.outstanding += 1
+        if self.in_collective_since is None:
+            self.in_collective_since = time.monotonic()
+        self._blocking += 1
+        if self._blocking == 1:
+            self._blocked_since = time.perf_counter()
 
     def exit_collective(self) -> None:
         self._blocking -= 1

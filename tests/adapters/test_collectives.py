@@ -25,6 +25,10 @@ class Tracker:
         self.seen.append((signature, waits))
         self.open += waits
 
+    def wait_collective(self) -> None:
+        self.seen.append(("wait", True))
+        self.open += 1
+
     def exit_collective(self) -> None:
         self.open -= 1
 
@@ -146,3 +150,35 @@ def test_a_collective_where_none_may_run_raises_at_once_and_only_on_that_thread(
         assert tracker.seen == [] and torch.equal(x, torch.ones(2))
     finally:
         collectives.uninstall(tracker)
+
+
+def test_functional_collectives_are_entered_when_called_and_waited_in_when_used(group) -> None:  # type: ignore[no-untyped-def]
+    """Tensor parallelism's collectives: the call enqueues (an entered collective), the first use of
+    the result blocks in `wait_tensor` (waiting in it); one that calls another counts once."""
+    import torch.distributed._functional_collectives as funcol
+
+    torch_wait = funcol.wait_tensor
+    t = Tracker()
+    collectives.install(t)
+    try:
+        x = torch.arange(6.0)
+        assert funcol.all_reduce(x, "sum", dist.group.WORLD).tolist() == x.tolist()  # between steps
+        assert t.seen == []
+        t.stepping = True
+        y = funcol.all_reduce(x, "sum", dist.group.WORLD)
+        assert t.seen == [("all_reduce:6:torch.float32:1", False)]  # enqueued, not waited for yet
+        assert (y + 1).tolist() == (x + 1).tolist()  # first use: the wait
+        g = funcol.all_gather_single_autograd(torch.ones(2, 3), 0, dist.group.WORLD)  # calls another
+        assert g.sum().item() == 6.0
+        assert t.seen == [
+            ("all_reduce:6:torch.float32:1", False),
+            ("wait", True),
+            ("all_gather_single_autograd:6:torch.float32:1", False),
+            ("wait", True),
+        ]
+        assert t.open == 0
+        with collectives.forbidden("a replay"), pytest.raises(collectives.CollectiveForbidden):
+            funcol.all_reduce(x, "sum", dist.group.WORLD)
+    finally:
+        collectives.uninstall(t)
+    assert funcol.wait_tensor is torch_wait and not hasattr(funcol.all_reduce, "_lm_resiliency_wraps")

@@ -136,12 +136,13 @@ def test_fsdp2_stragglers_are_named_among_the_mesh_peers(processes, tmp_path: Pa
         assert {f["kind"] for f in res["faults"]} == {"straggler"}, res["faults"]
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "plain", "fsdp2"])
+@pytest.mark.parametrize("wrap", ["ddp", "plain", "fsdp2", "tp"])
 def test_rank_that_never_enters_a_collective_is_named_before_gloo_times_out(
     processes, tmp_path: Path, wrap: str
 ) -> None:  # type: ignore[no-untyped-def]
     """Under DDP the peers wait in its all-reduce (our comm hook); without DDP, in the script's own
-    `dist.all_reduce` of the gradients (seen through the wrapped torch.distributed functions)."""
+    `dist.all_reduce` of the gradients (seen through the wrapped torch.distributed functions); under
+    FSDP2 in its all-gather; under tensor parallelism in the row-wise layer's functional all-reduce."""
     results, store = _run(processes, tmp_path, "hang", steps=50, culprit=0, at=8, wait_all=False, wrap=wrap)
     stalled_at = float(store.get("test/stalled_at"))
     for res in results:

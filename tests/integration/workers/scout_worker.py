@@ -10,7 +10,8 @@ CULPRIT, AT_STEP, REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batc
 SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
 default 10), LOADER_S (dataloader_latency_threshold_s; default 10),
 WRAP (ddp | plain: no DDP, this script all-reduces the gradients after backward | fsdp2: every layer
-sharded with `fully_shard`).
+sharded with `fully_shard` | tp: tensor parallel over the 4 ranks, column- then row-wise, every rank
+fed the same batch).
 Faults are injected by this script, never told to SCOUT. Writes RESULT_DIR/rank<r>.json with every
 fault report and the step at which this rank first saw it.
 """
@@ -72,6 +73,13 @@ def main() -> int:
 
         for layer in (inner[0], inner[2], inner):
             fully_shard(layer)
+    tensor_parallel = os.environ.get("WRAP") == "tp"
+    if tensor_parallel:  # DTensor's functional collectives: the row-wise layer's output all-reduce
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world,))
+        parallelize_module(inner, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     plain = None
     if scenario == "throughput":  # the same job without lm-resiliency, as the user runs it today
         plain = nn.parallel.DistributedDataParallel(
@@ -109,7 +117,8 @@ def main() -> int:
         interval=1,
         enable_checkpoint=scenario == "sdc",
         fault_callback=on_fault,
-        group=None if wrapped or sharded else dist.group.WORLD,  # a plain module's data-parallel peers
+        # A plain module's data-parallel peers are named; the others' come from DDP or the mesh.
+        group=None if wrapped or sharded or tensor_parallel else dist.group.WORLD,
         replay=ReplayHarnessConfig(
             straggler_ratio=1.5,
             straggler_min_ms=20.0,
@@ -181,7 +190,7 @@ def main() -> int:
     slow_loader = (scenario == "input" and rank == culprit) or rank == int(
         os.environ.get("SLOW_LOADER", "-1")
     )
-    loader = session.instrument_dataloader(Source(rank, slow_loader, stall_at))
+    loader = session.instrument_dataloader(Source(0 if tensor_parallel else rank, slow_loader, stall_at))
     for step, x in zip(range(1, steps + 1), loader, strict=False):
         current["step"] = step
         if scenario == "hang" and rank == culprit and step == at:
@@ -203,7 +212,7 @@ def main() -> int:
             loss = (model(x) - x).pow(2).mean()
             opt.zero_grad()
             loss.backward()
-        if not wrapped and not sharded:  # the caller's own reduction, after backward
+        if not wrapped and not sharded and not tensor_parallel:  # the caller's own reduction
             for p in inner.parameters():
                 dist.all_reduce(p.grad)
                 p.grad.div_(world)
