@@ -891,7 +891,9 @@ class Session:
 
 
 class _TimedLoader:
-    """A proxy that times `next()` on the wrapped loader's iterators; everything else passes through."""
+    """A proxy that times `next()` on the wrapped loader's iterators, or on the wrapped iterator itself
+    (Megatron-style loops pass `data_iterator` around and call `next()` on it); everything else
+    passes through."""
 
     def __init__(
         self, loader: Any, name: str, sink: Callable[[float], None], mark: Callable[[str | None], None]
@@ -900,24 +902,35 @@ class _TimedLoader:
         self.name = name
         self._sink = sink
         self._mark = mark
+        self._started = False  # `next()` on the proxy: its first batch has been taken
+
+    def _timed_next(self, it: Any, first: bool) -> Any:
+        t0 = time.perf_counter()
+        if not first:  # an iterator's first batch waits for its workers to start: not a stall
+            self._mark("input")
+        try:
+            return next(it)
+        finally:
+            self._sink(time.perf_counter() - t0)
+            if not first:
+                self._mark(None)
 
     def __iter__(self) -> Iterator[Any]:
         it = iter(self._loader)
         first = True
         while True:
-            t0 = time.perf_counter()
-            if not first:  # an iterator's first batch waits for its workers to start: not a stall
-                self._mark("input")
             try:
-                item = next(it)
+                item = self._timed_next(it, first)
             except StopIteration:
                 return
-            finally:
-                self._sink(time.perf_counter() - t0)
-                if not first:
-                    self._mark(None)
-                first = False
+            first = False
             yield item
+
+    def __next__(self) -> Any:
+        """`next(proxy)` where the wrapped object is an iterator (a DataLoader is not: TypeError, as
+        `next()` on it raises)."""
+        first, self._started = not self._started, True
+        return self._timed_next(self._loader, first)
 
     def __len__(self) -> int:
         return len(self._loader)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,18 @@ def test_single_process_session_surface() -> None:
         assert session.wait_for(lambda v: v.telemetry_step(0) == 3, 5.0)
         tel = session.cluster_view().peers[0].telemetry
         assert tel is not None and tel.step_s > 0 and tel.input_s > 0
+        # An iterator (what Megatron-style loops pass around): `next()` on the proxy, timed too.
+        slow = (time.sleep(0.05) or torch.randn(4, 8) for _ in range(2))
+        data_iterator = session.instrument_dataloader(slow)
+        _train(session, model, opt, 1, [next(data_iterator)])
+        assert session.wait_for(lambda v: v.telemetry_step(0) == 4, 5.0)
+        tel = session.cluster_view().peers[0].telemetry
+        assert tel is not None and tel.input_s >= 0.05
+        next(data_iterator)
+        with pytest.raises(StopIteration):
+            next(data_iterator)
+        with pytest.raises(TypeError, match="not an iterator"):
+            next(session.instrument_dataloader([1, 2]))  # a list, as next() on it says
         with session.checkpoint_io("write", name="dcp"):
             pass
         with pytest.raises(ValueError, match="read"), session.checkpoint_io("append"):
@@ -52,17 +65,17 @@ def test_single_process_session_surface() -> None:
         assert session.gemini.drain(10)
         assert session.prepare_recovery("process_failure") is RecoveryMode.LATEST
         decision = session.last_recovery_decision
-        assert decision is not None and decision["checkpoint_step"] == 2 and decision["available"]
+        assert decision is not None and decision["checkpoint_step"] == 4 and decision["available"]
         assert decision["recovery_mode"] == "latest" and decision["checkpoint_source"] == "gemini"
         with pytest.raises(ValueError, match="unknown failure kind"):
             session.prepare_recovery("gremlins")
-        assert session.flush_for_restart() == 2
-        assert (Path("checkpoints") / "default" / "step-0000000002" / "rank-00000.pt").exists()
+        assert session.flush_for_restart() == 4
+        assert (Path("checkpoints") / "default" / "step-0000000004" / "rank-00000.pt").exists()
         assert session.topology.world_size == 1
     session.close()  # idempotent
     assert not [t for t in threading.enumerate() if t.name.startswith("lm-resiliency")]
     _train(session, model, opt, 1)  # hooks are gone: training goes on untouched
-    assert session.step_count == 3
+    assert session.step_count == 4
 
 
 def test_without_checkpoints_nothing_is_recoverable() -> None:
