@@ -120,13 +120,14 @@ def test_slow_data_loader_is_named_an_input_straggler(processes, tmp_path: Path)
         assert found == [([3], "input")], res["faults"]
 
 
-def test_fsdp2_stragglers_are_named_among_the_mesh_peers(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """No two ranks of an FSDP2 job hold the same state, but all do the same work: step times are
-    compared across the mesh. A slow rank's peers wait for it inside FSDP2's all-gathers, so only
-    the time outside the collectives is its compute. Rank 2 computes 3x slower, rank 3's loader is
-    slow: each named, with its type."""
+@pytest.mark.parametrize("wrap", ["fsdp2", "tp"])
+def test_sharded_stragglers_are_named_among_the_mesh_peers(processes, tmp_path: Path, wrap: str) -> None:  # type: ignore[no-untyped-def]
+    """No two ranks of an FSDP2 or tensor-parallel job hold the same state, but all do the same work:
+    step times are compared across the mesh. A slow rank's peers wait for it inside the collectives
+    (FSDP2's all-gathers, TP's functional all-reduce), so only the time outside them is its compute.
+    Rank 2 computes 3x slower, rank 3's loader is slow: each named, with its type."""
     results, _ = _run(
-        processes, tmp_path, "compute", steps=15, culprit=2, wrap="fsdp2", extra={"SLOW_LOADER": "3"}
+        processes, tmp_path, "compute", steps=15, culprit=2, wrap=wrap, extra={"SLOW_LOADER": "3"}
     )
     for res in results:
         found = sorted(
