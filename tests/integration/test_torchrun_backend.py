@@ -268,3 +268,21 @@ def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(p
     assert len(ctx["culprits"]) == 1 and len(ctx["admitted"]) == 1, ctx
     assert 0 < ctx["checkpoint_step"] < 10 and gens[1]["start"] == ctx["checkpoint_step"], (ctx, gens)
     assert _equal(job.final(), base.final())
+
+
+def test_a_hang_named_by_scout_is_recovered_and_the_run_completes_bitwise(
+    processes, tmp_path, baseline
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 never enters step 10's all-reduce: SCOUT names it (threshold 2 s), the leader acts on the
+    verdict: the stuck worker group is stopped (SIGTERM reaches workers waiting in gloo) and restarts
+    in place (a hang is not in `replace_node_on`), resuming from the capture before the hang."""
+    job = Job(processes, tmp_path, "hang")
+    job.start({"FAULT": "hang", "FAULT_RANK": "1", "FAULT_STEP": "10", "HANG_S": "2"})
+    job.wait()
+    gens = job.generations()
+    assert sorted(gens) == [0, 1], job.logs()
+    ctx = json.loads(Path(gens[1]["context"]).read_text())
+    assert ctx["failure_kind"] == "hang" and ctx["reason_code"] == "never_entered_collective", ctx
+    assert len(ctx["culprits"]) == 1 and ctx["admitted"] == [], ctx
+    assert ctx["checkpoint_step"] == 9 and gens[1]["start"] == 9, (ctx, gens)
+    assert _equal(job.final(), baseline)

@@ -5,6 +5,8 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
   node    -- rank FAULT_RANK's whole node dies: its agent, then (parent-death signal) its worker
   leader  -- the node of the current leader dies the same way
   sdc     -- rank FAULT_RANK flips a bit of a gradient after reduction (SCOUT must name it)
+  hang    -- rank FAULT_RANK never enters step FAULT_STEP's all-reduce (SCOUT must name it; HANG_S is
+             the stall threshold)
   repeat  -- in each generation g < FAULT_REPEAT, rank g % world dies two steps after its start
 Rank 0 writes the final parameters to OUT and each generation's start to OUT.gen<g>.json.
 """
@@ -12,6 +14,7 @@ Rank 0 writes the final parameters to OUT and each generation's start to OUT.gen
 import json
 import os
 import signal
+import threading
 
 import torch
 import torch.distributed as dist
@@ -33,7 +36,7 @@ session = enable_resiliency(
     opt_param_scheduler=sched,
     interval=1,
     checkpoint=InMemoryCkptConfig(disk_flush_interval=10**6),
-    replay=ReplayHarnessConfig(hang_stall_threshold_s=30.0),
+    replay=ReplayHarnessConfig(hang_stall_threshold_s=float(os.environ.get("HANG_S", "30"))),
 )
 start = session.step_count
 print(f"rank {rank} generation {gen} starts at step {start} (recovered {session.recovered_step})", flush=True)
@@ -73,6 +76,9 @@ def leader_is_me() -> bool:
 
 for step in range(start + 1, STEPS + 1):
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank * 1000 + step))
+    if fault == "hang" and rank == fault_rank and step == fault_step:
+        session.gemini.drain(10)
+        threading.Event().wait()  # stuck for good: the agents must stop it
     loss = (model(x) - x).pow(2).mean()
     opt.zero_grad()
     loss.backward()
