@@ -117,6 +117,8 @@ class AuditRecord:
     # A sharded unit's parameters as its forward saw them (gathered), by name: what a replay of a
     # peer's micro-batches of the same step computes with.
     params: dict[str, torch.Tensor] | None = None
+    # A sharded unit's gradients of micro-batches whose reduce-scatter already freed them, summed.
+    carry: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class AuditRecorder:
@@ -128,7 +130,9 @@ class AuditRecorder:
 
     `gathered`: an FSDP2 unit, whose parameters exist whole only inside its forward (between
     FSDP2's all-gather and its reshard). The record keeps a copy of them as the forward saw them,
-    taken by our pre-hook, which runs after FSDP2's; only the forward is audited."""
+    taken by our pre-hook, which runs after FSDP2's. Its gradients are this rank's own, whole, as
+    backward accumulated them into the gathered parameters before FSDP2 reduce-scatters them (and
+    frees them: those of earlier micro-batches are summed here as `.grad` would have summed them)."""
 
     MAX_MICRO_BATCHES = 64
 
@@ -150,6 +154,7 @@ class AuditRecorder:
         self._post_handle = module.register_forward_hook(self._post)
         self._handles = [module.register_forward_pre_hook(self._pre, with_kwargs=True), self._post_handle]
         self._grad_handles: list[Any] = []  # post-accumulate hooks, held only while recording
+        self._live: list[torch.Tensor] = []  # a gathered unit's whole parameters in this forward
 
     def close(self) -> None:
         for h in self._handles:
@@ -163,7 +168,7 @@ class AuditRecorder:
         if on and not self._grad_handles:
             self._grad_handles = [
                 p.register_post_accumulate_grad_hook(self._accumulated)  # type: ignore[no-untyped-call]
-                for p in self.params
+                for p in (self._live if self.gathered else self.params)
                 if p.requires_grad
             ]
         elif not on:
@@ -183,6 +188,7 @@ class AuditRecorder:
                 self._watch_grads(False)
             return
         if self._record is None or self._record.step != step:
+            self._watch_grads(False)
             self._record = AuditRecord(step)
             if self.gathered:
                 params = dict(module.named_parameters())
@@ -192,10 +198,21 @@ class AuditRecorder:
                     self._record.problem = "tensor-parallel parameters inside the unit"
                     return
                 self._record.params = {n: p.detach().clone() for n, p in params.items()}
-            if self.local_grads and any(p.grad is not None and bool(p.grad.any()) for p in self.params):
+                self._live = list(params.values())
+                self._index = {id(p): i for i, p in enumerate(self._live)}
+            own = self._live if self.gathered else self.params
+            if (self.local_grads or self.gathered) and any(
+                p.grad is not None and bool(p.grad.any()) for p in own
+            ):
                 # `.grad` will hold more than this step's gradients: nothing to compare them with.
                 self._record.grads_problem = "gradients were not zeroed before the step"
-            self._watch_grads(self.local_grads)
+            self._watch_grads(self.local_grads or self.gathered)
+        elif self.gathered and self._record.contrib and all(p.grad is None for p in self._live):
+            # FSDP2 reduce-scattered the last micro-batch's gradients and freed them: keep their sum.
+            rec = self._record
+            for i, g in rec.contrib.items():
+                rec.carry[i] = rec.carry[i] + g if i in rec.carry else g
+            rec.contrib.clear()
         rec = self._record
         if rec.problem:
             return
@@ -227,8 +244,6 @@ class AuditRecorder:
             return None
         mb = rec.micro[-1]
         mb.out_fp = fingerprint(_tensors(output))
-        if self.gathered:
-            return None  # only the forward is audited
         # The caller gets a view of each output: what reaches a view in backward is exactly what the
         # caller's use of that output sends back (a gradient taken on the output itself would also
         # hold what flows into it from other outputs computed from it, e.g. a loss from the logits).
@@ -281,6 +296,11 @@ class AuditRecorder:
         """The record of `step`, if it was recorded (at its optimizer pre-hook)."""
         rec, self._record = self._record, None
         self._watch_grads(False)
+        self._live = []
+        if rec is not None and rec.carry:
+            for i, g in rec.contrib.items():
+                rec.carry[i] = rec.carry[i] + g if i in rec.carry else g
+            rec.contrib, rec.carry = rec.carry, {}
         return rec if rec is not None and rec.step == step and rec.micro else None
 
 
@@ -421,9 +441,15 @@ def replay_package(
 ) -> AuditReplay:
     """Re-execute a package's micro-batches on the recorder's module with its current parameters,
     or, for a gathered unit, with `gathered` (this rank's copy of the same step's parameters)."""
-    module, params = recorder.module, recorder.params
+    module = recorder.module
+    params: Sequence[torch.Tensor] = recorder.params
     if recorder.gathered and gathered is None:
         raise ValueError("no gathered parameters of this step to replay with")
+    if gathered is not None:
+        # Whole copies as leaves of their own, which the replay's gradients are taken for.
+        trains = {n: p.requires_grad for n, p in module.named_parameters()}
+        gathered = {n: t.detach().requires_grad_(trains.get(n, False)) for n, t in gathered.items()}
+        params = list(gathered.values())
     device = params[0].device if params else torch.device("cpu")
     grad_index: list[int] = list(payload["grad_index"])
     if any(type(i) is not int or not 0 <= i < len(params) for i in grad_index):

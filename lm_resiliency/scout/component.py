@@ -308,7 +308,7 @@ class Scout:
                 for i, (name, m) in enumerate(gathered.items()):
                     due = functools.partial(self._dense_due, i, rounds)
                     self._auditors[name] = AuditRecorder(m, due, gathered=True)
-                    self._audit_scales[name] = None
+                    self._audit_scales[name] = 1.0  # its whole gradients, before the reduce-scatter
             elif experts and not compiled and len(self.group) > 1:
                 # The whole model's forward holds the experts' all-to-all: not replayable on one
                 # rank. Each expert is (its replicas hold the same weights), and so is each dense
@@ -324,7 +324,9 @@ class Scout:
             else:
                 recorder("", inner, self._audit_due)
         self._tapped = [
-            a for n, a in self._auditors.items() if not a.local_grads and self._audit_scales[n] is not None
+            a
+            for n, a in self._auditors.items()
+            if not (a.local_grads or a.gathered) and self._audit_scales[n] is not None
         ]
         if hasattr(adapter, "contribution_tap") and (self._recorder or self._tapped):
             adapter.contribution_tap = self._on_contributions

@@ -255,17 +255,30 @@ def test_corruption_before_the_all_reduce_is_found_by_an_audit(
         assert res["audits"].get("skipped", 0) == 0, res["audits"]
 
 
-def test_fsdp2_output_corruption_is_found_by_a_peer_replaying_the_unit(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_fsdp2_corruption_is_found_by_a_peer_replaying_the_unit(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """FSDP2: no two ranks hold the same shards, so fingerprints have nothing to compare, but every
     rank gathers the same weights for a unit's forward. A peer replays the culprit's micro-batch
     of one unit with its own copy of the gathered weights (the units take turns: layer 2 at odd
-    steps) and finds the corrupted output; 12 clean steps, each audited, accuse nobody."""
+    steps, layer 0 at even ones) and finds the corrupted output (rank 2, step 5) and, in the same
+    run, the whole gradient rank 1 corrupted before FSDP2's reduce-scatter averaged it into every
+    shard (step 4); 12 clean steps, each audited forward and backward, accuse nobody."""
     for sub in ("sdc", "clean"):
         (tmp_path / sub).mkdir()
-    results, _ = _run(processes, tmp_path / "sdc", "output", steps=8, culprit=2, at=5, audit=1, wrap="fsdp2")
+    results, _ = _run(
+        processes,
+        tmp_path / "sdc",
+        "output",
+        steps=8,
+        culprit=2,
+        at=5,
+        audit=1,
+        wrap="fsdp2",
+        extra={"LOCALGRAD_ALSO": "1:4"},
+    )
     for res in results:
         assert [(f["kind"], f["failed_ranks"], f["reason"], f["steps"]) for f in res["faults"]] == [
-            ("sdc", [2], "forward_replay_mismatch", [5])
+            ("sdc", [1], "backward_replay_mismatch", [4]),
+            ("sdc", [2], "forward_replay_mismatch", [5]),
         ], res["faults"]
         assert res["audits"].get("skipped", 0) == 0, res["audits"]
     results, _ = _run(processes, tmp_path / "clean", "clean", steps=12, audit=1, wrap="fsdp2")

@@ -354,3 +354,62 @@ def test_an_autocast_step_with_dropout_replays_bitwise_and_a_flip_is_found(devic
     flipped = step(flip=True)
     assert replay_package(rec, flipped).finding(flipped) == "output"
     rec.close()
+
+
+@pytest.fixture
+def one_rank_group():  # type: ignore[no-untyped-def]
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_fsdp2_unit_gradients_are_its_whole_ones_before_the_reduce_scatter(
+    one_rank_group, micro_batches: int
+) -> None:  # type: ignore[no-untyped-def]
+    """A gathered FSDP2 unit: the gradients compared are the whole ones backward accumulated into
+    the gathered parameters (each micro-batch's, freed by its reduce-scatter, summed as `.grad`
+    would); a replay with the same gathered weights reproduces them; a flipped bit is found."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    for unit in (model[0], model[2], model):
+        fully_shard(unit)
+    rec = AuditRecorder(model[0], lambda: 1, gathered=True)
+    batches = [torch.randn(8, 16) for _ in range(micro_batches)]
+
+    def run(flip: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+        hooks = []
+        if flip:  # corrupt the whole gradient of this unit before FSDP2 reduce-scatters it
+
+            def install(module: nn.Module, args: object) -> None:
+                def flip_grad(g: torch.Tensor) -> torch.Tensor:
+                    g = g.clone()
+                    g.view(-1).view(torch.int32)[5] ^= 1 << 4
+                    return g
+
+                if not hooks[1:]:
+                    hooks.append(module.weight.register_hook(flip_grad))
+
+            hooks.append(model[0].register_forward_pre_hook(install))
+        for x in batches:
+            (model(x) - 1).pow(2).mean().backward()
+        for h in hooks:
+            h.remove()
+        record = rec.finish(1)
+        assert record is not None and record.params is not None
+        payload, problem = package(record, 1.0, 1 << 30)
+        assert payload is not None, problem
+        return load_package(dump_package(1, {"0": payload}))[1]["0"], record.params
+
+    payload, gathered = run()
+    assert payload["grads_fp"] and len(payload["grad_index"]) == 2
+    assert replay_package(rec, payload, gathered).finding(payload) == "ok"
+    assert not rec._grad_handles  # held only while the step is recorded
+    payload, gathered = run(flip=True)
+    assert replay_package(rec, payload, gathered).finding(payload) == "grads"
+    rec.close()

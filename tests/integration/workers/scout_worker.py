@@ -6,7 +6,8 @@ nondeterministic: every rank's forward depends on the clock, so no replay can re
 oom: the culprit's allocation of 16 TiB fails at AT_STEP and the exception goes uncaught;
 datastall: the culprit's data loader blocks for 3 s at AT_STEP; sigstop: the culprit SIGSTOPs itself
 at AT_STEP, runtime thread and all),
-CULPRIT, AT_STEP, REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
+CULPRIT, AT_STEP, LOCALGRAD_ALSO (rank:step: a gradient flipped before reduction besides),
+REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
 SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
 default 10), LOADER_S (dataloader_latency_threshold_s; default 10),
 WRAP (ddp | plain: no DDP, this script all-reduces the gradients after backward | fsdp2: every layer
@@ -148,16 +149,28 @@ def main() -> int:
         inner[2].register_forward_hook(flip_output)
     if scenario == "nondeterministic":  # on every rank: not a fault, a model audits cannot check
         inner[0].register_forward_hook(lambda m, i, o: o + (time.perf_counter_ns() % 1009) * 1e-9)
-    if scenario == "localgrad" and rank == culprit:
+    # LOCALGRAD_ALSO="<rank>:<step>": that rank's gradient is flipped at that step too (one job, two faults).
+    also = [int(v) for v in os.environ.get("LOCALGRAD_ALSO", "-1:-1").split(":")]
+    grad_flip_at = at if scenario == "localgrad" and rank == culprit else also[1] if rank == also[0] else -1
+    if grad_flip_at >= 0:
 
         def flip_local_grad(g: torch.Tensor) -> torch.Tensor:
-            if current["step"] != at:
+            if current["step"] != grad_flip_at:
                 return g
             g = g.clone()
             g.view(-1).view(torch.int32)[9] ^= 1 << 21  # before the all-reduce averages it away
             return g
 
-        inner[0].weight.register_hook(flip_local_grad)
+        if sharded:  # the whole weight exists only inside the unit's forward, after FSDP2's gather
+            installed: list[object] = []
+
+            def install(module: nn.Module, args: object) -> None:
+                if not installed:  # FSDP2 keeps the same whole-weight tensor from step to step
+                    installed.append(module.weight.register_hook(flip_local_grad))
+
+            inner[0].register_forward_pre_hook(install)
+        else:
+            inner[0].weight.register_hook(flip_local_grad)
     if scenario == "throughput":
         # bench/scout.py: alternate blocks with detection on, paused, and a plain DDP copy of the model
         # that lm-resiliency never touched (what our comm hook and hooks cost even when paused).
