@@ -183,7 +183,7 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         group = kwargs.get("group", _arg(args, group_at, None))
         waits = not kwargs.get("async_op", _arg(args, async_at, False))
-        tracker.enter_collective(_signature(name, args, group, sized), waits)
+        tracker.enter_collective(_signature(name, args, _group_size(group), sized), waits)
         try:
             return fn(*args, **kwargs)
         finally:
@@ -221,7 +221,7 @@ def _wrap_funcol(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         if tracker is None:
             return fn(*args, **kwargs)
         group = kwargs.get("group", _arg(args, group_at, None))
-        tracker.enter_collective(_funcol_signature(name, args, group, sized), waits=False)
+        tracker.enter_collective(_signature(name, args, _funcol_group_size(group), sized), waits=False)
         _local.funcol = True
         try:
             return fn(*args, **kwargs)
@@ -246,16 +246,6 @@ def _wrap_wait(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     tracked._lm_resiliency_wraps = fn  # type: ignore[attr-defined]
     return tracked
-
-
-def _funcol_signature(name: str, args: tuple[Any, ...], group: Any, sized: bool) -> str:
-    import torch
-
-    size = _funcol_group_size(group)
-    first = args[0] if args else None
-    if sized and isinstance(first, torch.Tensor):
-        return f"{name}:{first.numel()}:{first.dtype}:{size}"
-    return f"{name}:{size}"
 
 
 def _funcol_group_size(group: Any) -> int:
@@ -286,14 +276,20 @@ def _arg(args: tuple[Any, ...], at: int | None, default: Any) -> Any:
     return args[at] if at is not None and len(args) > at else default
 
 
-def _signature(name: str, args: tuple[Any, ...], group: Any, sized: bool) -> str:
-    import torch
+def _group_size(group: Any) -> int:
     import torch.distributed as dist
 
     try:
-        size = dist.get_world_size(group)
+        return dist.get_world_size(group)
     except Exception:  # a group this rank is not in: the call itself will say so
-        size = -1
+        return -1
+
+
+def _signature(name: str, args: tuple[Any, ...], size: int, sized: bool) -> str:
+    """What a collective is: its op, the size and dtype of its first tensor when that is the same on
+    every rank of the group (`sized`), and the group's size."""
+    import torch
+
     first = args[0] if args else None
     if sized and isinstance(first, torch.Tensor):
         return f"{name}:{first.numel()}:{first.dtype}:{size}"

@@ -120,6 +120,12 @@ class AuditRecord:
     # A sharded unit's gradients of micro-batches whose reduce-scatter already freed them, summed.
     carry: dict[int, torch.Tensor] = field(default_factory=dict)
 
+    def fold(self) -> None:
+        """Add `contrib` into `carry` (in micro-batch order, as `.grad` accumulates) and clear it."""
+        for i, g in self.contrib.items():
+            self.carry[i] = self.carry[i] + g if i in self.carry else g
+        self.contrib = {}
+
 
 class AuditRecorder:
     """Records the micro-batches of the steps `due()` names (training thread).
@@ -208,11 +214,7 @@ class AuditRecorder:
                 self._record.grads_problem = "gradients were not zeroed before the step"
             self._watch_grads(self.local_grads or self.gathered)
         elif self.gathered and self._record.contrib and all(p.grad is None for p in self._live):
-            # FSDP2 reduce-scattered the last micro-batch's gradients and freed them: keep their sum.
-            rec = self._record
-            for i, g in rec.contrib.items():
-                rec.carry[i] = rec.carry[i] + g if i in rec.carry else g
-            rec.contrib.clear()
+            self._record.fold()  # FSDP2 reduce-scattered and freed the last micro-batch's gradients
         rec = self._record
         if rec.problem:
             return
@@ -298,8 +300,7 @@ class AuditRecorder:
         self._watch_grads(False)
         self._live = []
         if rec is not None and rec.carry:
-            for i, g in rec.contrib.items():
-                rec.carry[i] = rec.carry[i] + g if i in rec.carry else g
+            rec.fold()
             rec.contrib, rec.carry = rec.carry, {}
         return rec if rec is not None and rec.step == step and rec.micro else None
 
