@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -181,6 +182,12 @@ def enable_resiliency(
 
     if optimizer is not None and not hasattr(optimizer, "register_step_post_hook"):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if optimizer is None:
+        warnings.warn(
+            "enable_resiliency: no optimizer given; a step is an optimizer.step(), so this session "
+            "sees none: no captures, no per-step checks (liveness only). Pass the optimizer.",
+            stacklevel=2,
+        )
     adapter = PyTorchAdapter(model, optimizer, group=group, parallelism_info=parallelism_info)
     session = Session(
         adapter=adapter,

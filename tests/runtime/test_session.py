@@ -88,6 +88,12 @@ def test_without_checkpoints_nothing_is_recoverable() -> None:
         assert s.flush_for_restart() == -1 and s.gemini is None
 
 
+def test_without_an_optimizer_the_session_says_it_sees_no_steps() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.warns(UserWarning, match="no optimizer given"), enable_resiliency(model) as s:
+        assert s.step_count == 0
+
+
 def test_configured_recovery_mode_wins() -> None:
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -118,7 +124,8 @@ def test_argument_errors(kwargs: dict, error: type[Exception], needle: str) -> N
 
 def test_checkpoint_config_is_accepted() -> None:
     model = nn.Linear(2, 2)
-    with enable_resiliency(model, None, checkpoint=InMemoryCkptConfig(interval=5)) as s:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with enable_resiliency(model, opt, checkpoint=InMemoryCkptConfig(interval=5)) as s:
         assert s.settings["checkpoint"].interval == 5
 
 
