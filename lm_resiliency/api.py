@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import queue
 import sys
 import threading
 import time
@@ -263,6 +264,7 @@ class Session:
         self._io: collections.deque[tuple[str, str, float]] = collections.deque(maxlen=64)
         self._reports: list[dict[str, Any]] = []
         self._reports_lock = threading.Lock()
+        self._callbacks = _CallbackThread()
         self._control: Any = None  # ControlChannel under the torchrun backend
         self._context: dict[str, Any] | None = None  # the backend's restart context, when restarted
         self._closed = False
@@ -743,19 +745,17 @@ class Session:
     def _emit_fault(self, report: dict[str, Any]) -> None:
         with self._reports_lock:
             self._reports.append(report)
-        self._write_report(report)
+        # The user's callbacks and the report file, in order, off the runtime's event loop: a slow
+        # callback there would stop this rank's heartbeats and its peers would declare it dead.
+        self._callbacks.submit(self._write_report, report)
         # Hardware telemetry that is not fatal (thermal, throttling, NVLink counters) is reported,
         # never a reason for the leader to restart or replace a node.
         not_fatal = report.get("kind") == "hardware" and report.get("fatal") is False
         if self._control is not None and report.get("kind") in BACKEND_ACTIONABLE and not not_fatal:
             self._control.post_verdict(self.env.generation, report)
         for cb in (self._fault_callback, self._orchestration.report_fault if self._orchestration else None):
-            if cb is None:
-                continue
-            try:
-                cb(dict(report))
-            except Exception:  # a user's callback must not take the runtime down; log its trace
-                log.exception("fault callback raised")
+            if cb is not None:
+                self._callbacks.submit(cb, dict(report))
 
     # -- public surface ---------------------------------------------------------------------------
     @property
@@ -889,12 +889,59 @@ class Session:
             self._runtime.close(reason=reason)
         if self._control is not None:
             self._control.close()
+        self._callbacks.close(timeout=10.0)  # the reports made so far reach the callbacks first
 
     def __enter__(self) -> Session:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _CallbackThread:
+    """Runs calls in submission order on a thread of its own (started at the first call). A call
+    that raises is logged, never propagated; after `close`, calls run inline."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        with self._lock:
+            if not self._closed:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="lm-resiliency-callbacks", daemon=True
+                    )
+                    self._thread.start()
+                self._queue.put((fn, args))
+                return
+        self._call(fn, args)
+
+    def close(self, timeout: float) -> None:
+        with self._lock:
+            self._closed, thread = True, self._thread
+            if thread is not None:
+                self._queue.put(None)
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("a fault callback still runs %.0f s after close; not waiting for it", timeout)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._call(*item)
+
+    @staticmethod
+    def _call(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            fn(*args)
+        except Exception:  # a user's callback must not take the runtime down; log its trace
+            log.exception("fault callback raised")
 
 
 class _TimedLoader:

@@ -126,3 +126,35 @@ def test_fatal_event_becomes_a_hardware_report_naming_the_device() -> None:
     assert fatal and fatal[0]["kind"] == "hardware" and fatal[0]["device"] == "GPU-abcd"
     assert fatal[0]["reason"] == "xid_fatal" and fatal[0]["failed_ranks"] == [0]
     assert any(r["reason"] == "thermal" and not r["fatal"] for r in reports)
+
+
+def test_a_slow_fault_callback_does_not_stall_the_runtime() -> None:
+    """User callbacks run on a thread of their own: one blocked in a slow call (a remote logger)
+    must not stop the runtime that heartbeats and gossips for this rank."""
+    import threading
+
+    source = ScriptedHealthSource()
+    release, called = threading.Event(), threading.Event()
+
+    def slow(report: dict) -> None:
+        called.set()
+        release.wait(30)
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with enable_resiliency(model, opt, interval=1, fault_callback=slow, health_source=source) as s:
+        source.push(HealthEvent("xid", "GPU-abcd", True, "XID 79", 79.0))
+        assert called.wait(10)
+        for _ in range(2):
+            model(torch.randn(4, 2)).sum().backward()
+            opt.step()
+        try:
+            assert s.wait_for(lambda v: v.telemetry_step(0) == 2, 5.0)  # gossiped while it waits
+            # Whoever reaches a verdict (the runtime's event loop, for votes) hands it over and goes on.
+            emitted = threading.Event()
+            threading.Thread(
+                target=lambda: (s._emit_fault({"kind": "straggler"}), emitted.set()), daemon=True
+            ).start()
+            assert emitted.wait(5)
+        finally:
+            release.set()
