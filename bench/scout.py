@@ -7,6 +7,9 @@ Prints progress, then one JSON object on the last line:
                             processes, which lm-resiliency never touched (our comm hook included)
   overhead_ms_per_step      the per-step cost of detection, in milliseconds (a job with steps of
                             T ms loses about overhead/T of its throughput)
+  ..._coalesced[_2_ranks]   ratio and overhead with RuntimeConfig.publish_coalesce_s = --coalesce
+                            (what the training thread submits within that long of the last send
+                            leaves with the next batch: no wakeup of the runtime every short step)
   ..._2_ranks               the same three with 2 ranks (one per core of this 2-core machine, as a
                             GPU node has cores to spare per rank; 4 ranks share 2 cores above).
                             Two replicas also keep replay records on every checked step (host copies
@@ -116,6 +119,7 @@ def main() -> None:
     ap.add_argument("--block-steps", type=int, default=40)
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--audit-interval", type=int, default=10)
+    ap.add_argument("--coalesce", type=float, default=0.02, help="publish_coalesce_s of the _coalesced runs")
     args = ap.parse_args()
     out: dict[str, object] = {}
     res, _ = run("throughput", args.block_steps, extra={"BLOCKS": str(args.blocks)})
@@ -139,6 +143,20 @@ def main() -> None:
         overhead_ms_per_step_2_ranks=1000.0 / on2 - 1000.0 / off2,
     )
     print(f"2 ranks: on/paused {on2 / off2:.3f}, on/plain {on2 / plain2:.3f}", flush=True)
+    # RuntimeConfig.publish_coalesce_s: steps of a few ms need not wake the runtime one by one.
+    for world in (4, 2):
+        res, _ = run(
+            "throughput",
+            args.block_steps,
+            extra={"BLOCKS": str(args.blocks), "COALESCE": str(args.coalesce)},
+            world=world,
+        )
+        onc, offc, _ = medians(res)
+        suffix = "" if world == 4 else "_2_ranks"
+        out[f"healthy_throughput_ratio_coalesced{suffix}"] = onc / offc
+        out[f"overhead_ms_per_step_coalesced{suffix}"] = 1000.0 / onc - 1000.0 / offc
+    out["publish_coalesce_s"] = args.coalesce
+    print(f"coalesced: {out}", flush=True)
     res, _ = run(
         "throughput",
         args.block_steps,

@@ -178,10 +178,17 @@ class RuntimeConfig:
     bind_host: str | None = None
     use_ipc: bool = True
     send_high_water_mark: int = 10000
+    # Messages other threads submit within this long of the last send go out together at its end
+    # (0: each at once; at most heartbeat_interval_s is used). For loops whose steps are shorter
+    # than this: the training thread no longer wakes the runtime every step (~1.5 ms a step less
+    # on 2 cores), but evidence, verdicts and certificates arrive up to this much later.
+    publish_coalesce_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("runtime.heartbeat_interval_s", self.heartbeat_interval_s, allow_none=False)
         _positive("runtime.heartbeat_timeout_s", self.heartbeat_timeout_s, allow_none=False)
+        if not self.publish_coalesce_s >= 0:
+            raise ConfigError("runtime.publish_coalesce_s", f"must be >= 0, got {self.publish_coalesce_s}")
         _positive("runtime.discovery_timeout_s", self.discovery_timeout_s, allow_none=False)
         _positive("runtime.send_high_water_mark", self.send_high_water_mark, allow_none=False)
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:

@@ -179,6 +179,7 @@ class RankRuntime:
         # Training-thread side of submit(): a deque and one pending wake-up at a time.
         self._outbox: deque[tuple[int | None, Message]] = deque()
         self._wake_pending = False
+        self._lingering = False  # the publisher sends what is submitted at the end of its linger
         self._holder: int | None = None  # the thread inside `hold()`
         self._wake: asyncio.Event | None = None
         self._step = 0
@@ -272,6 +273,7 @@ class RankRuntime:
         if self._transport is None:
             return
         with anyio.move_on_after(0.2):
+            await self._drain_outbox()  # what the rank submitted last (its final step's evidence)
             await self._publish(Goodbye(self.rank, self.incarnation, reason))
 
     async def _close_transport(self) -> None:
@@ -336,6 +338,10 @@ class RankRuntime:
             # A task of our own loop (SCOUT's progress, link probes): wake the publisher directly.
             # Going through call_soon_threadsafe would raise once close() began, and crash the loop.
             self._wakeup()
+            return
+        if self._lingering:
+            # The publisher sends the outbox when its linger ends; it clears the flag before it
+            # looks, and we appended before we looked at the flag, so nothing is left behind.
             return
         if not self._wake_pending:
             self._wake_pending = True
@@ -516,26 +522,41 @@ class RankRuntime:
             log.debug("rank %d: %s to unavailable peer %d dropped", self.rank, type(msg).__name__, peer)
 
     async def _publish_forever(self) -> None:
+        """Send what is submitted. After each send the publisher lingers `publish_coalesce_s`: what
+        other threads submit meanwhile waits for its end and goes out in one batch, with no wakeup of
+        this loop from their side (each costs the training thread a syscall and a handoff of the
+        GIL to this thread, a large share of a short step). The loop's own messages (heartbeats,
+        votes, hang evidence) still go out at once."""
         assert self._wake is not None
+        gap = min(self.config.publish_coalesce_s, self.config.heartbeat_interval_s)
         while True:
-            await self._wake.wait()
+            if not self._outbox:
+                await self._wake.wait()
             self._wake.clear()
-            while self._outbox:
-                peer, msg = self._outbox.popleft()
-                if peer is not None:
-                    await self._send_direct(peer, msg)
-                    continue
-                batch, topic = [msg], self._topic(msg)
-                while (
-                    self._outbox
-                    and self._outbox[0][0] is None
-                    and len(batch) < MAX_BATCH
-                    and self._topic(self._outbox[0][1]) == topic
-                ):
-                    batch.append(self._outbox.popleft()[1])
-                await self._publish_batch(batch, topic)
-                for m in batch:
-                    self._loopback(m)
+            await self._drain_outbox()
+            if gap > 0:
+                self._lingering = True
+                with anyio.move_on_after(gap):
+                    await self._wake.wait()
+                self._lingering = False  # before the outbox is looked at again: see _kick
+
+    async def _drain_outbox(self) -> None:
+        while self._outbox:
+            peer, msg = self._outbox.popleft()
+            if peer is not None:
+                await self._send_direct(peer, msg)
+                continue
+            batch, topic = [msg], self._topic(msg)
+            while (
+                self._outbox
+                and self._outbox[0][0] is None
+                and len(batch) < MAX_BATCH
+                and self._topic(self._outbox[0][1]) == topic
+            ):
+                batch.append(self._outbox.popleft()[1])
+            await self._publish_batch(batch, topic)
+            for m in batch:
+                self._loopback(m)
 
     async def _publish_batch(self, msgs: list[Message], topic: bytes = ALL) -> None:
         """Gossip `msgs` (all of one topic): those without buffers sealed as one `Batch` when there

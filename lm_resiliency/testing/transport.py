@@ -9,6 +9,7 @@ everything from an address (`partition`) or let a function rewrite frames in fli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -25,6 +26,13 @@ from lm_resiliency.runtime.transport import (
 __all__ = ["InMemoryNetwork", "InMemoryTransport"]
 
 Frame = bytes | memoryview
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class InMemoryNetwork:
@@ -56,7 +64,7 @@ class InMemoryNetwork:
             frames = tampered
         target = self.listeners.get(address)
         if target is not None and not target.closed:
-            target.inbox.put_nowait(Incoming(incoming.channel, list(frames)))
+            target.put(Incoming(incoming.channel, list(frames)))
 
 
 class InMemoryTransport:
@@ -72,6 +80,22 @@ class InMemoryTransport:
         self._subscriptions: dict[int, str] = {}  # peer -> its pub address
         self._routes: dict[int, str] = {}  # peer -> its router address
         self._started = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that receives
+
+    def put(self, incoming: Incoming) -> None:
+        """Deliver to this transport's inbox. From another thread's loop (a rank runtime of its own),
+        through this one's: an asyncio queue is not thread-safe, and a put from outside would not
+        wake the receiver (it would sit until some timer of the receiver's loop fired)."""
+        loop = self._loop
+        if loop is None or _running_loop() is loop:
+            self.inbox.put_nowait(incoming)
+            return
+        with contextlib.suppress(RuntimeError):  # the receiver's loop already stopped: dropped
+            loop.call_soon_threadsafe(self._put_open, incoming)
+
+    def _put_open(self, incoming: Incoming) -> None:
+        if not self.closed:
+            self.inbox.put_nowait(incoming)
 
     @property
     def pub_address(self) -> str:
@@ -83,6 +107,7 @@ class InMemoryTransport:
 
     async def start(self) -> Endpoints:
         self._started = True
+        self._loop = asyncio.get_running_loop()
         self.network.listeners[self.pub_address] = self
         self.network.listeners[self.router_address] = self
         return Endpoints((self.pub_address,), (self.router_address,))

@@ -364,6 +364,56 @@ def test_messages_submitted_under_hold_travel_as_one_batch() -> None:
             rt.close()
 
 
+@pytest.mark.parametrize("coalesce", [0.0, 1.0])
+def test_steps_submitted_while_the_publisher_lingers_go_out_together(coalesce: float) -> None:
+    """Steps the training thread submits within `publish_coalesce_s` of the last send wait for it
+    and leave as one batch (no wakeup of the runtime per step); with 0 each leaves at once. Nothing
+    is lost or reordered either way: what still waits when the rank closes goes out first."""
+    from lm_resiliency.core.messages import Batch
+
+    net = InMemoryNetwork()
+    sent: list[list[int]] = []  # rank 1's telemetry steps, per message on the wire
+
+    def tap(sender: str, frames: list[bytes]) -> list[bytes]:
+        msg = codec.decode(frames[1:])
+        items = [msg] if not isinstance(msg, Batch) else [codec.decode([i]) for i in msg.items]
+        steps = [m.step for m in items if isinstance(m, StepTelemetry) and m.rank == 1]
+        if steps:
+            sent.append(steps)
+        return frames
+
+    net.tamper = tap
+    cfg = RuntimeConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0, publish_coalesce_s=coalesce)
+    rts = _start(2, lambda: InMemoryTransport(net), config=cfg)
+    got: list[int] = []
+    arrived = threading.Condition()
+
+    def on_step(sealed: object, msg: StepTelemetry) -> None:
+        with arrived:
+            got.append(msg.step)
+            arrived.notify_all()
+
+    def until(n: int) -> bool:
+        with arrived:
+            return arrived.wait_for(lambda: len(got) >= n, 3.0)
+
+    try:
+        assert rts[0].wait_for(lambda v: len(v.live) == 2, 2.0)
+        rts[0].add_handler("step", on_step)
+        for step in range(1, 7):
+            with rts[1].hold():
+                rts[1].submit(StepTelemetry(rank=1, step=step, step_s=0.01))
+            if step == 1 or coalesce == 0:  # on the wire before the next is submitted
+                assert until(step)
+        rts[1].close()  # within the linger: what waits still reaches the peer, before the goodbye
+        assert until(6)
+        assert got == [1, 2, 3, 4, 5, 6]
+        assert sent == ([[1], [2, 3, 4, 5, 6]] if coalesce else [[s] for s in got])
+    finally:
+        for rt in rts:
+            rt.close()
+
+
 def test_published_steps_carry_the_heartbeat_and_the_timer_stays_quiet() -> None:
     """While a rank publishes steps more often than its heartbeat interval, its heartbeats travel
     inside those batches and no stand-alone heartbeat is sent; peers still see it alive, at its step.
@@ -475,7 +525,9 @@ def test_group_only_gossip_does_not_carry_the_heartbeat() -> None:
                 rts[0].submit(StepTelemetry(rank=0, step=step, step_s=0.03))
                 rts[0].submit(StepTelemetry(rank=0, step=step, step_s=0.03))
             assert rts[1].wait_for(lambda v, s=step: v.telemetry_step(0) == s, 2.0)
-        assert carried == [] and len(alone) >= 3  # the timer kept beating: ~every 2nd step
+            if step % 2 == 0:  # a beat is due (0.06 s since the last): rank 2 hears it from the timer
+                assert rts[2].wait_for(lambda v, s=step: v.peers[0].step == s, 2.0)
+        assert carried == [] and len(alone) >= 5  # the timer kept beating: every 2nd step
         clock.advance(0.06)
         assert rts[2].wait_for(lambda v: v.peers[0].step == 10, 2.0)  # from the timer's heartbeats
         assert rts[2].view().peers[0].telemetry is None

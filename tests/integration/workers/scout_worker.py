@@ -130,7 +130,9 @@ def main() -> int:
             audit_interval=int(os.environ.get("AUDIT", "0")),
         ),
         runtime=RuntimeConfig(
-            heartbeat_interval_s=0.1, heartbeat_timeout_s=float(os.environ.get("HB_TIMEOUT", "10"))
+            heartbeat_interval_s=0.1,
+            heartbeat_timeout_s=float(os.environ.get("HB_TIMEOUT", "10")),
+            publish_coalesce_s=float(os.environ.get("COALESCE", "0")),
         ),
     )
     if scenario == "compute" and rank == culprit:
