@@ -594,7 +594,7 @@ class Session:
         self._components.append(scout)
         gem = self.gemini
         if gem is not None:
-            gem.certifier = scout.certified
+            gem.certifier, gem.awaiting = scout.certified, scout.awaiting_certificate
             scout.on_certified, scout.on_revoked = gem.certify, gem.revoke
             # Certificates survive restarts: the marks on this node's own captures, and the restored
             # step itself when the plan that chose it picked recovery-verified steps only.

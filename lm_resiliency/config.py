@@ -181,7 +181,8 @@ class RuntimeConfig:
     # Messages other threads submit within this long of the last send go out together at its end
     # (0: each at once; at most heartbeat_interval_s is used). For loops whose steps are shorter
     # than this: the training thread no longer wakes the runtime every step (~1.5 ms a step less
-    # on 2 cores), but evidence, verdicts and certificates arrive up to this much later.
+    # on 2 cores), but evidence, verdicts and certificates arrive up to this much later. Keep it
+    # under two steps: replicas in pairs replay from records of their last 3 checked steps only.
     publish_coalesce_s: float = 0.0
 
     def __post_init__(self) -> None:

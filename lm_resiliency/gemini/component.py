@@ -57,6 +57,9 @@ __all__ = ["Gemini", "GeminiStats"]
 log = logging.getLogger(__name__)
 ALIGN = 64
 CAPTURE_WAIT_S = 2.0  # the longest a capture waits for a free slot before it is skipped
+# The longest a capture SCOUT is still judging is kept from being overwritten (captures skipped
+# meanwhile): see Gemini._awaiting_verdict.
+VERDICT_WAIT_S = 2.0
 Exchange = Callable[[str, bytes, float], dict[int, bytes]]
 
 
@@ -83,6 +86,7 @@ class _Stream:
 class GeminiStats:
     captures: int = 0
     skipped_busy: int = 0
+    skipped_awaiting_verdict: int = 0  # captures skipped so the one SCOUT was judging could stay
     replicated: int = 0
     replication_failures: int = 0
     replicas_received: int = 0
@@ -137,6 +141,9 @@ class Gemini:
         self._on_fault = on_fault
         self.load_fallback = load_fallback
         self.certifier: Callable[[int], bool] | None = None  # set by the session when SCOUT runs
+        # SCOUT will judge this step soon (its fingerprints are due, no SDC is open): set with it.
+        self.awaiting: Callable[[int], bool] | None = None
+        self._committed_at: dict[int, float] = {}  # own slot index -> when its capture committed
         # Called with every new inventory (worker/receiver threads): the torchrun backend's feed.
         self.on_inventory: Callable[[GeminiInventory], None] | None = None
         self.flush_inventory: Callable[[float], bool] | None = None  # waits until on_inventory's sends left
@@ -487,6 +494,29 @@ class Gemini:
             (k for k in (0, 1) if k != keep and k not in self._busy), key=lambda k: self._own_step.get(k, -1)
         )
 
+    def _awaiting_verdict(self, k: int) -> bool:
+        """Whether own slot `k`, the one a capture would overwrite, holds a capture SCOUT is still
+        judging while the recovery-verified one kept in the other slot is two captures older or
+        more (lock held).
+
+        Overwriting it would keep the verified slot where it is: when certificates arrive a capture
+        or more after the step (captures every step of a fast loop, a loaded runtime thread), every
+        new capture would replace the uncertified one and the verified copy would stay at the first
+        step ever certified, and an SDC would roll the job back to it. So the capture is skipped
+        until SCOUT's verdict (a certificate moves the kept slot; an SDC ends the wait), for
+        VERDICT_WAIT_S at most. Certificates that come within two captures never skip one."""
+        step = self._own_step.get(k)
+        if step is None or self.certifier is None or self.awaiting is None:
+            return False
+        keep = self._slot_to_keep(self._own_step)
+        kept = self._own_step.get(keep) if keep is not None and keep != k else None
+        if kept is None or step - kept < 2 * self.interval or not self.certifier(kept):
+            return False
+        if self.certifier(step):
+            return False
+        fresh = time.monotonic() - self._committed_at.get(k, float("-inf")) < VERDICT_WAIT_S
+        return fresh and self.awaiting(step)
+
     def capture(self, step: int) -> bool:
         """Copy the state at `step` into a free slot; checksum and replication follow off-thread."""
 
@@ -500,6 +530,9 @@ class Gemini:
                 self.stats.skipped_busy += 1
                 return False
             k = free[0]
+            if self._awaiting_verdict(k):
+                self.stats.skipped_awaiting_verdict += 1
+                return False
             self._busy.add(k)
             self._own_step.pop(k, None)
         try:
@@ -576,6 +609,7 @@ class Gemini:
         self.stats.commit_s_last = time.perf_counter() - t0
         with self._lock:
             self._own_step[k] = header.step
+            self._committed_at[k] = time.monotonic()
             if self.certifier is not None and self.certifier(header.step):
                 slot.mark_certified(header.step)  # SCOUT agreed before the commit finished
         self.stats.captures += 1

@@ -1032,6 +1032,14 @@ class Scout:
         with self._lock:
             return step in self._agreed
 
+    def awaiting_certificate(self, step: int) -> bool:
+        """True while `step` may still be certified: its fingerprints are checked, detection is
+        running, no SDC is open and no certificate came yet (GEMINI keeps its capture meanwhile)."""
+        if not self._due(step) or self._paused() or self._closed:
+            return False
+        with self._lock:
+            return self._sdc_from is None and step not in self._agreed
+
     def seed(self, steps: set[int]) -> None:
         """Certificates carried over from the previous generation (steps at or before the restored one)."""
         with self._lock:

@@ -142,3 +142,45 @@ def test_replica_slots_keep_the_newest_certified_copy() -> None:
         gem.certifier = None
         store_copy_of(4)
         assert sorted(gem._replica_step[0].values()) == [3, 4]
+
+
+def test_a_capture_scout_is_still_judging_is_not_overwritten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the verified capture in one slot two captures behind the other, which SCOUT has not
+    judged yet, the next capture is skipped rather than overwrite it, so a late certificate still
+    moves the verified copy forward (else it would stay at the first step ever certified). An SDC,
+    or a verdict that takes too long, ends the wait; a verified copy one capture behind never waits."""
+    import lm_resiliency.gemini.component as gemini_component
+
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with enable_resiliency(model, opt, interval=10**6, enable_detection=False) as s:
+        gem = s.gemini
+        gem.interval = 1  # captures every step, taken by hand here
+        certified: set[int] = set()
+        sdc_from = [10**9]
+        gem.certifier = lambda step: step in certified
+        gem.awaiting = lambda step: step not in certified and step < sdc_from[0]
+
+        def capture(step: int) -> bool:
+            taken = gem.capture(step)
+            assert gem.drain(10)
+            return taken
+
+        def held() -> list[int]:
+            return sorted(gem._own_step.values())
+
+        assert capture(1) and capture(2)
+        certified.add(1)
+        assert capture(3) and held() == [1, 3]  # 1 is one capture behind 2: no wait
+        assert not capture(4) and held() == [1, 3]  # 2 behind 3, which awaits its verdict: skipped
+        assert gem.stats.skipped_awaiting_verdict == 1
+        certified.add(3)  # the certificate came late, and still found its capture
+        assert capture(5) and held() == [3, 5]
+        assert not capture(6) and held() == [3, 5]
+        sdc_from[0] = 5  # SDC at 5: nothing from it on will be certified, no need to wait
+        assert capture(7) and held() == [3, 7]
+        assert capture(8) and held() == [3, 8]
+        sdc_from[0] = 10**9
+        monkeypatch.setattr(gemini_component, "VERDICT_WAIT_S", 0.0)  # a verdict that never comes
+        assert capture(9) and held() == [3, 9]
+        assert gem.stats.skipped_awaiting_verdict == 2
