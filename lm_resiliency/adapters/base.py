@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -69,6 +70,13 @@ def uncompiled(module: Any) -> Any:
     while type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod"):
         module = module._orig_mod
     return module
+
+
+def zero_partition(optimizer: Any) -> Any | None:
+    """A ZeroRedundancyOptimizer's wrapped optimizer, which holds this rank's partition of the state
+    (the wrapper's own `state_dict()` needs a collective consolidation first); None for others."""
+    zero = getattr(sys.modules.get("torch.distributed.optim"), "ZeroRedundancyOptimizer", None)
+    return optimizer.optim if zero is not None and isinstance(optimizer, zero) else None
 
 
 def is_compiled(module: Any) -> bool:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
 import torch
 
-from lm_resiliency.adapters.base import uncompiled
+from lm_resiliency.adapters.base import uncompiled, zero_partition
 
 __all__ = ["LocalShard", "TensorSpec", "apply_state", "collect_state", "flatten", "materialize", "unflatten"]
 
@@ -66,6 +66,14 @@ def _rebuild(value: LocalShard, template: Any, where: str) -> Any:
         shape=template.shape,
         stride=template.stride(),
     )
+
+
+def _holder(optimizer: Any) -> Any:
+    """The optimizer whose `state_dict()` a capture takes: ZeRO's partition, else the optimizer."""
+    if optimizer is None:
+        return None
+    partition = zero_partition(optimizer)
+    return optimizer if partition is None else partition
 
 
 def _resolve_shards(state: dict[str, Any], model: torch.nn.Module, optimizer: Any) -> None:
@@ -127,6 +135,7 @@ def materialize(state: dict[str, Any], model: torch.nn.Module, optimizer: Any) -
     of one copy: the model's tensors stay views (`load_state_dict` copies them into the parameters),
     optimizer state is copied into the live optimizer's tensors where they exist (a resumed process
     that already stepped), and everything else is cloned."""
+    optimizer = _holder(optimizer)
     for key in list(state):
         if key not in ("model", "optimizer"):
             state[key] = _clone_tree(state[key])
@@ -176,7 +185,14 @@ def collect_state(
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["rng"]["cuda"] = torch.cuda.get_rng_state_all()
     if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
+        # ZeRO: this rank's partition, which every restart of this rank restores (the partition is a
+        # function of the parameters and the world size), and the wrapper's hyperparameters, which a
+        # scheduler sets and the step hands to the partition.
+        state["optimizer"] = _holder(optimizer).state_dict()
+        if zero_partition(optimizer) is not None:
+            state["zero_param_groups"] = [
+                {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+            ]
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     if extra_state_fn is not None:
@@ -192,10 +208,21 @@ def apply_state(
     load_extra_state_fn: Callable[[Any], None] | None,
 ) -> None:
     model = uncompiled(model)
-    _resolve_shards(state, model, optimizer)
+    _resolve_shards(state, model, _holder(optimizer))
     model.load_state_dict(state["model"])
     if optimizer is not None and "optimizer" in state:
-        optimizer.load_state_dict(state["optimizer"])
+        partition = zero_partition(optimizer)
+        if (partition is None) != ("zero_param_groups" not in state):
+            raise ValueError(
+                "optimizer: the checkpoint was taken with"
+                + (" a ZeroRedundancyOptimizer" if partition is None else "out ZeroRedundancyOptimizer")
+                + f", the live optimizer is {type(optimizer).__name__}"
+            )
+        _holder(optimizer).load_state_dict(state["optimizer"])
+        if partition is not None:
+            for group, saved in zip(optimizer.param_groups, state["zero_param_groups"], strict=True):
+                group.update(saved)
+            cast(Any, optimizer)._sync_param_groups(optimizer.param_groups, partition.param_groups)
     if scheduler is not None and "scheduler" in state:
         scheduler.load_state_dict(state["scheduler"])
     rng = state["rng"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from lm_resiliency.adapters.base import is_dtensor
+from lm_resiliency.adapters.base import is_dtensor, zero_partition
 from lm_resiliency.scout.fingerprint import fingerprint
 
 __all__ = ["ReplayRecord", "ReplayRecorder", "pack_contributions", "replay_grads", "replay_params"]
@@ -95,6 +95,8 @@ class ReplayRecorder:
         problem = ""
         if any(is_dtensor(p) for p in mparams):
             problem = "DTensor parameters are not replayed"
+        elif zero_partition(opt) is not None:
+            problem = "ZeroRedundancyOptimizer shards the optimizer state over the replicas: not replayed"
         elif any(id(p) not in where for p in oparams):
             problem = "the optimizer holds parameters that are not the model's"
         record = ReplayRecord(

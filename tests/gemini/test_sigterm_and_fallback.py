@@ -184,3 +184,60 @@ def test_a_capture_scout_is_still_judging_is_not_overwritten(monkeypatch: pytest
         monkeypatch.setattr(gemini_component, "VERDICT_WAIT_S", 0.0)  # a verdict that never comes
         assert capture(9) and held() == [3, 9]
         assert gem.stats.skipped_awaiting_verdict == 2
+
+
+def test_zero_redundancy_optimizer_partition_restores_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZeRO-1 (`ZeroRedundancyOptimizer`): its `state_dict()` needs a collective consolidation, so
+    a capture takes this rank's partition and the wrapper's hyperparameters (a scheduler's lr), and
+    a restart restores both bitwise. A checkpoint restored into the other kind of optimizer is
+    refused, naming both."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from lm_resiliency.gemini.state import apply_state, collect_state
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    try:
+
+        def make() -> tuple[nn.Module, ZeroRedundancyOptimizer, torch.optim.lr_scheduler.LambdaLR]:
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 4))
+            o = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
+            return m, o, torch.optim.lr_scheduler.LambdaLR(o, lambda i: 0.9**i)
+
+        def train(s, m, o, sched, upto: int) -> None:  # type: ignore[no-untyped-def]
+            for step in range(s.step_count + 1, upto + 1):
+                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+                (m(x) - x).pow(2).mean().backward()
+                o.step()
+                sched.step()
+                o.zero_grad()
+
+        m, o, sched = make()
+        with enable_resiliency(m, o, opt_param_scheduler=sched, interval=1) as s:
+            train(s, m, o, sched, 6)
+        want = [p.detach().clone() for p in m.parameters()] + [o.optim.state_dict()["state"][0]["exp_avg"]]
+        m, o, sched = make()
+        with enable_resiliency(m, o, opt_param_scheduler=sched, interval=1) as s:
+            train(s, m, o, sched, 3)
+            assert s.gemini.drain(10) and s.gemini.stats.capture_failures == 0
+            expected = s.gemini.newest_recoverable_step("latest")
+            assert expected >= 2
+        monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
+        m, o, sched = make()
+        with enable_resiliency(m, o, opt_param_scheduler=sched, interval=1) as s:
+            assert s.recovered_step == expected
+            assert o.param_groups[0]["lr"] == pytest.approx(0.01 * 0.9**expected)
+            train(s, m, o, sched, 6)
+        got = [p.detach() for p in m.parameters()] + [o.optim.state_dict()["state"][0]["exp_avg"]]
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+        state = collect_state(m, o, None, None, 6)
+        plain = torch.optim.AdamW(m.parameters(), lr=0.01)
+        with pytest.raises(ValueError, match="with a ZeroRedundancyOptimizer, the live optimizer is AdamW"):
+            apply_state(state, m, plain, None, None)
+    finally:
+        dist.destroy_process_group()
