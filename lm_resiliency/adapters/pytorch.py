@@ -6,7 +6,7 @@ only along them hold identical shards, and every rank of the mesh is a peer (sam
 collectives: step times, stalls and hangs are compared across it).
 `parallelism_info={"replica_group": [...], "peer_group": [...], "dims": {...}}` overrides what we
 read. A plain module with no DDP and no DTensor is its own replica group unless `group` names its
-data-parallel peers.
+data-parallel peers; the module a DDP wraps, passed instead of the DDP, is treated as the DDP.
 
 Hooks: a forward pre-hook marks the start of compute, an optimizer pre/post step hook marks the
 optimizer phase and the step boundary, and for DDP a comm hook that averages gradients like DDP but
@@ -50,6 +50,11 @@ class PyTorchAdapter:
         self.model = model
         self.optimizer = optimizer
         self.group = group
+        self._ddp = _find_ddp(uncompiled(model))
+        if self._ddp is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._ddp = _wrapping_ddp(model)
+            if self._ddp is not None:
+                log.info("the model passed is wrapped by DistributedDataParallel: its replicas are used")
         self.parallelism_info = dict(parallelism_info or {})
         self._time_comm = time_comm
         self._handles: list[Any] = []
@@ -103,7 +108,7 @@ class PyTorchAdapter:
                     )
             replicated = tuple(info.get("replicated_dims", ()))
             return AdapterTopology(group, dims, replicated, "parallelism_info", peers)
-        ddp = _find_ddp(uncompiled(self.model))
+        ddp = self._ddp
         if ddp is not None and dist.is_initialized():
             pg = getattr(ddp, "process_group", None) or dist.group.WORLD
             ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
@@ -129,7 +134,7 @@ class PyTorchAdapter:
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre))
             self._handles.append(self.optimizer.register_step_post_hook(self._opt_post))
-        ddp = _find_ddp(uncompiled(self.model))  # hooks above stay on the compiled wrapper: eager
+        ddp = self._ddp  # hooks above stay on the compiled wrapper: eager
         if ddp is not None and self._time_comm:
             if getattr(ddp, "_comm_hooks", None):
                 log.info("DDP model already has a comm hook; communication time will not be measured")
@@ -296,6 +301,24 @@ def _find_ddp(model: nn.Module) -> Any:
     from torch.nn.parallel import DistributedDataParallel
 
     return model if isinstance(model, DistributedDataParallel) else None
+
+
+def _wrapping_ddp(model: nn.Module) -> Any:
+    """The DistributedDataParallel wrapping `model`, when the caller passed the module DDP wraps
+    (DDP holds it in its `_modules` dict): its replicas are the job's, and its gradients must be
+    averaged by our comm hook for a resumed run to be bitwise the uninterrupted one. Looked up once,
+    among the objects the garbage collector tracks (a module does not know its wrapper)."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    targets = (model, uncompiled(model))
+    for obj in gc.get_objects():
+        # type(), not isinstance(): DDP is an ABC, whose instance check reads `obj.__class__`, and
+        # some objects warn when touched (torch.distributed's deprecated `reduce_op`).
+        if issubclass(type(obj), DistributedDataParallel) and any(obj.module is t for t in targets):
+            return obj
+    return None
 
 
 def _mesh_topology(model: nn.Module, rank: int) -> AdapterTopology | None:

@@ -71,20 +71,32 @@ def _kinds(res: dict) -> list[tuple[str, list[int]]]:
 
 
 @pytest.mark.parametrize(
-    ("world", "culprit", "reason", "clip"),
+    ("world", "culprit", "reason", "clip", "inner"),
     [
-        (4, 2, "grads_fingerprint_minority", False),
-        (2, 1, "grads_replay_mismatch", False),
-        (2, 0, "grads_replay_mismatch", True),
+        (4, 2, "grads_fingerprint_minority", False, False),
+        (2, 1, "grads_replay_mismatch", False, False),
+        (2, 0, "grads_replay_mismatch", True, False),
+        (2, 1, "grads_replay_mismatch", False, True),
     ],
-    ids=["majority-of-4", "replay-of-2", "replay-of-2-clipped"],
+    ids=["majority-of-4", "replay-of-2", "replay-of-2-clipped", "replay-of-2-inner-module-passed"],
 )
 def test_bit_flip_in_a_gradient_after_reduction_is_named_sdc_and_not_certified(
-    processes, tmp_path: Path, world: int, culprit: int, reason: str, clip: bool
+    processes, tmp_path: Path, world: int, culprit: int, reason: str, clip: bool, inner: bool
 ) -> None:  # type: ignore[no-untyped-def]
     """Four replicas outvote the corrupted one; two cannot, so the step is replayed: the reduction
-    is recomputed from both ranks' contributions and the rank that held other gradients is named."""
-    results, _ = _run(processes, tmp_path, "sdc", steps=12, culprit=culprit, at=6, world=world, clip=clip)
+    is recomputed from both ranks' contributions and the rank that held other gradients is named.
+    A caller that passes the module DDP wraps (not the DDP) gets the same: its wrapper is found."""
+    results, _ = _run(
+        processes,
+        tmp_path,
+        "sdc",
+        steps=12,
+        culprit=culprit,
+        at=6,
+        world=world,
+        clip=clip,
+        extra={"PASS_INNER": "1"} if inner else None,
+    )
     for res in results:
         sdc = [f for f in res["faults"] if f["kind"] == "sdc"]
         assert sdc and sdc[0]["failed_ranks"] == [culprit] and sdc[0]["steps"] == [6], res["faults"]

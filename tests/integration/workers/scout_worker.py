@@ -113,7 +113,7 @@ def main() -> int:
             write_result()  # this rank's training thread is stuck in the collective: report from here
 
     session = enable_resiliency(
-        model,
+        inner if os.environ.get("PASS_INNER") == "1" else model,  # the module DDP wraps: found
         opt,
         interval=1,
         enable_checkpoint=scenario == "sdc",
