@@ -113,7 +113,8 @@ class PyTorchAdapter:
             pg = getattr(ddp, "process_group", None) or dist.group.WORLD
             ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
             return AdapterTopology(ranks, {"dp": ranks}, ("dp",), "ddp")
-        mesh_topo = _mesh_topology(uncompiled(self.model), rank)
+        module = uncompiled(self.model)
+        mesh_topo = _mesh_topology(module, rank) or _fsdp1_topology(module, rank)
         if mesh_topo is not None:
             return mesh_topo
         if self.group is not None and dist.is_initialized():
@@ -319,6 +320,28 @@ def _wrapping_ddp(model: nn.Module) -> Any:
         if issubclass(type(obj), DistributedDataParallel) and any(obj.module is t for t in targets):
             return obj
     return None
+
+
+def _fsdp1_topology(model: nn.Module, rank: int) -> AdapterTopology | None:
+    """FullyShardedDataParallel (FSDP1): every rank of its process group runs the same layers on its
+    own shard of the flat parameters (peers: step times, stalls and hangs compared); only hybrid
+    sharding's replicas of one shard (its inter-node group) hold the same state."""
+    if not dist.is_initialized():
+        return None
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return None
+    root = next((m for m in model.modules() if isinstance(m, FullyShardedDataParallel)), None)
+    if root is None:
+        return None
+    shard = tuple(sorted(dist.get_process_group_ranks(root.process_group)))
+    inter = getattr(root, "_inter_node_pg", None)
+    if inter is None:
+        return AdapterTopology((rank,), {"shard": shard}, (), "fsdp", shard)
+    replicas = tuple(sorted(dist.get_process_group_ranks(inter)))
+    peers = tuple(range(dist.get_world_size()))  # every replica of every shard runs the same layers
+    return AdapterTopology(replicas, {"shard": shard, "replicate": replicas}, ("replicate",), "fsdp", peers)
 
 
 def _mesh_topology(model: nn.Module, rank: int) -> AdapterTopology | None:

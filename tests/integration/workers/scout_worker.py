@@ -11,8 +11,8 @@ REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
 SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
 default 10), LOADER_S (dataloader_latency_threshold_s; default 10),
 WRAP (ddp | plain: no DDP, this script all-reduces the gradients after backward | fsdp2: every layer
-sharded with `fully_shard` | tp: tensor parallel over the 4 ranks, column- then row-wise, every rank
-fed the same batch).
+sharded with `fully_shard` | fsdp1: FullyShardedDataParallel | tp: tensor parallel over the 4 ranks,
+column- then row-wise, every rank fed the same batch).
 Faults are injected by this script, never told to SCOUT. Writes RESULT_DIR/rank<r>.json with every
 fault report and the step at which this rank first saw it.
 """
@@ -74,6 +74,11 @@ def main() -> int:
 
         for layer in (inner[0], inner[2], inner):
             fully_shard(layer)
+    if os.environ.get("WRAP") == "fsdp1":  # FullyShardedDataParallel: flat parameters, no DTensor
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(inner, device_id=torch.device("cpu"))
+        sharded = True
     tensor_parallel = os.environ.get("WRAP") == "tp"
     if tensor_parallel:  # DTensor's functional collectives: the row-wise layer's output all-reduce
         from torch.distributed.device_mesh import init_device_mesh
