@@ -1,4 +1,4 @@
-"""The PyTorch adapter: DDP, FSDP2, HSDP and DeviceMesh-based TP/PP/EP.
+"""The PyTorch adapter: DDP, FSDP2, HSDP, FSDP1 and DeviceMesh-based TP/PP/EP.
 
 Topology: a DDP model's process group is one replica group. For DTensor parameters (FSDP2, HSDP, TP)
 the mesh dimensions on which every parameter is `Replicate()` are replica dimensions; ranks that differ
