@@ -189,6 +189,19 @@ def enable_resiliency(
             "sees none: no captures, no per-step checks (liveness only). Pass the optimizer.",
             stacklevel=2,
         )
+    if optimizer is not None and opt_param_scheduler is None:
+        from lm_resiliency.adapters.pytorch import find_scheduler
+
+        opt_param_scheduler, found = find_scheduler(optimizer)
+        if opt_param_scheduler is not None:
+            log.info("captured with the optimizer: its %s (opt_param_scheduler)", found[0])
+        elif found:
+            warnings.warn(
+                f"enable_resiliency: several schedulers step this optimizer ({', '.join(found)}) and "
+                "none was passed as opt_param_scheduler: none is captured, so a restart resets the "
+                "learning rate. Pass the one you step.",
+                stacklevel=2,
+            )
     adapter = PyTorchAdapter(model, optimizer, group=group, parallelism_info=parallelism_info)
     session = Session(
         adapter=adapter,

@@ -344,6 +344,28 @@ def _fsdp1_topology(model: nn.Module, rank: int) -> AdapterTopology | None:
     return AdapterTopology(replicas, {"shard": shard, "replicate": replicas}, ("replicate",), "fsdp", peers)
 
 
+def find_scheduler(optimizer: Any) -> tuple[Any, list[str]]:
+    """The learning-rate scheduler stepping `optimizer`, when the caller did not pass one: (the one,
+    or None, and the names of all found). A scheduler's state (its step count) is training state: a
+    restart without it sets the learning rate back to the schedule's start. Looked up once among the
+    objects the garbage collector tracks; schedulers inside a SequentialLR or ChainedScheduler count
+    as that one."""
+    import gc
+
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    kinds = (LRScheduler, ReduceLROnPlateau)
+    found = [
+        obj
+        for obj in gc.get_objects()
+        if issubclass(type(obj), kinds) and getattr(obj, "optimizer", None) is optimizer
+    ]
+    inner = {id(child) for obj in found for child in getattr(obj, "_schedulers", ())}
+    outer = [obj for obj in found if id(obj) not in inner]
+    names = [type(obj).__name__ for obj in outer]
+    return (outer[0] if len(outer) == 1 else None), names
+
+
 def _mesh_topology(model: nn.Module, rank: int) -> AdapterTopology | None:
     """Replica group from DTensor parameters: ranks equal to ours on every non-replicated mesh dim."""
     try:

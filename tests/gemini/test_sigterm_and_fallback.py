@@ -241,3 +241,53 @@ def test_zero_redundancy_optimizer_partition_restores_bitwise(monkeypatch: pytes
             apply_state(state, m, plain, None, None)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_scheduler_not_passed_is_found_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler stepping the optimizer but not passed as opt_param_scheduler is still training
+    state: it is found, captured and restored (else a restart resets the learning rate). One made of
+    others (SequentialLR) counts as one; two independent ones are ambiguous: a warning, none taken."""
+    from lm_resiliency.adapters.pytorch import find_scheduler
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+        torch.manual_seed(0)
+        m = nn.Linear(4, 4)
+        o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        return m, o, torch.optim.lr_scheduler.LambdaLR(o, lambda i: 0.5**i)
+
+    def train(s, m, o, sched, upto: int) -> None:  # type: ignore[no-untyped-def]
+        for step in range(s.step_count + 1, upto + 1):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            (m(x) - x).pow(2).mean().backward()
+            o.step()
+            sched.step()
+            o.zero_grad()
+
+    m, o, sched = make()
+    with enable_resiliency(m, o, interval=1) as s:
+        train(s, m, o, sched, 5)
+    want = [p.detach().clone() for p in m.parameters()]
+    m, o, sched = make()
+    with enable_resiliency(m, o, interval=1) as s:
+        train(s, m, o, sched, 3)
+        assert s.gemini.drain(10)
+        expected = s.gemini.newest_recoverable_step("latest")
+    monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
+    m, o, sched = make()
+    with enable_resiliency(m, o, interval=1) as s:
+        assert s.recovered_step == expected >= 2
+        assert sched.last_epoch == expected and o.param_groups[0]["lr"] == 0.1 * 0.5**expected
+        train(s, m, o, sched, 5)
+    assert all(torch.equal(a, b) for a, b in zip(want, m.parameters(), strict=True))
+
+    o = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    warm = torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=2)
+    decay = torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9)
+    seq = torch.optim.lr_scheduler.SequentialLR(o, [warm, decay], milestones=[2])
+    assert find_scheduler(o) == (seq, ["SequentialLR"])
+    o = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    a, b = (torch.optim.lr_scheduler.StepLR(o, 1), torch.optim.lr_scheduler.StepLR(o, 2))
+    assert find_scheduler(o) == (None, ["StepLR", "StepLR"])
+    with pytest.warns(UserWarning, match=r"several schedulers step this optimizer \(StepLR, StepLR\)"):
+        enable_resiliency(nn.Linear(2, 2), o, enable_checkpoint=False, enable_detection=False).close()
+    del a, b
