@@ -4,9 +4,10 @@
   (Linux parent-death signal; a worker whose agent is already gone exits at once).
 - Zero-import instrumentation: with a worker policy (`LM_RESILIENCY_WORKER_CONFIG`), an unmodified
   DDP script is instrumented without calling `enable_resiliency`. When torch is imported, the
-  optimizers and LR schedulers the script creates are noted; at the first forward of a
-  DistributedDataParallel model (the loop has begun; its optimizer and scheduler exist), the session
-  is enabled with the policy's settings, which restores the recovered step before that forward runs.
+  optimizers the script creates are noted; at the first forward of a data-parallel model (a
+  DistributedDataParallel, or the outermost FullyShardedDataParallel or `fully_shard`ed module: the
+  loop has begun; its optimizer and scheduler exist), the session is enabled with the policy's
+  settings, which restores the recovered step before that forward runs.
   A script that calls `enable_resiliency` itself is left alone. `LM_RESILIENCY_AUTO_INSTRUMENT=0`
   turns it off.
 """
@@ -96,56 +97,68 @@ def instrument_on_torch_import(policy_path: str) -> None:
         sys.meta_path.insert(0, _AfterImport("torch", lambda: auto_instrument(policy_path)))
 
 
+def _data_parallel(module: Any, outermost: bool) -> bool:
+    """Whether `module` is the model a loop trains data-parallel: a DistributedDataParallel, or when
+    no other module's forward is running, a FullyShardedDataParallel or an FSDP2 (`fully_shard`)
+    module (those wrap the inner units too; the outermost is the model)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        return True
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    names = ("FullyShardedDataParallel", "FSDPModule")
+    kinds = tuple(k for k in (getattr(fsdp, n, None) for n in names) if k is not None)
+    return outermost and bool(kinds) and isinstance(module, kinds)
+
+
 def auto_instrument(policy_path: str) -> None:
-    """Note optimizers and schedulers; enable the session at a DDP model's first forward."""
+    """Note optimizers; enable the session at a data-parallel model's first forward."""
     import weakref
 
     import torch
-    from torch.nn.modules.module import register_module_forward_pre_hook
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
     optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
-    schedulers: weakref.WeakSet[Any] = weakref.WeakSet()
     opt_init = torch.optim.Optimizer.__init__
-    sched_init = torch.optim.lr_scheduler.LRScheduler.__init__
 
     def noting_opt_init(self: Any, *args: Any, **kwargs: Any) -> None:
         opt_init(self, *args, **kwargs)
         optimizers.add(self)
 
-    def noting_sched_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        sched_init(self, *args, **kwargs)
-        schedulers.add(self)
-
     torch.optim.Optimizer.__init__ = noting_opt_init  # type: ignore[method-assign]
-    torch.optim.lr_scheduler.LRScheduler.__init__ = noting_sched_init  # type: ignore[method-assign]
-    state: dict[str, Any] = {"done": False, "handle": None}
+    state: dict[str, Any] = {"done": False, "handles": [], "depth": 0}
 
     def first_forward(module: Any, args: Any) -> None:
-        if state["done"] or not isinstance(module, DistributedDataParallel):
+        state["depth"] += 1
+        if state["done"] or not _data_parallel(module, outermost=state["depth"] == 1):
             return
         state["done"] = True
+        # The hook lists were copied for this call: removing ours now is safe.
+        for handle in state["handles"]:
+            handle.remove()
         if getattr(module, "_lm_resiliency_session", None) is not None:
             return  # the script enabled it itself
         ids = {id(p) for p in module.parameters()}
         opt = next(
             (o for o in optimizers if ids & {id(p) for g in o.param_groups for p in g["params"]}), None
         )
-        sched = next((s for s in schedulers if opt is not None and s.optimizer is opt), None)
         from lm_resiliency.api import enable_resiliency
         from lm_resiliency.config import load_policy, policy_kwargs
 
-        session = enable_resiliency(
-            module, opt, opt_param_scheduler=sched, **policy_kwargs(load_policy(policy_path))
-        )
+        # The scheduler stepping `opt` is found by enable_resiliency (a SequentialLR as one).
+        session = enable_resiliency(module, opt, **policy_kwargs(load_policy(policy_path)))
         sys.stderr.write(
             f"lm_resiliency: instrumented automatically (rank {session.rank}, "
             f"resumed at step {session.step_count})\n"
         )
-        # The hook list was copied for this call: removing ours now is safe.
-        state["handle"].remove()
 
-    state["handle"] = register_module_forward_pre_hook(first_forward)
+    def after_forward(module: Any, args: Any, output: Any) -> None:
+        state["depth"] -= 1
+
+    state["handles"] = [
+        register_module_forward_pre_hook(first_forward),
+        register_module_forward_hook(after_forward, always_call=True),
+    ]
 
 
 def chain_next_sitecustomize(ours: str) -> None:

@@ -232,15 +232,17 @@ def test_a_node_with_a_different_policy_is_refused(processes, tmp_path) -> None:
     assert job.procs[0].wait(timeout=200) == 0, job.logs()
 
 
-def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, tmp_path, wrap: str) -> None:  # type: ignore[no-untyped-def]
+    """DDP, or FSDP2 (`fully_shard`); its SequentialLR, which it never names to us, is restored too."""
     policy = tmp_path / "policy.toml"
     policy.write_text("schema_version = 1\ninterval = 1\n[checkpoint]\ndisk_flush_interval = 1000\n")
     script = "tests/integration/workers/plain_ddp.py"
     base = Job(processes, tmp_path, "plain-base", nodes=2, worker=script)
-    base.start(policies=[str(policy)] * 2)
+    base.start({"WRAP": wrap}, policies=[str(policy)] * 2)
     base.wait()
     job = Job(processes, tmp_path, "plain", worker=script)
-    job.start({"FAULT": "raise"}, policies=[str(policy)] * 3)
+    job.start({"FAULT": "raise", "WRAP": wrap}, policies=[str(policy)] * 3)
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1] and gens[1]["instrumented"], job.logs()

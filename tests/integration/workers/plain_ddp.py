@@ -1,5 +1,6 @@
-"""An unmodified DDP script: it never imports lm_resiliency. Under the backend with a worker policy
-it is instrumented automatically; it reads only the step to resume at (its data position).
+"""An unmodified DDP (or, with WRAP=fsdp2, FSDP2) script: it never imports lm_resiliency. Under the
+backend with a worker policy it is instrumented automatically; it reads only the step to resume at
+(its data position).
 
 In generation 0, rank 1 raises an uncaught RuntimeError after step 10 when FAULT=raise."""
 
@@ -15,9 +16,19 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 gen = int(os.environ.get("LM_RESILIENCY_GENERATION", "0"))
 torch.manual_seed(0)
-model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)))
+net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+if os.environ.get("WRAP") == "fsdp2":  # every layer and the root sharded with fully_shard
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (net[0], net[2], net):
+        fully_shard(layer)
+    model: nn.Module = net
+else:
+    model = nn.parallel.DistributedDataParallel(net)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=3)
+decay = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+sched = torch.optim.lr_scheduler.SequentialLR(opt, [warm, decay], milestones=[3])
 start = int(os.environ.get("LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", "0"))
 out = os.environ["OUT"]
 if rank == 0:
@@ -32,8 +43,12 @@ for step in range(start + 1, 25):
     sched.step()
     if os.environ.get("FAULT") == "raise" and gen == 0 and rank == 1 and step == 10:
         raise RuntimeError("injected: the loss diverged at step 10")
+# Whole tensors (an FSDP2 shard's full_tensor() is a collective: every rank takes part).
+final = {
+    k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in model.state_dict().items()
+}
 if rank == 0:
-    torch.save({k: v.clone() for k, v in model.state_dict().items()}, out)
+    torch.save(final, out)
     with open(f"{out}.gen{gen}.json", "w") as f:
         context = os.environ.get("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT")
         instrumented = "lm_resiliency" in sys.modules
