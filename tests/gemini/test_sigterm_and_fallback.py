@@ -186,6 +186,16 @@ def test_a_capture_scout_is_still_judging_is_not_overwritten(monkeypatch: pytest
         assert gem.stats.skipped_awaiting_verdict == 2
 
 
+def _train_scheduled(s, m, o, sched, upto: int) -> None:  # type: ignore[no-untyped-def]
+    """Steps after the session's count up to `upto`: batch by step, optimizer then scheduler."""
+    for step in range(s.step_count + 1, upto + 1):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        (m(x) - x).pow(2).mean().backward()
+        o.step()
+        sched.step()
+        o.zero_grad()
+
+
 def test_zero_redundancy_optimizer_partition_restores_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
     """ZeRO-1 (`ZeroRedundancyOptimizer`): its `state_dict()` needs a collective consolidation, so
     a capture takes this rank's partition and the wrapper's hyperparameters (a scheduler's lr), and
@@ -208,21 +218,13 @@ def test_zero_redundancy_optimizer_partition_restores_bitwise(monkeypatch: pytes
             o = ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=0.01)
             return m, o, torch.optim.lr_scheduler.LambdaLR(o, lambda i: 0.9**i)
 
-        def train(s, m, o, sched, upto: int) -> None:  # type: ignore[no-untyped-def]
-            for step in range(s.step_count + 1, upto + 1):
-                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
-                (m(x) - x).pow(2).mean().backward()
-                o.step()
-                sched.step()
-                o.zero_grad()
-
         m, o, sched = make()
         with enable_resiliency(m, o, opt_param_scheduler=sched, interval=1) as s:
-            train(s, m, o, sched, 6)
+            _train_scheduled(s, m, o, sched, 6)
         want = [p.detach().clone() for p in m.parameters()] + [o.optim.state_dict()["state"][0]["exp_avg"]]
         m, o, sched = make()
         with enable_resiliency(m, o, opt_param_scheduler=sched, interval=1) as s:
-            train(s, m, o, sched, 3)
+            _train_scheduled(s, m, o, sched, 3)
             assert s.gemini.drain(10) and s.gemini.stats.capture_failures == 0
             expected = s.gemini.newest_recoverable_step("latest")
             assert expected >= 2
@@ -231,7 +233,7 @@ def test_zero_redundancy_optimizer_partition_restores_bitwise(monkeypatch: pytes
         with enable_resiliency(m, o, opt_param_scheduler=sched, interval=1) as s:
             assert s.recovered_step == expected
             assert o.param_groups[0]["lr"] == pytest.approx(0.01 * 0.9**expected)
-            train(s, m, o, sched, 6)
+            _train_scheduled(s, m, o, sched, 6)
         got = [p.detach() for p in m.parameters()] + [o.optim.state_dict()["state"][0]["exp_avg"]]
         assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
@@ -255,21 +257,13 @@ def test_a_scheduler_not_passed_is_found_and_restored(monkeypatch: pytest.Monkey
         o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
         return m, o, torch.optim.lr_scheduler.LambdaLR(o, lambda i: 0.5**i)
 
-    def train(s, m, o, sched, upto: int) -> None:  # type: ignore[no-untyped-def]
-        for step in range(s.step_count + 1, upto + 1):
-            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
-            (m(x) - x).pow(2).mean().backward()
-            o.step()
-            sched.step()
-            o.zero_grad()
-
     m, o, sched = make()
     with enable_resiliency(m, o, interval=1) as s:
-        train(s, m, o, sched, 5)
+        _train_scheduled(s, m, o, sched, 5)
     want = [p.detach().clone() for p in m.parameters()]
     m, o, sched = make()
     with enable_resiliency(m, o, interval=1) as s:
-        train(s, m, o, sched, 3)
+        _train_scheduled(s, m, o, sched, 3)
         assert s.gemini.drain(10)
         expected = s.gemini.newest_recoverable_step("latest")
     monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
@@ -277,7 +271,7 @@ def test_a_scheduler_not_passed_is_found_and_restored(monkeypatch: pytest.Monkey
     with enable_resiliency(m, o, interval=1) as s:
         assert s.recovered_step == expected >= 2
         assert sched.last_epoch == expected and o.param_groups[0]["lr"] == 0.1 * 0.5**expected
-        train(s, m, o, sched, 5)
+        _train_scheduled(s, m, o, sched, 5)
     assert all(torch.equal(a, b) for a, b in zip(want, m.parameters(), strict=True))
 
     o = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
