@@ -180,6 +180,7 @@ class RankRuntime:
         self._outbox: deque[tuple[int | None, Message]] = deque()
         self._wake_pending = False
         self._lingering = False  # the publisher sends what is submitted at the end of its linger
+        self._draining = asyncio.Lock()
         self._holder: int | None = None  # the thread inside `hold()`
         self._wake: asyncio.Event | None = None
         self._step = 0
@@ -541,6 +542,10 @@ class RankRuntime:
                 self._lingering = False  # before the outbox is looked at again: see _kick
 
     async def _drain_outbox(self) -> None:
+        async with self._draining:  # the publisher's and close()'s, one after the other: in order
+            await self._drain_outbox_locked()
+
+    async def _drain_outbox_locked(self) -> None:
         while self._outbox:
             peer, msg = self._outbox.popleft()
             if peer is not None:
