@@ -93,6 +93,39 @@ class SessionComponent(Protocol):
     def close(self) -> None: ...
 
 
+def _scheduler_of(optimizer: Any, given: Any) -> Any:
+    """The scheduler to capture with `optimizer`: the one given, or the one found stepping it. One
+    given that is part of a SequentialLR or ChainedScheduler is replaced by that one, whose state
+    holds the schedule's position (and whose step() the loop calls)."""
+    from lm_resiliency.adapters.pytorch import find_scheduler
+
+    if given is not None and not hasattr(given, "state_dict"):
+        return given  # not a torch scheduler: taken as given
+    found, outer = find_scheduler(optimizer)
+    if given is None:
+        if found is not None:
+            log.info("captured with the optimizer: its %s (opt_param_scheduler)", type(found).__name__)
+        elif outer:
+            warnings.warn(
+                "enable_resiliency: several schedulers step this optimizer "
+                f"({', '.join(type(o).__name__ for o in outer)}) and none was passed as "
+                "opt_param_scheduler: none is captured, so a restart resets the learning rate. "
+                "Pass the one you step.",
+                stacklevel=3,
+            )
+        return found
+    parent = next((o for o in outer if any(c is given for c in getattr(o, "_schedulers", ()))), None)
+    if parent is None:
+        return given
+    warnings.warn(
+        f"enable_resiliency: opt_param_scheduler ({type(given).__name__}) is part of a "
+        f"{type(parent).__name__} that steps this optimizer: that one is captured instead (its state "
+        "holds the schedule's position).",
+        stacklevel=3,
+    )
+    return parent
+
+
 def enable_resiliency(
     model: Any,
     optimizer: Any = None,
@@ -189,19 +222,8 @@ def enable_resiliency(
             "sees none: no captures, no per-step checks (liveness only). Pass the optimizer.",
             stacklevel=2,
         )
-    if optimizer is not None and opt_param_scheduler is None:
-        from lm_resiliency.adapters.pytorch import find_scheduler
-
-        opt_param_scheduler, found = find_scheduler(optimizer)
-        if opt_param_scheduler is not None:
-            log.info("captured with the optimizer: its %s (opt_param_scheduler)", found[0])
-        elif found:
-            warnings.warn(
-                f"enable_resiliency: several schedulers step this optimizer ({', '.join(found)}) and "
-                "none was passed as opt_param_scheduler: none is captured, so a restart resets the "
-                "learning rate. Pass the one you step.",
-                stacklevel=2,
-            )
+    if optimizer is not None:
+        opt_param_scheduler = _scheduler_of(optimizer, opt_param_scheduler)
     adapter = PyTorchAdapter(model, optimizer, group=group, parallelism_info=parallelism_info)
     session = Session(
         adapter=adapter,

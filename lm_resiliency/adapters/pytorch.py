@@ -344,12 +344,11 @@ def _fsdp1_topology(model: nn.Module, rank: int) -> AdapterTopology | None:
     return AdapterTopology(replicas, {"shard": shard, "replicate": replicas}, ("replicate",), "fsdp", peers)
 
 
-def find_scheduler(optimizer: Any) -> tuple[Any, list[str]]:
-    """The learning-rate scheduler stepping `optimizer`, when the caller did not pass one: (the one,
-    or None, and the names of all found). A scheduler's state (its step count) is training state: a
-    restart without it sets the learning rate back to the schedule's start. Looked up once among the
-    objects the garbage collector tracks; schedulers inside a SequentialLR or ChainedScheduler count
-    as that one."""
+def find_scheduler(optimizer: Any) -> tuple[Any, list[Any]]:
+    """The learning-rate scheduler stepping `optimizer`: (the one, or None, and all found). A
+    scheduler's state (its step count) is training state: a restart without it sets the learning
+    rate back to the schedule's start. Looked up once among the objects the garbage collector
+    tracks; schedulers inside a SequentialLR or ChainedScheduler count as that one."""
     import gc
 
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
@@ -362,8 +361,7 @@ def find_scheduler(optimizer: Any) -> tuple[Any, list[str]]:
     ]
     inner = {id(child) for obj in found for child in getattr(obj, "_schedulers", ())}
     outer = [obj for obj in found if id(obj) not in inner]
-    names = [type(obj).__name__ for obj in outer]
-    return (outer[0] if len(outer) == 1 else None), names
+    return (outer[0] if len(outer) == 1 else None), outer
 
 
 def _mesh_topology(model: nn.Module, rank: int) -> AdapterTopology | None:

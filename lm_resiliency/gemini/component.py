@@ -143,6 +143,7 @@ class Gemini:
         self.certifier: Callable[[int], bool] | None = None  # set by the session when SCOUT runs
         # SCOUT will judge this step soon (its fingerprints are due, no SDC is open): set with it.
         self.awaiting: Callable[[int], bool] | None = None
+        self._looked_for_scheduler = False  # once, at the first step: see _warn_late_scheduler
         self._committed_at: dict[int, float] = {}  # own slot index -> when its capture committed
         # Called with every new inventory (worker/receiver threads): the torchrun backend's feed.
         self.on_inventory: Callable[[GeminiInventory], None] | None = None
@@ -388,12 +389,30 @@ class Gemini:
     # iteration, for the next forward, before any parameter changes).
     def on_step(self, session: Any, times: Any) -> None:
         step = session.step_count
+        if self.scheduler is None and self.optimizer is not None and not self._looked_for_scheduler:
+            self._looked_for_scheduler = True
+            self._warn_late_scheduler()
         if step % self.interval != 0:
             return
         if self.scheduler is None:
             self._capture_from_hook(step)
         else:
             self._pending = step
+
+    def _warn_late_scheduler(self) -> None:
+        """At the first step: a scheduler made after enable_resiliency steps the optimizer, and its
+        state is not captured (a restart resets the learning rate). Said once, in the log."""
+        from lm_resiliency.adapters.pytorch import find_scheduler
+
+        _, found = find_scheduler(self.optimizer)
+        if found:
+            log.warning(
+                "rank %d: %s steps the optimizer but was made after enable_resiliency: its state is "
+                "not captured, so a restart resets the learning rate. Make it before, or pass it as "
+                "opt_param_scheduler",
+                self.rank,
+                ", ".join(type(o).__name__ for o in found),
+            )
 
     def _take_pending(self) -> None:
         step, self._pending = self._pending, None

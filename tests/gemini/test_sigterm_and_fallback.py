@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import os
 import random
 import subprocess
@@ -245,7 +246,9 @@ def test_zero_redundancy_optimizer_partition_restores_bitwise(monkeypatch: pytes
         dist.destroy_process_group()
 
 
-def test_a_scheduler_not_passed_is_found_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_scheduler_not_passed_is_found_and_restored(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A scheduler stepping the optimizer but not passed as opt_param_scheduler is still training
     state: it is found, captured and restored (else a restart resets the learning rate). One made of
     others (SequentialLR) counts as one; two independent ones are ambiguous: a warning, none taken."""
@@ -278,10 +281,24 @@ def test_a_scheduler_not_passed_is_found_and_restored(monkeypatch: pytest.Monkey
     warm = torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=2)
     decay = torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9)
     seq = torch.optim.lr_scheduler.SequentialLR(o, [warm, decay], milestones=[2])
-    assert find_scheduler(o) == (seq, ["SequentialLR"])
+    assert find_scheduler(o) == (seq, [seq])
+    with pytest.warns(UserWarning, match=r"opt_param_scheduler \(LinearLR\) is part of a SequentialLR"):
+        s = enable_resiliency(
+            nn.Linear(2, 2), o, opt_param_scheduler=warm, enable_checkpoint=False, enable_detection=False
+        )
+    s.close()
+    monkeypatch.delenv("LM_RESILIENCY_GENERATION")
+    m = nn.Linear(2, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    with enable_resiliency(m, o, interval=1, enable_detection=False) as s, caplog.at_level(logging.WARNING):
+        late = torch.optim.lr_scheduler.StepLR(o, 1)  # made after enable: said at the first step
+        m(torch.ones(1, 2)).sum().backward()
+        o.step()
+        late.step()
+    assert "StepLR steps the optimizer but was made after enable_resiliency" in caplog.text
     o = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     a, b = (torch.optim.lr_scheduler.StepLR(o, 1), torch.optim.lr_scheduler.StepLR(o, 2))
-    assert find_scheduler(o) == (None, ["StepLR", "StepLR"])
+    assert find_scheduler(o) == (None, [a, b])
     with pytest.warns(UserWarning, match=r"several schedulers step this optimizer \(StepLR, StepLR\)"):
         enable_resiliency(nn.Linear(2, 2), o, enable_checkpoint=False, enable_detection=False).close()
     del a, b
