@@ -57,8 +57,7 @@ __all__ = ["Gemini", "GeminiStats"]
 log = logging.getLogger(__name__)
 ALIGN = 64
 CAPTURE_WAIT_S = 2.0  # the longest a capture waits for a free slot before it is skipped
-# The longest a capture SCOUT is still judging is kept from being overwritten (captures skipped
-# meanwhile): see Gemini._awaiting_verdict.
+# The longest a capture waits for SCOUT's verdict on the previous one: see Gemini._judging.
 VERDICT_WAIT_S = 2.0
 Exchange = Callable[[str, bytes, float], dict[int, bytes]]
 
@@ -86,7 +85,8 @@ class _Stream:
 class GeminiStats:
     captures: int = 0
     skipped_busy: int = 0
-    skipped_awaiting_verdict: int = 0  # captures skipped so the one SCOUT was judging could stay
+    verdict_waits: int = 0  # captures that waited for SCOUT's verdict on the previous one
+    verdict_wait_s: float = 0.0  # the training thread's time in those waits, in all
     replicated: int = 0
     replication_failures: int = 0
     replicas_received: int = 0
@@ -472,6 +472,7 @@ class Gemini:
             for k, s in self._own_step.items():
                 if s == step and not self._closed:
                     self._on_own_slot(k, lambda slot: slot.mark_certified(step))
+            self._idle.notify_all()  # a capture may be waiting for this verdict
 
     def revoke(self, from_step: int) -> None:
         """SDC found at `from_step`: no capture from it on is recovery-verified any more."""
@@ -480,6 +481,7 @@ class Gemini:
             for k, s in self._own_step.items():
                 if s >= from_step and not self._closed:
                     self._on_own_slot(k, SlotFile.clear_certificate)
+            self._idle.notify_all()  # an SDC: no capture waits for a verdict any more
 
     def _on_own_slot(self, k: int, fn: Callable[[SlotFile], None]) -> None:
         """Apply `fn` to own slot `k`, mapping it for the call when this process has not yet."""
@@ -513,28 +515,25 @@ class Gemini:
             (k for k in (0, 1) if k != keep and k not in self._busy), key=lambda k: self._own_step.get(k, -1)
         )
 
-    def _awaiting_verdict(self, k: int) -> bool:
-        """Whether own slot `k`, the one a capture would overwrite, holds a capture SCOUT is still
-        judging while the recovery-verified one kept in the other slot is two captures older or
-        more (lock held).
+    def _judging(self) -> bool:
+        """Whether an own slot holds a capture SCOUT is still judging, committed less than
+        VERDICT_WAIT_S ago (lock held).
 
-        Overwriting it would keep the verified slot where it is: when certificates arrive a capture
-        or more after the step (captures every step of a fast loop, a loaded runtime thread), every
-        new capture would replace the uncertified one and the verified copy would stay at the first
-        step ever certified, and an SDC would roll the job back to it. So the capture is skipped
-        until SCOUT's verdict (a certificate moves the kept slot; an SDC ends the wait), for
-        VERDICT_WAIT_S at most. Certificates that come within two captures never skip one."""
-        step = self._own_step.get(k)
-        if step is None or self.certifier is None or self.awaiting is None:
+        Which slot a capture overwrites depends on the certificates (the newest certified capture
+        stays). Decided before the verdict on the previous capture came, it would depend on when
+        this rank's certificates happen to arrive: ranks would keep different verified steps, and
+        an SDC would find none that every rank holds. Certificates come later than a capture
+        interval when captures are taken every step of a loop with steps of a few ms, when the
+        runtime thread is starved of CPU, or with `RuntimeConfig.publish_coalesce_s` above the step
+        time. So a capture waits for that verdict (a certificate, or an SDC that ends all waiting),
+        for VERDICT_WAIT_S at most: the loop runs at most one capture ahead of SCOUT."""
+        if self.certifier is None or self.awaiting is None:
             return False
-        keep = self._slot_to_keep(self._own_step)
-        kept = self._own_step.get(keep) if keep is not None and keep != k else None
-        if kept is None or step - kept < 2 * self.interval or not self.certifier(kept):
-            return False
-        if self.certifier(step):
-            return False
-        fresh = time.monotonic() - self._committed_at.get(k, float("-inf")) < VERDICT_WAIT_S
-        return fresh and self.awaiting(step)
+        now = time.monotonic()
+        return any(
+            now - self._committed_at.get(k, float("-inf")) < VERDICT_WAIT_S and self.awaiting(s)
+            for k, s in self._own_step.items()
+        )
 
     def capture(self, step: int) -> bool:
         """Copy the state at `step` into a free slot; checksum and replication follow off-thread."""
@@ -545,13 +544,17 @@ class Gemini:
             # when the worker lags), then skip this capture rather than stall training for long.
             self._idle.wait_for(lambda: bool(self._free_slots()), CAPTURE_WAIT_S)
             free = self._free_slots()
+            if free and all(k in self._own_step for k in free) and self._judging():
+                # Which slot to overwrite hangs on that verdict (an empty slot is taken anyway).
+                self.stats.verdict_waits += 1
+                t1 = time.perf_counter()
+                self._idle.wait_for(lambda: not self._judging(), VERDICT_WAIT_S)
+                self.stats.verdict_wait_s += time.perf_counter() - t1
+            free = self._free_slots()
             if not free:
                 self.stats.skipped_busy += 1
                 return False
             k = free[0]
-            if self._awaiting_verdict(k):
-                self.stats.skipped_awaiting_verdict += 1
-                return False
             self._busy.add(k)
             self._own_step.pop(k, None)
         try:

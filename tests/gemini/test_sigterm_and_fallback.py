@@ -5,6 +5,9 @@ import os
 import random
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -145,11 +148,11 @@ def test_replica_slots_keep_the_newest_certified_copy() -> None:
         assert sorted(gem._replica_step[0].values()) == [3, 4]
 
 
-def test_a_capture_scout_is_still_judging_is_not_overwritten(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the verified capture in one slot two captures behind the other, which SCOUT has not
-    judged yet, the next capture is skipped rather than overwrite it, so a late certificate still
-    moves the verified copy forward (else it would stay at the first step ever certified). An SDC,
-    or a verdict that takes too long, ends the wait; a verified copy one capture behind never waits."""
+def test_a_capture_waits_for_scouts_verdict_on_the_previous_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which slot a capture overwrites hangs on SCOUT's verdict on the previous capture (the newest
+    certified one stays), so the capture waits for it: decided on whatever certificates had come
+    by then, ranks would keep different verified steps. A certificate or an SDC ends the wait; a
+    verdict that never comes ends it after VERDICT_WAIT_S; an empty slot is taken at once."""
     import lm_resiliency.gemini.component as gemini_component
 
     model = nn.Linear(4, 4)
@@ -167,24 +170,49 @@ def test_a_capture_scout_is_still_judging_is_not_overwritten(monkeypatch: pytest
             assert gem.drain(10)
             return taken
 
+        def capture_answered(step: int, verdict: Callable[[], None]) -> bool:
+            """Capture `step` while SCOUT's verdict comes from another thread once it waits."""
+            waits = gem.stats.verdict_waits
+
+            def answer() -> None:
+                deadline = time.monotonic() + 10
+                while gem.stats.verdict_waits == waits and time.monotonic() < deadline:
+                    time.sleep(0.001)  # until the capture waits
+                verdict()
+
+            with ThreadPoolExecutor(1) as pool:
+                done = pool.submit(answer)
+                taken = capture(step)
+                done.result(timeout=10)
+            assert gem.stats.verdict_waits == waits + 1
+            return taken
+
+        def certify(*steps: int) -> Callable[[], None]:
+            def verdict() -> None:
+                for step in steps:
+                    certified.add(step)
+                    gem.certify(step)
+
+            return verdict
+
         def held() -> list[int]:
             return sorted(gem._own_step.values())
 
-        assert capture(1) and capture(2)
-        certified.add(1)
-        assert capture(3) and held() == [1, 3]  # 1 is one capture behind 2: no wait
-        assert not capture(4) and held() == [1, 3]  # 2 behind 3, which awaits its verdict: skipped
-        assert gem.stats.skipped_awaiting_verdict == 1
-        certified.add(3)  # the certificate came late, and still found its capture
-        assert capture(5) and held() == [3, 5]
-        assert not capture(6) and held() == [3, 5]
-        sdc_from[0] = 5  # SDC at 5: nothing from it on will be certified, no need to wait
-        assert capture(7) and held() == [3, 7]
-        assert capture(8) and held() == [3, 8]
+        assert capture(1) and capture(2) and held() == [1, 2]  # empty slots: no wait
+        assert capture_answered(3, certify(1, 2)) and held() == [2, 3]  # the newest certified stays
+        assert capture_answered(4, certify(3)) and held() == [3, 4]
+
+        def sdc_at_4() -> None:
+            sdc_from[0] = 4
+            gem.revoke(4)
+
+        assert capture_answered(5, sdc_at_4) and held() == [3, 5]
+        assert capture(6) and held() == [3, 6]  # SDC open: nothing to wait for
+        assert gem.stats.verdict_waits == 3
         sdc_from[0] = 10**9
         monkeypatch.setattr(gemini_component, "VERDICT_WAIT_S", 0.0)  # a verdict that never comes
-        assert capture(9) and held() == [3, 9]
-        assert gem.stats.skipped_awaiting_verdict == 2
+        assert capture(7) and held() == [3, 7]
+        assert gem.stats.verdict_waits == 3
 
 
 def _train_scheduled(s, m, o, sched, upto: int) -> None:  # type: ignore[no-untyped-def]
