@@ -835,7 +835,14 @@ class Session:
 
     def instrument_dataloader(self, dataloader: Any, name: str = "train") -> Any:
         """Wrap `dataloader` so the time spent in `next()` counts as the step's input time."""
-        return _TimedLoader(dataloader, name, self._adapter.note_input_time, self._mark_phase)
+        note, mark = self._adapter.note_input_time, self._mark_phase
+        return _TimedLoader(dataloader, name, note, mark, self._before_fetch)
+
+    def _before_fetch(self) -> None:
+        """A step is about to fetch its batch: GEMINI takes a capture it left for this moment."""
+        gem = self.gemini
+        if gem is not None and not self._closed:
+            gem.on_fetch()
 
     def _mark_phase(self, phase: str | None) -> None:
         """What the training thread is inside of, for out-of-band stall checks: one tuple, replaced whole."""
@@ -985,15 +992,22 @@ class _TimedLoader:
     passes through."""
 
     def __init__(
-        self, loader: Any, name: str, sink: Callable[[float], None], mark: Callable[[str | None], None]
+        self,
+        loader: Any,
+        name: str,
+        sink: Callable[[float], None],
+        mark: Callable[[str | None], None],
+        before: Callable[[], None],
     ) -> None:
         self._loader = loader
         self.name = name
         self._sink = sink
         self._mark = mark
+        self._before = before  # called before each `next()`, outside its timing
         self._started = False  # `next()` on the proxy: its first batch has been taken
 
     def _timed_next(self, it: Any, first: bool) -> Any:
+        self._before()
         t0 = time.perf_counter()
         if not first:  # an iterator's first batch waits for its workers to start: not a stall
             self._mark("input")

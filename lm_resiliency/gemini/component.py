@@ -187,6 +187,9 @@ class Gemini:
         )
         self._closed = False
         self._pending: int | None = None
+        self._deferred: int | None = None  # a step whose capture waits for the next to begin (_boundary)
+        self._fetched = False  # an instrumented loader was read during the current step
+        self._training_thread = threading.get_ident()
         self._hooks: list[Any] = []
         self._install_boundary_hooks()
         self._previous_sigterm: Any = None
@@ -395,7 +398,7 @@ class Gemini:
         if step % self.interval != 0:
             return
         if self.scheduler is None:
-            self._capture_from_hook(step)
+            self._boundary(step)
         else:
             self._pending = step
 
@@ -414,10 +417,48 @@ class Gemini:
                 ", ".join(type(o).__name__ for o in found),
             )
 
+    def _boundary(self, step: int) -> None:
+        """The end of `step`: the optimizer (and the scheduler) stepped.
+
+        When the loop reads an instrumented loader every step, the capture is taken when the next
+        step begins instead: before its fetch (else its forward or optimizer step, else
+        `flush_for_restart()` or `close()`). What the loop does after the optimizer step (a counter
+        it bumps, a position it advances, random numbers it draws) then belongs to the step, as the
+        loop resumed after it expects, and a loader position is still this step's. Nothing changes
+        the parameters or the optimizer meanwhile: their next change is the next step's, which
+        takes the capture first."""
+        fetched, self._fetched = self._fetched, False
+        if fetched and threading.get_ident() == self._training_thread:
+            self._deferred = step
+        else:
+            self._capture_from_hook(step)
+
     def _take_pending(self) -> None:
+        """scheduler.step() returned: the step has ended."""
+        step, self._pending = self._pending, None
+        if step is not None and not self._closed:
+            self._boundary(step)
+
+    def _take_deferred(self) -> None:
+        """The next step begins (or the session flushes or closes): take a capture left for it."""
+        if self._deferred is None or threading.get_ident() != self._training_thread:
+            return
+        step, self._deferred = self._deferred, None
+        if not self._closed:
+            self._capture_from_hook(step)
+
+    def _step_begins(self) -> None:
+        """The model's forward or the optimizer's step: nothing of the last step may wait longer
+        (a scheduler that did not step this iteration: its pending capture is taken now)."""
         step, self._pending = self._pending, None
         if step is not None and not self._closed:
             self._capture_from_hook(step)
+        self._take_deferred()
+
+    def on_fetch(self) -> None:
+        """Before `next()` on an instrumented loader (training thread)."""
+        self._take_deferred()
+        self._fetched = True
 
     def _capture_from_hook(self, step: int) -> None:
         """Captures run inside the user's optimizer/scheduler calls: a capture that cannot be taken
@@ -441,6 +482,10 @@ class Gemini:
         self._hooks = []
         if self.optimizer is not None:
             self._hooks.append(self.optimizer.register_step_pre_hook(self._fence_before_step))
+        # First among the model's forward pre-hooks: before FSDP's unshard, the state is the step's.
+        self._hooks.append(
+            self.model.register_forward_pre_hook(lambda module, args: self._step_begins(), prepend=True)
+        )
         if self.scheduler is None:
             return
         # Observe scheduler.step() through a per-instance subclass: patching the instance would put a
@@ -457,10 +502,10 @@ class Gemini:
         boundary = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
         sched.__class__ = boundary
         self._restore_scheduler = base
-        self._hooks.append(self.model.register_forward_pre_hook(lambda module, args: self._take_pending()))
 
     def _fence_before_step(self, *args: Any) -> None:
         """Optimizer pre-step: the parameters must not change before an async capture has read them."""
+        self._step_begins()
         fence, self._fence = self._fence, None
         if fence is not None:
             fence.fence_device()
@@ -945,6 +990,7 @@ class Gemini:
 
     def flush_for_restart(self, timeout: float = 30.0) -> int:
         """Write the newest committed capture to disk; return its step, or -1 (nothing, or disk failed)."""
+        self._take_deferred()
         self.drain(timeout)
         with self._lock:
             if not self._own_step:
@@ -963,6 +1009,7 @@ class Gemini:
     def drain(self, timeout: float = 60.0) -> bool:
         """Wait until every capture handed to the worker is committed, replicated and published
         (the inventory sent on, where a sink such as the torchrun backend's control store takes it)."""
+        self._take_deferred()
         deadline = time.monotonic() + timeout
         with self._idle:
             if not self._idle.wait_for(lambda: not self._busy, timeout):
@@ -980,6 +1027,7 @@ class Gemini:
     def close(self) -> None:
         if self._closed:
             return
+        self._take_deferred()
         self._closed = True
         if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_sigterm)

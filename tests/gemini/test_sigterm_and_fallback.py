@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -93,6 +94,55 @@ def test_single_process_restart_restores_bitwise(monkeypatch: pytest.MonkeyPatch
         assert recoveries[0]["checkpoint_source"] == "gemini" and recoveries[0]["available"]
         train(s, m, o, 6)
     assert all(torch.equal(a, b) for a, b in zip(want, m.parameters(), strict=True))
+
+
+def test_what_the_loop_does_after_the_step_is_captured_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop reading an instrumented loader bumps its counter and draws random numbers after the
+    optimizer and scheduler steps: the capture is taken when the next step fetches its batch, so a
+    restart resumes with the counter and the generators as the uninterrupted run had them there."""
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Linear(16, 4))
+        o = torch.optim.AdamW(m.parameters(), lr=0.01)
+        return m, o, torch.optim.lr_scheduler.LambdaLR(o, lambda i: 0.9**i)
+
+    def train(stop_at: int = 7) -> tuple[list[torch.Tensor], dict[str, Any], torch.Tensor, int]:
+        m, o, sched = make()
+        caller = {"seen": 0, "noise": 0.0}
+        with enable_resiliency(
+            m,
+            o,
+            opt_param_scheduler=sched,
+            interval=1,
+            extra_state_fn=lambda: dict(caller),
+            load_extra_state_fn=caller.update,
+        ) as s:
+            start = s.step_count
+            batches = (
+                (i, torch.randn(8, 4, generator=torch.Generator().manual_seed(i)))
+                for i in range(start + 1, 7)
+            )
+            for step, x in s.instrument_dataloader(batches):
+                if step == stop_at:  # its batch fetched, then the worker dies
+                    break
+                (m(x) - x).pow(2).mean().backward()
+                o.step()
+                sched.step()
+                o.zero_grad()
+                caller["seen"] += len(x)  # after the step, as loops count
+                caller["noise"] += float(torch.rand(()))
+            assert s.gemini.drain(10) and s.gemini.stats.capture_failures == 0
+            newest = s.gemini.newest_recoverable_step("latest")
+        return [p.detach().clone() for p in m.parameters()], caller, torch.get_rng_state(), newest
+
+    want = train()
+    _, caller, _, newest = train(stop_at=4)
+    assert newest == 3 and caller["seen"] == 24
+    monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
+    got = train()
+    assert got[1] == want[1] and torch.equal(got[2], want[2])
+    assert all(torch.equal(a, b) for a, b in zip(want[0], got[0], strict=True))
 
 
 def test_unserialisable_extra_state_fails_at_enable_naming_the_path() -> None:
