@@ -57,8 +57,10 @@ __all__ = ["Gemini", "GeminiStats"]
 log = logging.getLogger(__name__)
 ALIGN = 64
 CAPTURE_WAIT_S = 2.0  # the longest a capture waits for a free slot before it is skipped
-# The longest a capture waits for SCOUT's verdict on the previous one: see Gemini._judging.
-VERDICT_WAIT_S = 2.0
+# The longest a capture waits for SCOUT's verdict on the previous one (see Gemini._judging). Verdicts
+# come within milliseconds; one that has not come by then is late for a reason (evidence lost while
+# a restarted job's connections form, a peer gone) and training should not wait for it.
+VERDICT_WAIT_S = 0.5
 Exchange = Callable[[str, bytes, float], dict[int, bytes]]
 
 
@@ -159,7 +161,8 @@ class Gemini:
         self.disk_interval = disk_interval or config.disk_flush_interval
         self.durable = DurableStore(disk_folder or config.disk_folder, run_id, rank, keep_last)
         self._on_disk: set[int] = set()
-        self._lock = threading.Lock()
+        # Reentrant: the SIGTERM handler runs on the training thread, possibly inside capture().
+        self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._own = self._own_slots()
         self._own_step: dict[int, int] = {}  # slot index -> committed step
@@ -188,6 +191,7 @@ class Gemini:
         self._closed = False
         self._pending: int | None = None
         self._deferred: int | None = None  # a step whose capture waits for the next to begin (_boundary)
+        self._waiting: int | None = None  # a step whose capture waits for a verdict (see capture)
         self._fetched = False  # an instrumented loader was read during the current step
         self._training_thread = threading.get_ident()
         self._hooks: list[Any] = []
@@ -460,11 +464,11 @@ class Gemini:
         self._take_deferred()
         self._fetched = True
 
-    def _capture_from_hook(self, step: int) -> None:
+    def _capture_from_hook(self, step: int, wait_for_verdict: bool = True) -> None:
         """Captures run inside the user's optimizer/scheduler calls: a capture that cannot be taken
         (shared memory full, state we cannot serialise) is reported, never raised into training."""
         try:
-            self.capture(step)
+            self.capture(step, wait_for_verdict)
         except Exception as exc:  # anything: training must not fail because a checkpoint did
             self.stats.capture_failures += 1
             if self.stats.capture_failures in (1, 10, 100) or self.stats.capture_failures % 1000 == 0:
@@ -580,7 +584,7 @@ class Gemini:
             for k, s in self._own_step.items()
         )
 
-    def capture(self, step: int) -> bool:
+    def capture(self, step: int, wait_for_verdict: bool = True) -> bool:
         """Copy the state at `step` into a free slot; checksum and replication follow off-thread."""
 
         t0 = time.perf_counter()
@@ -589,12 +593,18 @@ class Gemini:
             # when the worker lags), then skip this capture rather than stall training for long.
             self._idle.wait_for(lambda: bool(self._free_slots()), CAPTURE_WAIT_S)
             free = self._free_slots()
-            if free and all(k in self._own_step for k in free) and self._judging():
+            if wait_for_verdict and free and all(k in self._own_step for k in free) and self._judging():
                 # Which slot to overwrite hangs on that verdict (an empty slot is taken anyway).
                 self.stats.verdict_waits += 1
                 t1 = time.perf_counter()
-                self._idle.wait_for(lambda: not self._judging(), VERDICT_WAIT_S)
-                self.stats.verdict_wait_s += time.perf_counter() - t1
+                self._waiting = step
+                try:
+                    self._idle.wait_for(lambda: not self._judging() or self._waiting is None, VERDICT_WAIT_S)
+                finally:
+                    taken, self._waiting = self._waiting is None, None
+                    self.stats.verdict_wait_s += time.perf_counter() - t1
+                if taken:  # by the SIGTERM handler, meanwhile (see _take_waiting)
+                    return True
             free = self._free_slots()
             if not free:
                 self.stats.skipped_busy += 1
@@ -988,9 +998,21 @@ class Gemini:
             return max(steps, default=-1)
         return self.cluster_plan(allowed).step
 
+    def _take_waiting(self) -> None:
+        """SIGTERM (the worker group is being stopped) while the training thread waits in capture()
+        for a verdict: the handler runs on that thread, inside the wait, and the process ends after
+        it. The capture is taken now, without the verdict, rather than lost."""
+        if self._waiting is None or threading.get_ident() != self._training_thread:
+            return
+        with self._lock:
+            step, self._waiting = self._waiting, None
+        if step is not None:
+            self._capture_from_hook(step, wait_for_verdict=False)
+
     def flush_for_restart(self, timeout: float = 30.0) -> int:
         """Write the newest committed capture to disk; return its step, or -1 (nothing, or disk failed)."""
         self._take_deferred()
+        self._take_waiting()
         self.drain(timeout)
         with self._lock:
             if not self._own_step:

@@ -265,6 +265,51 @@ def test_a_capture_waits_for_scouts_verdict_on_the_previous_one(monkeypatch: pyt
         assert gem.stats.verdict_waits == 3
 
 
+def test_sigterm_while_a_capture_waits_for_a_verdict_takes_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """SIGTERM (torchrun stopping the group) reaches the training thread while a capture waits for
+    SCOUT's verdict: the handler takes the capture there and then, and flushes it to disk, rather
+    than lose it with the process."""
+    import signal
+    import threading
+
+    import lm_resiliency.gemini.component as gemini_component
+    from lm_resiliency import InMemoryCkptConfig
+
+    monkeypatch.setattr(gemini_component, "VERDICT_WAIT_S", 60.0)  # only the signal ends this wait
+    terms: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
+    try:
+        model = nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ckpt = InMemoryCkptConfig(disk_folder=str(tmp_path))
+        with enable_resiliency(model, opt, interval=10**6, enable_detection=False, checkpoint=ckpt) as s:
+            gem = s.gemini
+            gem.interval = 1
+            gem.certifier = lambda step: False
+            gem.awaiting = lambda step: True  # no verdict ever comes
+            assert gem.capture(1) and gem.capture(2) and gem.drain(10)
+            main = threading.main_thread().ident
+            assert main is not None
+
+            def stop() -> None:
+                deadline = time.monotonic() + 10
+                while gem.stats.verdict_waits == 0 and time.monotonic() < deadline:
+                    time.sleep(0.001)  # until the capture waits
+                signal.pthread_kill(main, signal.SIGTERM)
+
+            with ThreadPoolExecutor(1) as pool:
+                done = pool.submit(stop)
+                assert gem.capture(3)
+                done.result(timeout=10)
+            assert terms == [signal.SIGTERM] and gem.stats.verdict_wait_s < 30
+            assert sorted(gem._own_step.values()) == [2, 3]
+            assert (tmp_path / gem.run_id / "step-0000000003" / "rank-00000.pt").exists()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _train_scheduled(s, m, o, sched, upto: int) -> None:  # type: ignore[no-untyped-def]
     """Steps after the session's count up to `upto`: batch by step, optimizer then scheduler."""
     for step in range(s.step_count + 1, upto + 1):
