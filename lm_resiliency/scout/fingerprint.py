@@ -1,11 +1,12 @@
 """Bitwise fingerprints of tensors: equal iff (up to hash collisions) the bytes are equal.
 
-CPU tensors are hashed with XXH3-128 over their bytes. CUDA tensors are folded on the device (two
-int64 sums of their 32-bit words, one weighted by position, so a permutation changes it too) and only
-the folds cross to the host, in one synchronisation per fingerprint. The fold runs in passes of at
-most `FOLD_WORDS` words, so its int64 temporaries stay bounded (a 500M-element embedding must not need
-gigabytes of scratch on a device that training has filled); integer sums wrap the same way in any
-order, so the passes give the fold of the whole.
+CPU tensors are hashed with XXH3-128 over their bytes. CUDA tensors are folded on the device and only
+the folds cross to the host, in one synchronisation per fingerprint. The fold reads each byte once
+and needs no temporaries the size of the tensor (a 500M-element embedding on a device that training
+has filled): the tensor's 32-bit words, laid out in rows of `MOD` columns, are summed down each
+column (one reduction, wrapping modulo 2**32); the `MOD` column sums are then folded into their sum
+and a column-weighted sum, the same as a position-weighted sum of the words with weights that
+repeat every `MOD` words, so a permutation of words changes it too.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from collections.abc import Iterable
 import torch
 import xxhash
 
-__all__ = ["FOLD_WORDS", "device_fold", "fingerprint"]
+__all__ = ["MOD", "device_fold", "fingerprint"]
 
-FOLD_WORDS = 1 << 24  # 16 Mi words per pass: two int64 temporaries of 128 MiB at most
-_MOD = 65521
+MOD = 65521  # columns of the fold (a prime): the position weights are 2..MOD, repeating
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
 def fingerprint(tensors: Iterable[torch.Tensor | None]) -> bytes:
@@ -33,6 +34,7 @@ def fingerprint(tensors: Iterable[torch.Tensor | None]) -> bytes:
         if callable(to_local):
             t = to_local()
         if t.is_cuda:
+            h.update(t.numel().to_bytes(8, "little"))
             device_folds.append(device_fold(t))
         else:
             h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
@@ -41,8 +43,8 @@ def fingerprint(tensors: Iterable[torch.Tensor | None]) -> bytes:
     return h.digest()
 
 
-def device_fold(t: torch.Tensor, words_per_pass: int = FOLD_WORDS) -> torch.Tensor:
-    """[sum of words, position-weighted sum, element count] as int64, on `t`'s device, no sync.
+def device_fold(t: torch.Tensor) -> torch.Tensor:
+    """[sum of words, position-weighted sum] as int64 on `t`'s device, no sync.
 
     The words are the tensor's bytes read as int32; a trailing 1-3 bytes are zero-padded into one
     more word. Works on any device (tested on CPU; used for CUDA)."""
@@ -53,21 +55,26 @@ def device_fold(t: torch.Tensor, words_per_pass: int = FOLD_WORDS) -> torch.Tens
         words = head.view(torch.int32)
     except RuntimeError:  # a view at an offset that is not 4-byte aligned: fold a copy of it
         words = head.clone().view(torch.int32)
-    out = torch.zeros(3, dtype=torch.int64, device=t.device)
-    out[2] = t.numel()
     n = words.numel()
-    for start in range(0, n, words_per_pass):
-        _fold_into(out, words[start : start + words_per_pass], start)
-    if whole < raw.numel():
+    rows = n // MOD
+    if rows:
+        # Integer sums wrap the same way in any order: the same on every device and replica.
+        columns = words[: rows * MOD].view(rows, MOD).sum(0, dtype=torch.int32)
+    else:
+        columns = torch.zeros(MOD, dtype=torch.int32, device=t.device)
+    rest = n - rows * MOD
+    if rest:
+        columns[:rest] += words[rows * MOD :]
+    if whole < raw.numel():  # the last word, zero-padded, at its place after the whole ones
         tail = torch.zeros(4, dtype=torch.uint8, device=t.device)
         tail[: raw.numel() - whole] = raw[whole:]
-        _fold_into(out, tail.view(torch.int32), n)
-    return out
+        columns[rest : rest + 1] += tail.view(torch.int32)
+    folded = columns.to(torch.int64)
+    return torch.stack([folded.sum(), (folded * _weights(t.device)).sum()])
 
 
-def _fold_into(out: torch.Tensor, words: torch.Tensor, start: int) -> None:
-    w = words.to(torch.int64)
-    pos = torch.arange(start + 1, start + w.numel() + 1, device=w.device, dtype=torch.int64)
-    pos.remainder_(_MOD).add_(1)
-    out[0] += w.sum()
-    out[1] += pos.mul_(w).sum()
+def _weights(device: torch.device) -> torch.Tensor:
+    w = _WEIGHTS.get(device)
+    if w is None:
+        w = _WEIGHTS[device] = torch.arange(2, MOD + 2, dtype=torch.int64, device=device)
+    return w

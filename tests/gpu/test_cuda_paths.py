@@ -100,9 +100,17 @@ def test_device_fingerprints_are_bitwise() -> None:
     assert fingerprint([x]) != fingerprint([swapped])
     odd = torch.randn(7, dtype=torch.float16, device=dev)  # 14 bytes: padded to whole words
     assert fingerprint([odd]) == fingerprint([odd.clone()]) != fingerprint([odd + 1])
-    # The device computes the same fold as the CPU reference, in bounded passes or not.
+    assert fingerprint([x[:1000]]) != fingerprint([torch.cat([x[:1000], x.new_zeros(1)])])  # lengths
+    # The device computes the same fold as the CPU reference.
     big = torch.randn((1 << 20) + 3, dtype=torch.bfloat16, device=dev)
-    assert torch.equal(device_fold(big, words_per_pass=1 << 16).cpu(), device_fold(big.cpu()))
+    assert torch.equal(device_fold(big).cpu(), device_fold(big.cpu()))
+    # It reads the tensor in place: no temporaries its size (the device may be nearly full).
+    huge = torch.randn(1 << 26, device=dev)  # 256 MiB
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fingerprint([huge])
+    assert torch.cuda.max_memory_allocated() - before < 64 << 20
 
 
 def test_cuda_training_killed_and_resumed_is_bitwise_equal(tmp_path) -> None:  # type: ignore[no-untyped-def]
