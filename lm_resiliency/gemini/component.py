@@ -193,6 +193,7 @@ class Gemini:
         self._deferred: int | None = None  # a step whose capture waits for the next to begin (_boundary)
         self._waiting: int | None = None  # a step whose capture waits for a verdict (see capture)
         self._fetched = False  # an instrumented loader was read during the current step
+        self._fetching = 0  # steps in a row that read one (the loop reads it every step: >= 2)
         self._training_thread = threading.get_ident()
         self._hooks: list[Any] = []
         self._install_boundary_hooks()
@@ -396,6 +397,8 @@ class Gemini:
     # iteration, for the next forward, before any parameter changes).
     def on_step(self, session: Any, times: Any) -> None:
         step = session.step_count
+        self._fetching = self._fetching + 1 if self._fetched else 0
+        self._fetched = False
         if self.scheduler is None and self.optimizer is not None and not self._looked_for_scheduler:
             self._looked_for_scheduler = True
             self._warn_late_scheduler()
@@ -424,15 +427,14 @@ class Gemini:
     def _boundary(self, step: int) -> None:
         """The end of `step`: the optimizer (and the scheduler) stepped.
 
-        When the loop reads an instrumented loader every step, the capture is taken when the next
-        step begins instead: before its fetch (else its forward or optimizer step, else
-        `flush_for_restart()` or `close()`). What the loop does after the optimizer step (a counter
-        it bumps, a position it advances, random numbers it draws) then belongs to the step, as the
-        loop resumed after it expects, and a loader position is still this step's. Nothing changes
-        the parameters or the optimizer meanwhile: their next change is the next step's, which
-        takes the capture first."""
-        fetched, self._fetched = self._fetched, False
-        if fetched and threading.get_ident() == self._training_thread:
+        When the loop reads an instrumented loader every step (an evaluation loader read now and
+        then does not count), the capture is taken when the next step begins instead: before its
+        fetch (else its forward or optimizer step, else `flush_for_restart()` or `close()`). What
+        the loop does after the optimizer step (a counter it bumps, a position it advances, random
+        numbers it draws) then belongs to the step, as the loop resumed after it expects, and a
+        loader position is still this step's. Nothing changes the parameters or the optimizer
+        meanwhile: their next change is the next step's, which takes the capture first."""
+        if self._fetching >= 2 and threading.get_ident() == self._training_thread:
             self._deferred = step
         else:
             self._capture_from_hook(step)

@@ -136,6 +136,16 @@ def test_what_the_loop_does_after_the_step_is_captured_with_it(monkeypatch: pyte
             newest = s.gemini.newest_recoverable_step("latest")
         return [p.detach().clone() for p in m.parameters()], caller, torch.get_rng_state(), newest
 
+    # An evaluation loader read now and then is not the loop's: the capture stays at the boundary.
+    m, o, _ = make()
+    with enable_resiliency(m, o, interval=1) as s:
+        for step in range(1, 4):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            (m(x) - x).pow(2).mean().backward()
+            o.step()
+            assert s.gemini._deferred is None, step
+            if step == 1:
+                list(s.instrument_dataloader([x], name="eval"))
     want = train()
     _, caller, _, newest = train(stop_at=4)
     assert newest == 3 and caller["seen"] == 24
