@@ -631,6 +631,9 @@ class Session:
         if gem is not None:
             gem.certifier, gem.awaiting = scout.certified, scout.awaiting_certificate
             scout.on_certified, scout.on_revoked = gem.certify, gem.revoke
+            # A capture taken when the next step begins: the parameters SCOUT certifies are
+            # fingerprinted then too, not before the loop's code after the step could change them.
+            scout.defer_evidence, gem.before_capture = gem.will_defer, scout.take_deferred_evidence
             # Certificates survive restarts: the marks on this node's own captures, and the restored
             # step itself when the plan that chose it picked recovery-verified steps only.
             restored = self._recovered_step

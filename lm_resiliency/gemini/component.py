@@ -145,6 +145,9 @@ class Gemini:
         self.certifier: Callable[[int], bool] | None = None  # set by the session when SCOUT runs
         # SCOUT will judge this step soon (its fingerprints are due, no SDC is open): set with it.
         self.awaiting: Callable[[int], bool] | None = None
+        # Called with the step right before each capture from the training loop (SCOUT's evidence
+        # of a step whose capture waited for the next step to begin, see will_defer).
+        self.before_capture: Callable[[int], None] | None = None
         self._looked_for_scheduler = False  # once, at the first step: see _warn_late_scheduler
         self._committed_at: dict[int, float] = {}  # own slot index -> when its capture committed
         # Called with every new inventory (worker/receiver threads): the torchrun backend's feed.
@@ -439,6 +442,12 @@ class Gemini:
         else:
             self._capture_from_hook(step)
 
+    def will_defer(self, step: int) -> bool:
+        """Whether the capture of `step`, which has just ended, will wait for the next step to
+        begin (see _boundary); asked before this component's on_step for the step."""
+        fetching = self._fetching + 1 if self._fetched else 0
+        return step % self.interval == 0 and fetching >= 2 and threading.get_ident() == self._training_thread
+
     def _take_pending(self) -> None:
         """scheduler.step() returned: the step has ended."""
         step, self._pending = self._pending, None
@@ -469,6 +478,8 @@ class Gemini:
     def _capture_from_hook(self, step: int, wait_for_verdict: bool = True) -> None:
         """Captures run inside the user's optimizer/scheduler calls: a capture that cannot be taken
         (shared memory full, state we cannot serialise) is reported, never raised into training."""
+        if self.before_capture is not None:
+            self.before_capture(step)
         try:
             self.capture(step, wait_for_verdict)
         except Exception as exc:  # anything: training must not fail because a checkpoint did

@@ -338,6 +338,9 @@ class Scout:
         # GEMINI marks (and unmarks) its captures so certificates survive a restart.
         self.on_certified: Callable[[int], None] | None = None
         self.on_revoked: Callable[[int], None] | None = None
+        # Whether GEMINI captures a step only when the next begins (its evidence then waits too).
+        self.defer_evidence: Callable[[int], bool] | None = None
+        self._deferred_evidence: tuple[int, bytes | None] | None = None  # step, its gradients' fingerprint
         self._last_params: tuple[int, bytes, bytes] = (-1, b"", b"")  # step, params, optimizer state
         self._params_split: tuple[int, set[int]] = (-1, set())  # last checked step params disagreed
         # Evidence, audit and replay results and link reports are judged by the replica group
@@ -434,12 +437,28 @@ class Scout:
         self._ended.pop(step - ENDED_STEPS, None)
         if not self._due(step):
             return
+        if self.defer_evidence is not None and self.defer_evidence(step):
+            # GEMINI captures this step when the next begins: the parameters are fingerprinted
+            # then, with the capture, so that what is certified is what was captured.
+            self._deferred_evidence, self._grads_fp = (step, self._grads_fp), None
+            return
+        grads, self._grads_fp = self._grads_fp, None
+        self._submit_evidence(step, grads)
+
+    def take_deferred_evidence(self, step: int) -> None:
+        """Right before GEMINI captures `step` (training thread): its deferred evidence now."""
+        if self._deferred_evidence is None:
+            return
+        (deferred, grads), self._deferred_evidence = self._deferred_evidence, None
+        if not self._closed:
+            self._submit_evidence(deferred, grads)
+
+    def _submit_evidence(self, step: int, grads: bytes | None) -> None:
         params = fingerprint(p for p in self.adapter.model.parameters())
         if self._recorder is not None:  # for the between-steps check of a two-replica replay
             self._last_params = (step, params, _optimizer_fingerprint(self.adapter.optimizer))
-        ev = Evidence(self.rank, step, self._grads_fp or b"", params)
-        self._grads_fp = None
-        self.runtime.submit(ev)  # gossiped, and looped back to our own handlers
+        # Gossiped, and looped back to our own handlers.
+        self.runtime.submit(Evidence(self.rank, step, grads or b"", params))
 
     # -- runtime thread ---------------------------------------------------------------------------
     def _on_evidence(self, ev: Evidence) -> None:

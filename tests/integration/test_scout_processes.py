@@ -201,6 +201,22 @@ def test_clean_run_of_500_steps_with_jitter_has_no_verdict(processes, tmp_path: 
         assert res["faults"] == [], res["faults"]
 
 
+def test_a_weight_corrupted_after_the_step_is_not_in_a_certified_capture(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The loop reads an instrumented loader, so GEMINI captures a step when the next one fetches
+    (the loop's own code after the step belongs to it). A weight flipped in that gap is in the
+    capture: SCOUT fingerprints the parameters with the capture, names the flip at that step and
+    leaves its capture uncertified, so recovery goes back to the step before, which every replica
+    holds clean (fingerprinted before the capture, the flip slipped into a certified capture)."""
+    results, _ = _run(
+        processes, tmp_path, "weight", steps=12, culprit=2, at=6, world=4, extra={"CHECKPOINT": "1"}
+    )
+    for res in results:
+        sdc = [f for f in res["faults"] if f["kind"] == "sdc"]
+        assert sdc and sdc[0]["failed_ranks"] == [2] and sdc[0]["steps"] == [6], res["faults"]
+        assert res["certified"]["5"] and not res["certified"]["6"], res["certified"]
+        assert res["sdc_decision"]["checkpoint_step"] == 5, res["sdc_decision"]
+
+
 def test_two_replicas_settle_a_corrupted_weight_by_replaying_the_optimizer_step(
     processes, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]

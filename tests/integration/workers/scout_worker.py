@@ -12,7 +12,8 @@ SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEO
 default 10), LOADER_S (dataloader_latency_threshold_s; default 10),
 WRAP (ddp | plain: no DDP, this script all-reduces the gradients after backward | fsdp2: every layer
 sharded with `fully_shard` | fsdp1: FullyShardedDataParallel | tp: tensor parallel over the 4 ranks,
-column- then row-wise, every rank fed the same batch).
+column- then row-wise, every rank fed the same batch), CHECKPOINT=1 (GEMINI captures every step as in
+the sdc scenario, and the result has the certificates and recovery decisions).
 Faults are injected by this script, never told to SCOUT. Writes RESULT_DIR/rank<r>.json with every
 fault report and the step at which this rank first saw it.
 """
@@ -56,6 +57,7 @@ class Source:
 def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     steps, scenario = int(os.environ["STEPS"]), os.environ["SCENARIO"]
+    checkpoint = scenario == "sdc" or os.environ.get("CHECKPOINT") == "1"
     culprit, at = int(os.environ.get("CULPRIT", "-1")), int(os.environ.get("AT_STEP", "-1"))
     out_dir = os.environ["RESULT_DIR"]
     store = dist.TCPStore(
@@ -121,7 +123,7 @@ def main() -> int:
         inner if os.environ.get("PASS_INNER") == "1" else model,  # the module DDP wraps: found
         opt,
         interval=1,
-        enable_checkpoint=scenario == "sdc",
+        enable_checkpoint=checkpoint,
         fault_callback=on_fault,
         # A plain module's data-parallel peers are named; the others' come from DDP or the mesh.
         group=None if wrapped or sharded or tensor_parallel else dist.group.WORLD,
@@ -253,7 +255,7 @@ def main() -> int:
                 w.view(-1).view(torch.int32)[11] ^= 1 << 20  # one bit of a weight, after the step
     if scenario in ("output", "output-once", "localgrad"):
         result["certified"] = {str(s): session.scout.certified(s) for s in range(1, steps + 1)}
-    if scenario == "sdc":
+    if checkpoint:
         result["certified"] = {str(s): session.scout.certified(s) for s in range(max(1, at - 2), steps + 1)}
         session.gemini.drain(30)
         dist.barrier()
