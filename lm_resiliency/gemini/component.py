@@ -435,8 +435,9 @@ class Gemini:
         fetch (else its forward or optimizer step, else `flush_for_restart()` or `close()`). What
         the loop does after the optimizer step (a counter it bumps, a position it advances, random
         numbers it draws) then belongs to the step, as the loop resumed after it expects, and a
-        loader position is still this step's. Nothing changes the parameters or the optimizer
-        meanwhile: their next change is the next step's, which takes the capture first."""
+        loader position is still this step's. The next step's own changes come after the capture;
+        SCOUT fingerprints this step's parameters right before it (see before_capture), so its
+        certificate covers what the loop's code after the step left in them."""
         if self._fetching >= 2 and threading.get_ident() == self._training_thread:
             self._deferred = step
         else:
