@@ -438,7 +438,7 @@ class Gemini:
         loader position is still this step's. The next step's own changes come after the capture;
         SCOUT fingerprints this step's parameters right before it (see before_capture), so its
         certificate covers what the loop's code after the step left in them."""
-        if self._fetching >= 2 and threading.get_ident() == self._training_thread:
+        if self._defers(self._fetching):
             self._deferred = step
         else:
             self._capture_from_hook(step)
@@ -446,8 +446,11 @@ class Gemini:
     def will_defer(self, step: int) -> bool:
         """Whether the capture of `step`, which has just ended, will wait for the next step to
         begin (see _boundary); asked before this component's on_step for the step."""
-        fetching = self._fetching + 1 if self._fetched else 0
-        return step % self.interval == 0 and fetching >= 2 and threading.get_ident() == self._training_thread
+        return step % self.interval == 0 and self._defers(self._fetching + 1 if self._fetched else 0)
+
+    def _defers(self, fetching: int) -> bool:
+        """A loop that read an instrumented loader `fetching` steps in a row: reads it every step."""
+        return fetching >= 2 and threading.get_ident() == self._training_thread
 
     def _take_pending(self) -> None:
         """scheduler.step() returned: the step has ended."""
