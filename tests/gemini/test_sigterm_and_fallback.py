@@ -217,6 +217,7 @@ def test_a_capture_waits_for_scouts_verdict_on_the_previous_one(monkeypatch: pyt
 
     model = nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.setattr(gemini_component, "VERDICT_WAIT_S", 30.0)  # only a verdict ends these waits
     with enable_resiliency(model, opt, interval=10**6, enable_detection=False) as s:
         gem = s.gemini
         gem.interval = 1  # captures every step, taken by hand here
