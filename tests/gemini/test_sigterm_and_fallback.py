@@ -148,7 +148,8 @@ def test_what_the_loop_does_after_the_step_is_captured_with_it(monkeypatch: pyte
                 list(s.instrument_dataloader([x], name="eval"))
     want = train()
     _, caller, _, newest = train(stop_at=4)
-    assert newest == 3 and caller["seen"] == 24
+    # Under load a capture finding both slots still busy is skipped: the newest may be step 2.
+    assert newest >= 2 and caller["seen"] == 24
     monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
     got = train()
     assert got[1] == want[1] and torch.equal(got[2], want[2])
