@@ -197,6 +197,7 @@ class Gemini:
         self._waiting: int | None = None  # a step whose capture waits for a verdict (see capture)
         self._fetched = False  # an instrumented loader was read during the current step
         self._fetching = 0  # steps in a row that read one (the loop reads it every step: >= 2)
+        self._fetching_step = -1  # the step `_fetching` counts up to (see _count_fetches)
         self._training_thread = threading.get_ident()
         self._hooks: list[Any] = []
         self._install_boundary_hooks()
@@ -400,8 +401,7 @@ class Gemini:
     # iteration, for the next forward, before any parameter changes).
     def on_step(self, session: Any, times: Any) -> None:
         step = session.step_count
-        self._fetching = self._fetching + 1 if self._fetched else 0
-        self._fetched = False
+        self._count_fetches(step)
         if self.scheduler is None and self.optimizer is not None and not self._looked_for_scheduler:
             self._looked_for_scheduler = True
             self._warn_late_scheduler()
@@ -438,19 +438,27 @@ class Gemini:
         loader position is still this step's. The next step's own changes come after the capture;
         SCOUT fingerprints this step's parameters right before it (see before_capture), so its
         certificate covers what the loop's code after the step left in them."""
-        if self._defers(self._fetching):
+        if self._defers():
             self._deferred = step
         else:
             self._capture_from_hook(step)
 
     def will_defer(self, step: int) -> bool:
         """Whether the capture of `step`, which has just ended, will wait for the next step to
-        begin (see _boundary); asked before this component's on_step for the step."""
-        return step % self.interval == 0 and self._defers(self._fetching + 1 if self._fetched else 0)
+        begin (see _boundary); SCOUT asks as the step ends, before or after our on_step."""
+        self._count_fetches(step)
+        return step % self.interval == 0 and self._defers()
 
-    def _defers(self, fetching: int) -> bool:
-        """A loop that read an instrumented loader `fetching` steps in a row: reads it every step."""
-        return fetching >= 2 and threading.get_ident() == self._training_thread
+    def _count_fetches(self, step: int) -> None:
+        """Count `step` (once, whoever asks first) into the steps in a row that read a loader."""
+        if step != self._fetching_step:
+            self._fetching_step = step
+            self._fetching = self._fetching + 1 if self._fetched else 0
+            self._fetched = False
+
+    def _defers(self) -> bool:
+        """The loop read an instrumented loader in each of the last two steps: it reads it every step."""
+        return self._fetching >= 2 and threading.get_ident() == self._training_thread
 
     def _take_pending(self) -> None:
         """scheduler.step() returned: the step has ended."""
