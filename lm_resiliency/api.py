@@ -11,6 +11,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -126,6 +127,28 @@ def _scheduler_of(optimizer: Any, given: Any) -> Any:
     return parent
 
 
+def _grad_scaler() -> Any:
+    """The job's loss scaler (torch.amp.GradScaler, enabled), when there is exactly one: captured
+    with the optimizer and watched for the steps it skips (see adapters.amp)."""
+    from lm_resiliency.adapters.amp import find_grad_scalers
+
+    if find_grad_scalers():
+        # Some may be garbage not collected yet (a closed session's, in a cycle): a scaler nothing
+        # steps must not be taken for the job's. Only jobs that have one pay for the collection.
+        gc.collect()
+    found = find_grad_scalers()
+    if len(found) > 1:
+        warnings.warn(
+            f"enable_resiliency: {len(found)} GradScalers exist: none is captured (a restart resets the "
+            "loss scale) and the steps they skip are not counted. Keep one per job.",
+            stacklevel=3,
+        )
+        return None
+    if found:
+        log.info("captured with the optimizer: its GradScaler (loss scale, skipped steps counted)")
+    return found[0] if found else None
+
+
 def enable_resiliency(
     model: Any,
     optimizer: Any = None,
@@ -222,8 +245,10 @@ def enable_resiliency(
             "sees none: no captures, no per-step checks (liveness only). Pass the optimizer.",
             stacklevel=2,
         )
+    grad_scaler = None
     if optimizer is not None:
         opt_param_scheduler = _scheduler_of(optimizer, opt_param_scheduler)
+        grad_scaler = _grad_scaler()
     adapter = PyTorchAdapter(model, optimizer, group=group, parallelism_info=parallelism_info)
     session = Session(
         adapter=adapter,
@@ -246,6 +271,7 @@ def enable_resiliency(
             "load_extra_state_fn": load_extra_state_fn,
             "load_fallback": load_fallback,
             "opt_param_scheduler": opt_param_scheduler,
+            "grad_scaler": grad_scaler,
             "health_source": health_source,
         },
     )
@@ -306,6 +332,7 @@ class Session:
         self._detection_paused = False
         self._previous_excepthook: Any = None
         self._silent_nodes: set[str] = set()  # nodes reported silent as a whole (once per node)
+        self._scaler_watch: Any = None  # adapters.amp.ScalerWatch of the job's GradScaler
         replay_cfg = settings.get("replay")
         report_dir = getattr(replay_cfg, "report_dir", None)
         self._report_dir = Path(report_dir) if report_dir else None
@@ -365,6 +392,12 @@ class Session:
         self._start_scout()
         self._connect_backend()
         self._adapter.attach(self._on_step)
+        scaler, optimizer = self.settings.get("grad_scaler"), self._adapter.optimizer
+        if scaler is not None and optimizer is not None:
+            from lm_resiliency.adapters.amp import ScalerWatch
+
+            gem = self.gemini
+            self._scaler_watch = ScalerWatch(scaler, optimizer, gem.on_scaler_update if gem else None)
         if self.env.checkpoint_step > 0 and self._recovered_step != self.env.checkpoint_step:
             log.warning(
                 "restart context asks for step %d but it was not restored (recovered %d)",
@@ -537,6 +570,7 @@ class Session:
             model=self._adapter.model,
             optimizer=self._adapter.optimizer,
             scheduler=self.settings["opt_param_scheduler"],
+            scaler=self.settings.get("grad_scaler"),
             extra_state_fn=self.settings["extra_state_fn"],
             load_extra_state_fn=self.settings["load_extra_state_fn"],
             config=ckpt,
@@ -925,6 +959,8 @@ class Session:
         if self._previous_excepthook is not None and sys.excepthook is self._previous_excepthook[0]:
             sys.excepthook = self._previous_excepthook[1]
         self._adapter.detach()
+        if self._scaler_watch is not None:
+            self._scaler_watch.remove()
         for c in reversed(self._components):
             try:
                 c.close()

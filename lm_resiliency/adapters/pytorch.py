@@ -27,6 +27,7 @@ import xxhash
 from torch import nn
 
 from lm_resiliency.adapters import collectives
+from lm_resiliency.adapters.amp import mark_ours
 from lm_resiliency.adapters.base import AdapterTopology, StepSink, StepTimes, uncompiled
 from lm_resiliency.adapters.canonical import CanonicalReduction
 
@@ -133,8 +134,9 @@ class PyTorchAdapter:
         self._handles.append(self.model.register_forward_pre_hook(self._forward_pre, prepend=True))
         collectives.install(self)  # the step's own torch.distributed collectives, for hang/desync checks
         if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre))
-            self._handles.append(self.optimizer.register_step_post_hook(self._opt_post))
+            # Ours: they also run on a step a loss scaler skipped (see amp.run_skipped_step).
+            self._handles.append(mark_ours(self.optimizer.register_step_pre_hook(self._opt_pre)))
+            self._handles.append(mark_ours(self.optimizer.register_step_post_hook(self._opt_post)))
         ddp = self._ddp  # hooks above stay on the compiled wrapper: eager
         if ddp is not None and self._time_comm:
             if getattr(ddp, "_comm_hooks", None):

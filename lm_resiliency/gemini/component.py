@@ -31,6 +31,7 @@ import msgpack
 import torch
 
 from lm_resiliency._proc import pid_alive
+from lm_resiliency.adapters.amp import mark_ours
 from lm_resiliency.config import InMemoryCkptConfig, SCOUTFaultReport
 from lm_resiliency.core.auth import frame_digest
 from lm_resiliency.core.gemini.placement import replica_holders
@@ -77,6 +78,7 @@ class _Stream:
     size: int
     chunk_size: int
     count: int
+    keeps: int = -1
     header: bytes | None = None
     slot: SlotFile | None = None
     k: int = 0
@@ -122,6 +124,7 @@ class Gemini:
         extra_state_fn: Callable[[], Any] | None,
         load_extra_state_fn: Callable[[Any], None] | None,
         config: InMemoryCkptConfig,
+        scaler: Any = None,
         interval: int,
         shm_dir: str,
         on_fault: Callable[[dict[str, Any]], None] | None = None,
@@ -136,6 +139,7 @@ class Gemini:
         self.topology = topology
         self.runtime = runtime
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.scaler = scaler  # a torch.amp.GradScaler (see adapters.amp)
         self.extra_state_fn, self.load_extra_state_fn = extra_state_fn, load_extra_state_fn
         self.config = config
         self.interval = config.interval or interval
@@ -148,7 +152,7 @@ class Gemini:
         # Called with the step right before each capture from the training loop (SCOUT's evidence
         # of a step whose capture waited for the next step to begin, see will_defer).
         self.before_capture: Callable[[int], None] | None = None
-        self._looked_for_scheduler = False  # once, at the first step: see _warn_late_scheduler
+        self._looked_for_scheduler = False  # once, at the first step: see _warn_late_state
         self._committed_at: dict[int, float] = {}  # own slot index -> when its capture committed
         # Called with every new inventory (worker/receiver threads): the torchrun backend's feed.
         self.on_inventory: Callable[[GeminiInventory], None] | None = None
@@ -175,7 +179,8 @@ class Gemini:
         self._replica_slots: dict[int, list[SlotFile]] = {}
         self._replica_step: dict[int, dict[int, int]] = {}  # owner -> slot -> step
         self._restore_waiters: dict[str, threading.Event] = {}
-        self._jobs: queue.Queue[tuple[int, SlotHeader, Completion] | None] = queue.Queue()
+        # (slot, header, copy completion, step of the other own slot this capture left in place)
+        self._jobs: queue.Queue[tuple[int, SlotHeader, Completion, int] | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"lm-resiliency-gemini{rank}", daemon=True)
         # Checksums of a large capture on several cores (xxhash releases the GIL), so committing keeps
         # up with a capture every step; none on small machines, where the cores train.
@@ -192,7 +197,9 @@ class Gemini:
             else None
         )
         self._closed = False
-        self._pending: int | None = None
+        self._pending: int | None = None  # a step whose capture waits for the calls in _due (on_step)
+        self._due: set[str] = set()
+        self._scaler_trails = True  # scaler.update() follows each step (see _step_begins)
         self._deferred: int | None = None  # a step whose capture waits for the next to begin (_boundary)
         self._waiting: int | None = None  # a step whose capture waits for a verdict (see capture)
         self._fetched = False  # an instrumented loader was read during the current step
@@ -356,14 +363,16 @@ class Gemini:
             # One copy out of shared memory, into the live tensors where they exist: fresh memory
             # costs a page fault per 4 KiB, which made a restore slower than the copy itself.
             materialize(state, self.model, self.optimizer)
-            apply_state(state, self.model, self.optimizer, self.scheduler, self.load_extra_state_fn)
+            apply_state(
+                state, self.model, self.optimizer, self.scheduler, self.load_extra_state_fn, self.scaler
+            )
             del state, tensors, payload
         finally:
             fresh.close()
 
     def prepare(self) -> None:
         """Size and map both slots now (startup), so the first captures pay no page faults."""
-        state = collect_state(self.model, self.optimizer, self.scheduler, self.extra_state_fn, 0)
+        state = collect_state(self.model, self.optimizer, self.scheduler, self.extra_state_fn, 0, self.scaler)
         skeleton, _, specs = flatten(state)
         index_len = len(msgpack.packb([skeleton, [[s.dtype, list(s.shape), s.nbytes] for s in specs]]))
         payload = _align(index_len + 4096) + sum(_align(s.nbytes) for s in specs)
@@ -395,36 +404,43 @@ class Gemini:
         self._previous_sigterm = previous
 
     # -- capture (training thread) ----------------------------------------------------------------
-    # The step boundary is after the optimizer step *and* the scheduler step that follows it: a
-    # capture taken between the two would restore a learning rate one step behind. So with a
-    # scheduler the capture waits for its step() (or, for a scheduler that does not step every
-    # iteration, for the next forward, before any parameter changes).
+    # The step boundary is after the optimizer step *and* the calls that follow it and belong to
+    # the step: the scheduler's step() and the loss scaler's update(). A capture taken before them
+    # would restore a learning rate or a loss scale one step behind. So the capture waits for them
+    # (or, for a scheduler that does not step every iteration, for the next forward, before any
+    # parameter changes).
     def on_step(self, session: Any, times: Any) -> None:
         step = session.step_count
         self._count_fetches(step)
-        if self.scheduler is None and self.optimizer is not None and not self._looked_for_scheduler:
+        if self.optimizer is not None and not self._looked_for_scheduler:
             self._looked_for_scheduler = True
-            self._warn_late_scheduler()
+            self._warn_late_state()
         if step % self.interval != 0:
             return
-        if self.scheduler is None:
-            self._boundary(step)
-        else:
+        trailers = (("scheduler", self.scheduler), ("scaler", self.scaler if self._scaler_trails else None))
+        self._due = {name for name, obj in trailers if obj is not None}
+        if self._due:
             self._pending = step
+        else:
+            self._boundary(step)
 
-    def _warn_late_scheduler(self) -> None:
-        """At the first step: a scheduler made after enable_resiliency steps the optimizer, and its
-        state is not captured (a restart resets the learning rate). Said once, in the log."""
+    def _warn_late_state(self) -> None:
+        """At the first step: a scheduler or a loss scaler made after enable_resiliency, whose state
+        is not captured (a restart resets the learning rate or the loss scale). Said once, in the log."""
+        from lm_resiliency.adapters.amp import find_grad_scalers
         from lm_resiliency.adapters.pytorch import find_scheduler
 
-        _, found = find_scheduler(self.optimizer)
-        if found:
+        late = [] if self.scheduler is not None else find_scheduler(self.optimizer)[1]
+        if self.scaler is None:
+            late += find_grad_scalers()
+        if late:
             log.warning(
-                "rank %d: %s steps the optimizer but was made after enable_resiliency: its state is "
-                "not captured, so a restart resets the learning rate. Make it before, or pass it as "
-                "opt_param_scheduler",
+                "rank %d: %s was made after enable_resiliency: its state is not captured, so a "
+                "restart resets the learning rate or the loss scale (and a step a GradScaler skips "
+                "is not counted). Make it before (a scheduler can also be passed as "
+                "opt_param_scheduler)",
                 self.rank,
-                ", ".join(type(o).__name__ for o in found),
+                ", ".join(type(o).__name__ for o in late),
             )
 
     def _boundary(self, step: int) -> None:
@@ -460,8 +476,11 @@ class Gemini:
         """The loop read an instrumented loader in each of the last two steps: it reads it every step."""
         return self._fetching >= 2 and threading.get_ident() == self._training_thread
 
-    def _take_pending(self) -> None:
-        """scheduler.step() returned: the step has ended."""
+    def _take_pending(self, name: str) -> None:
+        """scheduler.step() or scaler.update() returned: the step has ended when both did."""
+        self._due.discard(name)
+        if self._due:
+            return
         step, self._pending = self._pending, None
         if step is not None and not self._closed:
             self._boundary(step)
@@ -478,6 +497,15 @@ class Gemini:
         """The model's forward or the optimizer's step: nothing of the last step may wait longer
         (a scheduler that did not step this iteration: its pending capture is taken now)."""
         step, self._pending = self._pending, None
+        if step is not None and "scaler" in self._due:
+            # A loss scaler's update() follows every step that uses it: this one is not the loop's.
+            self._scaler_trails = False
+            log.warning(
+                "rank %d: the GradScaler found at enable_resiliency did not update() after step %d: "
+                "captures no longer wait for it",
+                self.rank,
+                step,
+            )
         if step is not None and not self._closed:
             self._capture_from_hook(step)
         self._take_deferred()
@@ -510,7 +538,7 @@ class Gemini:
         self._pending = None
         self._hooks = []
         if self.optimizer is not None:
-            self._hooks.append(self.optimizer.register_step_pre_hook(self._fence_before_step))
+            self._hooks.append(mark_ours(self.optimizer.register_step_pre_hook(self._fence_before_step)))
         # First among the model's forward pre-hooks: before FSDP's unshard, the state is the step's.
         self._hooks.append(
             self.model.register_forward_pre_hook(lambda module, args: self._step_begins(), prepend=True)
@@ -525,12 +553,16 @@ class Gemini:
 
         def step(this: Any, *args: Any, **kwargs: Any) -> Any:
             result = super(boundary, this).step(*args, **kwargs)  # type: ignore[misc, arg-type]
-            take()
+            take("scheduler")
             return result
 
         boundary = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
         sched.__class__ = boundary
         self._restore_scheduler = base
+
+    def on_scaler_update(self) -> None:
+        """The loss scaler's update() returned (see adapters.amp.ScalerWatch)."""
+        self._take_pending("scaler")
 
     def _fence_before_step(self, *args: Any) -> None:
         """Optimizer pre-step: the parameters must not change before an async capture has read them."""
@@ -637,8 +669,11 @@ class Gemini:
             k = free[0]
             self._busy.add(k)
             self._own_step.pop(k, None)
+            keeps = self._own_step.get(1 - k, -1)
         try:
-            state = collect_state(self.model, self.optimizer, self.scheduler, self.extra_state_fn, step)
+            state = collect_state(
+                self.model, self.optimizer, self.scheduler, self.extra_state_fn, step, self.scaler
+            )
             skeleton, tensors, specs = flatten(state)
             index = msgpack.packb(
                 [skeleton, [[s.dtype, list(s.shape), s.nbytes] for s in specs]], use_bin_type=True
@@ -684,7 +719,7 @@ class Gemini:
             raise
         self.stats.capture_block_s_last = time.perf_counter() - t0
         self.stats.bytes_per_capture = header.file_size
-        self._jobs.put((k, header, completion))
+        self._jobs.put((k, header, completion, keeps))
         return True
 
     def _work(self) -> None:
@@ -692,10 +727,10 @@ class Gemini:
             job = self._jobs.get()
             if job is None:
                 return
-            k, header, completion = job
+            k, header, completion, keeps = job
             try:
                 completion.wait_host()  # an async device-to-host copy must land before the checksums
-                self._commit_and_replicate(k, header)
+                self._commit_and_replicate(k, header, keeps)
             except Exception:  # keep capturing; the next capture retries replication
                 log.exception("rank %d: committing or replicating step %d failed", self.rank, header.step)
             finally:
@@ -703,7 +738,7 @@ class Gemini:
                     self._busy.discard(k)
                     self._idle.notify_all()
 
-    def _commit_and_replicate(self, k: int, header: SlotHeader) -> None:
+    def _commit_and_replicate(self, k: int, header: SlotHeader, keeps: int = -1) -> None:
         slot = self._own[k]
         t0 = time.perf_counter()
         digests = chunk_digests(slot.payload(header), header.chunk_size, self._hash_pool)
@@ -727,6 +762,9 @@ class Gemini:
             "step": str(header.step),
             "size": str(header.file_size),
             "chunk": str(header.chunk_size),  # lets the holder write each chunk where it belongs
+            # The capture this one did not overwrite: the holder keeps its replica of it, so its two
+            # replica slots mirror our slots (chosen after SCOUT's verdict, the same on every rank).
+            "keeps": str(keeps),
         }
         t0 = time.perf_counter()
         try:
@@ -797,11 +835,12 @@ class Gemini:
         if st is None:
             try:
                 step, size, chunk_size = int(meta["step"]), int(meta["size"]), int(meta["chunk"])
+                keeps = int(meta.get("keeps", "-1"))
             except (KeyError, ValueError):
                 return False  # a sender without chunk geometry: the whole transfer is written at the end
             for old in [k for k in self._streams if k[0] == sender]:
                 del self._streams[old]  # an older transfer from this owner that never completed
-            st = self._streams[key] = _Stream(sender, step, size, chunk_size, count)
+            st = self._streams[key] = _Stream(sender, step, size, chunk_size, count, keeps)
             self._rx.put(functools.partial(self._stream_open, st))
         if index == 0:
             st.header = bytes(chunk)  # the committed header goes last
@@ -814,12 +853,7 @@ class Gemini:
         return True
 
     def _stream_open(self, st: _Stream) -> None:
-        slots = self._replica_slots.setdefault(
-            st.owner, [SlotFile(self._replica_path(st.owner, k)) for k in (0, 1)]
-        )
-        steps = self._replica_step.setdefault(st.owner, {})
-        k = 1 if self._slot_to_keep(steps) == 0 else 0
-        steps.pop(k, None)
+        slots, k = self._replica_slot_for(st.owner, st.keeps)
         slots[k].ensure_size(st.size)
         slots[k].begin()
         st.slot, st.k = slots[k], k
@@ -863,11 +897,14 @@ class Gemini:
                 return True
             # Writing into shared memory (and, the first time, reserving it) takes long for a large
             # state: do it on the receiving thread, never on the runtime loop (heartbeats would stall).
-            self._rx.put(
-                lambda: self._store_replica(
-                    owner, int(meta.get("step", "-1")), int(meta.get("size", "0")), chunks
-                )
-            )
+            try:
+                step, size = int(meta.get("step", "-1")), int(meta.get("size", "0"))
+                keeps = int(meta.get("keeps", "-1"))
+            except ValueError:
+                self.stats.replicas_rejected += 1
+                log.warning("rank %d: replica from rank %d has malformed metadata %r", self.rank, owner, meta)
+                return True
+            self._rx.put(lambda: self._store_replica(owner, step, size, chunks, keeps))
             return True
         if kind == "gemini-restore" and tid in self._restore_waiters:
             self._rx.put(
@@ -892,15 +929,28 @@ class Gemini:
                 self.stats.replicas_rejected += 1
                 log.exception("rank %d: writing a received checkpoint copy failed", self.rank)
 
-    def _store_replica(self, owner: int, step: int, size: int, chunks: list[Any]) -> None:
+    def _replica_slot_for(self, owner: int, keeps: int) -> tuple[list[SlotFile], int]:
+        """The replica slots of `owner` and the one its next copy overwrites (emptied for it).
+
+        The one kept is the replica of `keeps`, the capture the owner left in place when it took
+        this one: the owner chose it after SCOUT's verdict, so every holder keeps what every owner
+        keeps, whatever time its own certificates came. Without that hint (a replica of it never
+        arrived), like own slots: the newest certified replica stays, so a node replaced after an SDC
+        can still restore a verified step from this peer."""
         slots = self._replica_slots.setdefault(
             owner, [SlotFile(self._replica_path(owner, k)) for k in (0, 1)]
         )
         steps = self._replica_step.setdefault(owner, {})
-        # Like own slots: after an SDC the newest certified replica stays, so a node replaced for
-        # it can still restore a verified step from this peer.
-        k = 1 if self._slot_to_keep(steps) == 0 else 0
+        kept = next((k for k, s in steps.items() if s == keeps), None)
+        if kept is None:
+            kept = self._slot_to_keep(steps)
+        k = 1 if kept == 0 else 0
         steps.pop(k, None)
+        return slots, k
+
+    def _store_replica(self, owner: int, step: int, size: int, chunks: list[Any], keeps: int = -1) -> None:
+        slots, k = self._replica_slot_for(owner, keeps)
+        steps = self._replica_step[owner]
         if self._write_file(slots[k], chunks, size, owner, step):
             steps[k] = step
             self.stats.replicas_received += 1

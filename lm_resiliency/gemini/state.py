@@ -1,9 +1,10 @@
 """Training state <-> (msgpack skeleton, list of tensors).
 
-`collect_state` gathers model, optimizer, scheduler, RNG (torch CPU and CUDA, Python, NumPy) and the
-caller's extra state. `flatten` replaces every tensor by a reference, so the skeleton is small msgpack
-and the tensors can be copied byte for byte into shared memory; `unflatten` reverses it exactly
-(tuples stay tuples, int dict keys stay ints). Unsupported objects fail with the path to them.
+`collect_state` gathers model, optimizer, scheduler, loss scaler, RNG (torch CPU and CUDA, Python,
+NumPy) and the caller's extra state. `flatten` replaces every tensor by a reference, so the skeleton
+is small msgpack and the tensors can be copied byte for byte into shared memory; `unflatten`
+reverses it exactly (tuples stay tuples, int dict keys stay ints). Unsupported objects fail with the
+path to them.
 
 Sharded state (DTensor: FSDP2, TP, HSDP) is captured as this rank's local shard plus the global shape
 and placements. It comes back as a `LocalShard`, and `apply_state` turns each one into a DTensor
@@ -22,6 +23,7 @@ import msgpack
 import numpy as np
 import torch
 
+from lm_resiliency.adapters.amp import load_scaler_state, scaler_state
 from lm_resiliency.adapters.base import uncompiled, zero_partition
 
 __all__ = ["LocalShard", "TensorSpec", "apply_state", "collect_state", "flatten", "materialize", "unflatten"]
@@ -172,6 +174,7 @@ def collect_state(
     scheduler: Any,
     extra_state_fn: Callable[[], Any] | None,
     step: int,
+    scaler: Any = None,
 ) -> dict[str, Any]:
     state: dict[str, Any] = {
         "step": step,
@@ -195,6 +198,8 @@ def collect_state(
             ]
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
+    if scaler is not None:
+        state["scaler"] = scaler_state(scaler)
     if extra_state_fn is not None:
         state["extra"] = extra_state_fn()
     return state
@@ -206,6 +211,7 @@ def apply_state(
     optimizer: torch.optim.Optimizer | None,
     scheduler: Any,
     load_extra_state_fn: Callable[[Any], None] | None,
+    scaler: Any = None,
 ) -> None:
     model = uncompiled(model)
     _resolve_shards(state, model, _holder(optimizer))
@@ -225,6 +231,8 @@ def apply_state(
             cast(Any, optimizer)._sync_param_groups(optimizer.param_groups, partition.param_groups)
     if scheduler is not None and "scheduler" in state:
         scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and "scaler" in state:
+        load_scaler_state(scaler, state["scaler"])
     rng = state["rng"]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

@@ -26,6 +26,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
+from lm_resiliency.adapters.amp import mark_ours
 from lm_resiliency.adapters.base import is_compiled, is_dtensor
 from lm_resiliency.adapters.canonical import ddp_parameters
 from lm_resiliency.config import ReplayHarnessConfig, SCOUTFaultReport
@@ -223,7 +224,7 @@ class Scout:
         self._handles: list[Any] = []
         opt = getattr(adapter, "optimizer", None)
         if opt is not None:
-            self._handles.append(opt.register_step_pre_hook(self._before_step))
+            self._handles.append(mark_ours(opt.register_step_pre_hook(self._before_step)))
         # Replay records: only where a disagreement has no majority to settle it (two replicas).
         self._recorder: ReplayRecorder | None = None
         model = getattr(adapter, "model", None)

@@ -156,6 +156,68 @@ def test_what_the_loop_does_after_the_step_is_captured_with_it(monkeypatch: pyte
     assert all(torch.equal(a, b) for a, b in zip(want[0], got[0], strict=True))
 
 
+@pytest.mark.parametrize("scheduler", [False, True], ids=["scaler", "scaler+scheduler"])
+def test_a_loss_scaler_is_captured_and_the_steps_it_skips_are_steps(
+    monkeypatch: pytest.MonkeyPatch, scheduler: bool
+) -> None:
+    """fp16-style training with a GradScaler whose loss overflows at steps 3 and 6: the skipped steps
+    count (`step_count` follows the loop), and a restart resumes the scale and growth tracker as
+    the uninterrupted run had them: captured after `scaler.update()` (and `scheduler.step()`)."""
+    overflow = (3, 6)
+
+    def train(upto: int) -> tuple[list[torch.Tensor], tuple[float, int], int, int]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Linear(16, 4))
+        o = torch.optim.AdamW(m.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(o, lambda i: 0.9**i) if scheduler else None
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        with enable_resiliency(m, o, interval=1) as s:
+            assert s.gemini.scaler is scaler and s.gemini.scheduler is sched
+            for step in range(s.step_count + 1, upto + 1):
+                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+                loss = (m(x) - x).pow(2).mean() * (float("inf") if step in overflow else 1.0)
+                scaler.scale(loss).backward()
+                scaler.step(o)
+                scaler.update()
+                if sched is not None:
+                    sched.step()
+                o.zero_grad()
+                assert s.step_count == step, (s.step_count, step)
+            assert s.gemini.drain(10) and s.gemini.stats.capture_failures == 0
+            newest = s.gemini.newest_recoverable_step("latest")
+            skipped = s._scaler_watch.skipped
+        assert type(scaler) is torch.amp.GradScaler  # the watch is gone with the session
+        state = (scaler.get_scale(), int(scaler._growth_tracker))
+        return [p.detach().clone() for p in m.parameters()], state, newest, skipped
+
+    want = train(8)
+    assert want[3] == len(overflow) and want[1][0] != 2.0**10
+    _, _, newest, _ = train(5)
+    assert newest >= 4  # step 5, or under load the one before
+    monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
+    got = train(8)
+    assert got[1] == want[1], (got[1], want[1])
+    assert all(torch.equal(a, b) for a, b in zip(want[0], got[0], strict=True))
+
+
+def test_a_scaler_the_loop_does_not_use_does_not_hold_captures_back(caplog: pytest.LogCaptureFixture) -> None:
+    """A GradScaler exists but the loop steps the optimizer itself: after the first step without
+    `scaler.update()`, captures stop waiting for it (a warning says so) and none is lost."""
+    m = nn.Linear(2, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with caplog.at_level(logging.WARNING), enable_resiliency(m, o, interval=1, enable_detection=False) as s:
+        assert s.gemini.scaler is scaler
+        for _ in range(4):
+            m(torch.ones(1, 2)).sum().backward()
+            o.step()
+        assert s.gemini.drain(10)
+        # Step 1's capture waited for the next forward; steps 2 and 3 were taken at once; step 4's
+        # too (it would otherwise wait for a forward that never comes).
+        assert s.gemini.newest_recoverable_step("latest") == 4
+    assert caplog.text.count("did not update() after step 1") == 1
+
+
 def test_unserialisable_extra_state_fails_at_enable_naming_the_path() -> None:
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match=r"state\.extra\.bad: objects of type Random"):
@@ -193,12 +255,12 @@ def test_replica_slots_keep_the_newest_certified_copy() -> None:
     with enable_resiliency(model, opt, interval=10**6, enable_detection=False) as s:
         gem = s.gemini
 
-        def store_copy_of(step: int) -> None:
+        def store_copy_of(step: int, keeps: int = -1) -> None:
             assert gem.capture(step) and gem.drain(10)
             k = next(k for k, v in gem._own_step.items() if v == step)
             raw = gem._own[k].path.read_bytes()
             size = gem._own[k].read_header().file_size
-            gem._store_replica(0, step, size, [raw[:4096], raw[4096:size]])
+            gem._store_replica(0, step, size, [raw[:4096], raw[4096:size]], keeps)
 
         gem.certifier = lambda step: step <= 1
         for step in (1, 2, 3):
@@ -207,6 +269,12 @@ def test_replica_slots_keep_the_newest_certified_copy() -> None:
         gem.certifier = None
         store_copy_of(4)
         assert sorted(gem._replica_step[0].values()) == [3, 4]
+        # The owner names the capture it left in place: the holder keeps that one, whatever its own
+        # certificates say (here none: without the hint it would keep the newest, 4).
+        store_copy_of(5, keeps=3)
+        assert sorted(gem._replica_step[0].values()) == [3, 5]
+        store_copy_of(6, keeps=99)  # a hint the holder has no replica of: its own rule again
+        assert sorted(gem._replica_step[0].values()) == [5, 6]
 
 
 def test_a_capture_waits_for_scouts_verdict_on_the_previous_one(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -430,7 +498,7 @@ def test_a_scheduler_not_passed_is_found_and_restored(
         m(torch.ones(1, 2)).sum().backward()
         o.step()
         late.step()
-    assert "StepLR steps the optimizer but was made after enable_resiliency" in caplog.text
+    assert "StepLR was made after enable_resiliency: its state is not captured" in caplog.text
     o = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     a, b = (torch.optim.lr_scheduler.StepLR(o, 1), torch.optim.lr_scheduler.StepLR(o, 2))
     assert find_scheduler(o) == (None, [a, b])
