@@ -20,9 +20,15 @@ class ProcessGroup:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(
-        self, args: list[str], env: dict[str, str], log_path: Path, prefix: tuple[str, ...] = ()
+        self,
+        args: list[str],
+        env: dict[str, str],
+        log_path: Path,
+        prefix: tuple[str, ...] = (),
+        cwd: Path = ROOT,
     ) -> subprocess.Popen[bytes]:
-        """Start `python args...` (after `prefix`, e.g. `ip netns exec NS`, which execs into it)."""
+        """Start `python args...` (after `prefix`, e.g. `ip netns exec NS`, which execs into it) in
+        `cwd`: a job writing relative paths (the default `./checkpoints`) writes them there."""
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
         log = open(log_path, "wb")  # noqa: SIM115 - closed with the process below
         # A session of its own: stopping the test's process stops everything it started (torchrun's
@@ -32,7 +38,7 @@ class ProcessGroup:
             env=full_env,
             stdout=log,
             stderr=subprocess.STDOUT,
-            cwd=ROOT,
+            cwd=cwd,
             start_new_session=True,
         )
         proc._log = log  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ProcessGroup
+from tests.conftest import ROOT, ProcessGroup
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -98,10 +98,12 @@ class Job:
                 "--rdzv-conf=" + ",".join(conf),
                 "--max-restarts=30",
                 "--monitor-interval=0.1",
-                self.worker,
+                str(ROOT / self.worker),
                 self.run_id,  # tags the workers' command lines
             ]
-            self.procs.append(self.group.start(args, full, self.tmp / f"agent-{n}.log"))
+            # In the job's directory: durable checkpoints (default ./checkpoints) land there, not in
+            # the checkout.
+            self.procs.append(self.group.start(args, full, self.tmp / f"agent-{n}.log", cwd=self.tmp))
 
     def log(self, n: int) -> str:
         return (self.tmp / f"agent-{n}.log").read_text(errors="replace")
