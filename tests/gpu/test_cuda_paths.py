@@ -127,6 +127,41 @@ def test_cuda_training_killed_and_resumed_is_bitwise_equal(tmp_path) -> None:  #
     assert summary["recovery_decision"]["checkpoint_source"] == "gemini"
 
 
+def test_fp16_training_with_a_grad_scaler_resumes_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 autocast with a CUDA GradScaler, overflows at two steps: the scale (a CUDA tensor,
+    captured by the side-stream copy) and the skipped steps survive a restart, bitwise."""
+    from torch import nn
+
+    from lm_resiliency import enable_resiliency
+
+    def train(upto: int) -> tuple[list[torch.Tensor], float, int]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).cuda()
+        o = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12, growth_interval=2)
+        with enable_resiliency(m, o, interval=1, enable_detection=False) as s:
+            assert s.gemini.scaler is scaler
+            for step in range(s.step_count + 1, upto + 1):
+                x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step)).cuda()
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = (m(x).float() - x).pow(2).mean()
+                scaler.scale(loss * (float("inf") if step in (3, 6) else 1.0)).backward()
+                scaler.step(o)
+                scaler.update()
+                o.zero_grad()
+                assert s.step_count == step
+            assert s.gemini.drain(10)
+            newest = s.gemini.newest_recoverable_step("latest")
+        return [p.detach().cpu() for p in m.parameters()], scaler.get_scale(), newest
+
+    want = train(8)
+    assert train(5)[2] >= 4
+    monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
+    got = train(8)
+    assert got[1] == want[1]
+    assert all(torch.equal(a, b) for a, b in zip(want[0], got[0], strict=True))
+
+
 def test_nvml_source_reads_the_real_device() -> None:
     pynvml = pytest.importorskip("pynvml")
     from lm_resiliency.scout.health import NvmlHealthSource, default_health_source
