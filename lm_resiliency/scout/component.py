@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -55,7 +56,7 @@ from lm_resiliency.core.scout.verdicts import (
 from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
 from lm_resiliency.core.topology import Topology
 from lm_resiliency.scout.audit import AuditRecorder, dump_package, load_package, package, replay_package
-from lm_resiliency.scout.fingerprint import fingerprint
+from lm_resiliency.scout.fingerprint import Fingerprint, fingerprint, fingerprint_async
 from lm_resiliency.scout.health import HealthEvent, HealthSource
 from lm_resiliency.scout.replay import ReplayRecorder, pack_contributions, replay_grads, replay_params
 
@@ -153,6 +154,59 @@ def _optimizer_fingerprint(opt: Any) -> bytes:
 
 log = logging.getLogger(__name__)
 KEEP_STEPS = 64
+
+
+class EvidenceResolver:
+    """Submits a step's evidence once its fingerprints are on the host, in step order.
+
+    On CPU (and whenever the device has caught up) at once, on the caller's thread. Fingerprints of
+    CUDA tensors still being folded go to a thread of its own that waits for them: the training
+    thread never waits for the device (a synchronisation drains the queue of kernels it runs ahead
+    with). Once one waits there, later ones queue behind it, so evidence leaves in step order."""
+
+    def __init__(self, rank: int, submit: Callable[[Evidence], None]) -> None:
+        self.rank, self._submit = rank, submit
+        self._queue: queue.Queue[tuple[int, Fingerprint | None, Fingerprint] | None] = queue.Queue()
+        self._outstanding = 0  # queued and not submitted yet (raised here, lowered by the thread)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.deferred = 0  # evidence that waited for the device (count)
+
+    def offer(self, step: int, grads: Fingerprint | None, params: Fingerprint) -> None:
+        if not self._outstanding and (grads is None or grads.ready()) and params.ready():
+            self._submit(self._evidence(step, grads, params))
+            return
+        with self._lock:
+            self._outstanding += 1
+            self.deferred += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"lm-resiliency-evidence{self.rank}", daemon=True
+                )
+                self._thread.start()
+        self._queue.put((step, grads, params))
+
+    def _evidence(self, step: int, grads: Fingerprint | None, params: Fingerprint) -> Evidence:
+        return Evidence(self.rank, step, grads.result() if grads is not None else b"", params.result())
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._submit(self._evidence(*item))
+            except Exception:  # a failed device copy loses this step's evidence, never detection
+                log.exception("rank %d: evidence of step %d could not be resolved", self.rank, item[0])
+            finally:
+                with self._lock:
+                    self._outstanding -= 1
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
+
+
 # Verdicts each rank reaches at its own step (out of band, while training is stuck): voted on
 # without the step, so that ranks at different steps agree on one key.
 UNSTEPPED = frozenset({"hang", "collective_stall", "data_stall", "checkpoint_stall"})
@@ -217,7 +271,8 @@ class Scout:
         self._sdc_from: int | None = None
         self._lock = threading.Lock()
         self.verdicts: list[Verdict] = []
-        self._grads_fp: bytes | None = None
+        self._grads_fp: Fingerprint | None = None
+        self._evidence_out = EvidenceResolver(rank, runtime.submit)
         # When this rank finished each recent step (monotonic): a verdict's detection latency counts
         # from the end of the step its evidence came from.
         self._ended: dict[int, float] = {}
@@ -341,7 +396,8 @@ class Scout:
         self.on_revoked: Callable[[int], None] | None = None
         # Whether GEMINI captures a step only when the next begins (its evidence then waits too).
         self.defer_evidence: Callable[[int], bool] | None = None
-        self._deferred_evidence: tuple[int, bytes | None] | None = None  # step, its gradients' fingerprint
+        # The step, its gradients' fingerprint.
+        self._deferred_evidence: tuple[int, Fingerprint | None] | None = None
         self._last_params: tuple[int, bytes, bytes] = (-1, b"", b"")  # step, params, optimizer state
         self._params_split: tuple[int, set[int]] = (-1, set())  # last checked step params disagreed
         # Evidence, audit and replay results and link reports are judged by the replica group
@@ -419,7 +475,7 @@ class Scout:
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         step = self._session_step() + 1
         if self._due(step) and not self._paused():
-            self._grads_fp = fingerprint(p.grad for g in opt.param_groups for p in g["params"])
+            self._grads_fp = fingerprint_async(p.grad for g in opt.param_groups for p in g["params"])
             if self._recorder is not None:
                 record = self._recorder.capture(step)
                 if record is not None and self._last_params[0] == step - 1:
@@ -454,12 +510,12 @@ class Scout:
         if not self._closed:
             self._submit_evidence(deferred, grads)
 
-    def _submit_evidence(self, step: int, grads: bytes | None) -> None:
-        params = fingerprint(p for p in self.adapter.model.parameters())
+    def _submit_evidence(self, step: int, grads: Fingerprint | None) -> None:
+        params = fingerprint_async(p for p in self.adapter.model.parameters())
         if self._recorder is not None:  # for the between-steps check of a two-replica replay
-            self._last_params = (step, params, _optimizer_fingerprint(self.adapter.optimizer))
-        # Gossiped, and looped back to our own handlers.
-        self.runtime.submit(Evidence(self.rank, step, grads or b"", params))
+            self._last_params = (step, params.result(), _optimizer_fingerprint(self.adapter.optimizer))
+        # Gossiped (once the device's folds are on the host), and looped back to our own handlers.
+        self._evidence_out.offer(step, grads, params)
 
     # -- runtime thread ---------------------------------------------------------------------------
     def _on_evidence(self, ev: Evidence) -> None:
@@ -1086,6 +1142,7 @@ class Scout:
             self._replay_lock.notify_all()
         for t in self._replay_threads:
             t.join(timeout=5.0)
+        self._evidence_out.close()
         self._health_stop.set()
         if self._health_thread is not None:
             self._health_thread.join(timeout=5.0)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lm_resiliency.gemini.copier import CudaCopier, copier_for
-from lm_resiliency.scout.fingerprint import device_fold, fingerprint
+from lm_resiliency.scout.fingerprint import device_fold, fingerprint, fingerprint_async
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -111,6 +111,19 @@ def test_device_fingerprints_are_bitwise() -> None:
     before = torch.cuda.memory_allocated()
     fingerprint([huge])
     assert torch.cuda.max_memory_allocated() - before < 64 << 20
+
+
+def test_async_fingerprints_equal_the_synchronous_ones_and_never_sync() -> None:
+    dev = torch.device("cuda")
+    tensors = [torch.randn(1 << 20, device=dev), torch.randn(5, dtype=torch.float16, device=dev), None]
+    want = fingerprint(tensors)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising call on this thread raises
+    try:
+        pending = fingerprint_async(tensors)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert pending.result() == want and pending.ready()
 
 
 def test_cuda_training_killed_and_resumed_is_bitwise_equal(tmp_path) -> None:  # type: ignore[no-untyped-def]

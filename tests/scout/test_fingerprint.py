@@ -1,14 +1,20 @@
-"""The device fold behind CUDA fingerprints, run on CPU through the same code."""
+"""Fingerprints: the device fold behind CUDA fingerprints, run on CPU through the same code, and the
+evidence that waits for a device copy (a stand-in for the CUDA event this machine lacks)."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lm_resiliency.scout.fingerprint import MOD, device_fold, fingerprint
+from lm_resiliency.core.messages import Evidence
+from lm_resiliency.scout.component import EvidenceResolver
+from lm_resiliency.scout.fingerprint import MOD, Fingerprint, device_fold, fingerprint, fingerprint_async
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,3 +75,55 @@ def test_cpu_fingerprints_are_bitwise() -> None:
     assert fingerprint([x, None]) == fingerprint([y, None]) != fingerprint([y, x])
     y.view(torch.int32)[0] ^= 1
     assert fingerprint([x]) != fingerprint([y])
+
+
+def test_async_fingerprints_of_cpu_tensors_are_ready_and_equal() -> None:
+    tensors = [torch.randn(1000), None, torch.arange(7, dtype=torch.int16)]
+    pending = fingerprint_async(tensors)
+    assert pending.ready() and pending.result() == fingerprint(tensors) == pending.result()
+
+
+class DeviceCopyStandIn:
+    """A CUDA event of a device-to-host copy, for a machine without CUDA: done when released."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        assert self.done.wait(30)
+
+
+def test_evidence_waiting_for_the_device_leaves_in_step_order_without_blocking_the_caller() -> None:
+    sent: list[Evidence] = []
+    arrived = threading.Condition()
+
+    def submit(ev: Evidence) -> None:
+        with arrived:
+            sent.append(ev)
+            arrived.notify_all()
+
+    resolver = EvidenceResolver(3, submit)
+    try:
+        resolver.offer(1, None, fingerprint_async([torch.ones(4)]))  # on the host: at once
+        assert [e.step for e in sent] == [1] and resolver.deferred == 0
+        copy = DeviceCopyStandIn()
+        folds = torch.tensor([[5, 7]], dtype=torch.int64)  # what the device copy brings
+        pending = Fingerprint(xxhash.xxh3_128(b"x"), folds, copy)
+        resolver.offer(2, pending, fingerprint_async([torch.zeros(2)]))
+        # Ready itself, but behind step 2: it waits its turn rather than overtake it.
+        resolver.offer(3, None, fingerprint_async([torch.zeros(3)]))
+        assert [e.step for e in sent] == [1] and resolver.deferred == 2  # the caller did not wait
+        copy.done.set()
+        with arrived:
+            assert arrived.wait_for(lambda: len(sent) == 3, 30)
+        assert [e.step for e in sent] == [1, 2, 3] and all(e.rank == 3 for e in sent)
+        want = xxhash.xxh3_128(b"x")
+        want.update(folds.numpy().tobytes())
+        assert sent[1].grads == want.digest() and sent[2].grads == b""
+        resolver.offer(4, None, fingerprint_async([torch.zeros(4)]))  # caught up: at once again
+        assert [e.step for e in sent] == [1, 2, 3, 4]
+    finally:
+        resolver.close()
