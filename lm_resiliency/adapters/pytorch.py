@@ -29,7 +29,7 @@ from torch import nn
 from lm_resiliency.adapters import collectives
 from lm_resiliency.adapters.amp import mark_ours
 from lm_resiliency.adapters.base import AdapterTopology, StepSink, StepTimes, uncompiled
-from lm_resiliency.adapters.canonical import CanonicalReduction
+from lm_resiliency.adapters.canonical import CanonicalReduction, ddp_parameters
 
 __all__ = ["PyTorchAdapter"]
 
@@ -141,6 +141,10 @@ class PyTorchAdapter:
         if ddp is not None and self._time_comm:
             if getattr(ddp, "_comm_hooks", None):
                 log.info("DDP model already has a comm hook; communication time will not be measured")
+            elif _sparse_gradients(ddp):
+                # DDP reduces sparse gradients (an Embedding(sparse=True)) its own way, which a comm
+                # hook's flat bucket buffer cannot stand for.
+                log.info("DDP model has sparse gradients: communication time will not be measured")
             else:
                 pg = getattr(ddp, "process_group", None)
 
@@ -152,7 +156,10 @@ class PyTorchAdapter:
                     "bucket": dist.GradBucket,  # type: ignore[attr-defined]
                     "return": torch.futures.Future[torch.Tensor],
                 }
-                self._reduction = CanonicalReduction.for_ddp(ddp)
+                # Complex gradients reach a comm hook as real views of the bucket whose lengths do
+                # not match the parameters': their buckets are reduced whole, as DDP does.
+                if not any(p.is_complex() for p in ddp_parameters(ddp)):
+                    self._reduction = CanonicalReduction.for_ddp(ddp)
                 ddp.register_comm_hook(pg, comm_hook)
         self._t_step_start = time.perf_counter()
 
@@ -228,10 +235,10 @@ class PyTorchAdapter:
         count, chain = self.collective_state
         self.collective_state = (count + 1, xxhash.xxh3_64_digest(chain + sig.encode()))
         buffer.mul_(1.0 / world)  # averaged as DDP does: scaled, then summed
+        reduction = self._reduction
         tap = self.contribution_tap
-        if tap is not None:  # SCOUT's replay record: this rank's share before the reduction
+        if tap is not None and reduction is not None:  # SCOUT's replay record: this rank's share
             tap(bucket.parameters(), bucket.gradients())
-        assert self._reduction is not None
 
         def _done(f: Any) -> torch.Tensor:
             self.outstanding -= 1
@@ -242,7 +249,17 @@ class PyTorchAdapter:
             out: torch.Tensor = f.value()  # re-raises a failed all-reduce
             return out
 
-        done: torch.futures.Future[torch.Tensor] = self._reduction.reduce(bucket, group).then(_done)
+        if reduction is None:  # the bucket whole, in place (complex gradients)
+            work = collectives.original("all_reduce")(buffer, group=group, async_op=True)
+
+            def _whole(f: Any) -> torch.Tensor:
+                f.value()  # re-raises a failed all-reduce
+                return buffer
+
+            reduced: torch.futures.Future[torch.Tensor] = work.get_future().then(_whole)
+        else:
+            reduced = reduction.reduce(bucket, group)
+        done: torch.futures.Future[torch.Tensor] = reduced.then(_done)
         return done
 
     def _opt_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
@@ -298,6 +315,15 @@ def _ranks(value: Any, where: str) -> tuple[int, ...]:
             raise TypeError(f"{where} must hold ints, got {v!r}")
         out.append(v)
     return tuple(sorted(set(out)))
+
+
+def _sparse_gradients(ddp: Any) -> bool:
+    """Whether DDP expects sparse gradients: an Embedding or EmbeddingBag with `sparse=True` whose
+    weight it reduces (the modules DDP itself checks)."""
+    return any(
+        isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad
+        for m in getattr(ddp, "module", ddp).modules()
+    )
 
 
 def _find_ddp(model: nn.Module) -> Any:

@@ -30,6 +30,14 @@ def _hash(tensors: Iterable[torch.Tensor | None]) -> tuple[Any, torch.Tensor | N
     folds stacked on their device (None when there is none): the folds' bytes come last."""
     h = xxhash.xxh3_128()
     device_folds: list[torch.Tensor] = []
+
+    def feed(t: torch.Tensor) -> None:
+        if t.is_cuda:
+            h.update(t.numel().to_bytes(8, "little"))
+            device_folds.append(device_fold(t))
+        else:
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
     for t in tensors:
         if t is None:
             h.update(b"\0none")
@@ -38,11 +46,13 @@ def _hash(tensors: Iterable[torch.Tensor | None]) -> tuple[Any, torch.Tensor | N
         to_local = getattr(t, "to_local", None)  # a DTensor: this rank's shard is what replicas share
         if callable(to_local):
             t = to_local()
-        if t.is_cuda:
-            h.update(t.numel().to_bytes(8, "little"))
-            device_folds.append(device_fold(t))
+        if t.layout == torch.sparse_coo:  # an Embedding(sparse=True)'s gradient: its entries, in order
+            t = t.coalesce()
+            h.update(b"\0coo" + repr(tuple(t.shape)).encode())
+            feed(t.indices())
+            feed(t.values())
         else:
-            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            feed(t if t.layout == torch.strided else t.to_dense())  # other sparse layouts: dense
     return h, (torch.stack(device_folds) if device_folds else None)
 
 

@@ -3,7 +3,9 @@ evidence that waits for a device copy (a stand-in for the CUDA event this machin
 
 from __future__ import annotations
 
+import functools
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -127,3 +129,21 @@ def test_evidence_waiting_for_the_device_leaves_in_step_order_without_blocking_t
         assert [e.step for e in sent] == [1, 2, 3, 4]
     finally:
         resolver.close()
+
+
+def test_sparse_gradients_are_fingerprinted_by_their_entries() -> None:
+    """An Embedding(sparse=True)'s gradient: the same entries (in any order, duplicates summed) give
+    the same fingerprint, another value or another shape another one; other layouts by value."""
+    i = torch.tensor([[3, 1, 3]])
+    v = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    coo = functools.partial(torch.sparse_coo_tensor, check_invariants=True)
+    a = coo(i, v, (8, 2))
+    b = coo(torch.tensor([[1, 3]]), torch.tensor([[3.0, 4.0], [6.0, 8.0]]), (8, 2))
+    assert fingerprint([a]) == fingerprint([b]) == fingerprint_async([b]).result()
+    assert fingerprint([a]) != fingerprint([coo(i, v + 1, (8, 2))])
+    assert fingerprint([a]) != fingerprint([coo(i, v, (9, 2))])
+    dense = torch.eye(3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+        csr = dense.to_sparse_csr()
+    assert fingerprint([csr]) == fingerprint([dense])
