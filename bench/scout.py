@@ -109,7 +109,8 @@ def medians(res: list[dict]) -> tuple[float, float, float]:
 
 def latency_s(res: list[dict], kind: str) -> float | None:
     """The slowest rank's detection latency (seconds, from its report) for verdicts of `kind`."""
-    found = [f["detection_latency_s"] for r in res for f in r["faults"] if f["kind"] == kind]
+    # A report leaves the latency out when its rank had not ended the verdict's step (not known).
+    found = [f.get("detection_latency_s") for r in res for f in r["faults"] if f["kind"] == kind]
     return max(found) if found and None not in found else None
 
 
