@@ -879,7 +879,9 @@ class Session:
         """A step is about to fetch its batch: GEMINI takes a capture it left for this moment."""
         gem = self.gemini
         if gem is not None and not self._closed:
+            t0 = time.perf_counter()
             gem.on_fetch()
+            self._adapter.note_own_time(time.perf_counter() - t0)
 
     def _mark_phase(self, phase: str | None) -> None:
         """What the training thread is inside of, for out-of-band stall checks: one tuple, replaced whole."""

@@ -57,6 +57,11 @@ class FrameworkAdapter(Protocol):
         """Time spent in an instrumented data loader's next() since the last step."""
         ...
 
+    def note_own_time(self, seconds: float) -> None:
+        """Time the library spent on the training thread between two steps (a capture taken as the
+        next step fetches its batch): not the script's input time."""
+        ...
+
     def detach(self) -> None:
         """Remove every hook this adapter installed. Idempotent."""
         ...

@@ -26,6 +26,7 @@ import contextlib
 import functools
 import inspect
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -95,6 +96,9 @@ class CollectiveTracker(Protocol):
     def enter_collective(self, signature: str, waits: bool) -> None: ...
     def wait_collective(self) -> None: ...  # blocks in one entered before (ended by exit_collective)
     def exit_collective(self) -> None: ...
+    # Between steps a collective is not tracked, only timed: waiting for peers before the forward
+    # (rank 0 broadcasting the batch) is not this rank's input time.
+    def waited_between_steps(self, seconds: float) -> None: ...
 
 
 _lock = threading.Lock()
@@ -179,10 +183,17 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
         tracker = _tracking(f"torch.distributed.{name}")
-        if tracker is None:
-            return fn(*args, **kwargs)
-        group = kwargs.get("group", _arg(args, group_at, None))
         waits = not kwargs.get("async_op", _arg(args, async_at, False))
+        if tracker is None:
+            idle = _between_steps() if waits else None
+            if idle is None:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                idle.waited_between_steps(time.perf_counter() - t0)
+        group = kwargs.get("group", _arg(args, group_at, None))
         tracker.enter_collective(_signature(name, args, _group_size(group), sized), waits)
         try:
             return fn(*args, **kwargs)
@@ -192,6 +203,16 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     tracked._lm_resiliency_wraps = fn  # type: ignore[attr-defined]
     return tracked
+
+
+def _between_steps() -> CollectiveTracker | None:
+    """The attached tracker outside its step (see CollectiveTracker.waited_between_steps)."""
+    import torch
+
+    tracker = _trackers[-1] if _trackers else None
+    if tracker is None or torch.compiler.is_compiling():
+        return None
+    return tracker
 
 
 def _tracking(what: str) -> CollectiveTracker | None:

@@ -71,6 +71,9 @@ class PyTorchAdapter:
         self._comm_last_call: float | None = None
         self._comm_end: float | None = None
         self._input_s = 0.0
+        # Before the forward but not input: our own work (note_own_time), waiting in the script's
+        # collectives (waited_between_steps).
+        self._not_input_s = 0.0
         self._stepping = False  # between a training forward and the optimizer step (see `in_step`)
         self._blocking = 0  # blocking tracked collectives this thread is in (nested: one interval)
         self._blocked_since = 0.0
@@ -172,6 +175,12 @@ class PyTorchAdapter:
 
     def note_input_time(self, seconds: float) -> None:
         self._input_s += seconds
+
+    def note_own_time(self, seconds: float) -> None:
+        self._not_input_s += seconds
+
+    def waited_between_steps(self, seconds: float) -> None:
+        self._not_input_s += seconds
 
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
         if self._t_fwd is None:
@@ -280,7 +289,10 @@ class PyTorchAdapter:
             comm = max(0.0, opt_start - self._comm_last_call)
         waited = sum(max(0.0, min(b, compute_end) - max(a, fwd)) for a, b in self._blocked)
         self._blocked.clear()
-        input_s = self._input_s if self._input_s > 0 else max(0.0, fwd - t0)
+        # Input: everything before the forward (the loader's next(), and what the script does with
+        # the batch before it: a transfer, a transform, a delay), less our own work and the waits in
+        # collectives there; at least the loader's time when it was read elsewhere in the step.
+        input_s = max(self._input_s, fwd - t0 - self._not_input_s)
         times = StepTimes(
             step=self._step,
             step_s=now - t0,
@@ -292,7 +304,7 @@ class PyTorchAdapter:
         self.last_progress = time.monotonic()
         self._stepping = False
         self._t_fwd = self._t_opt = self._comm_start = self._comm_end = self._comm_last_call = None
-        self._input_s = 0.0
+        self._input_s = self._not_input_s = 0.0
         try:
             if self._on_step is not None:
                 self._on_step(times)

@@ -17,6 +17,7 @@ class Tracker:
         self.stepping = False
         self.seen: list[tuple[str, bool]] = []
         self.open = 0
+        self.waited: list[float] = []  # blocking collectives between steps: timed, not tracked
 
     def in_step(self) -> bool:
         return self.stepping
@@ -31,6 +32,9 @@ class Tracker:
 
     def exit_collective(self) -> None:
         self.open -= 1
+
+    def waited_between_steps(self, seconds: float) -> None:
+        self.waited.append(seconds)
 
 
 @pytest.fixture
@@ -49,8 +53,9 @@ def test_in_step_collectives_are_tracked_and_torch_is_restored_after(group) -> N
         assert dist.all_reduce is not torch_all_reduce
         assert collectives.original("all_reduce") is torch_all_reduce
         x = torch.ones(6)
-        dist.all_reduce(x)  # between steps: not tracked
-        assert b.seen == []
+        dist.all_reduce(x)  # between steps: not tracked, only timed (waiting is not input)
+        dist.all_reduce(x, async_op=True).wait()  # (an async one waits in wait(): not timed)
+        assert b.seen == [] and len(b.waited) == 1 and b.waited[0] >= 0 and a.waited == []
         b.stepping = True
         dist.all_reduce(x)
         dist.broadcast(torch.ones(3, dtype=torch.int64), 0)

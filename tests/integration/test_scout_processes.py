@@ -125,8 +125,11 @@ def test_compute_slowdown_is_named_a_compute_straggler_within_3_steps(processes,
         assert res["first_seen_step"]["straggler:[1]"] <= 3 + 2  # evidence of step 3 lands during step 4-5
 
 
-def test_slow_data_loader_is_named_an_input_straggler(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    results, _ = _run(processes, tmp_path, "input", steps=15, culprit=3)
+@pytest.mark.parametrize("scenario", ["input", "prep"], ids=["slow-loader", "slow-preparation"])
+def test_slow_data_loader_is_named_an_input_straggler(processes, tmp_path: Path, scenario: str) -> None:  # type: ignore[no-untyped-def]
+    """Rank 3's loader is slow, or (with the loader instrumented and fast) the loop spends long on
+    each batch before the forward: both are its input time."""
+    results, _ = _run(processes, tmp_path, scenario, steps=15, culprit=3)
     for res in results:
         found = [(f["failed_ranks"], f["straggler_type"]) for f in res["faults"] if f["kind"] == "straggler"]
         assert found == [([3], "input")], res["faults"]

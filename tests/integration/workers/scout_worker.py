@@ -4,8 +4,9 @@ Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS,
 SCENARIO (clean|sdc|weight|optstate|recurring|compute|input|hang|output|output-once|localgrad|
 nondeterministic: every rank's forward depends on the clock, so no replay can reproduce it;
 oom: the culprit's allocation of 16 TiB fails at AT_STEP and the exception goes uncaught;
-datastall: the culprit's data loader blocks for 3 s at AT_STEP; sigstop: the culprit SIGSTOPs itself
-at AT_STEP, runtime thread and all),
+datastall: the culprit's data loader blocks for 3 s at AT_STEP; prep: the culprit's loader is fast
+but the loop spends 80 ms on each batch before the forward (host-side preparation); sigstop: the
+culprit SIGSTOPs itself at AT_STEP, runtime thread and all),
 CULPRIT, AT_STEP, LOCALGRAD_ALSO (rank:step: a gradient flipped before reduction besides),
 REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
 SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
@@ -219,6 +220,8 @@ def main() -> int:
             store.set("test/stalled_at", str(time.time()).encode())
             threading.Event().wait(600)  # never enters this step's collective; killed by the test
         time.sleep(jitter.uniform(0, 0.004))  # timing jitter on every rank
+        if scenario == "prep" and rank == culprit:
+            time.sleep(0.08)  # after the instrumented fetch, before the forward
         if scenario == "sigstop" and rank == culprit and step == at:
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen whole: no heartbeat, no progress; the test kills it
         if scenario == "oom" and rank == culprit and step == at:
