@@ -176,6 +176,7 @@ class Gemini:
         # Steps whose own slot carried a SCOUT certificate when this worker started (a restart).
         self.carried_certificates: set[int] = set()
         self._busy: set[int] = set()
+        self._in_flight: dict[int, int] = {}  # busy slot -> the step being committed into it
         self._replica_slots: dict[int, list[SlotFile]] = {}
         self._replica_step: dict[int, dict[int, int]] = {}  # owner -> slot -> step
         self._restore_waiters: dict[str, threading.Event] = {}
@@ -669,7 +670,9 @@ class Gemini:
             k = free[0]
             self._busy.add(k)
             self._own_step.pop(k, None)
-            keeps = self._own_step.get(1 - k, -1)
+            # The capture left in place: committed, or still being committed (replicated first).
+            keeps = self._own_step.get(1 - k, self._in_flight.get(1 - k, -1))
+            self._in_flight[k] = step
         try:
             state = collect_state(
                 self.model, self.optimizer, self.scheduler, self.extra_state_fn, step, self.scaler
@@ -716,6 +719,7 @@ class Gemini:
         except BaseException:
             with self._lock:
                 self._busy.discard(k)
+                self._in_flight.pop(k, None)
             raise
         self.stats.capture_block_s_last = time.perf_counter() - t0
         self.stats.bytes_per_capture = header.file_size
@@ -736,6 +740,7 @@ class Gemini:
             finally:
                 with self._lock:
                     self._busy.discard(k)
+                    self._in_flight.pop(k, None)
                     self._idle.notify_all()
 
     def _commit_and_replicate(self, k: int, header: SlotHeader, keeps: int = -1) -> None:
