@@ -333,6 +333,7 @@ class Session:
         self._previous_excepthook: Any = None
         self._silent_nodes: set[str] = set()  # nodes reported silent as a whole (once per node)
         self._scaler_watch: Any = None  # adapters.amp.ScalerWatch of the job's GradScaler
+        self._first_forward: Any = None  # the hook of _look_for_late_state
         replay_cfg = settings.get("replay")
         report_dir = getattr(replay_cfg, "report_dir", None)
         self._report_dir = Path(report_dir) if report_dir else None
@@ -392,12 +393,13 @@ class Session:
         self._start_scout()
         self._connect_backend()
         self._adapter.attach(self._on_step)
-        scaler, optimizer = self.settings.get("grad_scaler"), self._adapter.optimizer
-        if scaler is not None and optimizer is not None:
-            from lm_resiliency.adapters.amp import ScalerWatch
-
-            gem = self.gemini
-            self._scaler_watch = ScalerWatch(scaler, optimizer, gem.on_scaler_update if gem else None)
+        scaler = self.settings.get("grad_scaler")
+        if scaler is not None and self._adapter.optimizer is not None:
+            self._watch_scaler(scaler)
+        if self._adapter.optimizer is not None:
+            self._first_forward = self._adapter.model.register_forward_pre_hook(
+                self._look_for_late_state, prepend=True
+            )
         if self.env.checkpoint_step > 0 and self._recovered_step != self.env.checkpoint_step:
             log.warning(
                 "restart context asks for step %d but it was not restored (recovered %d)",
@@ -414,6 +416,39 @@ class Session:
             self.env.generation,
             list(local.replica_group),
         )
+
+    def _watch_scaler(self, scaler: Any) -> None:
+        from lm_resiliency.adapters.amp import ScalerWatch
+
+        gem = self.gemini
+        on_update = gem.on_scaler_update if gem is not None else None
+        self._scaler_watch = ScalerWatch(scaler, self._adapter.optimizer, on_update)
+
+    def _look_for_late_state(self, module: Any, args: Any) -> None:
+        """The first forward: what the script made after enable_resiliency but before its loop. A
+        loss scaler is adopted (it has not scaled anything yet: it gets this restart's restored
+        state, its skipped steps count); a scheduler, whose state could not be restored (recovery
+        happened inside enable_resiliency), is named in the log. Once per session."""
+        self._first_forward.remove()
+        gem = self.gemini
+        if self._scaler_watch is None:
+            scaler = _grad_scaler()
+            if scaler is not None:
+                self._watch_scaler(scaler)
+                if gem is not None:
+                    gem.adopt_scaler(scaler)
+        if gem is not None and gem.scheduler is None:
+            from lm_resiliency.adapters.pytorch import find_scheduler
+
+            _, late = find_scheduler(self._adapter.optimizer)
+            if late:
+                log.warning(
+                    "rank %d: %s steps the optimizer but was made after enable_resiliency: its state "
+                    "is not captured, so a restart resets the learning rate. Make it before, or pass "
+                    "it as opt_param_scheduler",
+                    self.rank,
+                    ", ".join(type(o).__name__ for o in late),
+                )
 
     # Per rank by nature (paths of its own, callables): not compared across ranks.
     _LOCAL_SETTINGS = frozenset({"checkpoint.disk_folder", "replay.report_dir", "runtime.bind_host"})
@@ -961,6 +996,8 @@ class Session:
         if self._previous_excepthook is not None and sys.excepthook is self._previous_excepthook[0]:
             sys.excepthook = self._previous_excepthook[1]
         self._adapter.detach()
+        if self._first_forward is not None:
+            self._first_forward.remove()
         if self._scaler_watch is not None:
             self._scaler_watch.remove()
         for c in reversed(self._components):

@@ -31,7 +31,7 @@ import msgpack
 import torch
 
 from lm_resiliency._proc import pid_alive
-from lm_resiliency.adapters.amp import mark_ours
+from lm_resiliency.adapters.amp import load_scaler_state, mark_ours
 from lm_resiliency.config import InMemoryCkptConfig, SCOUTFaultReport
 from lm_resiliency.core.auth import frame_digest
 from lm_resiliency.core.gemini.placement import replica_holders
@@ -140,6 +140,9 @@ class Gemini:
         self.runtime = runtime
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler = scaler  # a torch.amp.GradScaler (see adapters.amp)
+        # A restored loss-scaler state with no scaler to take it yet (one made after enable_resiliency,
+        # adopted at the first forward: see adopt_scaler).
+        self._restored_scaler: dict[str, Any] | None = None
         self.extra_state_fn, self.load_extra_state_fn = extra_state_fn, load_extra_state_fn
         self.config = config
         self.interval = config.interval or interval
@@ -152,7 +155,6 @@ class Gemini:
         # Called with the step right before each capture from the training loop (SCOUT's evidence
         # of a step whose capture waited for the next step to begin, see will_defer).
         self.before_capture: Callable[[int], None] | None = None
-        self._looked_for_scheduler = False  # once, at the first step: see _warn_late_state
         self._committed_at: dict[int, float] = {}  # own slot index -> when its capture committed
         # Called with every new inventory (worker/receiver threads): the torchrun backend's feed.
         self.on_inventory: Callable[[GeminiInventory], None] | None = None
@@ -367,6 +369,9 @@ class Gemini:
             apply_state(
                 state, self.model, self.optimizer, self.scheduler, self.load_extra_state_fn, self.scaler
             )
+            if self.scaler is None and isinstance(state.get("scaler"), dict):  # values: out of the slot
+                saved = state["scaler"].items()
+                self._restored_scaler = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in saved}
             del state, tensors, payload
         finally:
             fresh.close()
@@ -413,9 +418,6 @@ class Gemini:
     def on_step(self, session: Any, times: Any) -> None:
         step = session.step_count
         self._count_fetches(step)
-        if self.optimizer is not None and not self._looked_for_scheduler:
-            self._looked_for_scheduler = True
-            self._warn_late_state()
         if step % self.interval != 0:
             return
         trailers = (("scheduler", self.scheduler), ("scaler", self.scaler if self._scaler_trails else None))
@@ -424,25 +426,6 @@ class Gemini:
             self._pending = step
         else:
             self._boundary(step)
-
-    def _warn_late_state(self) -> None:
-        """At the first step: a scheduler or a loss scaler made after enable_resiliency, whose state
-        is not captured (a restart resets the learning rate or the loss scale). Said once, in the log."""
-        from lm_resiliency.adapters.amp import find_grad_scalers
-        from lm_resiliency.adapters.pytorch import find_scheduler
-
-        late = [] if self.scheduler is not None else find_scheduler(self.optimizer)[1]
-        if self.scaler is None:
-            late += find_grad_scalers()
-        if late:
-            log.warning(
-                "rank %d: %s was made after enable_resiliency: its state is not captured, so a "
-                "restart resets the learning rate or the loss scale (and a step a GradScaler skips "
-                "is not counted). Make it before (a scheduler can also be passed as "
-                "opt_param_scheduler)",
-                self.rank,
-                ", ".join(type(o).__name__ for o in late),
-            )
 
     def _boundary(self, step: int) -> None:
         """The end of `step`: the optimizer (and the scheduler) stepped.
@@ -560,6 +543,14 @@ class Gemini:
         boundary = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
         sched.__class__ = boundary
         self._restore_scheduler = base
+
+    def adopt_scaler(self, scaler: Any) -> None:
+        """A loss scaler made after enable_resiliency, found before the first forward (before it
+        scaled anything): captured from now on, and given the state this restart restored."""
+        self.scaler = scaler
+        restored, self._restored_scaler = self._restored_scaler, None
+        if restored is not None:
+            load_scaler_state(scaler, restored)
 
     def on_scaler_update(self) -> None:
         """The loss scaler's update() returned (see adapters.amp.ScalerWatch)."""

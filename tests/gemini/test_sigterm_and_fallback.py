@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -156,13 +157,19 @@ def test_what_the_loop_does_after_the_step_is_captured_with_it(monkeypatch: pyte
     assert all(torch.equal(a, b) for a, b in zip(want[0], got[0], strict=True))
 
 
-@pytest.mark.parametrize("scheduler", [False, True], ids=["scaler", "scaler+scheduler"])
+@pytest.mark.parametrize(
+    ("scheduler", "late"),
+    [(False, False), (True, False), (False, True)],
+    ids=["scaler", "scaler+scheduler", "scaler-made-after-enable"],
+)
 def test_a_loss_scaler_is_captured_and_the_steps_it_skips_are_steps(
-    monkeypatch: pytest.MonkeyPatch, scheduler: bool
+    monkeypatch: pytest.MonkeyPatch, scheduler: bool, late: bool
 ) -> None:
     """fp16-style training with a GradScaler whose loss overflows at steps 3 and 6: the skipped steps
     count (`step_count` follows the loop), and a restart resumes the scale and growth tracker as
-    the uninterrupted run had them: captured after `scaler.update()` (and `scheduler.step()`)."""
+    the uninterrupted run had them: captured after `scaler.update()` (and `scheduler.step()`). A
+    scaler made after enable_resiliency (before the loop) is adopted at the first forward, before
+    it scales anything, and given the restored state then."""
     overflow = (3, 6)
 
     def train(upto: int) -> tuple[list[torch.Tensor], tuple[float, int], int, int]:
@@ -170,9 +177,11 @@ def test_a_loss_scaler_is_captured_and_the_steps_it_skips_are_steps(
         m = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.Linear(16, 4))
         o = torch.optim.AdamW(m.parameters(), lr=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(o, lambda i: 0.9**i) if scheduler else None
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        make = functools.partial(torch.amp.GradScaler, "cpu", init_scale=2.0**10, growth_interval=2)
+        scaler = None if late else make()
         with enable_resiliency(m, o, interval=1) as s:
-            assert s.gemini.scaler is scaler and s.gemini.scheduler is sched
+            scaler = scaler or make()
+            assert s.gemini.scaler is (None if late else scaler) and s.gemini.scheduler is sched
             for step in range(s.step_count + 1, upto + 1):
                 x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
                 loss = (m(x) - x).pow(2).mean() * (float("inf") if step in overflow else 1.0)
@@ -183,6 +192,7 @@ def test_a_loss_scaler_is_captured_and_the_steps_it_skips_are_steps(
                     sched.step()
                 o.zero_grad()
                 assert s.step_count == step, (s.step_count, step)
+            assert s.gemini.scaler is scaler
             assert s.gemini.drain(10) and s.gemini.stats.capture_failures == 0
             newest = s.gemini.newest_recoverable_step("latest")
             skipped = s._scaler_watch.skipped
@@ -498,7 +508,7 @@ def test_a_scheduler_not_passed_is_found_and_restored(
         m(torch.ones(1, 2)).sum().backward()
         o.step()
         late.step()
-    assert "StepLR was made after enable_resiliency: its state is not captured" in caplog.text
+    assert "StepLR steps the optimizer but was made after enable_resiliency" in caplog.text
     o = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     a, b = (torch.optim.lr_scheduler.StepLR(o, 1), torch.optim.lr_scheduler.StepLR(o, 2))
     assert find_scheduler(o) == (None, [a, b])
