@@ -430,6 +430,12 @@ class Session:
         state, its skipped steps count); a scheduler, whose state could not be restored (recovery
         happened inside enable_resiliency), is named in the log. Once per session."""
         self._first_forward.remove()
+        try:
+            self._adopt_late_state()
+        except Exception:  # a look for late objects must never fail the script's forward
+            log.exception("rank %d: looking for a scaler or scheduler made late failed", self.rank)
+
+    def _adopt_late_state(self) -> None:
         gem = self.gemini
         if self._scaler_watch is None:
             scaler = _grad_scaler()
