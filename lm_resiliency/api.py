@@ -41,7 +41,14 @@ from lm_resiliency.config import (
 )
 from lm_resiliency.core.membership import EventKind, MembershipEvent
 from lm_resiliency.core.messages import StepTelemetry
-from lm_resiliency.core.taxonomy import EXIT_FAILURES, FAILURE_KINDS, classify_exit, default_recovery_mode
+from lm_resiliency.core.taxonomy import (
+    CANONICAL_TYPES,
+    EXIT_FAILURES,
+    FAILURE_KINDS,
+    classify_exit,
+    default_recovery_mode,
+    kind_of,
+)
 from lm_resiliency.core.topology import ParallelDim, Topology, replica_groups_from
 from lm_resiliency.errors import ConfigError, UnsupportedFrameworkError
 from lm_resiliency.runtime.discovery import StoreDiscovery
@@ -945,12 +952,15 @@ class Session:
                 self._mark_phase(None)
 
     def prepare_recovery(self, failure_kind: str, all_ranks_accessible: bool = True) -> RecoveryMode:
-        """Decide which checkpoint trust level a recovery from `failure_kind` needs."""
-        if failure_kind not in FAILURE_KINDS:
+        """Decide which checkpoint trust level a recovery from `failure_kind` needs: a report kind
+        (`sdc`, `hang`, ...) or one of the 21 canonical failure types (`tensor_corruption`, ...)."""
+        kind = kind_of(failure_kind)
+        if kind is None:
             raise ValueError(
-                f"unknown failure kind {failure_kind!r}; expected one of {sorted(FAILURE_KINDS)}"
+                f"unknown failure kind {failure_kind!r}; expected one of {sorted(FAILURE_KINDS)} "
+                f"or a canonical failure type ({', '.join(sorted(CANONICAL_TYPES))})"
             )
-        mode = self._recovery_mode or RecoveryMode(default_recovery_mode(failure_kind))
+        mode = self._recovery_mode or RecoveryMode(default_recovery_mode(kind))
         newest = self._newest_recoverable(mode)
         if newest >= 0:
             reason = "recovery_verified_step" if mode is RecoveryMode.RECOVERY_VERIFIED else "latest_step"

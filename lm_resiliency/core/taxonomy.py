@@ -7,7 +7,15 @@ a hang, a lost node) may resume from the latest capture.
 
 from __future__ import annotations
 
-__all__ = ["EXIT_FAILURES", "FAILURE_KINDS", "VERIFIED_KINDS", "classify_exit", "default_recovery_mode"]
+__all__ = [
+    "CANONICAL_TYPES",
+    "EXIT_FAILURES",
+    "FAILURE_KINDS",
+    "VERIFIED_KINDS",
+    "classify_exit",
+    "default_recovery_mode",
+    "kind_of",
+]
 
 FAILURE_KINDS = frozenset(
     {
@@ -29,6 +37,39 @@ FAILURE_KINDS = frozenset(
 )
 
 VERIFIED_KINDS = frozenset({"sdc", "stale_state", "payload_corruption", "collective_desync", "unknown"})
+
+# The 21 canonical failure types (FAILURES.md: campaign ids) as the kind that catches each. A drop,
+# duplicate or reorder of a tensor changes the numbers as a corruption does; a damaged or missing
+# checkpoint copy, or a failing disk, leaves the job's numbers alone (the copy is skipped), as a
+# checkpoint stall does; a message drop is the silence of one endpoint, as a partition's.
+CANONICAL_TYPES: dict[str, str] = {
+    "hang": "hang",
+    "tensor_corruption": "sdc",
+    "stale_state": "stale_state",
+    "drop": "sdc",
+    "duplicate": "sdc",
+    "reorder": "sdc",
+    "delay": "straggler",
+    "timeout": "hang",
+    "exception": "process_failure",
+    "resource_exhaustion": "process_failure",
+    "process_termination": "process_failure",
+    "resource_unavailable": "hardware",
+    "checkpoint_corruption": "checkpoint_stall",
+    "checkpoint_truncation": "checkpoint_stall",
+    "checkpoint_missing": "checkpoint_stall",
+    "io_error": "checkpoint_stall",
+    "payload_corruption": "payload_corruption",
+    "collective_desync": "collective_desync",
+    "message_drop": "network_partition",
+    "network_partition": "network_partition",
+    "config_drift": "config_drift",
+}
+
+
+def kind_of(failure: str) -> str | None:
+    """The failure kind of `failure`: a kind itself, or one of the 21 canonical types; else None."""
+    return failure if failure in FAILURE_KINDS else CANONICAL_TYPES.get(failure)
 
 
 def default_recovery_mode(failure_kind: str) -> str:

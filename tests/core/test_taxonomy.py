@@ -57,3 +57,17 @@ def test_every_failure_kind_the_backend_plans_has_a_recovery_mode() -> None:
     assert set(FAILURE_ACTIONS) <= FAILURE_KINDS
     assert default_recovery_mode("node_lost") == "latest"
     assert default_recovery_mode("sdc") == "recovery_verified"
+
+
+def test_the_21_canonical_failure_types_are_recovered_as_the_kind_that_catches_them() -> None:
+    from lm_resiliency.core.taxonomy import CANONICAL_TYPES, FAILURE_KINDS, default_recovery_mode, kind_of
+
+    assert len(CANONICAL_TYPES) == 21 and set(CANONICAL_TYPES.values()) <= FAILURE_KINDS
+    assert all(kind_of(k) == k for k in FAILURE_KINDS)  # a kind stays itself
+    verified = {t for t in CANONICAL_TYPES if default_recovery_mode(kind_of(t) or "") == "recovery_verified"}
+    # What may have changed the numbers silently resumes from a verified step; the rest from the latest.
+    assert verified == {
+        "tensor_corruption", "stale_state", "drop", "duplicate", "reorder",
+        "payload_corruption", "collective_desync",
+    }  # fmt: skip
+    assert kind_of("checkpoint_missing") == "checkpoint_stall" and kind_of("nonsense") is None

@@ -67,8 +67,12 @@ def test_single_process_session_surface() -> None:
         decision = session.last_recovery_decision
         assert decision is not None and decision["checkpoint_step"] == 4 and decision["available"]
         assert decision["recovery_mode"] == "latest" and decision["checkpoint_source"] == "gemini"
-        with pytest.raises(ValueError, match="unknown failure kind"):
+        with pytest.raises(ValueError, match=r"unknown failure kind 'gremlins'.*tensor_corruption"):
             session.prepare_recovery("gremlins")
+        # FAILURES.md's canonical types too, recovered as the kind that catches each.
+        assert session.prepare_recovery("tensor_corruption") is RecoveryMode.RECOVERY_VERIFIED
+        assert session.last_recovery_decision["failure_kind"] == "tensor_corruption"
+        assert session.prepare_recovery("process_termination") is RecoveryMode.LATEST
         assert session.flush_for_restart() == 4
         assert (Path("checkpoints") / "default" / "step-0000000004" / "rank-00000.pt").exists()
         assert session.topology.world_size == 1
