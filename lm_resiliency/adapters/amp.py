@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["ScalerWatch", "find_grad_scalers", "load_scaler_state", "mark_ours", "scaler_state"]
+__all__ = [
+    "ScalerWatch",
+    "find_grad_scalers",
+    "load_scaler_state",
+    "mark_ours",
+    "scaler_state",
+    "scaler_values",
+]
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +91,17 @@ def scaler_state(scaler: Any) -> dict[str, Any]:
         return dict(scaler.state_dict())
 
 
-def load_scaler_state(scaler: Any, state: Any) -> None:
-    """Restore what `scaler_state` captured (bitwise: a float32 scale goes through a Python float
-    exactly)."""
+def scaler_values(state: Any) -> dict[str, Any]:
+    """What `scaler_state` captured, as the plain values `load_state_dict` takes (bitwise: a float32
+    scale goes through a Python float exactly); no tensor of it is kept (they may view a slot)."""
     if not isinstance(state, dict) or "scale" not in state:
         raise ValueError(f"scaler: expected a GradScaler state with a 'scale', got {type(state).__name__}")
-    scaler.load_state_dict({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in state.items()})
+    return {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def load_scaler_state(scaler: Any, state: Any) -> None:
+    """Restore what `scaler_state` captured."""
+    scaler.load_state_dict(scaler_values(state))
 
 
 class ScalerWatch:

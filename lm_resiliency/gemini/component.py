@@ -31,7 +31,7 @@ import msgpack
 import torch
 
 from lm_resiliency._proc import pid_alive
-from lm_resiliency.adapters.amp import load_scaler_state, mark_ours
+from lm_resiliency.adapters.amp import load_scaler_state, mark_ours, scaler_values
 from lm_resiliency.config import InMemoryCkptConfig, SCOUTFaultReport
 from lm_resiliency.core.auth import frame_digest
 from lm_resiliency.core.gemini.placement import replica_holders
@@ -369,9 +369,8 @@ class Gemini:
             apply_state(
                 state, self.model, self.optimizer, self.scheduler, self.load_extra_state_fn, self.scaler
             )
-            if self.scaler is None and isinstance(state.get("scaler"), dict):  # values: out of the slot
-                saved = state["scaler"].items()
-                self._restored_scaler = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in saved}
+            if self.scaler is None and "scaler" in state:  # for one made later (adopt_scaler)
+                self._restored_scaler = scaler_values(state["scaler"])
             del state, tensors, payload
         finally:
             fresh.close()
