@@ -51,7 +51,15 @@ from lm_resiliency.gemini.state import (
     materialize,
     unflatten,
 )
-from lm_resiliency.runtime.shm import HEADER_SIZE, CorruptSlot, SlotFile, SlotHeader, chunk_digests, n_chunks
+from lm_resiliency.runtime.shm import (
+    HEADER_SIZE,
+    CorruptSlot,
+    NotACopy,
+    SlotFile,
+    SlotHeader,
+    chunk_digests,
+    n_chunks,
+)
 
 __all__ = ["Gemini", "GeminiStats"]
 
@@ -258,27 +266,33 @@ class Gemini:
         try:
             slot = SlotFile.open_existing(path)
         except CorruptSlot as exc:
-            self._reject(str(exc))
+            self._reject(exc)
             return None
         try:
             h = slot.read_header()
             if h.run_id != self.run_id[:64] or h.owner != owner or h.world_size != self.world_size:
-                raise CorruptSlot(f"{path.name}: belongs to another run or topology (run {h.run_id!r})")
+                raise NotACopy(f"{path.name}: belongs to another run or topology (run {h.run_id!r})")
             if h.topology != self.shape:
-                raise CorruptSlot(f"{path.name}: captured with topology {h.topology}, job has {self.shape}")
+                raise NotACopy(f"{path.name}: captured with topology {h.topology}, job has {self.shape}")
             slot.verify(h, self._verify_pool)
             self._verified[path] = (h, slot.digest_table(h))
             if owner == self.rank and slot.certified(h):
                 self.carried_certificates.add(h.step)
             return h
         except CorruptSlot as exc:
-            self._reject(str(exc))
+            self._reject(exc)
             return None
         finally:
             slot.close()
 
-    def _reject(self, why: str) -> None:
+    def _reject(self, exc: CorruptSlot) -> None:
+        why = str(exc)
         self.stats.rejected_copies.append(why)
+        if isinstance(exc, NotACopy):
+            # Not damage: a kill during a capture, a slot never used, another run's leftover.
+            # Reporting it named every rank of a restarted job as holding a corrupt checkpoint.
+            log.info("rank %d: checkpoint slot holds no copy: %s", self.rank, why)
+            return
         log.warning("rank %d: checkpoint copy skipped: %s", self.rank, why)
         self._fault("checkpoint_corruption", "checkpoint_copy_invalid", why)
 

@@ -31,7 +31,7 @@ import xxhash
 
 from lm_resiliency.errors import SharedMemoryError
 
-__all__ = ["HEADER_SIZE", "CorruptSlot", "SlotFile", "SlotHeader", "chunk_digests"]
+__all__ = ["HEADER_SIZE", "CorruptSlot", "NotACopy", "SlotFile", "SlotHeader", "chunk_digests"]
 
 HEADER_SIZE = 4096
 MAGIC = b"LMRGEM01"
@@ -45,6 +45,12 @@ CERT_MAGIC = b"LMRCERT1"
 
 class CorruptSlot(Exception):
     """A slot that must not be loaded: missing, truncated, torn or failing its checksums."""
+
+
+class NotACopy(CorruptSlot):
+    """A slot that holds no copy of this run, though nothing damaged it: never written, or a
+    capture that was interrupted (its header is invalidated before the payload is overwritten),
+    or one of another run or topology. Skipped like a damaged one, but it is no fault."""
 
 
 @dataclass(frozen=True)
@@ -214,6 +220,8 @@ class SlotFile:
         mm = self._require()
         raw = bytes(mm[: _FMT.size + _DIGEST])
         magic, ver, state, step, owner, world, payload, index, chunk, n, run, topo = _FMT.unpack_from(raw)
+        if magic == b"\0" * len(MAGIC):
+            raise NotACopy(f"{self.path.name}: empty (never written, or its capture was interrupted)")
         if magic != MAGIC or ver != 1:
             raise CorruptSlot(f"{self.path.name}: not a committed checkpoint slot (bad magic)")
         if state != COMMITTED:

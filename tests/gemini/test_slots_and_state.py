@@ -14,7 +14,7 @@ import torch
 from lm_resiliency.errors import SharedMemoryError
 from lm_resiliency.gemini.durable import DurableError, DurableStore
 from lm_resiliency.gemini.state import apply_state, collect_state, flatten, materialize, unflatten
-from lm_resiliency.runtime.shm import CorruptSlot, SlotFile, SlotHeader, chunk_digests, n_chunks
+from lm_resiliency.runtime.shm import CorruptSlot, NotACopy, SlotFile, SlotHeader, chunk_digests, n_chunks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -129,10 +129,19 @@ def test_slot_commit_read_and_every_kind_of_damage(tmp_path: Path) -> None:
     fresh.write_raw(4096 + 300, b"\xff")  # a flipped payload byte
     with pytest.raises(CorruptSlot, match="chunk 4 fails its checksum"):
         fresh.verify(fresh.read_header())
-    fresh.begin()  # a capture that never committed
-    with pytest.raises(CorruptSlot, match=r"bad magic|never committed"):
+    fresh.begin()  # a capture that never committed (interrupted): no copy, but no damage either
+    with pytest.raises(NotACopy, match="empty"):
         fresh.read_header()
+    fresh.write_raw(0, b"LMRGEM0X")  # a damaged header is damage
+    with pytest.raises(CorruptSlot, match="bad magic") as info:
+        fresh.read_header()
+    assert not isinstance(info.value, NotACopy)
     fresh.close()
+    empty = SlotFile(tmp_path / "never-written")
+    empty.ensure_size(8192)
+    empty.close()
+    with pytest.raises(NotACopy, match="empty"):
+        SlotFile.open_existing(tmp_path / "never-written").read_header()
     slot = SlotFile(path)
     _commit(slot, b"x" * 1000)
     slot.close()
