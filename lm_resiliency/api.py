@@ -327,6 +327,7 @@ class Session:
         self._step_offset = 0
         self._steps = 0
         self._recovered_step = -1
+        self._verified_restore = False  # the restored step was chosen among certified ones only
         self._last_decision: RecoveryDecision | None = None
         # Recent framework checkpoint I/O (kind, name, seconds): bounded, for checkpoint-stall checks.
         self._io: collections.deque[tuple[str, str, float]] = collections.deque(maxlen=64)
@@ -646,7 +647,20 @@ class Session:
             return
         exchange = discovery.exchange if discovery is not None else (lambda name, value, timeout: {0: value})
         exact = self.env.checkpoint_step if self.env.checkpoint_step > 0 else None
-        step, reason = gem.recover(exchange, exact, timeout=self._runtime_config.discovery_timeout_s)
+        # Asked for recovery-verified state (and no step named by an orchestrator): only a capture
+        # SCOUT certified is restored. Without detection nothing is ever certified: latest, warned.
+        verified = self._recovery_mode is RecoveryMode.RECOVERY_VERIFIED and exact is None
+        if verified and not self._detects():
+            log.warning(
+                "rank %d: recovery_mode='recovery_verified' needs SCOUT's certificates, and "
+                "detection is off: restoring the latest step",
+                self.rank,
+            )
+            verified = False
+        self._verified_restore = verified
+        step, reason = gem.recover(
+            exchange, exact, timeout=self._runtime_config.discovery_timeout_s, verified_only=verified
+        )
         if step >= 0:
             self._step_offset = step
             self._recovered_step = step
@@ -670,7 +684,7 @@ class Session:
 
     def _start_scout(self) -> None:
         replay: ReplayHarnessConfig = self.settings["replay"]
-        if not (self.settings["enable_detection"] and replay.enable):
+        if not self._detects():
             return
         timeout = _collective_timeout_s()
         if timeout is not None and replay.hang_stall_threshold_s > timeout / 2:
@@ -720,9 +734,13 @@ class Session:
             # step itself when the plan that chose it picked recovery-verified steps only.
             restored = self._recovered_step
             carried = {s for s in gem.carried_certificates if 0 <= s <= restored}
-            if restored >= 0 and (self._context or {}).get("recovery_mode") == "recovery_verified":
+            by_plan = (self._context or {}).get("recovery_mode") == "recovery_verified"
+            if restored >= 0 and (by_plan or self._verified_restore):
                 carried.add(restored)
             scout.seed(carried)
+
+    def _detects(self) -> bool:
+        return bool(self.settings["enable_detection"] and self.settings["replay"].enable)
 
     @property
     def scout(self) -> Any:

@@ -258,6 +258,7 @@ class Gemini:
         return {
             "local": sorted(set(local)),
             "replicas": {str(o): sorted(set(s)) for o, s in replicas.items()},
+            "certified": sorted(self.carried_certificates),
         }
 
     def _check(self, path: Path, owner: int) -> SlotHeader | None:
@@ -301,18 +302,32 @@ class Gemini:
             report = SCOUTFaultReport(kind, (self.rank,), "rank", ("gemini",), reason=reason).to_dict()
             self._on_fault({**report, "detail": detail, **extra})
 
-    def recover(self, exchange: Exchange, exact_step: int | None, timeout: float = 120.0) -> tuple[int, str]:
-        """Agree with every rank on a step and restore it. Returns (step, reason); step -1: fresh start."""
+    def recover(
+        self, exchange: Exchange, exact_step: int | None, timeout: float = 120.0, verified_only: bool = False
+    ) -> tuple[int, str]:
+        """Agree with every rank on a step and restore it. Returns (step, reason); step -1: fresh start.
+
+        `verified_only` (no `exact_step`): only a step SCOUT certified. Every rank reaches the same
+        certificates from the same evidence, so one any rank's own slot carries holds for the job
+        (a rank whose memory was lost carries none)."""
         inv = self.scan()
         raw = exchange("gemini/inventory", msgpack.packb(inv), timeout)
         local, replicas, disk = {}, {}, {}
+        certified: set[int] = set()
         for r, blob in raw.items():
             doc = msgpack.unpackb(blob)
             local[r] = set(doc["local"])
             replicas[r] = {int(o): set(s) for o, s in doc["replicas"].items()}
             disk[r] = set(doc.get("disk", ()))
-        allowed = {exact_step} if exact_step is not None and exact_step > 0 else None
+            certified |= {int(x) for x in doc.get("certified", ())}
+        allowed: set[int] | None = None
+        if exact_step is not None and exact_step > 0:
+            allowed = {exact_step}
+        elif verified_only:
+            allowed = certified
         plan: RecoveryPlan = plan_recovery(self.world_size, local, replicas, disk, allowed=allowed)
+        if plan.step < 0 and allowed is certified:
+            plan = RecoveryPlan(-1, {}, f"no recovery-verified step: {plan.reason}")
         if plan.step < 0:
             if self.load_fallback is not None:
                 # The caller's own checkpoint (e.g. DCP on shared storage): it restores and says which step.

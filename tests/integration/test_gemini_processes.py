@@ -34,6 +34,7 @@ def _run(
     pause_rank: int = -1,
     kill: bool = False,
     fsdp: bool = False,
+    env: dict[str, str] | None = None,
 ) -> list[dict]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out = tmp / tag
@@ -60,6 +61,7 @@ def _run(
                     "LM_RESILIENCY_GENERATION": str(generation),
                     "LM_RESILIENCY_MACHINE_ID_PATH": str(mid),
                     "FSDP": "1" if fsdp else "0",
+                    **(env or {}),
                 },
                 out / f"rank{r}.log",
             )
@@ -251,6 +253,30 @@ def test_c_damaged_copies_are_skipped_and_others_used_bitwise(
         assert any(f["kind"] == "checkpoint_corruption" for f in reports[r]["faults"]), reports[r]
     for rep in reports.values():
         assert not rep["decision"]["reason"].startswith("disk"), rep["decision"]
+
+
+def test_recovery_verified_restart_skips_the_corrupted_captures_bitwise(
+    processes,
+    tmp_path: Path,
+    shm_root: Path,  # type: ignore[no-untyped-def]
+    baseline: Path,
+) -> None:
+    """Rank 1's weight flipped after step 4 (no error), SCOUT names it at step 5, and the job is
+    killed with step 5's captures (rank 1's corrupted) the newest. Restarted with
+    `recovery_mode="recovery_verified"` and no orchestrator naming a step (plain torchrun): every
+    rank restores step 4, the newest certified capture, and ends bitwise equal to an uninterrupted
+    run. Before, the newest step was restored whatever the mode, and the SDC came back."""
+    disk = tmp_path / "disk"
+    flip = {"FLIP_RANK": "1", "FLIP_AT": "4", "PAUSE_RANK": "-1"}
+    _run(processes, tmp_path, "g0", shm_root, 0, disk, pause_rank=1, kill=True, env=flip)
+    reports = _run(processes, tmp_path, "g1", shm_root, 1, disk, env={"RECOVERY_MODE": "recovery_verified"})
+    for r in range(WORLD):
+        _same(baseline / f"final-rank{r}.pt", tmp_path / "g1" / f"final-rank{r}.pt")
+    for rep in reports:
+        assert rep["recovered_step"] == 4, rep["decision"]
+        assert rep["decision"]["recovery_mode"] == "recovery_verified", rep["decision"]
+        assert rep["restored_certified"], rep
+        assert not [f for f in rep["faults"] if f["kind"] == "sdc"], rep["faults"]
 
 
 def test_d_read_only_disk_keeps_training_and_reports(

@@ -1,7 +1,9 @@
 """One rank of a 4-rank DDP job with GEMINI capturing every step.
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, PAUSE_RANK, PAUSE_AT, DISK_FOLDER, DISK_INTERVAL,
-FSDP (1: the model is FSDP2-sharded over all ranks, DTensor state, instead of DDP),
+FSDP (1: the model is FSDP2-sharded over all ranks, DTensor state, instead of DDP), FLIP_RANK and
+FLIP_AT (generation 0: that rank flips a weight bit after that step; every rank waits for SCOUT's
+SDC verdict after the next step, then for the kill), RECOVERY_MODE (enable_resiliency's),
 plus LM_RESILIENCY_{RUN_ID,SHM_DIR,GENERATION,MACHINE_ID_PATH}. Data depends only on (rank, step);
 the model uses dropout, so a bitwise resume needs the RNG state too. In generation 0, PAUSE_RANK
 blocks after step PAUSE_AT (all captures drained) until the test kills the job. At the end it saves
@@ -27,6 +29,7 @@ def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     steps = int(os.environ["STEPS"])
     pause_rank, pause_at = int(os.environ.get("PAUSE_RANK", "-1")), int(os.environ.get("PAUSE_AT", "-1"))
+    flip_rank, flip_at = int(os.environ.get("FLIP_RANK", "-1")), int(os.environ.get("FLIP_AT", "-1"))
     generation = int(os.environ.get("LM_RESILIENCY_GENERATION", "0"))
     result_dir = os.environ["RESULT_DIR"]
     store = dist.TCPStore(
@@ -63,6 +66,7 @@ def main() -> int:
         load_extra_state_fn=seen.update,
         fault_callback=faults.append,
         runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0),
+        recovery_mode=os.environ.get("RECOVERY_MODE") or None,
     )
     start = session.step_count
     # Certificates survive the restart: SCOUT's marks on the captures this rank restored from.
@@ -95,6 +99,19 @@ def main() -> int:
         loss.backward()
         opt.step()
         sched.step()
+        if generation == 0 and rank == flip_rank and step == flip_at:
+            with torch.no_grad():  # silent data corruption of one weight, after the step
+                next(model.parameters()).view(-1).view(torch.int32)[5] ^= 1 << 22
+        if generation == 0 and flip_rank >= 0 and step > flip_at:
+            # Every rank waits for SCOUT's verdict, then for the kill (captures of the corrupted
+            # steps taken and kept, uncertified).
+            deadline = time.monotonic() + 60
+            while not any(f["kind"] == "sdc" for f in faults) and time.monotonic() < deadline:
+                time.sleep(0.01)  # the verdict arrives on the runtime thread; bounded
+            session.gemini.drain(30)
+            store.set(f"test/paused/{rank}", b"1")
+            store.set(f"test/certified/{rank}", b"1")
+            store.wait(["test/never"], datetime.timedelta(seconds=300))  # killed here
         if generation == 0 and rank == pause_rank and step == pause_at:
             session.gemini.drain(30)
             store.set(f"test/paused/{rank}", b"1")
