@@ -647,27 +647,34 @@ class Session:
             return
         exchange = discovery.exchange if discovery is not None else (lambda name, value, timeout: {0: value})
         exact = self.env.checkpoint_step if self.env.checkpoint_step > 0 else None
-        # Asked for recovery-verified state (and no step named by an orchestrator): only a capture
-        # SCOUT certified is restored. Without detection nothing is ever certified: latest, warned.
-        verified = self._recovery_mode is RecoveryMode.RECOVERY_VERIFIED and exact is None
-        if verified and not self._detects():
-            log.warning(
-                "rank %d: recovery_mode='recovery_verified' needs SCOUT's certificates, and "
-                "detection is off: restoring the latest step",
-                self.rank,
-            )
+        # Recovery-verified state (and no step named by an orchestrator): only a capture SCOUT
+        # certified is restored. Asked for here, or else as the previous generation noted (an SDC
+        # it found, or what its prepare_recovery decided). Without detection nothing is ever
+        # certified: the latest step.
+        verified: bool | None = (
+            None if self._recovery_mode is None else (self._recovery_mode is RecoveryMode.RECOVERY_VERIFIED)
+        )
+        if exact is not None or not self._detects():
+            if verified and exact is None:
+                log.warning(
+                    "rank %d: recovery_mode='recovery_verified' needs SCOUT's certificates, and "
+                    "detection is off: restoring the latest step",
+                    self.rank,
+                )
             verified = False
-        self._verified_restore = verified
         step, reason = gem.recover(
             exchange, exact, timeout=self._runtime_config.discovery_timeout_s, verified_only=verified
         )
+        self._verified_restore = gem.restored_verified
         if step >= 0:
             self._step_offset = step
             self._recovered_step = step
             self._adapter.set_step(step)
         self._last_decision = RecoveryDecision(
             failure_kind="restart",
-            recovery_mode=self._recovery_mode or RecoveryMode.LATEST,
+            recovery_mode=RecoveryMode.RECOVERY_VERIFIED
+            if self._verified_restore
+            else self._recovery_mode or RecoveryMode.LATEST,
             checkpoint_source="gemini" if step >= 0 else "none",
             checkpoint_step=step,
             topology_digest=self._topology.digest(),
@@ -980,6 +987,9 @@ class Session:
             )
         mode = self._recovery_mode or RecoveryMode(default_recovery_mode(kind))
         newest = self._newest_recoverable(mode)
+        gem = self.gemini
+        if gem is not None:  # a restart of this job (plain torchrun: no orchestrator) restores as decided
+            gem.note_restart_mode(mode.value)
         if newest >= 0:
             reason = "recovery_verified_step" if mode is RecoveryMode.RECOVERY_VERIFIED else "latest_step"
         elif self.gemini is None:

@@ -185,6 +185,7 @@ class Gemini:
         self._own_step: dict[int, int] = {}  # slot index -> committed step
         # Steps whose own slot carried a SCOUT certificate when this worker started (a restart).
         self.carried_certificates: set[int] = set()
+        self.restored_verified = False  # recover() chose among certified steps, as noted before
         self._busy: set[int] = set()
         self._in_flight: dict[int, int] = {}  # busy slot -> the step being committed into it
         self._replica_slots: dict[int, list[SlotFile]] = {}
@@ -259,6 +260,7 @@ class Gemini:
             "local": sorted(set(local)),
             "replicas": {str(o): sorted(set(s)) for o, s in replicas.items()},
             "certified": sorted(self.carried_certificates),
+            "mode": self.noted_restart_mode() or "",
         }
 
     def _check(self, path: Path, owner: int) -> SlotHeader | None:
@@ -303,28 +305,40 @@ class Gemini:
             self._on_fault({**report, "detail": detail, **extra})
 
     def recover(
-        self, exchange: Exchange, exact_step: int | None, timeout: float = 120.0, verified_only: bool = False
+        self,
+        exchange: Exchange,
+        exact_step: int | None,
+        timeout: float = 120.0,
+        verified_only: bool | None = False,
     ) -> tuple[int, str]:
         """Agree with every rank on a step and restore it. Returns (step, reason); step -1: fresh start.
 
         `verified_only` (no `exact_step`): only a step SCOUT certified. Every rank reaches the same
         certificates from the same evidence, so one any rank's own slot carries holds for the job
-        (a rank whose memory was lost carries none)."""
+        (a rank whose memory was lost carries none). None: as the previous generation noted (an SDC
+        it found, or its `prepare_recovery`), on any rank."""
         inv = self.scan()
         raw = exchange("gemini/inventory", msgpack.packb(inv), timeout)
         local, replicas, disk = {}, {}, {}
         certified: set[int] = set()
+        noted: set[str] = set()
         for r, blob in raw.items():
             doc = msgpack.unpackb(blob)
             local[r] = set(doc["local"])
             replicas[r] = {int(o): set(s) for o, s in doc["replicas"].items()}
             disk[r] = set(doc.get("disk", ()))
             certified |= {int(x) for x in doc.get("certified", ())}
+            noted.add(str(doc.get("mode", "")))
+        if verified_only is None:
+            verified_only = "recovery_verified" in noted
+        with contextlib.suppress(OSError):  # this restart consumed it
+            self._mode_path().unlink(missing_ok=True)
         allowed: set[int] | None = None
         if exact_step is not None and exact_step > 0:
             allowed = {exact_step}
         elif verified_only:
             allowed = certified
+        self.restored_verified = allowed is certified
         plan: RecoveryPlan = plan_recovery(self.world_size, local, replicas, disk, allowed=allowed)
         if plan.step < 0 and allowed is certified:
             plan = RecoveryPlan(-1, {}, f"no recovery-verified step: {plan.reason}")
@@ -601,13 +615,38 @@ class Gemini:
             self._idle.notify_all()  # a capture may be waiting for this verdict
 
     def revoke(self, from_step: int) -> None:
-        """SDC found at `from_step`: no capture from it on is recovery-verified any more."""
+        """SDC found at `from_step`: no capture from it on is recovery-verified any more, and the
+        next restart restores a certified capture (unless told otherwise)."""
         with self._lock:
             self.carried_certificates = {s for s in self.carried_certificates if s < from_step}
             for k, s in self._own_step.items():
                 if s >= from_step and not self._closed:
                     self._on_own_slot(k, SlotFile.clear_certificate)
             self._idle.notify_all()  # an SDC: no capture waits for a verdict any more
+        self.note_restart_mode("recovery_verified")
+
+    # -- the trust level the next restart needs (survives the process, like the slots) -------------
+    def _mode_path(self) -> Path:
+        return self.dir / f".restart-mode-r{self.rank}"
+
+    def note_restart_mode(self, mode: str) -> None:
+        """Remember on this node which trust level the next restart needs: set by an SDC and by
+        `prepare_recovery` (the caller's decision), read by the restarted rank's `recover`."""
+        path = self._mode_path()
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(mode)
+            os.replace(tmp, path)
+        except OSError as exc:  # the slots' own folder: a failure here shows up there too
+            log.warning("rank %d: cannot note the restart's recovery mode at %s: %s", self.rank, path, exc)
+
+    def noted_restart_mode(self) -> str | None:
+        try:
+            mode = self._mode_path().read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return mode if mode in ("latest", "recovery_verified") else None
 
     def _on_own_slot(self, k: int, fn: Callable[[SlotFile], None]) -> None:
         """Apply `fn` to own slot `k`, mapping it for the call when this process has not yet."""

@@ -255,21 +255,24 @@ def test_c_damaged_copies_are_skipped_and_others_used_bitwise(
         assert not rep["decision"]["reason"].startswith("disk"), rep["decision"]
 
 
-def test_recovery_verified_restart_skips_the_corrupted_captures_bitwise(
+@pytest.mark.parametrize("mode", ["recovery_verified", ""], ids=["asked", "noted_by_the_sdc"])
+def test_a_restart_after_sdc_skips_the_corrupted_captures_bitwise(
     processes,
     tmp_path: Path,
     shm_root: Path,  # type: ignore[no-untyped-def]
     baseline: Path,
+    mode: str,
 ) -> None:
     """Rank 1's weight flipped after step 4 (no error), SCOUT names it at step 5, and the job is
-    killed with step 5's captures (rank 1's corrupted) the newest. Restarted with
-    `recovery_mode="recovery_verified"` and no orchestrator naming a step (plain torchrun): every
-    rank restores step 4, the newest certified capture, and ends bitwise equal to an uninterrupted
-    run. Before, the newest step was restored whatever the mode, and the SDC came back."""
+    killed with step 5's captures (rank 1's corrupted) the newest. Restarted with no orchestrator
+    naming a step (plain torchrun), with `recovery_mode="recovery_verified"` or none (the SDC the
+    killed generation found is noted on its node): every rank restores step 4, the newest certified
+    capture, and ends bitwise equal to an uninterrupted run. Before, the newest step was restored
+    whatever the mode, and the SDC came back."""
     disk = tmp_path / "disk"
     flip = {"FLIP_RANK": "1", "FLIP_AT": "4", "PAUSE_RANK": "-1"}
     _run(processes, tmp_path, "g0", shm_root, 0, disk, pause_rank=1, kill=True, env=flip)
-    reports = _run(processes, tmp_path, "g1", shm_root, 1, disk, env={"RECOVERY_MODE": "recovery_verified"})
+    reports = _run(processes, tmp_path, "g1", shm_root, 1, disk, env={"RECOVERY_MODE": mode})
     for r in range(WORLD):
         _same(baseline / f"final-rank{r}.pt", tmp_path / "g1" / f"final-rank{r}.pt")
     for rep in reports:
