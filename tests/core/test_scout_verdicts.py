@@ -102,6 +102,9 @@ def test_hang_names_the_rank_that_never_entered_the_collective() -> None:
     v = hang_verdict(9, prog, stall_threshold_s=2.5)
     assert v is not None and (v.kind, v.ranks, v.reason) == ("hang", (2,), "never_entered_collective")
     assert v.stall_duration_s == 3.2
+    # The step the hang happened in: the peers completed 9 and wait in step 10's collective, whatever
+    # step the observer is at.
+    assert v.step == 10 and hang_verdict(12, prog, stall_threshold_s=2.5).step == 10  # type: ignore[union-attr]
     assert hang_verdict(9, prog, stall_threshold_s=5.0) is None
     stuck = {r: Progress(9, 40, 6.0) for r in range(3)}
     v = hang_verdict(9, stuck, 5.0)
@@ -123,6 +126,7 @@ def test_a_silent_rank_is_the_hang_when_every_live_peer_waits() -> None:
     stuck = {r: Progress(9, 40, 31.0) for r in range(3)}
     v = hang_verdict(9, stuck, 30.0, silent=frozenset({3}))
     assert v is not None and (v.kind, v.ranks, v.reason) == ("hang", (3,), "silent_while_peers_wait")
+    assert v.step == 10
     assert v.stall_duration_s == 31.0
     # A live culprit is named before a silent one; silence alone, with nobody waiting, is no hang.
     prog = {**stuck, 2: Progress(9, 39, 0.0)}

@@ -174,10 +174,14 @@ def hang_verdict(
     `silent` ranks (peers of the group whose heartbeats stopped, so they are not in `progress`).
 
     `excused_s`: phases a rank may spend that long in while its peers wait (checkpoint I/O the
-    framework marked, a data loader's batch): no hang is named until it overstays."""
+    framework marked, a data loader's batch): no hang is named until it overstays.
+
+    The verdict's step is the one the stuck collective belongs to: the waiting ranks' step in
+    progress (they completed `step`), the step in which the fault happened, not `now_step`."""
     waiting = {r: p for r, p in progress.items() if p.in_collective_s >= stall_threshold_s}
     if not waiting:
         return None
+    at = max(p.step for p in waiting.values()) + 1
     k = max(p.collectives for p in waiting.values())
     culprits = tuple(sorted(r for r, p in progress.items() if p.collectives < k and p.in_collective_s == 0))
     stall = max(p.in_collective_s for p in waiting.values())
@@ -195,7 +199,7 @@ def hang_verdict(
         return Verdict(
             "hang",
             culprits,
-            now_step,
+            at,
             "never_entered_collective",
             f"ranks {sorted(waiting)} wait in collective #{k} for {stall:.1f}s; "
             f"ranks {list(culprits)} never entered it" + "".join(where.values()),
@@ -206,7 +210,7 @@ def hang_verdict(
         return Verdict(
             "hang",
             gone,
-            now_step,
+            at,
             "silent_while_peers_wait",
             f"ranks {sorted(waiting)} wait in collective #{k} for {stall:.1f}s; "
             f"ranks {list(gone)} went silent (no heartbeat)",
@@ -216,7 +220,7 @@ def hang_verdict(
         return Verdict(
             "collective_stall",
             tuple(sorted(waiting)),
-            now_step,
+            at,
             "all_ranks_stuck_in_collective",
             f"every rank waits in collective #{k} for {stall:.1f}s",
             stall_duration_s=stall,
