@@ -282,6 +282,43 @@ def test_a_restart_after_sdc_skips_the_corrupted_captures_bitwise(
         assert not [f for f in rep["faults"] if f["kind"] == "sdc"], rep["faults"]
 
 
+def test_b_node_lost_after_sdc_with_late_certificates_restores_a_certified_step_from_replicas(
+    processes,
+    tmp_path: Path,
+    shm_root: Path,  # type: ignore[no-untyped-def]
+    baseline: Path,
+) -> None:
+    """Evidence gossip held up to 1 s, longer than the 0.5 s a capture waits for a verdict, so
+    certificates come late and at different times per rank; rank 1's weight flipped after step 4, named
+    at step 5, then node 1's memory is lost. Replica holders keep what the owners keep: ranks 2 and
+    3 find a certified step of theirs on node 0 that ranks 0 and 1 still hold locally, and every
+    rank restores it, bitwise."""
+    disk = tmp_path / "disk"
+    late = {"FLIP_RANK": "1", "FLIP_AT": "4", "PAUSE_RANK": "-1", "PUBLISH_COALESCE_S": "1.0"}
+    _run(
+        processes,
+        tmp_path,
+        "g0",
+        shm_root,
+        0,
+        disk,
+        pause_rank=1,
+        kill=True,
+        env={**late, "HEARTBEAT_S": "1.0"},
+    )
+    shutil.rmtree(shm_root / "gemini-test" / "node-1")
+    shutil.rmtree(disk)  # no disk copy to fall back on
+    reports = _run(processes, tmp_path, "g1", shm_root, 1, disk, env={"RECOVERY_MODE": "recovery_verified"})
+    for r in range(WORLD):
+        _same(baseline / f"final-rank{r}.pt", tmp_path / "g1" / f"final-rank{r}.pt")
+    steps = {rep["recovered_step"] for rep in reports}
+    assert len(steps) == 1 and 1 <= steps.pop() <= 4, [rep["decision"] for rep in reports]
+    for rep in reports:
+        assert rep["restored_certified"], rep
+        tier = "peer" if rep["rank"] >= 2 else "local"
+        assert rep["decision"]["reason"].startswith(tier), rep["decision"]
+
+
 def test_d_read_only_disk_keeps_training_and_reports(
     processes,
     tmp_path: Path,

@@ -4,6 +4,8 @@ Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, PAUSE_RANK, PAUSE_AT, DISK
 FSDP (1: the model is FSDP2-sharded over all ranks, DTensor state, instead of DDP), FLIP_RANK and
 FLIP_AT (generation 0: that rank flips a weight bit after that step; every rank waits for SCOUT's
 SDC verdict after the next step, then for the kill), RECOVERY_MODE (enable_resiliency's),
+PUBLISH_COALESCE_S and HEARTBEAT_S (RuntimeConfig's: evidence, and so certificates, up to the
+smaller of the two late),
 plus LM_RESILIENCY_{RUN_ID,SHM_DIR,GENERATION,MACHINE_ID_PATH}. Data depends only on (rank, step);
 the model uses dropout, so a bitwise resume needs the RNG state too. In generation 0, PAUSE_RANK
 blocks after step PAUSE_AT (all captures drained) until the test kills the job. At the end it saves
@@ -65,7 +67,11 @@ def main() -> int:
         extra_state_fn=lambda: dict(seen),
         load_extra_state_fn=seen.update,
         fault_callback=faults.append,
-        runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0),
+        runtime=RuntimeConfig(
+            heartbeat_interval_s=float(os.environ.get("HEARTBEAT_S", "0.1")),
+            heartbeat_timeout_s=5.0,
+            publish_coalesce_s=float(os.environ.get("PUBLISH_COALESCE_S", "0")),
+        ),
         recovery_mode=os.environ.get("RECOVERY_MODE") or None,
     )
     start = session.step_count
