@@ -327,7 +327,6 @@ class Session:
         self._step_offset = 0
         self._steps = 0
         self._recovered_step = -1
-        self._verified_restore = False  # the restored step was chosen among certified ones only
         self._last_decision: RecoveryDecision | None = None
         # Recent framework checkpoint I/O (kind, name, seconds): bounded, for checkpoint-stall checks.
         self._io: collections.deque[tuple[str, str, float]] = collections.deque(maxlen=64)
@@ -651,10 +650,9 @@ class Session:
         # certified is restored. Asked for here, or else as the previous generation noted (an SDC
         # it found, or what its prepare_recovery decided). Without detection nothing is ever
         # certified: the latest step.
-        verified: bool | None = (
-            None if self._recovery_mode is None else (self._recovery_mode is RecoveryMode.RECOVERY_VERIFIED)
-        )
-        if exact is not None or not self._detects():
+        asked = self._recovery_mode
+        verified: bool | None = None if asked is None else asked is RecoveryMode.RECOVERY_VERIFIED
+        if not self._detects():
             if verified and exact is None:
                 log.warning(
                     "rank %d: recovery_mode='recovery_verified' needs SCOUT's certificates, and "
@@ -665,7 +663,6 @@ class Session:
         step, reason = gem.recover(
             exchange, exact, timeout=self._runtime_config.discovery_timeout_s, verified_only=verified
         )
-        self._verified_restore = gem.restored_verified
         if step >= 0:
             self._step_offset = step
             self._recovered_step = step
@@ -673,7 +670,7 @@ class Session:
         self._last_decision = RecoveryDecision(
             failure_kind="restart",
             recovery_mode=RecoveryMode.RECOVERY_VERIFIED
-            if self._verified_restore
+            if gem.restored_verified
             else self._recovery_mode or RecoveryMode.LATEST,
             checkpoint_source="gemini" if step >= 0 else "none",
             checkpoint_step=step,
@@ -742,7 +739,7 @@ class Session:
             restored = self._recovered_step
             carried = {s for s in gem.carried_certificates if 0 <= s <= restored}
             by_plan = (self._context or {}).get("recovery_mode") == "recovery_verified"
-            if restored >= 0 and (by_plan or self._verified_restore):
+            if restored >= 0 and (by_plan or gem.restored_verified):
                 carried.add(restored)
             scout.seed(carried)
 
@@ -992,7 +989,7 @@ class Session:
             gem.note_restart_mode(mode.value)
         if newest >= 0:
             reason = "recovery_verified_step" if mode is RecoveryMode.RECOVERY_VERIFIED else "latest_step"
-        elif self.gemini is None:
+        elif gem is None:
             reason = "no_checkpoint_component"
         elif mode is RecoveryMode.RECOVERY_VERIFIED:
             reason = "no_certified_step_loadable_by_every_rank"

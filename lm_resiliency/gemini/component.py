@@ -316,7 +316,16 @@ class Gemini:
         `verified_only` (no `exact_step`): only a step SCOUT certified. Every rank reaches the same
         certificates from the same evidence, so one any rank's own slot carries holds for the job
         (a rank whose memory was lost carries none). None: as the previous generation noted (an SDC
-        it found, or its `prepare_recovery`), on any rank."""
+        it found, or its `prepare_recovery`), on any rank. The note is consumed once the restore is
+        done (a rank that dies restoring keeps it for the next try)."""
+        out = self._recover(exchange, exact_step, timeout, verified_only)
+        with contextlib.suppress(OSError):
+            self._mode_path().unlink(missing_ok=True)
+        return out
+
+    def _recover(
+        self, exchange: Exchange, exact_step: int | None, timeout: float, verified_only: bool | None
+    ) -> tuple[int, str]:
         inv = self.scan()
         raw = exchange("gemini/inventory", msgpack.packb(inv), timeout)
         local, replicas, disk = {}, {}, {}
@@ -329,18 +338,13 @@ class Gemini:
             disk[r] = set(doc.get("disk", ()))
             certified |= {int(x) for x in doc.get("certified", ())}
             noted.add(str(doc.get("mode", "")))
+        exact = exact_step if exact_step is not None and exact_step > 0 else None
         if verified_only is None:
             verified_only = "recovery_verified" in noted
-        with contextlib.suppress(OSError):  # this restart consumed it
-            self._mode_path().unlink(missing_ok=True)
-        allowed: set[int] | None = None
-        if exact_step is not None and exact_step > 0:
-            allowed = {exact_step}
-        elif verified_only:
-            allowed = certified
-        self.restored_verified = allowed is certified
+        self.restored_verified = verified_only and exact is None
+        allowed = {exact} if exact is not None else certified if self.restored_verified else None
         plan: RecoveryPlan = plan_recovery(self.world_size, local, replicas, disk, allowed=allowed)
-        if plan.step < 0 and allowed is certified:
+        if plan.step < 0 and self.restored_verified:
             plan = RecoveryPlan(-1, {}, f"no recovery-verified step: {plan.reason}")
         if plan.step < 0:
             if self.load_fallback is not None:
