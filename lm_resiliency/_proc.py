@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["pid_alive"]
+__all__ = ["host_key", "pid_alive", "pid_exited"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -16,3 +16,33 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def pid_exited(pid: int) -> bool:
+    """Whether process `pid` of this pid namespace has ended: no such process, or a zombie its
+    parent has not reaped yet (a SIGKILLed torchrun worker stays one until the agent polls it).
+    Unknown (no /proc) counts as not ended."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return not pid_alive(pid)
+    # "pid (comm) S ...": the state follows the last ')' (comm may hold any byte).
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state in (b"Z", b"X")
+
+
+def host_key() -> str:
+    """What two processes share exactly when one can see the other's pid: the kernel's boot id (one
+    per host and boot; containers on a host share it) and the pid namespace. "" when unknown (not
+    Linux): peers then never judge each other by pid. A machine id is not enough: container images
+    often carry the same /etc/machine-id on every host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{boot}:{ns}" if boot else ""

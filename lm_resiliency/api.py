@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -63,6 +64,11 @@ log = logging.getLogger(__name__)
 BACKEND_ACTIONABLE = frozenset({"sdc", "hardware", "hang"})
 
 MAX_ERROR_TEXT = 2000  # characters of an uncaught exception's text carried in reports and goodbyes
+# A peer that said it was terminated (SIGTERM) is reported this long after, unless this rank is
+# being stopped too by then (the worker group stopped as a whole: nobody's fault) or a fault this
+# rank reported shortly before explains it (a restart under way).
+TERMINATION_REPORT_DELAY_S = 1.0
+TERMINATION_EXPLAINED_S = 30.0
 
 # Options each framework's adapter cannot take: the framework object owns them.
 _FORBIDDEN_OPTIONS = {
@@ -338,6 +344,11 @@ class Session:
         self._closed = False
         self._detection_paused = False
         self._previous_excepthook: Any = None
+        self._previous_sigterm: Any = None  # (our handler, the one before it)
+        self._stopping = False  # SIGTERM received, and the process ends after our handler
+        self._sigterm_seen = False  # SIGTERM received (a handler of the script's own may go on)
+        self._terminated: dict[int, tuple[float, str]] = {}  # peers that said SIGTERM ended them
+        self._last_fatal_report = float("-inf")  # monotonic time of the last restart-worthy report
         self._silent_nodes: set[str] = set()  # nodes reported silent as a whole (once per node)
         self._scaler_watch: Any = None  # adapters.amp.ScalerWatch of the job's GradScaler
         self._first_forward: Any = None  # the hook of _look_for_late_state
@@ -415,6 +426,7 @@ class Session:
             )
         atexit.register(self.close)
         self._install_excepthook()
+        self._install_sigterm()
         log.info(
             "lm-resiliency enabled on rank %d/%d (node %s, generation %d, replica group %s)",
             self.rank,
@@ -800,9 +812,15 @@ class Session:
         topo = self._topology
         node = topo.node_of(ev.peer) if topo is not None else None
         if ev.kind is EventKind.DIED:
-            self._process_failure(
-                (ev.peer,), "heartbeat_timeout", "heartbeat", detection_latency_s=ev.silent_s
-            )
+            if ev.reason.startswith("process_exited"):  # seen ending by us, on its host
+                detail = ev.reason.partition(": ")[2]
+                self._process_failure(
+                    (ev.peer,), "process_exited", "pid", detection_latency_s=ev.silent_s, detail=detail
+                )
+            else:
+                self._process_failure(
+                    (ev.peer,), "heartbeat_timeout", "heartbeat", detection_latency_s=ev.silent_s
+                )
             self._node_silent(node)
             return
         if ev.kind in (EventKind.JOINED, EventKind.REJOINED) and node is not None:
@@ -811,6 +829,29 @@ class Session:
         reason, _, error = ev.reason.partition(": ")
         if ev.kind is EventKind.LEFT and reason in EXIT_FAILURES:
             self._process_failure((ev.peer,), reason, "goodbye", error=error)
+        elif ev.kind is EventKind.LEFT and reason == "terminated":
+            with self._reports_lock:
+                self._terminated[ev.peer] = (time.monotonic(), error)
+            timer = threading.Timer(TERMINATION_REPORT_DELAY_S, self._report_terminated, (ev.peer,))
+            timer.daemon = True
+            timer.start()
+
+    def _report_terminated(self, *peers: int) -> None:
+        """Report the termination of `peers` (each once) unless it explains itself: this rank is
+        being stopped too, or closed, or a fault it reported shortly before is why the group stops."""
+        now = time.monotonic()
+        with self._reports_lock:
+            due = [(p, self._terminated.pop(p)) for p in peers if p in self._terminated]
+            quiet = not self._sigterm_seen and now - self._last_fatal_report > TERMINATION_EXPLAINED_S
+        for peer, (at, signal_name) in due:
+            if quiet and not self._closed:
+                self._process_failure(
+                    (peer,),
+                    "terminated",
+                    "goodbye",
+                    detection_latency_s=now - at,
+                    detail=f"rank {peer} said it was terminated ({signal_name or 'a signal'})",
+                )
 
     def _process_failure(
         self,
@@ -868,6 +909,47 @@ class Session:
         sys.excepthook = hook
         self._previous_excepthook = (hook, previous)
 
+    # -- a worker being stopped (SIGTERM) says so ----------------------------------------------------
+    def _install_sigterm(self) -> None:
+        """Chain onto SIGTERM (torchrun stopping its worker group, a preemption, a fault campaign):
+        first mark this rank as stopping (peers waiting for it in a collective do not call it
+        hung), write GEMINI's newest committed capture to disk, and, when the previous handler
+        is the default one (the process ends now), tell the peers it was terminated; then the
+        previous handler runs. Main thread only (Python's rule for signal handlers)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        ends = previous in (signal.SIG_DFL, None)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            try:
+                self._terminating(ends)
+            except Exception:  # stopping must go on whatever we failed to do first
+                log.exception("rank %d: handling SIGTERM failed", self.rank)
+            finally:
+                if callable(previous):
+                    previous(signum, frame)
+                elif previous != signal.SIG_IGN:
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        self._previous_sigterm = (on_sigterm, previous)
+
+    def _terminating(self, ends: bool) -> None:
+        if self._closed or self._stopping:
+            return
+        self._sigterm_seen = True
+        if ends:  # (a handler of the script's own may keep training: then nothing else changes)
+            self._stopping = True
+            self._mark_phase("stopping")
+        gem = self.gemini
+        if gem is not None:
+            step = gem.flush_for_restart(timeout=5.0, replicate=False)
+            log.warning("rank %d: SIGTERM, newest capture (step %d) flushed to disk", self.rank, step)
+        if ends and self._runtime is not None:
+            self._runtime.close(timeout=0.5, reason="terminated: SIGTERM")
+
     def _exiting(self, exc: BaseException) -> None:
         """This worker is dying of `exc`: one process_failure report naming this rank (unless a collective
         failed under it: a peer's failure, not ours), then a goodbye that tells the peers the reason."""
@@ -875,6 +957,13 @@ class Session:
             return
         reason = classify_exit(exc)
         error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_TEXT]
+        if reason == "collective_error" and self._runtime is not None:
+            # A peer's failure broke the collective: name it before this rank goes, if it is known
+            # yet (its process ended on this host; it said it was terminated).
+            self._runtime.check_exited_peers(timeout=0.5)
+            with self._reports_lock:
+                pending = tuple(self._terminated)
+            self._report_terminated(*pending)
         if reason in EXIT_FAILURES:
             report = self._process_failure(
                 (self.rank,), reason, "self", steps=(self.step_count,), error=error
@@ -887,6 +976,8 @@ class Session:
     def _emit_fault(self, report: dict[str, Any]) -> None:
         with self._reports_lock:
             self._reports.append(report)
+            if report.get("kind") in BACKEND_ACTIONABLE or report.get("kind") == "process_failure":
+                self._last_fatal_report = time.monotonic()
         # The user's callbacks and the report file, in order, off the runtime's event loop: a slow
         # callback there would stop this rank's heartbeats and its peers would declare it dead.
         self._callbacks.submit(self._write_report, report)
@@ -1031,11 +1122,17 @@ class Session:
         """Stop hooks, components and the runtime. Idempotent; also runs at interpreter exit."""
         if self._closed:
             return
+        if reason == "close" and self._sigterm_seen:
+            reason = "terminated: SIGTERM"  # its own handler let it end after ours: peers name it
         self._closed = True
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
         if self._previous_excepthook is not None and sys.excepthook is self._previous_excepthook[0]:
             sys.excepthook = self._previous_excepthook[1]
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(ValueError, TypeError):
+                if signal.getsignal(signal.SIGTERM) is self._previous_sigterm[0]:
+                    signal.signal(signal.SIGTERM, self._previous_sigterm[1])
         self._adapter.detach()
         if self._first_forward is not None:
             self._first_forward.remove()

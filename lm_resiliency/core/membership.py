@@ -9,6 +9,8 @@ Transitions (peer state x event -> state, events emitted):
     UNKNOWN/DEAD/LEFT  + heartbeat        -> ALIVE  (JOINED, or REJOINED if it had been seen before)
     ALIVE              + heartbeat        -> ALIVE  (nothing)
     ALIVE/UNKNOWN      + silence>=timeout -> DEAD   (DIED)
+    ALIVE              + process exited   -> DEAD   (DIED; seen by a same-host observer; later
+                                                   messages of that incarnation are ignored)
     any                + goodbye          -> LEFT   (LEFT)
 """
 
@@ -51,6 +53,7 @@ class _Peer:
     incarnation: int
     last_heard: float
     ever_seen: bool = False
+    exited: bool = False  # this incarnation's process was seen ending: nothing it sent revives it
 
 
 class FailureDetector:
@@ -74,11 +77,11 @@ class FailureDetector:
         p.last_heard = max(p.last_heard, now)
         if p.state is PeerState.ALIVE and not newer:
             return []
-        if p.state is PeerState.LEFT and not newer:
-            return []  # late heartbeat of a peer that said goodbye
+        if (p.state is PeerState.LEFT or p.exited) and not newer:
+            return []  # late message of a peer that said goodbye, or whose process ended
         kind = EventKind.REJOINED if p.ever_seen else EventKind.JOINED
         was = p.state
-        p.state, p.incarnation, p.ever_seen = PeerState.ALIVE, incarnation, True
+        p.state, p.incarnation, p.ever_seen, p.exited = PeerState.ALIVE, incarnation, True, False
         if was is PeerState.ALIVE:  # a restart we never saw die: report it as a rejoin
             return [MembershipEvent(EventKind.REJOINED, peer, incarnation, now, "new incarnation")]
         return [MembershipEvent(kind, peer, incarnation, now, f"heard while {was.value}")]
@@ -89,6 +92,15 @@ class FailureDetector:
             return []
         p.state, p.incarnation, p.ever_seen = PeerState.LEFT, incarnation, True
         return [MembershipEvent(EventKind.LEFT, peer, incarnation, now, reason or "goodbye")]
+
+    def exited(self, peer: int, incarnation: int, now: float, reason: str) -> list[MembershipEvent]:
+        """An observer on the peer's host found its process gone (no heartbeat timeout to wait
+        for). Only the incarnation it was heard as, and only while it is believed alive."""
+        p = self._peers.get(peer)
+        if p is None or p.state is not PeerState.ALIVE or incarnation != p.incarnation:
+            return []
+        p.state, p.exited = PeerState.DEAD, True
+        return [MembershipEvent(EventKind.DIED, peer, incarnation, now, reason, now - p.last_heard)]
 
     def tick(self, now: float) -> list[MembershipEvent]:
         """Declare dead every peer silent for `timeout` or longer."""

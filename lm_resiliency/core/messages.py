@@ -78,6 +78,8 @@ class PeerAnnouncement(Message):
     dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
     peer_group: tuple[int, ...] = ()  # ranks doing the same work each step (empty: the replica group)
     settings: dict[str, str] = field(default_factory=dict)  # what every rank must agree on (config drift)
+    # Boot id and pid namespace: a peer with the same one can see this rank's pid end ("" unknown).
+    host: str = ""
 
 
 @register
@@ -195,7 +197,7 @@ class Progress(Message):
     in_collective_s: float
     idle_s: float
     chain: bytes = b""  # hash chain over every collective entered (op, size, dtype, group)
-    phase: str = ""  # "input" (in the data loader), "checkpoint_io", or ""
+    phase: str = ""  # "input" (in the data loader), "checkpoint_io", "stopping" (SIGTERM), or ""
     in_phase_s: float = 0.0
 
 

@@ -18,7 +18,6 @@ import logging
 import os
 import queue
 import re
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -187,6 +186,8 @@ class Gemini:
         self.carried_certificates: set[int] = set()
         self.restored_verified = False  # recover() chose among certified steps, as noted before
         self._busy: set[int] = set()
+        self._flushing: set[int] = set()  # slots flush_for_restart is writing to disk (not to overwrite)
+        self._announced: dict[int, int] = {}  # slot -> the step committed there and announced
         self._in_flight: dict[int, int] = {}  # busy slot -> the step being committed into it
         self._replica_slots: dict[int, list[SlotFile]] = {}
         self._replica_step: dict[int, dict[int, int]] = {}  # owner -> slot -> step
@@ -220,8 +221,6 @@ class Gemini:
         self._training_thread = threading.get_ident()
         self._hooks: list[Any] = []
         self._install_boundary_hooks()
-        self._previous_sigterm: Any = None
-        self._install_sigterm()
         runtime.add_transfer_listener(self._on_transfer)
         runtime.add_chunk_sink(self._on_chunk)
         self._streams: dict[tuple[int, str], _Stream] = {}  # replicas being written as they arrive
@@ -432,28 +431,6 @@ class Gemini:
         for k, slot in enumerate(self._own):
             if k not in self._own_step:
                 slot.ensure_size(size)
-
-    def _install_sigterm(self) -> None:
-        """On SIGTERM (torchrun stopping the worker group), write the newest capture to disk first.
-
-        The previous handler runs afterwards: the default one terminates the process as before."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            try:
-                step = self.flush_for_restart(timeout=5.0)
-                log.warning("rank %d: SIGTERM, newest capture (step %d) flushed to disk", self.rank, step)
-            finally:
-                if callable(previous):
-                    previous(signum, frame)
-                elif previous != signal.SIG_IGN:
-                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                    os.kill(os.getpid(), signal.SIGTERM)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-        self._previous_sigterm = previous
 
     # -- capture (training thread) ----------------------------------------------------------------
     # The step boundary is after the optimizer step *and* the calls that follow it and belong to
@@ -681,7 +658,8 @@ class Gemini:
         the newest one. After an SDC the certified slot stays put while the other rotates."""
         keep = self._slot_to_keep(self._own_step)
         return sorted(
-            (k for k in (0, 1) if k != keep and k not in self._busy), key=lambda k: self._own_step.get(k, -1)
+            (k for k in (0, 1) if k != keep and k not in self._busy and k not in self._flushing),
+            key=lambda k: self._own_step.get(k, -1),
         )
 
     def _judging(self) -> bool:
@@ -820,6 +798,9 @@ class Gemini:
         if header.step % self.disk_interval == 0:
             self._write_durable(slot, header)
         self._announce()
+        with self._lock:
+            self._announced[k] = header.step
+            self._idle.notify_all()  # a flush on SIGTERM waits for this much only
         if self.holder is None or self._closed or not self.runtime.alive:
             return
         buffers, frame_digests = self._file_chunks(slot, header, digests)
@@ -1151,23 +1132,38 @@ class Gemini:
         if step is not None:
             self._capture_from_hook(step, wait_for_verdict=False)
 
-    def flush_for_restart(self, timeout: float = 30.0) -> int:
-        """Write the newest committed capture to disk; return its step, or -1 (nothing, or disk failed)."""
+    def flush_for_restart(self, timeout: float = 30.0, replicate: bool = True) -> int:
+        """Write the newest committed capture to disk; return its step, or -1 (nothing, or disk failed).
+
+        First every capture handed to the worker is committed, replicated and its inventory
+        published (`drain`). Without `replicate` (SIGTERM: the process ends next), committed and
+        published only: a replica to a peer that is being stopped too (or is gone) could hold the
+        flush until `timeout`, and the group's restart with it."""
         self._take_deferred()
         self._take_waiting()
-        self.drain(timeout)
+        if replicate:
+            self.drain(timeout)
+        else:
+            deadline = time.monotonic() + timeout
+            with self._idle:
+                self._idle.wait_for(
+                    lambda: all(self._announced.get(k) == s for k, s in self._in_flight.items()), timeout
+                )
+            flush = self.flush_inventory
+            if flush is not None:  # the torchrun backend's leader picks the restart step from it
+                flush(max(0.0, deadline - time.monotonic()))
         with self._lock:
             if not self._own_step:
                 return -1
             k, step = max(self._own_step.items(), key=lambda kv: kv[1])
-            self._busy.add(k)
+            self._flushing.add(k)
         try:
             slot = self._own[k]
             header = slot.read_header()
             return step if self._write_durable(slot, header) else -1
         finally:
             with self._lock:
-                self._busy.discard(k)
+                self._flushing.discard(k)
                 self._idle.notify_all()
 
     def drain(self, timeout: float = 60.0) -> bool:
@@ -1193,8 +1189,6 @@ class Gemini:
             return
         self._take_deferred()
         self._closed = True
-        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
         for h in self._hooks:
             h.remove()
         if self.scheduler is not None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from lm_resiliency._proc import host_key, pid_exited
 from lm_resiliency.config import RuntimeConfig
 from lm_resiliency.core import codec
 from lm_resiliency.core.auth import BufferCorrupt, Sealed, Signer, Verifier
@@ -213,6 +214,7 @@ class RankRuntime:
             dims=self.dims,
             peer_group=self.peer_group,
             settings=dict(self.settings),
+            host=host_key(),
         )
         with self._cond:
             self._progress[self.rank] = (0, 0)
@@ -604,10 +606,44 @@ class RankRuntime:
                     Heartbeat(self.rank, self.incarnation, self._step, self._progress_counter)
                 )
             next_beat = self._last_beat + interval
-            self._apply_events(self._detector.tick(now))
+            self._apply_events(self._detector.tick(now) + self._exited_peers(now))
             deadline = self._detector.next_deadline()
             wake = next_beat if deadline is None else min(next_beat, deadline)
             await anyio.sleep(max(0.0, wake - self._clock.monotonic()))
+
+    def _exited_peers(self, now: float) -> list[MembershipEvent]:
+        """Peers on this host (same boot id and pid namespace) whose process ended: declared dead at
+        once, not after the heartbeat timeout (a SIGKILLed worker's peers see their collective fail
+        within milliseconds, and die of it long before that timeout would name it). Loop thread."""
+        own = self._announcement.host if self._announcement is not None else ""
+        if not own:
+            return []
+        events = []
+        with self._cond:
+            for rank, ann in self._known.items():
+                if (
+                    ann.host == own
+                    and self._detector.state(rank) is PeerState.ALIVE
+                    and self._detector.incarnation(rank) == ann.incarnation
+                    and pid_exited(ann.pid)
+                ):
+                    events += self._detector.exited(
+                        rank, ann.incarnation, now, f"process_exited: pid {ann.pid} on this host ended"
+                    )
+        return events
+
+    def check_exited_peers(self, timeout: float = 1.0) -> frozenset[int]:
+        """Look now for same-host peers whose process ended (see `_exited_peers`); return the
+        ranks known dead afterwards. Any thread; for a rank about to die of a failed collective."""
+        if not self._loop.alive or self._closed:
+            return self.silent()
+
+        async def probe() -> None:
+            self._apply_events(self._exited_peers(self._clock.monotonic()))
+
+        with contextlib.suppress(TimeoutError, RuntimeError, concurrent.futures.CancelledError):
+            self._loop.call(probe, timeout=timeout)
+        return self.silent()
 
     async def _receive_forever(self) -> None:
         assert self._transport is not None

@@ -53,3 +53,18 @@ def test_goodbye_leaves_without_waiting_and_late_beats_do_not_revive() -> None:
 def test_invalid_timeout() -> None:
     with pytest.raises(ValueError, match="timeout"):
         FailureDetector([1], timeout=0, now=0.0)
+
+
+def test_a_process_seen_ending_is_dead_at_once_and_stays_dead_until_restarted() -> None:
+    d = FailureDetector([1, 2], timeout=10.0, now=0.0)
+    d.heard(1, 3, now=0.5)
+    assert d.exited(2, 3, now=1.0, reason="process_exited: gone") == []  # never heard: nothing to end
+    assert d.exited(1, 2, now=1.0, reason="process_exited: gone") == []  # an older incarnation's pid
+    died = d.exited(1, 3, now=1.5, reason="process_exited: pid 7 on this host ended")
+    assert kinds(died) == [(EventKind.DIED, 1)] and died[0].reason.startswith("process_exited")
+    assert died[0].silent_s == pytest.approx(1.0)
+    assert d.state(1) is PeerState.DEAD and d.exited(1, 3, now=1.6, reason="again") == []
+    assert d.heard(1, 3, now=1.7) == []  # a message it sent before it ended, read late
+    assert d.state(1) is PeerState.DEAD and kinds(d.tick(now=20.0)) == [(EventKind.DIED, 2)]
+    assert kinds(d.heard(1, 4, now=21.0)) == [(EventKind.REJOINED, 1)]  # its restart
+    assert d.heard(1, 4, now=21.5) == [] and d.state(1) is PeerState.ALIVE

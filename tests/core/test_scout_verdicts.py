@@ -134,6 +134,18 @@ def test_a_silent_rank_is_the_hang_when_every_live_peer_waits() -> None:
     assert hang_verdict(9, {r: Progress(9, 40, 0.0) for r in range(3)}, 30.0, frozenset({3})) is None
 
 
+def test_a_rank_being_stopped_is_never_named_for_a_hang() -> None:
+    """SIGTERM: the rank writes its capture to disk before it ends, while its peers wait for it in
+    a collective. That is a termination (its goodbye names it), however long the write takes."""
+    waiting = {0: Progress(9, 40, 300.0), 1: Progress(9, 40, 300.0)}
+    stopping = {**waiting, 2: Progress(9, 39, 0.0, phase="stopping", in_phase_s=301.0)}
+    assert hang_verdict(9, stopping, 30.0) is None
+    # Another rank that never entered is named as before.
+    both = {**stopping, 3: Progress(9, 39, 0.0)}
+    assert hang_verdict(9, both, 30.0) is None  # one verdict per collective: the stopping rank explains it
+    assert hang_verdict(9, {**waiting, 3: Progress(9, 39, 0.0)}, 30.0).ranks == (3,)  # type: ignore[union-attr]
+
+
 def test_a_rank_in_marked_checkpoint_io_or_its_loader_is_excused_until_it_overstays() -> None:
     excused = {"checkpoint_io": 120.0, "input": 10.0}
     waiting = {0: Progress(9, 40, 35.0), 1: Progress(9, 40, 35.0)}

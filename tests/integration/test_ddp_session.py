@@ -98,7 +98,10 @@ def test_four_ranks_membership_telemetry_death_and_forgery(processes, tmp_path: 
         assert [(f["failed_ranks"], f["scope"]) for f in r["faults"]] == [([3], "rank"), ([3], "node")]
         assert r["faults"][0]["kind"] == "process_failure"
         assert r["faults"][1]["reason"] == "node_silent" and r["faults"][1]["node"] == "synthetic-node-1"
-        assert HB_TIMEOUT_S <= r["faults"][0]["detection_latency_s"] <= HB_TIMEOUT_S + 0.5, r["faults"]
+        # Its process ended on this host (synthetic nodes share it): seen by pid at the next
+        # heartbeat tick (0.1 s), not after the heartbeat timeout.
+        assert r["faults"][0]["reason"] == "process_exited", r["faults"]
+        assert r["faults"][0]["detection_latency_s"] < HB_TIMEOUT_S, r["faults"]
     assert results[0]["forged_rejected"] >= 1
     assert 1 in results[0]["live_after"]  # the forged goodbye was not acted on
 

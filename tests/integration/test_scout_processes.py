@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -443,3 +445,57 @@ def test_a_worker_that_dies_of_an_uncaught_error_is_named_with_its_error(process
         assert failures[0]["reason"] == "resource_exhaustion", failures
         assert "DefaultCPUAllocator" in failures[0]["error"], failures
         assert failures[0]["sources"] == (["self"] if r == 2 else ["goodbye"]), failures
+
+
+def _reports(tmp: Path, rank: int) -> list[dict]:
+    path = tmp / "reports" / f"reports-rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_worker_terminated_by_sigterm_is_named_by_its_peers(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 2 gets SIGTERM at step 6 (a scheduler or a campaign stopping one worker): it writes its
+    newest capture to disk and says goodbye before it ends. Its peers name it (terminated), though
+    their next collective breaks and they die of that at once; nobody is called hung."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"WORLD_SIZE": str(WORLD), "STORE_PORT": str(store.port), "RESULT_DIR": str(tmp_path)}
+    env |= {"STEPS": "40", "SCENARIO": "sigterm", "CULPRIT": "2", "AT_STEP": "6", "CHECKPOINT": "1"}
+    env["REPORT_DIR"] = str(tmp_path / "reports")
+    procs = [
+        processes.start(
+            ["tests/integration/workers/scout_worker.py"], {**env, "RANK": str(r)}, tmp_path / f"rank{r}.log"
+        )
+        for r in range(WORLD)
+    ]
+    codes = [p.wait(90) for p in procs]
+    assert codes[2] == -signal.SIGTERM and all(c != 0 for c in codes), codes
+    assert "SIGTERM, newest capture (step 5) flushed to disk" in (tmp_path / "rank2.log").read_text()
+    assert _reports(tmp_path, 2) == []
+    for r in (0, 1, 3):
+        reports = _reports(tmp_path, r)
+        assert [(f["kind"], f["failed_ranks"], f["reason"]) for f in reports] == [
+            ("process_failure", [2], "terminated")
+        ], reports
+        assert reports[0]["sources"] == ["goodbye"] and "SIGTERM" in reports[0]["detail"], reports
+
+
+def test_a_worker_group_stopped_as_a_whole_reports_nothing(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """torchrun stops its worker group by SIGTERMing every worker: nobody's fault. Each rank
+    writes its capture to disk and goes; no rank reports a termination, a death or a hang."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"WORLD_SIZE": str(WORLD), "STORE_PORT": str(store.port), "RESULT_DIR": str(tmp_path)}
+    env |= {"STEPS": "100000", "SCENARIO": "group-stop", "AT_STEP": "6", "CHECKPOINT": "1"}
+    env |= {"REPORT_DIR": str(tmp_path / "reports"), "HB_TIMEOUT": "1"}
+    procs = [
+        processes.start(
+            ["tests/integration/workers/scout_worker.py"], {**env, "RANK": str(r)}, tmp_path / f"rank{r}.log"
+        )
+        for r in range(WORLD)
+    ]
+    store.wait([f"test/at/{r}" for r in range(WORLD)], datetime.timedelta(seconds=120))
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    codes = [p.wait(60) for p in procs]
+    assert codes == [-signal.SIGTERM] * WORLD, codes
+    for r in range(WORLD):
+        assert "newest capture (step" in (tmp_path / f"rank{r}.log").read_text()
+        assert _reports(tmp_path, r) == [], _reports(tmp_path, r)

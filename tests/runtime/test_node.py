@@ -534,3 +534,47 @@ def test_group_only_gossip_does_not_carry_the_heartbeat() -> None:
     finally:
         for rt in rts:
             rt.close()
+
+
+def test_a_same_host_peer_whose_process_ends_is_dead_before_the_timeout() -> None:
+    """Peers on one host (same boot id and pid namespace) watch each other's pid: a SIGKILLed
+    worker is dead at the next heartbeat tick, not after the timeout (its peers' collectives fail
+    at once and they die of it first). Rank 1's announcement points at a child process that the test
+    kills (and leaves unreaped: a zombie has ended too); rank 1's own runtime, in this process, keeps
+    sending: what that incarnation sends after it was seen ending must not revive it."""
+    import dataclasses
+    import signal
+    import subprocess
+    import sys
+
+    from lm_resiliency._proc import host_key
+
+    config = RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=30.0)
+    net = InMemoryNetwork()
+    rts = _start(2, lambda: InMemoryTransport(net), config=config)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert rts[0].wait_for(lambda v: len(v.live) == 2, 2.0)
+        ann = rts[1].announcement
+        assert ann.host == host_key() != ""
+        events: list = []
+        rts[0].add_membership_listener(events.append)
+        # On another host, the same pid number is another process: never judged by ours.
+        rts[0].connect_peers([dataclasses.replace(ann, pid=child.pid, host="another-boot:1")])
+        child.send_signal(signal.SIGKILL)
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # ended, left a zombie (not reaped)
+        assert rts[0].check_exited_peers() == frozenset()
+        rts[0].connect_peers([dataclasses.replace(ann, pid=child.pid)])
+        t0 = time.monotonic()
+        assert rts[0].wait_for(lambda v: v.peers[1].state is PeerState.DEAD, 2.0)
+        assert time.monotonic() - t0 < 1.0  # ticks of 0.05 s; the timeout is 30 s
+        assert [(e.kind, e.peer) for e in events] == [(EventKind.DIED, 1)]
+        assert events[0].reason == f"process_exited: pid {child.pid} on this host ended"
+        rts[1].set_progress(3)  # its heartbeats go on: ignored
+        assert not rts[0].wait_for(lambda v: v.peers[1].state is PeerState.ALIVE, 0.3)
+        assert rts[0].check_exited_peers() == frozenset({1})
+    finally:
+        child.kill()
+        child.wait(10)
+        for rt in rts:
+            rt.close()

@@ -174,7 +174,8 @@ def hang_verdict(
     `silent` ranks (peers of the group whose heartbeats stopped, so they are not in `progress`).
 
     `excused_s`: phases a rank may spend that long in while its peers wait (checkpoint I/O the
-    framework marked, a data loader's batch): no hang is named until it overstays.
+    framework marked, a data loader's batch): no hang is named until it overstays. A rank in phase
+    "stopping" (it received SIGTERM and is writing its capture to disk) is never named.
 
     The verdict's step is the one the stuck collective belongs to: the waiting ranks' step in
     progress (they completed `step`), the step in which the fault happened, not `now_step`."""
@@ -185,6 +186,8 @@ def hang_verdict(
     k = max(p.collectives for p in waiting.values())
     culprits = tuple(sorted(r for r, p in progress.items() if p.collectives < k and p.in_collective_s == 0))
     stall = max(p.in_collective_s for p in waiting.values())
+    if any(p.phase == "stopping" for r, p in progress.items() if r in culprits):
+        return None  # being terminated (SIGTERM): its peers name that when it goes, not a hang
     excused = excused_s or {}
     if any(
         p.phase in excused and p.in_phase_s < excused[p.phase] for r, p in progress.items() if r in culprits

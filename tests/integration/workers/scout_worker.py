@@ -6,7 +6,8 @@ nondeterministic: every rank's forward depends on the clock, so no replay can re
 oom: the culprit's allocation of 16 TiB fails at AT_STEP and the exception goes uncaught;
 datastall: the culprit's data loader blocks for 3 s at AT_STEP; prep: the culprit's loader is fast
 but the loop spends 80 ms on each batch before the forward (host-side preparation); sigstop: the
-culprit SIGSTOPs itself at AT_STEP, runtime thread and all),
+culprit SIGSTOPs itself at AT_STEP, runtime thread and all; sigterm: the culprit SIGTERMs itself at
+AT_STEP; group-stop: every rank tells the test it reached AT_STEP, which SIGTERMs them all),
 CULPRIT, AT_STEP, LOCALGRAD_ALSO (rank:step: a gradient flipped before reduction besides),
 REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
 SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
@@ -224,6 +225,10 @@ def main() -> int:
             time.sleep(0.08)  # after the instrumented fetch, before the forward
         if scenario == "sigstop" and rank == culprit and step == at:
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen whole: no heartbeat, no progress; the test kills it
+        if scenario == "sigterm" and rank == culprit and step == at:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler or a campaign stops one worker
+        if scenario == "group-stop" and step == at:
+            store.set(f"test/at/{rank}", b"1")  # the test SIGTERMs every rank, as torchrun's agent does
         if scenario == "oom" and rank == culprit and step == at:
             torch.empty(1 << 44, dtype=torch.uint8)  # the allocator refuses: a real, uncaught error
         if accumulate > 1:  # gradient accumulation: all-reduce only after the last micro-batch
