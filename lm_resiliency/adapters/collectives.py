@@ -5,10 +5,12 @@ of gradients for a model without DDP, an all-to-all in a mixture-of-experts laye
 step) are seen here: while a session is attached, the public `torch.distributed` functions below are
 replaced by thin wrappers that tell the adapter a collective was entered (its op, size, dtype and
 group size, chained for desync checks) and, for a blocking call, when it returned (how long peers
-wait in it, for hang checks). Only calls made *inside a step* (from the step's first forward with
-gradients enabled to its optimizer step) are tracked: every rank issues those in the same order,
-while what a script does between steps (an evaluation, rank 0's save, a final barrier) may
-legitimately keep its peers waiting.
+wait in it, for hang checks). Waits are tracked only for calls made *inside a step* (from the step's
+first forward with gradients enabled to its optimizer step): what a script does between steps (an
+evaluation, rank 0's save, a final barrier) may legitimately keep its peers waiting. The calls
+between steps are chained all the same (a metric's all-reduce, a barrier): in a correct program
+every rank issues them alike, and one that issues another (a different size) is a desync, which
+would otherwise show up only as a hang naming the ranks stuck in it.
 
 Tensor parallelism (DTensor's redistributions, `parallelize_module`'s plans) issues *functional*
 collectives (`torch.distributed._functional_collectives`): the call enqueues the collective and
@@ -96,8 +98,8 @@ class CollectiveTracker(Protocol):
     def enter_collective(self, signature: str, waits: bool) -> None: ...
     def wait_collective(self) -> None: ...  # blocks in one entered before (ended by exit_collective)
     def exit_collective(self) -> None: ...
-    # Between steps a collective is not tracked, only timed: waiting for peers before the forward
-    # (rank 0 broadcasting the batch) is not this rank's input time.
+    # Between steps a collective is entered (chained) but never waited in, and timed: waiting for
+    # peers before the forward (rank 0 broadcasting the batch) is not this rank's input time.
     def waited_between_steps(self, seconds: float) -> None: ...
 
 
@@ -185,8 +187,16 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         tracker = _tracking(f"torch.distributed.{name}")
         waits = not kwargs.get("async_op", _arg(args, async_at, False))
         if tracker is None:
-            idle = _between_steps() if waits else None
+            idle = _between_steps()
             if idle is None:
+                return fn(*args, **kwargs)
+            # Chained (every rank issues the same ones, or they deadlock), never waited in: waiting
+            # for a peer between steps (rank 0 saving) is no hang.
+            idle.enter_collective(
+                _signature(name, args, _group_size(kwargs.get("group", _arg(args, group_at, None))), sized),
+                False,
+            )
+            if not waits:
                 return fn(*args, **kwargs)
             t0 = time.perf_counter()
             try:

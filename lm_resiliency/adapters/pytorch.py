@@ -34,6 +34,7 @@ from lm_resiliency.adapters.canonical import CanonicalReduction, ddp_parameters
 __all__ = ["PyTorchAdapter"]
 
 log = logging.getLogger(__name__)
+RECENT_CHAINS = 4  # collective states before the current one that progress gossip carries
 
 
 class PyTorchAdapter:
@@ -82,6 +83,9 @@ class PyTorchAdapter:
         # (collectives entered, hash chain over them): one tuple, replaced whole, so the runtime thread
         # never reads a count from one collective with the chain of another.
         self.collective_state: tuple[int, bytes] = (0, b"")
+        # The states before it, newest last (bounded): peers sampled a collective or two apart
+        # still compare chains at a count both passed (see desync_verdict).
+        self.collective_recent: tuple[tuple[int, bytes], ...] = ()
         self.outstanding = 0
         self.in_collective_since: float | None = None
         self.last_progress = time.monotonic()
@@ -195,10 +199,16 @@ class PyTorchAdapter:
         return self._stepping
 
     def enter_collective(self, signature: str, waits: bool) -> None:
-        count, chain = self.collective_state
-        self.collective_state = (count + 1, xxhash.xxh3_64_digest(chain + signature.encode()))
+        self._chain(signature)
         if waits:
             self.wait_collective()
+
+    def _chain(self, signature: str) -> None:
+        """One more collective entered: chain its signature (attributes replaced whole, read by the
+        runtime thread)."""
+        count, chain = state = self.collective_state
+        self.collective_recent = (*self.collective_recent[-(RECENT_CHAINS - 1) :], state)
+        self.collective_state = (count + 1, xxhash.xxh3_64_digest(chain + signature.encode()))
 
     def wait_collective(self) -> None:
         self.outstanding += 1
@@ -240,9 +250,7 @@ class PyTorchAdapter:
         # What this collective is, chained onto all before it: peers that entered as many collectives
         # must hold the same chain, or one of them issued a different collective (desync).
         n_grads = len(bucket.gradients())
-        sig = f"allreduce:{buffer.numel()}:{buffer.dtype}:{n_grads}:{world}"
-        count, chain = self.collective_state
-        self.collective_state = (count + 1, xxhash.xxh3_64_digest(chain + sig.encode()))
+        self._chain(f"allreduce:{buffer.numel()}:{buffer.dtype}:{n_grads}:{world}")
         buffer.mul_(1.0 / world)  # averaged as DDP does: scaled, then summed
         reduction = self._reduction
         tap = self.contribution_tap

@@ -199,6 +199,9 @@ class Progress(Message):
     chain: bytes = b""  # hash chain over every collective entered (op, size, dtype, group)
     phase: str = ""  # "input" (in the data loader), "checkpoint_io", "stopping" (SIGTERM), or ""
     in_phase_s: float = 0.0
+    # (collectives entered, chain) before the current ones, newest last: peers sampled a collective
+    # or two apart still share a count to compare chains at.
+    recent: tuple[tuple[int, bytes], ...] = ()
 
 
 @register

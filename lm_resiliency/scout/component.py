@@ -266,6 +266,7 @@ class Scout:
         self._evidence: dict[int, dict[int, Evidence]] = {}
         self._times: dict[int, dict[int, PhaseTimes]] = {}
         self._progress: dict[int, Progress] = {}
+        self._desync_step = -(1 << 62)  # the step of the last collective desync reported
         self._reported: set[tuple[str, tuple[int, ...], int]] = set()
         self._agreed: set[int] = set()
         self._sdc_from: int | None = None
@@ -925,6 +926,7 @@ class Scout:
             bytes(chain),
             phase[0] if phase else "",
             now - phase[1] if phase else 0.0,
+            tuple(getattr(a, "collective_recent", ())),
         )
 
     async def _progress_forever(self) -> None:
@@ -939,22 +941,25 @@ class Scout:
                 if r in live
             }
             if len(evidence) > 1 and self.config.enable:
-                v = self._hangs.observe(own.step, evidence, self.runtime.silent() & self._peer_set)
-                if v is not None:
-                    self._report(v, among_peers=True)
                 ours = {r: p for r, p in evidence.items() if r in self._peer_set}
-                for stall in self._stalls.observe(own.step, ours):
-                    self._report(stall, among_peers=True)
                 # Replicas issue the same collectives (each in its own tensor- or expert-parallel
                 # group where it has one); ranks of other groups may legitimately differ.
                 chains = {
-                    r: (p.collectives, p.chain)
+                    r: ((p.collectives, p.chain), *p.recent)
                     for r, p in self._progress.items()
                     if r in ours and r in self._group_set
                 }
                 d = desync_verdict(own.step, chains) if len(self.group) >= 3 else None
                 if d is not None:
+                    self._desync_step = max(self._desync_step, d.step)
                     self._report(d)
+                v = self._hangs.observe(own.step, evidence, self.runtime.silent() & self._peer_set)
+                # A desync leaves ranks stuck in mismatched collectives right after it: the hang that
+                # follows is its consequence, already named.
+                if v is not None and v.step > self._desync_step + 1:
+                    self._report(v, among_peers=True)
+                for stall in self._stalls.observe(own.step, ours):
+                    self._report(stall, among_peers=True)
             await anyio.sleep(self._heartbeat_s)
 
     def _health_forever(self) -> None:

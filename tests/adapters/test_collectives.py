@@ -17,7 +17,7 @@ class Tracker:
         self.stepping = False
         self.seen: list[tuple[str, bool]] = []
         self.open = 0
-        self.waited: list[float] = []  # blocking collectives between steps: timed, not tracked
+        self.waited: list[float] = []  # blocking collectives between steps: timed, chained, not waited in
 
     def in_step(self) -> bool:
         return self.stepping
@@ -53,9 +53,12 @@ def test_in_step_collectives_are_tracked_and_torch_is_restored_after(group) -> N
         assert dist.all_reduce is not torch_all_reduce
         assert collectives.original("all_reduce") is torch_all_reduce
         x = torch.ones(6)
-        dist.all_reduce(x)  # between steps: not tracked, only timed (waiting is not input)
+        dist.all_reduce(x)  # between steps: chained, never waited in, timed (waiting is not input)
         dist.all_reduce(x, async_op=True).wait()  # (an async one waits in wait(): not timed)
-        assert b.seen == [] and len(b.waited) == 1 and b.waited[0] >= 0 and a.waited == []
+        between = [("all_reduce:6:torch.float32:1", False)] * 2
+        assert b.seen == between and len(b.waited) == 1 and b.waited[0] >= 0 and a.waited == []
+        assert b.open == 0
+        b.seen.clear()
         b.stepping = True
         dist.all_reduce(x)
         dist.broadcast(torch.ones(3, dtype=torch.int64), 0)
@@ -152,7 +155,8 @@ def test_a_collective_where_none_may_run_raises_at_once_and_only_on_that_thread(
             t.join(timeout=30)
             assert done.is_set()
         dist.all_reduce(x)  # allowed again after the block
-        assert tracker.seen == [] and torch.equal(x, torch.ones(2))
+        # Only the calls that ran are chained (between steps: never waited in).
+        assert tracker.seen == [("all_reduce:2:torch.float32:1", False)] * 2 and torch.equal(x, torch.ones(2))
     finally:
         collectives.uninstall(tracker)
 

@@ -175,13 +175,31 @@ def test_stalls_in_the_data_loader_and_checkpoint_io_are_named_once_per_stall() 
 
 
 def test_collective_desync_names_the_rank_whose_chain_differs() -> None:
-    chains = {0: (40, b"a"), 1: (40, b"a"), 2: (40, b"b"), 3: (39, b"z")}
+    chains = {0: [(40, b"a")], 1: [(40, b"a")], 2: [(40, b"b")], 3: [(39, b"z")]}
     v = desync_verdict(7, chains)
     assert v is not None and (v.kind, v.ranks, v.reason) == (
         "collective_desync",
         (2,),
         "collective_sequence_minority",
     )
-    assert desync_verdict(7, {0: (40, b"a"), 1: (41, b"b")}) is None  # different counts: not comparable
-    v = desync_verdict(7, {0: (5, b"a"), 1: (5, b"b")})
+    assert desync_verdict(7, {0: [(40, b"a")], 1: [(41, b"b")]}) is None  # different counts: not comparable
+    v = desync_verdict(7, {0: [(5, b"a")], 1: [(5, b"b")]})
+    assert v is not None and v.kind == "collective_desync_ambiguous"
+
+
+def test_a_desync_is_found_among_ranks_sampled_collectives_apart() -> None:
+    """Rank 1 all-reduced 5 elements where its peers all-reduced 4 (collective 14): ranks 0 and 3
+    came out of it and entered 15, ranks 1 and 2 are stuck in it. Only their states before the
+    current ones put three ranks at 14, where rank 1 is the minority."""
+    chains = {
+        0: [(15, b"A15"), (14, b"A"), (13, b"c")],
+        1: [(14, b"B"), (13, b"c")],
+        2: [(14, b"A"), (13, b"c")],
+        3: [(15, b"A15"), (14, b"A"), (13, b"c")],
+    }
+    v = desync_verdict(7, chains)
+    assert v is not None and (v.kind, v.ranks) == ("collective_desync", (1,))
+    assert "after 14 collectives" in v.detail
+    # The current states alone: only ranks 1 and 2 share a count, and no majority names anyone.
+    v = desync_verdict(7, {r: states[:1] for r, states in chains.items()})
     assert v is not None and v.kind == "collective_desync_ambiguous"

@@ -448,8 +448,9 @@ def test_a_worker_that_dies_of_an_uncaught_error_is_named_with_its_error(process
 
 
 def _reports(tmp: Path, rank: int) -> list[dict]:
+    """The reports a rank appended so far (complete lines only: it may be writing one)."""
     path = tmp / "reports" / f"reports-rank{rank}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
 
 
 def test_a_worker_terminated_by_sigterm_is_named_by_its_peers(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -499,3 +500,34 @@ def test_a_worker_group_stopped_as_a_whole_reports_nothing(processes, tmp_path: 
     for r in range(WORLD):
         assert "newest capture (step" in (tmp_path / f"rank{r}.log").read_text()
         assert _reports(tmp_path, r) == [], _reports(tmp_path, r)
+
+
+def test_a_collective_issued_differently_between_steps_is_a_desync_not_a_hang(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """After its optimizer step, every rank all-reduces a 4-element metric; at step 6 rank 1
+    all-reduces 5. Gloo pairs them anyway, then the ranks are stuck in different collectives.
+    Every rank names rank 1 for a collective desync (before, nobody: collectives between steps were
+    not chained, and the hang that followed named ranks 1 and 2, stuck in the metric's all-reduce),
+    and the hang it causes is not reported besides."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"WORLD_SIZE": str(WORLD), "STORE_PORT": str(store.port), "RESULT_DIR": str(tmp_path)}
+    env |= {"STEPS": "40", "SCENARIO": "desync", "CULPRIT": "1", "AT_STEP": "6"}
+    env["REPORT_DIR"] = str(tmp_path / "reports")
+    procs = [
+        processes.start(
+            ["tests/integration/workers/scout_worker.py"], {**env, "RANK": str(r)}, tmp_path / f"rank{r}.log"
+        )
+        for r in range(WORLD)
+    ]
+    deadline = time.monotonic() + 120
+    while not all(any(f["kind"] == "collective_desync" for f in _reports(tmp_path, r)) for r in range(WORLD)):
+        assert time.monotonic() < deadline, [_reports(tmp_path, r) for r in range(WORLD)]
+        assert all(p.poll() is None for p in procs), (tmp_path / "rank0.log").read_text()[-3000:]
+        time.sleep(0.1)  # polling report files the workers append to
+    # Three times the workers' hang threshold (2 s): a hang would have been named by now.
+    time.sleep(6.0)
+    for r in range(WORLD):
+        reports = _reports(tmp_path, r)
+        assert [(f["kind"], f["failed_ranks"]) for f in reports] == [("collective_desync", [1])], reports
+        assert reports[0]["reason"] == "collective_sequence_minority", reports

@@ -231,14 +231,17 @@ def hang_verdict(
     return None
 
 
-def desync_verdict(now_step: int, chains: Mapping[int, tuple[int, bytes]]) -> Verdict | None:
+def desync_verdict(now_step: int, chains: Mapping[int, Sequence[tuple[int, bytes]]]) -> Verdict | None:
     """Collective desync: ranks that entered the same number of collectives must have entered the same
     ones (op, size, dtype, group, in order), so their hash chains must be equal. `chains` maps a rank
-    to (collectives entered, hash chain)."""
+    to its states (collectives entered, hash chain): its current one and those just before it, so
+    that ranks sampled a collective or two apart are compared at a count they all passed. The first
+    count at which they disagree names the rank that issued another collective."""
     by_count: dict[int, dict[int, bytes]] = {}
-    for r, (count, chain) in chains.items():
-        if count > 0 and chain:
-            by_count.setdefault(count, {})[r] = chain
+    for r, states in chains.items():
+        for count, chain in states:
+            if count > 0 and chain:
+                by_count.setdefault(count, {})[r] = chain
     for count, group in sorted(by_count.items()):
         v = fingerprint_verdict(now_step, "collective", group)
         if v is not None:

@@ -7,7 +7,8 @@ oom: the culprit's allocation of 16 TiB fails at AT_STEP and the exception goes 
 datastall: the culprit's data loader blocks for 3 s at AT_STEP; prep: the culprit's loader is fast
 but the loop spends 80 ms on each batch before the forward (host-side preparation); sigstop: the
 culprit SIGSTOPs itself at AT_STEP, runtime thread and all; sigterm: the culprit SIGTERMs itself at
-AT_STEP; group-stop: every rank tells the test it reached AT_STEP, which SIGTERMs them all),
+AT_STEP; group-stop: every rank tells the test it reached AT_STEP, which SIGTERMs them all;
+desync: every rank all-reduces a metric of 4 elements after each step, the culprit 5 at AT_STEP),
 CULPRIT, AT_STEP, LOCALGRAD_ALSO (rank:step: a gradient flipped before reduction besides),
 REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
 SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
@@ -257,6 +258,9 @@ def main() -> int:
             with torch.no_grad():
                 m = opt.state[inner[0].weight]["exp_avg"]
                 m.view(-1).view(torch.int32)[3] ^= 1 << 29  # one bit of a moment, between steps
+        if scenario == "desync":  # a metric all-reduced after each step, between steps
+            size = 5 if rank == culprit and step == at else 4  # the culprit's differs once
+            dist.all_reduce(torch.full((size,), float(step)))
         if scenario == "weight" and rank == culprit and step == at:
             with torch.no_grad():
                 w = inner[2].weight
