@@ -25,9 +25,7 @@ def pid_exited(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except FileNotFoundError:
-        return True
-    except OSError:
+    except OSError:  # gone, or hidden from us (/proc mounted with hidepid): the kernel says which
         return not pid_alive(pid)
     # "pid (comm) S ...": the state follows the last ')' (comm may hold any byte).
     state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]

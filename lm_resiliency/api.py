@@ -832,16 +832,19 @@ class Session:
         elif ev.kind is EventKind.LEFT and reason == "terminated":
             with self._reports_lock:
                 self._terminated[ev.peer] = (time.monotonic(), error)
-            timer = threading.Timer(TERMINATION_REPORT_DELAY_S, self._report_terminated, (ev.peer,))
-            timer.daemon = True
-            timer.start()
+                first = len(self._terminated) == 1
+            if first:  # one timer for all that go meanwhile (a job stopped whole: thousands)
+                timer = threading.Timer(TERMINATION_REPORT_DELAY_S, self._report_terminated)
+                timer.daemon = True
+                timer.start()
 
-    def _report_terminated(self, *peers: int) -> None:
-        """Report the termination of `peers` (each once) unless it explains itself: this rank is
-        being stopped too, or closed, or a fault it reported shortly before is why the group stops."""
+    def _report_terminated(self) -> None:
+        """Report the peers that said they were terminated (each once) unless that explains itself:
+        this rank is being stopped too, or closed, or a fault it reported shortly before is why the
+        group stops."""
         now = time.monotonic()
         with self._reports_lock:
-            due = [(p, self._terminated.pop(p)) for p in peers if p in self._terminated]
+            due, self._terminated = sorted(self._terminated.items()), {}
             quiet = not self._sigterm_seen and now - self._last_fatal_report > TERMINATION_EXPLAINED_S
         for peer, (at, signal_name) in due:
             if quiet and not self._closed:
@@ -961,9 +964,7 @@ class Session:
             # A peer's failure broke the collective: name it before this rank goes, if it is known
             # yet (its process ended on this host; it said it was terminated).
             self._runtime.check_exited_peers(timeout=0.5)
-            with self._reports_lock:
-                pending = tuple(self._terminated)
-            self._report_terminated(*pending)
+            self._report_terminated()
         if reason in EXIT_FAILURES:
             report = self._process_failure(
                 (self.rank,), reason, "self", steps=(self.step_count,), error=error
