@@ -112,6 +112,9 @@ class ReplayHarnessConfig:
     hang_stall_threshold_s: float = 30.0
     dataloader_latency_threshold_s: float = 10.0
     checkpoint_io_latency_threshold_s: float = 120.0
+    # Ours: how long a rank may run its model with gradients off between steps (an evaluation, rank
+    # 0 sampling alone) while its peers wait in the next step's collective, before it is named hung.
+    evaluation_latency_threshold_s: float = 600.0
     temporal_window: int = 16
     replay_on_ambiguous: bool = True
     deterministic_replay: bool = True
@@ -140,6 +143,7 @@ class ReplayHarnessConfig:
         _positive("replay.hang_stall_threshold_s", self.hang_stall_threshold_s, allow_none=False)
         _positive("replay.dataloader_latency_threshold_s", self.dataloader_latency_threshold_s, False)
         _positive("replay.checkpoint_io_latency_threshold_s", self.checkpoint_io_latency_threshold_s, False)
+        _positive("replay.evaluation_latency_threshold_s", self.evaluation_latency_threshold_s, False)
         _positive("replay.temporal_window", self.temporal_window, allow_none=False)
         if self.link_probe_interval_s < 0:
             raise ConfigError(

@@ -139,6 +139,14 @@ class PyTorchAdapter:
         # First of the forward pre-hooks: FSDP2's own (registered when the model was sharded) all-gathers
         # the parameters, and waiting in that for a slow peer is not this rank's input time.
         self._handles.append(self.model.register_forward_pre_hook(self._forward_pre, prepend=True))
+        inner = getattr(self.model, "module", None)
+        if isinstance(self.model, nn.parallel.DistributedDataParallel) and isinstance(inner, nn.Module):
+            # An evaluation may call the module DDP wraps directly (`ddp.module(x)`).
+            self._handles.append(
+                inner.register_forward_pre_hook(
+                    lambda m, a: None if torch.is_grad_enabled() else self._evaluating(m, a)
+                )
+            )
         collectives.install(self)  # the step's own torch.distributed collectives, for hang/desync checks
         if self.optimizer is not None:
             # Ours: they also run on a step a loss scaler skipped (see amp.run_skipped_step).
@@ -191,8 +199,20 @@ class PyTorchAdapter:
             self._t_fwd = time.perf_counter()
         if torch.is_grad_enabled():  # a training forward opens the step (an evaluation's does not)
             self._stepping = True
+            phase = self.phase
+            if phase is not None and phase[0] == "evaluation":
+                self.phase = None
+        else:
+            self._evaluating(module, args)
         if self._reduction is not None:
             self._reduction.reset()
+
+    def _evaluating(self, module: nn.Module, args: Any) -> None:
+        """The model runs with gradients off outside a step: an evaluation (rank 0 alone, maybe,
+        while its peers wait in the next step's all-reduce). Marked until the next training forward,
+        so the hang check excuses it up to its threshold; the loop's own phases are left alone."""
+        if not self._stepping and self.phase is None:
+            self.phase = ("evaluation", time.monotonic())
 
     # -- collectives the script issues inside a step (see `collectives`) ------------------------------
     def in_step(self) -> bool:

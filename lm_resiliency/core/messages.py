@@ -197,7 +197,7 @@ class Progress(Message):
     in_collective_s: float
     idle_s: float
     chain: bytes = b""  # hash chain over every collective entered (op, size, dtype, group)
-    phase: str = ""  # "input" (in the data loader), "checkpoint_io", "stopping" (SIGTERM), or ""
+    phase: str = ""  # "input" (data loader), "checkpoint_io", "evaluation", "stopping" (SIGTERM), ""
     in_phase_s: float = 0.0
     # (collectives entered, chain) before the current ones, newest last: peers sampled a collective
     # or two apart still share a count to compare chains at.

@@ -261,7 +261,9 @@ class Scout:
             "input": config.dataloader_latency_threshold_s,
             "checkpoint_io": config.checkpoint_io_latency_threshold_s,
         }
-        self._hangs = HangDetector(config.hang_stall_threshold_s, phases)
+        self._hangs = HangDetector(
+            config.hang_stall_threshold_s, {**phases, "evaluation": config.evaluation_latency_threshold_s}
+        )
         self._stalls = StallDetector(phases)
         self._evidence: dict[int, dict[int, Evidence]] = {}
         self._times: dict[int, dict[int, PhaseTimes]] = {}

@@ -134,6 +134,18 @@ def test_a_silent_rank_is_the_hang_when_every_live_peer_waits() -> None:
     assert hang_verdict(9, {r: Progress(9, 40, 0.0) for r in range(3)}, 30.0, frozenset({3})) is None
 
 
+def test_a_rank_evaluating_between_steps_is_excused_until_it_overstays() -> None:
+    """Rank 0 runs its model with gradients off (an evaluation of its own) while its peers wait in
+    the next step's all-reduce: excused up to the evaluation threshold, then named, saying where."""
+    excused = {"evaluation": 600.0}
+    waiting = {1: Progress(9, 40, 45.0), 2: Progress(9, 40, 45.0)}
+    evaluating = {**waiting, 0: Progress(9, 39, 0.0, phase="evaluation", in_phase_s=46.0)}
+    assert hang_verdict(9, evaluating, 30.0, excused_s=excused) is None
+    over = {**waiting, 0: Progress(9, 39, 0.0, phase="evaluation", in_phase_s=601.0)}
+    v = hang_verdict(9, over, 30.0, excused_s=excused)
+    assert v is not None and v.ranks == (0,) and "(in an evaluation" in v.detail
+
+
 def test_a_rank_being_stopped_is_never_named_for_a_hang() -> None:
     """SIGTERM: the rank writes its capture to disk before it ends, while its peers wait for it in
     a collective. That is a termination (its goodbye names it), however long the write takes."""

@@ -45,6 +45,13 @@ __all__ = [
 ]
 
 PHASES = ("input", "compute", "communication")
+# What a rank's training thread may be inside of while its peers wait (`Progress.phase`).
+PHASE_NAMES = {
+    "input": "its data loader",
+    "checkpoint_io": "its checkpoint I/O",
+    "evaluation": "an evaluation (its model run with gradients off between steps)",
+    "stopping": "its SIGTERM handler",
+}
 
 
 @dataclass(frozen=True)
@@ -174,7 +181,8 @@ def hang_verdict(
     `silent` ranks (peers of the group whose heartbeats stopped, so they are not in `progress`).
 
     `excused_s`: phases a rank may spend that long in while its peers wait (checkpoint I/O the
-    framework marked, a data loader's batch): no hang is named until it overstays. A rank in phase
+    framework marked, a data loader's batch, an evaluation between steps): no hang is named until it
+    overstays. A rank in phase
     "stopping" (it received SIGTERM and is writing its capture to disk) is never named.
 
     The verdict's step is the one the stuck collective belongs to: the waiting ranks' step in
@@ -195,7 +203,7 @@ def hang_verdict(
         return None  # within what its phase may take
     if culprits:
         where = {
-            r: f" (in its {'data loader' if p.phase == 'input' else 'checkpoint I/O'})"
+            r: f" (in {PHASE_NAMES.get(p.phase, p.phase)})"
             for r, p in progress.items()
             if r in culprits and p.phase
         }

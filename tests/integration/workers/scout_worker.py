@@ -8,7 +8,8 @@ datastall: the culprit's data loader blocks for 3 s at AT_STEP; prep: the culpri
 but the loop spends 80 ms on each batch before the forward (host-side preparation); sigstop: the
 culprit SIGSTOPs itself at AT_STEP, runtime thread and all; sigterm: the culprit SIGTERMs itself at
 AT_STEP; group-stop: every rank tells the test it reached AT_STEP, which SIGTERMs them all;
-desync: every rank all-reduces a metric of 4 elements after each step, the culprit 5 at AT_STEP),
+desync: every rank all-reduces a metric of 4 elements after each step, the culprit 5 at AT_STEP;
+evaluation: every AT_STEP steps the culprit alone runs the model with gradients off for 4 s),
 CULPRIT, AT_STEP, LOCALGRAD_ALSO (rank:step: a gradient flipped before reduction besides),
 REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
 SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
@@ -261,6 +262,14 @@ def main() -> int:
         if scenario == "desync":  # a metric all-reduced after each step, between steps
             size = 5 if rank == culprit and step == at else 4  # the culprit's differs once
             dist.all_reduce(torch.full((size,), float(step)))
+        if scenario == "evaluation" and rank == culprit and step % at == 0:
+            # An evaluation of its own (gradients off, the module DDP wraps called directly) for
+            # twice the hang threshold, while its peers wait in the next step's all-reduce.
+            store.set(f"test/eval/{step}", b"1")
+            with torch.no_grad():
+                done = time.monotonic() + 4.0
+                while time.monotonic() < done:
+                    inner(torch.randn(64, 128))
         if scenario == "weight" and rank == culprit and step == at:
             with torch.no_grad():
                 w = inner[2].weight
