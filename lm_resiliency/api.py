@@ -162,6 +162,9 @@ def _grad_scaler() -> Any:
     return found[0] if found else None
 
 
+_OPEN: weakref.WeakSet[Session] = weakref.WeakSet()  # sessions started in this process
+
+
 def enable_resiliency(
     model: Any,
     optimizer: Any = None,
@@ -238,6 +241,16 @@ def enable_resiliency(
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable")
     mode = RecoveryMode.parse(recovery_mode)
+    other = next((o for o in list(_OPEN) if not o._closed), None)  # no reference to a closed one kept
+    if other is not None:
+        raise RuntimeError(
+            f"enable_resiliency: this process already has an open session (rank {other.rank}, "
+            f"model {type(other._adapter.model).__name__}); one per process: two would keep their "
+            "in-memory checkpoints in the same slots and announce the same rank to its peers. "
+            "Close the other first, or give one session a module holding every model (an "
+            "nn.ModuleDict) and the optimizer that ends each step; another optimizer's state "
+            "can travel in extra_state_fn / load_extra_state_fn"
+        )
     fw = detect_framework(model) if framework == "auto" else framework
     given = {"optimizer": optimizer, "opt_param_scheduler": opt_param_scheduler}
     bad = [k for k in _FORBIDDEN_OPTIONS[fw] if given.get(k) is not None]
@@ -293,6 +306,7 @@ def enable_resiliency(
     except BaseException:
         session.close()
         raise
+    _OPEN.add(session)
     # Marks the model for zero-import instrumentation (worker_boot): a script that enabled its own
     # session is not instrumented a second time.
     with contextlib.suppress(Exception):
@@ -1126,6 +1140,7 @@ class Session:
         if reason == "close" and self._sigterm_seen:
             reason = "terminated: SIGTERM"  # its own handler let it end after ours: peers name it
         self._closed = True
+        _OPEN.discard(self)
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
         if self._previous_excepthook is not None and sys.excepthook is self._previous_excepthook[0]:

@@ -258,3 +258,20 @@ def test_hang_threshold_comes_before_the_process_group_timeout(caplog: pytest.Lo
         assert "before the process group's collective timeout (10.0 s); using 5.0 s" in caplog.text
     finally:
         dist.destroy_process_group()
+
+
+def test_a_second_open_session_in_one_process_is_refused() -> None:
+    """Two sessions of one rank (a GAN's two models, each enabled) would keep their captures in the
+    same shared-memory slots, each overwriting the other's, and a restart would load one model's
+    state into the other (a size mismatch, or worse, one that fits). Refused, saying what to do."""
+    g, d = nn.Linear(4, 4), nn.Linear(4, 1)
+    og, od = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+    with (
+        enable_resiliency(g, og, interval=1),
+        pytest.raises(
+            RuntimeError, match=r"already has an open session \(rank 0, model Linear\).*ModuleDict"
+        ),
+    ):
+        enable_resiliency(d, od, interval=1)
+    with enable_resiliency(d, od, interval=1) as second:  # once the first is closed
+        assert second.step_count == 0
