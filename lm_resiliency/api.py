@@ -964,8 +964,12 @@ class Session:
         if gem is not None:
             step = gem.flush_for_restart(timeout=5.0, replicate=False)
             log.warning("rank %d: SIGTERM, newest capture (step %d) flushed to disk", self.rank, step)
-        if ends and self._runtime is not None:
-            self._runtime.close(timeout=0.5, reason="terminated: SIGTERM")
+        if ends:
+            if self._runtime is not None:
+                self._runtime.close(timeout=0.5, reason="terminated: SIGTERM")
+            # The reports made so far reach the callbacks and the report file before the process
+            # ends (the verdict that got the group stopped, often).
+            self._callbacks.close(timeout=2.0)
 
     def _exiting(self, exc: BaseException) -> None:
         """This worker is dying of `exc`: one process_failure report naming this rank (unless a collective

@@ -50,7 +50,6 @@ PHASE_NAMES = {
     "input": "its data loader",
     "checkpoint_io": "its checkpoint I/O",
     "evaluation": "an evaluation (its model run with gradients off between steps)",
-    "stopping": "its SIGTERM handler",
 }
 
 
@@ -182,8 +181,8 @@ def hang_verdict(
 
     `excused_s`: phases a rank may spend that long in while its peers wait (checkpoint I/O the
     framework marked, a data loader's batch, an evaluation between steps): no hang is named until it
-    overstays. A rank in phase
-    "stopping" (it received SIGTERM and is writing its capture to disk) is never named.
+    overstays. A rank in phase "stopping" (it received SIGTERM and is writing its capture to disk)
+    is never named.
 
     The verdict's step is the one the stuck collective belongs to: the waiting ranks' step in
     progress (they completed `step`), the step in which the fault happened, not `now_step`."""
