@@ -18,12 +18,13 @@ nothing, and its `update()` is one of the calls that end a step (GEMINI captures
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from lm_resiliency.adapters.base import live_instances
 
 __all__ = [
     "ScalerWatch",
@@ -70,8 +71,7 @@ def find_grad_scalers() -> list[Any]:
     kind = _scaler_type()
     if kind is None:
         return []
-    # type(), not isinstance(): an instance check can read `__class__` of objects that warn on it.
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), kind) and obj.is_enabled()]
+    return [obj for obj in live_instances(kind) if obj.is_enabled()]
 
 
 def scaler_state(scaler: Any) -> dict[str, Any]:

@@ -7,7 +7,30 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["AdapterTopology", "FrameworkAdapter", "StepTimes", "is_dtensor"]
+__all__ = ["AdapterTopology", "FrameworkAdapter", "StepTimes", "is_dtensor", "live_instances"]
+
+
+def live_instances(*classes: type) -> list[Any]:
+    """The objects the garbage collector tracks whose type is one of `classes` or a subclass of one.
+
+    `gc.get_objects()` also returns tuples another thread is still building (CPython 3.11): one
+    that resumes while a reference from that list is alive fails in `_PyTuple_Resize` with a
+    SystemError (it killed a rank's runtime loop once). The list is filtered by C code alone
+    (no bytecode, so no switch to another thread) and dropped at once."""
+    import gc
+    from itertools import compress
+
+    kinds: set[type] = set()
+    todo = list(classes)
+    while todo:
+        cls = todo.pop()
+        if cls not in kinds:
+            kinds.add(cls)
+            todo += cls.__subclasses__()
+    objs = gc.get_objects()
+    found = list(compress(objs, map(kinds.__contains__, map(type, objs))))
+    del objs
+    return found
 
 
 @dataclass(frozen=True)

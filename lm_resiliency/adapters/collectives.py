@@ -7,10 +7,11 @@ replaced by thin wrappers that tell the adapter a collective was entered (its op
 group size, chained for desync checks) and, for a blocking call, when it returned (how long peers
 wait in it, for hang checks). Waits are tracked only for calls made *inside a step* (from the step's
 first forward with gradients enabled to its optimizer step): what a script does between steps (an
-evaluation, rank 0's save, a final barrier) may legitimately keep its peers waiting. The calls
-between steps are chained all the same (a metric's all-reduce, a barrier): in a correct program
+evaluation, rank 0's save, a final barrier) may legitimately keep its peers waiting. The job-wide
+calls between steps are chained all the same (a metric's all-reduce, a barrier): in a correct program
 every rank issues them alike, and one that issues another (a different size) is a desync, which
-would otherwise show up only as a hang naming the ranks stuck in it.
+would otherwise show up only as a hang naming the ranks stuck in it. (A subgroup's, between steps,
+may be issued by some replicas only: not chained.)
 
 Tensor parallelism (DTensor's redistributions, `parallelize_module`'s plans) issues *functional*
 collectives (`torch.distributed._functional_collectives`): the call enqueues the collective and
@@ -190,12 +191,12 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             idle = _between_steps()
             if idle is None:
                 return fn(*args, **kwargs)
-            # Chained (every rank issues the same ones, or they deadlock), never waited in: waiting
-            # for a peer between steps (rank 0 saving) is no hang.
-            idle.enter_collective(
-                _signature(name, args, _group_size(kwargs.get("group", _arg(args, group_at, None))), sized),
-                False,
-            )
+            group = kwargs.get("group", _arg(args, group_at, None))
+            if _whole_job(group):
+                # Chained (every rank issues the job-wide ones, or they deadlock), never waited in:
+                # waiting for a peer between steps (rank 0 saving) is no hang. A subgroup's (logging
+                # among some ranks) may legitimately be issued by some replicas only.
+                idle.enter_collective(_signature(name, args, _group_size(group), sized), False)
             if not waits:
                 return fn(*args, **kwargs)
             t0 = time.perf_counter()
@@ -213,6 +214,13 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     tracked._lm_resiliency_wraps = fn  # type: ignore[attr-defined]
     return tracked
+
+
+def _whole_job(group: Any) -> bool:
+    """Whether a collective on `group` involves every rank (the default group)."""
+    import torch.distributed as dist
+
+    return group is None or group is dist.group.WORLD
 
 
 def _between_steps() -> CollectiveTracker | None:

@@ -28,7 +28,7 @@ from torch import nn
 
 from lm_resiliency.adapters import collectives
 from lm_resiliency.adapters.amp import mark_ours
-from lm_resiliency.adapters.base import AdapterTopology, StepSink, StepTimes, uncompiled
+from lm_resiliency.adapters.base import AdapterTopology, StepSink, StepTimes, live_instances, uncompiled
 from lm_resiliency.adapters.canonical import CanonicalReduction, ddp_parameters
 
 __all__ = ["PyTorchAdapter"]
@@ -377,15 +377,13 @@ def _wrapping_ddp(model: nn.Module) -> Any:
     (DDP holds it in its `_modules` dict): its replicas are the job's, and its gradients must be
     averaged by our comm hook for a resumed run to be bitwise the uninterrupted one. Looked up once,
     among the objects the garbage collector tracks (a module does not know its wrapper)."""
-    import gc
-
     from torch.nn.parallel import DistributedDataParallel
 
     targets = (model, uncompiled(model))
-    for obj in gc.get_objects():
-        # type(), not isinstance(): DDP is an ABC, whose instance check reads `obj.__class__`, and
-        # some objects warn when touched (torch.distributed's deprecated `reduce_op`).
-        if issubclass(type(obj), DistributedDataParallel) and any(obj.module is t for t in targets):
+    # By type, not isinstance(): DDP is an ABC, whose instance check reads `obj.__class__`, and
+    # some objects warn when touched (torch.distributed's deprecated `reduce_op`).
+    for obj in live_instances(DistributedDataParallel):
+        if any(obj.module is t for t in targets):
             return obj
     return None
 
@@ -417,15 +415,12 @@ def find_scheduler(optimizer: Any) -> tuple[Any, list[Any]]:
     scheduler's state (its step count) is training state: a restart without it sets the learning
     rate back to the schedule's start. Looked up once among the objects the garbage collector
     tracks; schedulers inside a SequentialLR or ChainedScheduler count as that one."""
-    import gc
-
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-    kinds = (LRScheduler, ReduceLROnPlateau)
     found = [
         obj
-        for obj in gc.get_objects()
-        if issubclass(type(obj), kinds) and getattr(obj, "optimizer", None) is optimizer
+        for obj in live_instances(LRScheduler, ReduceLROnPlateau)
+        if getattr(obj, "optimizer", None) is optimizer
     ]
     inner = {id(child) for obj in found for child in getattr(obj, "_schedulers", ())}
     outer = [obj for obj in found if id(obj) not in inner]

@@ -55,8 +55,9 @@ def test_in_step_collectives_are_tracked_and_torch_is_restored_after(group) -> N
         x = torch.ones(6)
         dist.all_reduce(x)  # between steps: chained, never waited in, timed (waiting is not input)
         dist.all_reduce(x, async_op=True).wait()  # (an async one waits in wait(): not timed)
+        dist.all_reduce(x, group=dist.new_group([0]))  # a subgroup's, between steps: only timed
         between = [("all_reduce:6:torch.float32:1", False)] * 2
-        assert b.seen == between and len(b.waited) == 1 and b.waited[0] >= 0 and a.waited == []
+        assert b.seen == between and len(b.waited) == 2 and b.waited[0] >= 0 and a.waited == []
         assert b.open == 0
         b.seen.clear()
         b.stepping = True

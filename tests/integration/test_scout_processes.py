@@ -68,6 +68,23 @@ def _run(
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in expect], store
 
 
+def _start_workers(processes, tmp: Path, env: dict[str, str]) -> tuple[dist.TCPStore, list]:  # type: ignore[no-untyped-def]
+    """The 4 workers of a scenario that ends them (not waited for here), and the store they use
+    (keep it while they run)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    base = {"WORLD_SIZE": str(WORLD), "STORE_PORT": str(store.port), "RESULT_DIR": str(tmp)}
+    base["REPORT_DIR"] = str(tmp / "reports")
+    procs = [
+        processes.start(
+            ["tests/integration/workers/scout_worker.py"],
+            {**base, **env, "RANK": str(r)},
+            tmp / f"rank{r}.log",
+        )
+        for r in range(WORLD)
+    ]
+    return store, procs
+
+
 def _kinds(res: dict) -> list[tuple[str, list[int]]]:
     return [(f["kind"], f["failed_ranks"]) for f in res["faults"]]
 
@@ -424,16 +441,9 @@ def test_a_worker_that_dies_of_an_uncaught_error_is_named_with_its_error(process
     """The culprit's allocation fails at step 5 and nothing catches it: it reports itself (resource
     exhaustion, with the allocator's text) and its goodbye tells the peers why; the peers, whose next
     collective then breaks, are casualties and accuse nobody else."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {"WORLD_SIZE": str(WORLD), "STORE_PORT": str(store.port), "RESULT_DIR": str(tmp_path)}
-    env |= {"STEPS": "30", "SCENARIO": "oom", "CULPRIT": "2", "AT_STEP": "5"}
-    env["REPORT_DIR"] = str(tmp_path / "reports")
-    procs = [
-        processes.start(
-            ["tests/integration/workers/scout_worker.py"], {**env, "RANK": str(r)}, tmp_path / f"rank{r}.log"
-        )
-        for r in range(WORLD)
-    ]
+    _store, procs = _start_workers(
+        processes, tmp_path, {"STEPS": "30", "SCENARIO": "oom", "CULPRIT": "2", "AT_STEP": "5"}
+    )
     codes = [p.wait(90) for p in procs]
     assert all(c != 0 for c in codes), codes  # the culprit, then every peer's broken collective
     assert "DefaultCPUAllocator" in (tmp_path / "rank2.log").read_text()  # the user's traceback still prints
@@ -457,16 +467,11 @@ def test_a_worker_terminated_by_sigterm_is_named_by_its_peers(processes, tmp_pat
     """Rank 2 gets SIGTERM at step 6 (a scheduler or a campaign stopping one worker): it writes its
     newest capture to disk and says goodbye before it ends. Its peers name it (terminated), though
     their next collective breaks and they die of that at once; nobody is called hung."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {"WORLD_SIZE": str(WORLD), "STORE_PORT": str(store.port), "RESULT_DIR": str(tmp_path)}
-    env |= {"STEPS": "40", "SCENARIO": "sigterm", "CULPRIT": "2", "AT_STEP": "6", "CHECKPOINT": "1"}
-    env["REPORT_DIR"] = str(tmp_path / "reports")
-    procs = [
-        processes.start(
-            ["tests/integration/workers/scout_worker.py"], {**env, "RANK": str(r)}, tmp_path / f"rank{r}.log"
-        )
-        for r in range(WORLD)
-    ]
+    _store, procs = _start_workers(
+        processes,
+        tmp_path,
+        {"STEPS": "40", "SCENARIO": "sigterm", "CULPRIT": "2", "AT_STEP": "6", "CHECKPOINT": "1"},
+    )
     codes = [p.wait(90) for p in procs]
     assert codes[2] == -signal.SIGTERM and all(c != 0 for c in codes), codes
     assert "SIGTERM, newest capture (step 5) flushed to disk" in (tmp_path / "rank2.log").read_text()
@@ -482,16 +487,8 @@ def test_a_worker_terminated_by_sigterm_is_named_by_its_peers(processes, tmp_pat
 def test_a_worker_group_stopped_as_a_whole_reports_nothing(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """torchrun stops its worker group by SIGTERMing every worker: nobody's fault. Each rank
     writes its capture to disk and goes; no rank reports a termination, a death or a hang."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {"WORLD_SIZE": str(WORLD), "STORE_PORT": str(store.port), "RESULT_DIR": str(tmp_path)}
-    env |= {"STEPS": "100000", "SCENARIO": "group-stop", "AT_STEP": "6", "CHECKPOINT": "1"}
-    env |= {"REPORT_DIR": str(tmp_path / "reports"), "HB_TIMEOUT": "1"}
-    procs = [
-        processes.start(
-            ["tests/integration/workers/scout_worker.py"], {**env, "RANK": str(r)}, tmp_path / f"rank{r}.log"
-        )
-        for r in range(WORLD)
-    ]
+    env = {"STEPS": "100000", "SCENARIO": "group-stop", "AT_STEP": "6", "CHECKPOINT": "1", "HB_TIMEOUT": "1"}
+    store, procs = _start_workers(processes, tmp_path, env)
     store.wait([f"test/at/{r}" for r in range(WORLD)], datetime.timedelta(seconds=120))
     for p in procs:
         p.send_signal(signal.SIGTERM)
@@ -510,16 +507,9 @@ def test_a_collective_issued_differently_between_steps_is_a_desync_not_a_hang(
     Every rank names rank 1 for a collective desync (before, nobody: collectives between steps were
     not chained, and the hang that followed named ranks 1 and 2, stuck in the metric's all-reduce),
     and the hang it causes is not reported besides."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {"WORLD_SIZE": str(WORLD), "STORE_PORT": str(store.port), "RESULT_DIR": str(tmp_path)}
-    env |= {"STEPS": "40", "SCENARIO": "desync", "CULPRIT": "1", "AT_STEP": "6"}
-    env["REPORT_DIR"] = str(tmp_path / "reports")
-    procs = [
-        processes.start(
-            ["tests/integration/workers/scout_worker.py"], {**env, "RANK": str(r)}, tmp_path / f"rank{r}.log"
-        )
-        for r in range(WORLD)
-    ]
+    _store, procs = _start_workers(
+        processes, tmp_path, {"STEPS": "40", "SCENARIO": "desync", "CULPRIT": "1", "AT_STEP": "6"}
+    )
     deadline = time.monotonic() + 120
     while not all(any(f["kind"] == "collective_desync" for f in _reports(tmp_path, r)) for r in range(WORLD)):
         assert time.monotonic() < deadline, [_reports(tmp_path, r) for r in range(WORLD)]
