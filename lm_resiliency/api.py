@@ -1064,7 +1064,11 @@ class Session:
             self._adapter.note_own_time(time.perf_counter() - t0)
 
     def _mark_phase(self, phase: str | None) -> None:
-        """What the training thread is inside of, for out-of-band stall checks: one tuple, replaced whole."""
+        """What the training thread is inside of, for out-of-band stall checks: one tuple, replaced whole.
+        An evaluation's lasts to the end of the step after it (see PyTorchAdapter._evaluating)."""
+        current = getattr(self._adapter, "phase", None)
+        if current is not None and current[0] == "evaluation":
+            return
         self._adapter.phase = (phase, time.monotonic()) if phase else None
 
     @contextlib.contextmanager

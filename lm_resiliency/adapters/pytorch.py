@@ -199,9 +199,6 @@ class PyTorchAdapter:
             self._t_fwd = time.perf_counter()
         if torch.is_grad_enabled():  # a training forward opens the step (an evaluation's does not)
             self._stepping = True
-            phase = self.phase
-            if phase is not None and phase[0] == "evaluation":
-                self.phase = None
         else:
             self._evaluating(module, args)
         if self._reduction is not None:
@@ -209,7 +206,7 @@ class PyTorchAdapter:
 
     def _evaluating(self, module: nn.Module, args: Any) -> None:
         """The model runs with gradients off outside a step: an evaluation (rank 0 alone, maybe,
-        while its peers wait in the next step's all-reduce). Marked until the next training forward,
+        while its peers wait in the next step's all-reduce). Marked until the end of the next step,
         so the hang check excuses it up to its threshold; the loop's own phases are left alone."""
         if not self._stepping and self.phase is None:
             self.phase = ("evaluation", time.monotonic())
@@ -330,6 +327,11 @@ class PyTorchAdapter:
             optimizer_s=now - opt_start,
         )
         self.last_progress = time.monotonic()
+        phase = self.phase
+        if phase is not None and phase[0] == "evaluation":
+            # Ends with the step after it: until this rank entered that step's collectives, its
+            # peers' wait in them is still the evaluation's.
+            self.phase = None
         self._stepping = False
         self._t_fwd = self._t_opt = self._comm_start = self._comm_end = self._comm_last_call = None
         self._input_s = self._not_input_s = 0.0
