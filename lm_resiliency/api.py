@@ -361,6 +361,8 @@ class Session:
         self._previous_sigterm: Any = None  # (our handler, the one before it)
         self._stopping = False  # SIGTERM received, and the process ends after our handler
         self._sigterm_seen = False  # SIGTERM received (a handler of the script's own may go on)
+        self._components_closed = False  # close() got past GEMINI and SCOUT (see _terminating)
+        self._close_reason = "close"  # what close() tells the peers
         self._terminated: dict[int, tuple[float, str]] = {}  # peers that said SIGTERM ended them
         self._last_fatal_report = float("-inf")  # monotonic time of the last restart-worthy report
         self._silent_nodes: set[str] = set()  # nodes reported silent as a whole (once per node)
@@ -954,19 +956,25 @@ class Session:
         self._previous_sigterm = (on_sigterm, previous)
 
     def _terminating(self, ends: bool) -> None:
-        if self._closed or self._stopping:
+        # A SIGTERM may come while close() runs (a worker dying of an exception is stopped by
+        # torchrun meanwhile): until the components are closed, GEMINI's newest capture may still
+        # be committing, and the restart would miss it. Its goodbye keeps the reason it closes for.
+        if self._components_closed or self._stopping:
             return
+        closing = self._closed
         self._sigterm_seen = True
         if ends:  # (a handler of the script's own may keep training: then nothing else changes)
             self._stopping = True
-            self._mark_phase("stopping")
+            if not closing:
+                self._mark_phase("stopping")
         gem = self.gemini
         if gem is not None:
             step = gem.flush_for_restart(timeout=5.0, replicate=False)
             log.warning("rank %d: SIGTERM, newest capture (step %d) flushed to disk", self.rank, step)
         if ends:
             if self._runtime is not None:
-                self._runtime.close(timeout=0.5, reason="terminated: SIGTERM")
+                reason = self._close_reason if closing else "terminated: SIGTERM"
+                self._runtime.close(timeout=0.5, reason=reason)
             # The reports made so far reach the callbacks and the report file before the process
             # ends (the verdict that got the group stopped, often).
             self._callbacks.close(timeout=2.0)
@@ -1147,16 +1155,13 @@ class Session:
             return
         if reason == "close" and self._sigterm_seen:
             reason = "terminated: SIGTERM"  # its own handler let it end after ours: peers name it
+        self._close_reason = reason
         self._closed = True
         _OPEN.discard(self)
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
         if self._previous_excepthook is not None and sys.excepthook is self._previous_excepthook[0]:
             sys.excepthook = self._previous_excepthook[1]
-        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
-            with contextlib.suppress(ValueError, TypeError):
-                if signal.getsignal(signal.SIGTERM) is self._previous_sigterm[0]:
-                    signal.signal(signal.SIGTERM, self._previous_sigterm[1])
         self._adapter.detach()
         if self._first_forward is not None:
             self._first_forward.remove()
@@ -1167,6 +1172,12 @@ class Session:
                 c.close()
             except Exception:  # closing one component must not leave the others open
                 log.exception("closing component %s failed", getattr(c, "name", c))
+        self._components_closed = True
+        # Only now: a SIGTERM while the components closed still waited for GEMINI's commits.
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(ValueError, TypeError):
+                if signal.getsignal(signal.SIGTERM) is self._previous_sigterm[0]:
+                    signal.signal(signal.SIGTERM, self._previous_sigterm[1])
         if self._runtime is not None:
             self._runtime.close(reason=reason)
         if self._control is not None:

@@ -37,6 +37,26 @@ def test_sigterm_flushes_the_newest_capture_then_terminates(tmp_path: Path) -> N
     assert (tmp_path / "checkpoints" / "default" / "step-0000000003" / "rank-00000.pt").exists()
 
 
+def test_sigterm_while_an_exception_ends_the_worker_still_flushes_the_capture_being_committed(
+    tmp_path: Path,
+) -> None:
+    """torchrun stops the group while a worker is dying of an exception (a peer's failure broke its
+    collective): the exit was still committing its newest capture, which the restart must find."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests/gemini/sigterm_while_dying_worker.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == -15, proc.stderr[-2000:]
+    assert "SIGTERM while closing" in proc.stdout, proc.stdout
+    assert "newest capture (step 3) flushed to disk" in proc.stderr, proc.stderr[-2000:]
+    assert (tmp_path / "checkpoints" / "default" / "step-0000000003" / "rank-00000.pt").exists()
+
+
 def test_load_fallback_is_asked_when_no_copy_exists(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")  # a restart, with nothing in memory or on disk
     asked: list[object] = []
