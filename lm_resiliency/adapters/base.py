@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -15,10 +15,12 @@ def live_instances(*classes: type) -> list[Any]:
 
     `gc.get_objects()` also returns tuples another thread is still building (CPython 3.11): one
     that resumes while a reference from that list is alive fails in `_PyTuple_Resize` with a
-    SystemError (it killed a rank's runtime loop once). The list is filtered by C code alone
-    (no bytecode, so no switch to another thread) and dropped at once."""
+    SystemError (it killed ranks' runtime loops). The interpreter may switch threads whenever
+    Python code runs, even between a call's return and the next statement, so the list never
+    reaches Python code: `_scan` is a lazy pipeline of C iterators that fetches, filters and drops
+    it inside the one `list()` call that runs it, with the collector off (a collection would run
+    finalizers and weakref callbacks meanwhile)."""
     import gc
-    from itertools import compress
 
     kinds: set[type] = set()
     todo = list(classes)
@@ -27,10 +29,29 @@ def live_instances(*classes: type) -> list[Any]:
         if cls not in kinds:
             kinds.add(cls)
             todo += cls.__subclasses__()
-    objs = gc.get_objects()
-    found = list(compress(objs, map(kinds.__contains__, map(type, objs))))
-    del objs
-    return found
+    scan = _scan({id(k) for k in kinds})
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return list(scan)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _scan(type_ids: set[int]) -> Iterator[Any]:
+    """The objects whose type's id is in `type_ids`, as a lazy pipeline: `gc.get_objects()` is
+    called by `map` when first iterated; `repeat` hands the list on twice, to `compress` (the
+    objects) and to a chain of `map`s (their types' ids, looked up: a type itself is not hashed,
+    since a metaclass's `__hash__` or `__eq__` would be Python code). Once exhausted nothing holds
+    the list: the pipeline's own objects are in it, so a `tee` buffering it, or anything else
+    still holding it or its last items, would form a cycle that keeps it alive until a collection."""
+    import gc
+    from itertools import chain, compress, repeat
+
+    lists = chain.from_iterable(map(repeat, map(gc.get_objects, repeat(None, 1)), repeat(2)))
+    wanted = map(map, repeat(type_ids.__contains__), map(map, repeat(id), map(map, repeat(type), lists)))
+    return chain.from_iterable(map(compress, lists, wanted))
 
 
 @dataclass(frozen=True)
