@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
@@ -25,6 +26,8 @@ __all__ = ["LoopThread"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+RESTART_RESET_S = 10.0  # a `forever` task that ran this long before failing starts its count afresh
+RESTART_MAX_PAUSE_S = 1.0  # the longest pause before it is started again
 
 
 class LoopThread:
@@ -46,6 +49,7 @@ class LoopThread:
         self._closed = False
         self._startup_error: BaseException | None = None
         self.crashed: BaseException | None = None
+        self.restarts = 0  # `forever` tasks started again after they failed
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> LoopThread:
@@ -124,9 +128,22 @@ class LoopThread:
         """Run `fn(*args)` soon in the loop thread. Thread-safe; never blocks; no result."""
         self._require_loop().call_soon_threadsafe(fn, *args)
 
-    def spawn(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any, name: str | None = None) -> None:
+    def spawn(
+        self,
+        fn: Callable[..., Coroutine[Any, Any, Any]],
+        *args: Any,
+        name: str | None = None,
+        forever: bool = False,
+    ) -> None:
         """Start `fn(*args)` as a task of the root task group. From the loop thread, call it from a
-        task; from another thread it is scheduled and this returns at once."""
+        task; from another thread it is scheduled and this returns at once.
+
+        A task that raises ends the whole loop (the task group's rule), and with it every other
+        task: the rank's heartbeats, so peers would call a healthy rank dead. A `forever` task (a
+        loop that must not end: receive, publish, timers) is instead logged and started again,
+        after a pause that grows with failures in a row, until the loop closes."""
+        if forever:
+            fn, args = self._supervised, (fn, name or getattr(fn, "__name__", "task"), *args)
         if self._tg is None:
             raise RuntimeClosedError(f"runtime {self._name} is not running")
         if self.in_loop_thread():
@@ -138,6 +155,21 @@ class LoopThread:
             self._tg.start_soon(fn, *args, name=name)
 
         self.run_coroutine(_start())
+
+    async def _supervised(self, fn: Callable[..., Coroutine[Any, Any, Any]], name: str, *args: Any) -> None:
+        failures = 0
+        while True:
+            started = time.monotonic()
+            try:
+                await fn(*args)
+                return
+            except Exception:  # (cancellation is a BaseException: closing ends the task)
+                failures = 1 if time.monotonic() - started > RESTART_RESET_S else failures + 1
+                self.restarts += 1
+                log.exception(
+                    "runtime %s: task %s failed (%d in a row); restarting it", self._name, name, failures
+                )
+            await anyio.sleep(min(RESTART_MAX_PAUSE_S, 0.01 * 2**failures))
 
     def run_coroutine(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule `coro` on the loop; return a thread-safe future."""

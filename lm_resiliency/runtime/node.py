@@ -40,7 +40,7 @@ from lm_resiliency.core.messages import (
     PeerAnnouncement,
     StepTelemetry,
 )
-from lm_resiliency.errors import AuthError, CodecError
+from lm_resiliency.errors import AuthError, CodecError, RuntimeClosedError
 from lm_resiliency.runtime.clock import SystemClock
 from lm_resiliency.runtime.loop import LoopThread
 from lm_resiliency.runtime.transport import ALL, DIRECT, Endpoints, PeerUnavailable, Transport
@@ -226,9 +226,9 @@ class RankRuntime:
         for topic in {self._group_topic, self._peer_topic} - {ALL}:
             self._transport.subscribe(topic)
         self._wake = asyncio.Event()
-        self._loop.spawn(self._receive_forever, name="receive")
-        self._loop.spawn(self._publish_forever, name="publish")
-        self._loop.spawn(self._timers_forever, name="timers")
+        self._loop.spawn(self._receive_forever, name="receive", forever=True)
+        self._loop.spawn(self._publish_forever, name="publish", forever=True)
+        self._loop.spawn(self._timers_forever, name="timers", forever=True)
         return endpoints
 
     def connect_peers(self, announcements: Iterable[PeerAnnouncement], announce: bool = False) -> None:
@@ -334,7 +334,10 @@ class RankRuntime:
         finally:
             self._holder = None
             if self._outbox:
-                self._kick()
+                try:
+                    self._kick()
+                except RuntimeClosedError:  # closed meanwhile (a SIGTERM, say): not the step's fault
+                    log.debug("rank %d: runtime closed; %d messages not sent", self.rank, len(self._outbox))
 
     def _kick(self) -> None:
         if self._loop.in_loop_thread():
@@ -532,6 +535,7 @@ class RankRuntime:
         votes, hang evidence) still go out at once."""
         assert self._wake is not None
         gap = min(self.config.publish_coalesce_s, self.config.heartbeat_interval_s)
+        self._lingering = False  # (started again after a failure: not lingering)
         while True:
             if not self._outbox:
                 await self._wake.wait()

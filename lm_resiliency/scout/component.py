@@ -423,7 +423,7 @@ class Scout:
         self._book = VoteBook()
         self._candidates: dict[str, Vote] = {}
         self._acted: set[str] = set()
-        runtime.loop.spawn(self._progress_forever, name="scout-progress")
+        runtime.loop.spawn(self._progress_forever, name="scout-progress", forever=True)
         # Link probes: only toward replica peers on other nodes, and only with two or more of them.
         self._links = LinkDetector(
             config.straggler_ratio, config.straggler_min_ms / 1e3, config.straggler_confirmations
@@ -431,7 +431,7 @@ class Scout:
         self._link_rounds: dict[int, dict[int, dict[int, float]]] = {}  # round -> observer -> times
         runtime.add_handler("link", lambda sealed, msg: self._on_link_report(msg))
         if config.enable and config.link_probe_interval_s > 0 and len(self._probe_targets()) >= 2:
-            runtime.loop.spawn(self._probe_forever, name="scout-links")
+            runtime.loop.spawn(self._probe_forever, name="scout-links", forever=True)
         self._health_stop = threading.Event()
         self._health_thread: threading.Thread | None = None
         if health is not None:

@@ -92,3 +92,39 @@ def test_call_from_loop_thread_is_refused_and_timeouts_surface() -> None:
 
         with pytest.raises(TimeoutError):
             loop.call(anyio.sleep, 5, timeout=0.05)
+
+
+def test_a_forever_task_that_fails_is_started_again_and_the_loop_lives_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A task's exception would end the task group, so every task (heartbeats included): a healthy
+    rank would fall silent. A `forever` task is logged and started again; a plain one still ends
+    the loop (the owner sees `crashed`)."""
+    runs: list[int] = []
+    again = threading.Event()
+
+    async def flaky(tag: int) -> None:
+        runs.append(tag)
+        if len(runs) < 3:
+            raise SystemError("Objects/tupleobject.c:927: bad argument to internal function")
+        again.set()
+        await anyio.sleep_forever()
+
+    with LoopThread(name="lm-resiliency-flaky") as loop:
+        loop.spawn(flaky, 7, name="flaky", forever=True)
+        assert again.wait(10)
+        assert runs == [7, 7, 7] and loop.restarts == 2 and loop.alive
+        seen = threading.Event()
+        loop.submit(seen.set)
+        assert seen.wait(5)
+    assert sum("task flaky failed" in r.getMessage() for r in caplog.records) == 2
+
+    async def fails() -> None:
+        raise ValueError("not supervised")
+
+    loop = LoopThread(name="lm-resiliency-plain")
+    with loop:
+        loop.spawn(fails)
+        assert loop.thread is not None
+        loop.thread.join(10)
+        assert not loop.alive and "not supervised" in repr(loop.crashed)
