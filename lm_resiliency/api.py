@@ -970,7 +970,10 @@ class Session:
         gem = self.gemini
         if gem is not None:
             step = gem.flush_for_restart(timeout=5.0, replicate=False)
-            log.warning("rank %d: SIGTERM, newest capture (step %d) flushed to disk", self.rank, step)
+            if step >= 0:
+                log.warning("rank %d: SIGTERM, newest capture (step %d) flushed to disk", self.rank, step)
+            else:
+                log.warning("rank %d: SIGTERM, no capture flushed to disk", self.rank)
         if ends:
             if self._runtime is not None:
                 reason = self._close_reason if closing else "terminated: SIGTERM"

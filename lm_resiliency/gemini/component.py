@@ -186,6 +186,7 @@ class Gemini:
         self.carried_certificates: set[int] = set()
         self.restored_verified = False  # recover() chose among certified steps, as noted before
         self._busy: set[int] = set()
+        self._released = False  # close() unmapped the slots
         self._flushing: set[int] = set()  # slots flush_for_restart is writing to disk (not to overwrite)
         self._announced: dict[int, int] = {}  # slot -> the step committed there and announced
         self._in_flight: dict[int, int] = {}  # busy slot -> the step being committed into it
@@ -1153,7 +1154,7 @@ class Gemini:
             if flush is not None:  # the torchrun backend's leader picks the restart step from it
                 flush(max(0.0, deadline - time.monotonic()))
         with self._lock:
-            if not self._own_step:
+            if not self._own_step or self._released:
                 return -1
             k, step = max(self._own_step.items(), key=lambda kv: kv[1])
             self._flushing.add(k)
@@ -1201,6 +1202,8 @@ class Gemini:
         for pool in (self._hash_pool, self._verify_pool):
             if pool is not None:
                 pool.shutdown(wait=True)
+        with self._lock:
+            self._released = True  # a SIGTERM from here on has nothing to flush (see flush_for_restart)
         for mapping in self._pinned.values():
             if self._copier is not None:
                 self._copier.unregister_host(mapping)

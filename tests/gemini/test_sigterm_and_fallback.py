@@ -57,6 +57,18 @@ def test_sigterm_while_an_exception_ends_the_worker_still_flushes_the_capture_be
     assert (tmp_path / "checkpoints" / "default" / "step-0000000003" / "rank-00000.pt").exists()
 
 
+def test_a_flush_after_close_unmapped_the_slots_flushes_nothing_and_does_not_raise() -> None:
+    """A SIGTERM may reach a dying worker at the very end of GEMINI's close: nothing is left to flush."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with enable_resiliency(model, opt, interval=1, enable_detection=False) as s:
+        model(torch.randn(1, 2)).sum().backward()
+        opt.step()
+        gem = s.gemini
+        assert gem is not None and gem.drain(10)
+    assert gem.flush_for_restart(timeout=1.0, replicate=False) == -1
+
+
 def test_load_fallback_is_asked_when_no_copy_exists(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")  # a restart, with nothing in memory or on disk
     asked: list[object] = []
