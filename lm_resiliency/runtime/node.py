@@ -40,7 +40,7 @@ from lm_resiliency.core.messages import (
     PeerAnnouncement,
     StepTelemetry,
 )
-from lm_resiliency.errors import AuthError, CodecError, RuntimeClosedError
+from lm_resiliency.errors import AuthError, CodecError
 from lm_resiliency.runtime.clock import SystemClock
 from lm_resiliency.runtime.loop import LoopThread
 from lm_resiliency.runtime.transport import ALL, DIRECT, Endpoints, PeerUnavailable, Transport
@@ -336,7 +336,7 @@ class RankRuntime:
             if self._outbox:
                 try:
                     self._kick()
-                except RuntimeClosedError:  # closed meanwhile (a SIGTERM, say): not the step's fault
+                except RuntimeError:  # closed meanwhile (RuntimeClosedError; the loop's own): not the step's
                     log.debug("rank %d: runtime closed; %d messages not sent", self.rank, len(self._outbox))
 
     def _kick(self) -> None:

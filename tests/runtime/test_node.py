@@ -15,6 +15,7 @@ from lm_resiliency.core import codec
 from lm_resiliency.core.auth import Signer
 from lm_resiliency.core.membership import EventKind, PeerState
 from lm_resiliency.core.messages import Goodbye, Heartbeat, StepTelemetry
+from lm_resiliency.errors import RuntimeClosedError
 from lm_resiliency.runtime.node import RankRuntime
 from lm_resiliency.runtime.transport import ZmqTransport
 from lm_resiliency.testing import InMemoryNetwork, InMemoryTransport
@@ -359,6 +360,21 @@ def test_messages_submitted_under_hold_travel_as_one_batch() -> None:
 
         assert rts[0].wait_for(counted, 2.0), str(rts[0].view().stats)
         assert 50 not in got and 60 not in got
+    finally:
+        for rt in rts:
+            rt.close()
+
+
+def test_a_step_held_while_the_runtime_closes_is_dropped_not_raised_into_training() -> None:
+    """SIGTERM closes the runtime from the training thread's own signal handler, possibly inside a
+    step's `hold()`: the step's messages have nowhere to go, and the step must not fail for it."""
+    rts = _start(2, lambda: InMemoryTransport(InMemoryNetwork()))
+    try:
+        with rts[1].hold():
+            rts[1].close()  # (the handler ran between two of the step's submits)
+            rts[1].submit(StepTelemetry(rank=1, step=1, step_s=0.1))
+        with pytest.raises(RuntimeClosedError):  # outside a step's hold, a closed runtime still says so
+            rts[1].submit(StepTelemetry(rank=1, step=2, step_s=0.1))
     finally:
         for rt in rts:
             rt.close()
