@@ -22,29 +22,20 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_sigterm_flushes_the_newest_capture_then_terminates(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm")}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/gemini/sigterm_worker.py")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert proc.returncode == -15, proc.stderr[-2000:]
-    assert "trained" in proc.stdout
-    assert (tmp_path / "checkpoints" / "default" / "step-0000000003" / "rank-00000.pt").exists()
-
-
-def test_sigterm_while_an_exception_ends_the_worker_still_flushes_the_capture_being_committed(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("worker", "printed"),
+    [("sigterm_worker.py", "trained"), ("sigterm_while_dying_worker.py", "SIGTERM while closing")],
+    ids=["while_training", "while_an_exception_ends_the_worker"],
+)
+def test_sigterm_flushes_the_newest_capture_then_terminates(
+    tmp_path: Path, worker: str, printed: str
 ) -> None:
-    """torchrun stops the group while a worker is dying of an exception (a peer's failure broke its
-    collective): the exit was still committing its newest capture, which the restart must find."""
+    """SIGTERM (torchrun stopping the group) writes the newest capture to disk before the process
+    ends: while training, and while the worker is dying of an exception (a peer's failure broke its
+    collective) with its exit still committing that capture, which the restart must find."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm")}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/gemini/sigterm_while_dying_worker.py")],
+        [sys.executable, str(ROOT / "tests/gemini" / worker)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -52,7 +43,7 @@ def test_sigterm_while_an_exception_ends_the_worker_still_flushes_the_capture_be
         timeout=100,
     )
     assert proc.returncode == -15, proc.stderr[-2000:]
-    assert "SIGTERM while closing" in proc.stdout, proc.stdout
+    assert printed in proc.stdout, proc.stdout
     assert "newest capture (step 3) flushed to disk" in proc.stderr, proc.stderr[-2000:]
     assert (tmp_path / "checkpoints" / "default" / "step-0000000003" / "rank-00000.pt").exists()
 
