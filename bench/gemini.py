@@ -5,7 +5,9 @@ Prints progress, then one JSON object on the last line:
                                      / torch.save (+fsync) of the same model+optimizer state (goal <= 0.05)
   restore_speedup_vs_torch_load      torch.load from disk (the file evicted from the page cache)
                                      + load_state_dict / restore from local shared memory, checksums
-                                     verified (goal >= 13); `..._warm_cache`: the file cached
+                                     verified (goal >= 13); `..._warm_cache`: the file cached;
+                                     `..._fresh_optimizer`: both into a new model and an optimizer
+                                     with no state yet, as a restarted process has (file cached)
   replica_ratio_vs_raw_zmq           replication of a committed capture to a peer process (chunk
                                      checksums verified, authenticated, acknowledged, written into the
                                      peer's shared memory) / raw pyzmq (goal >= 0.8);
@@ -102,6 +104,14 @@ def in_process(state_mib: int, reps: int, tmp: Path, device: torch.device, shm: 
     gem = session.gemini
     save_path = tmp / "torch_save.pt"
     blocks, saves, loads, warm_loads, restores = [], [], [], [], []
+    fresh_loads, fresh_restores = [], []
+
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+        """A restarted process's model and optimizer (allocated outside the timings)."""
+        m = nn.Linear(width, rows, bias=False).to(device)
+        _sync(device)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+
     for i in range(reps):
         _sync(device)
         t0 = time.perf_counter()
@@ -136,9 +146,25 @@ def in_process(state_mib: int, reps: int, tmp: Path, device: torch.device, shm: 
         gem._restore_from(gem._own[k], i + 1)
         _sync(device)
         restores.append(time.perf_counter() - t0)
+        m, o = fresh()
+        t0 = time.perf_counter()
+        sd = torch.load(save_path, weights_only=True)
+        m.load_state_dict(sd["model"])
+        o.load_state_dict(sd["optimizer"])
+        _sync(device)
+        fresh_loads.append(time.perf_counter() - t0)
+        del m, o, sd
+        gem.model, gem.optimizer = fresh()
+        t0 = time.perf_counter()
+        gem._restore_from(gem._own[k], i + 1)
+        _sync(device)
+        fresh_restores.append(time.perf_counter() - t0)
+        gem.model, gem.optimizer = model, opt
         print(
             f"rep {i}: capture blocks {blocks[-1] * 1e3:.1f} ms, torch.save {saves[-1] * 1e3:.0f} ms, "
-            f"torch.load {loads[-1] * 1e3:.0f} ms, restore {restores[-1] * 1e3:.1f} ms",
+            f"torch.load {loads[-1] * 1e3:.0f} ms, restore {restores[-1] * 1e3:.1f} ms; into a fresh "
+            f"optimizer: torch.load {fresh_loads[-1] * 1e3:.0f} ms, "
+            f"restore {fresh_restores[-1] * 1e3:.1f} ms",
             flush=True,
         )
     state_bytes = gem.stats.bytes_per_capture
@@ -157,6 +183,10 @@ def in_process(state_mib: int, reps: int, tmp: Path, device: torch.device, shm: 
         "torch_load_cold_over_warm": statistics.median(loads) / statistics.median(warm_loads),
         "restore_speedup_vs_torch_load_warm_cache": statistics.median(warm_loads)
         / statistics.median(restores),
+        "restore_fresh_optimizer_s": statistics.median(fresh_restores),
+        "torch_load_fresh_optimizer_s": statistics.median(fresh_loads),
+        "restore_speedup_vs_torch_load_fresh_optimizer": statistics.median(fresh_loads)
+        / statistics.median(fresh_restores),
     }
 
 

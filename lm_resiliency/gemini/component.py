@@ -38,7 +38,7 @@ from lm_resiliency.core.gemini.recovery import RecoveryPlan, plan_recovery
 from lm_resiliency.core.messages import GeminiInventory, ReplicaRequest
 from lm_resiliency.core.topology import Topology
 from lm_resiliency.errors import DiscoveryError
-from lm_resiliency.gemini.copier import Completion, Copier, copier_for
+from lm_resiliency.gemini.copier import Completion, Copier, SyncCopier, copier_for
 from lm_resiliency.gemini.durable import DurableError, DurableStore
 from lm_resiliency.gemini.hygiene import owner_pid, reclaim_stale_runs, write_owner
 from lm_resiliency.gemini.state import (
@@ -386,8 +386,47 @@ class Gemini:
         self._own_step[0] = step
         return 0
 
+    def _reader_for(self, slot: SlotFile) -> tuple[SlotFile, bool]:
+        """What a restore reads `slot` through, and whether to close it afterwards.
+
+        The slot's own mapping when this process maps it (it captured or received into it: its pages
+        are mapped in). With a GPU model, an unmapped own slot is mapped as a capture maps it and
+        page-locked: the copies to the device run at full speed, and the next capture into the slot
+        finds it ready. Else a mapping of its own."""
+        k = next((k for k, own in enumerate(self._own) if own is slot), None)
+        try:
+            size = slot.path.stat().st_size
+        except OSError as exc:
+            raise CorruptSlot(f"{slot.path.name}: cannot open ({exc.strerror})") from exc
+        if slot.mapping is None and k is not None and size >= HEADER_SIZE and self._wants_pinning():
+            slot.ensure_size(size)
+        if slot.mapping is None or size < slot.size:
+            # (A file cut shorter than our mapping: reading past its end would raise SIGBUS; a
+            # mapping of what is left finds it truncated.)
+            return SlotFile.open_existing(slot.path), True
+        if k is not None:
+            self._pin(k)
+        return slot, False
+
+    def _wants_pinning(self) -> bool:
+        """Whether captures copy from a GPU into page-locked slots (choosing the copier if not yet)."""
+        if not self.config.pin_memory:
+            return False
+        if self._copier is None:
+            self._copier = copier_for([*self.model.parameters(), *self.model.buffers()])
+        return not isinstance(self._copier, SyncCopier)
+
+    def _pin(self, k: int) -> None:
+        """Page-lock own slot `k`'s current mapping for asynchronous copies (`pin_memory`)."""
+        slot = self._own[k]
+        if not self._wants_pinning() or self._pinned.get(k) is slot.mapping or slot.mapping is None:
+            return
+        assert self._copier is not None
+        self._copier.register_host(slot.mapping, slot.size)
+        self._pinned[k] = slot.mapping
+
     def _restore_from(self, slot: SlotFile, step: int) -> None:
-        fresh = SlotFile.open_existing(slot.path)
+        fresh, close = self._reader_for(slot)
         try:
             h = fresh.read_header()
             if h.step != step:
@@ -420,7 +459,8 @@ class Gemini:
                 self._restored_scaler = scaler_values(state["scaler"])
             del state, tensors, payload
         finally:
-            fresh.close()
+            if close:
+                fresh.close()
 
     def prepare(self) -> None:
         """Size and map both slots now (startup), so the first captures pay no page faults."""
@@ -740,9 +780,7 @@ class Gemini:
             if slot.size < header.file_size and k in self._pinned:
                 self._copier.unregister_host(self._pinned.pop(k))  # the mapping is about to grow
             slot.ensure_size(header.file_size)
-            if self._pinned.get(k) is not slot.mapping:
-                self._copier.register_host(slot.mapping, slot.size)
-                self._pinned[k] = slot.mapping
+            self._pin(k)
             slot.begin()
             view = slot.view()
             view[HEADER_SIZE : HEADER_SIZE + len(index)] = index

@@ -113,12 +113,14 @@ def _clone_tree(obj: Any) -> Any:
     return obj
 
 
-def _into(value: Any, live: Any) -> Any:
+def _into(value: Any, live: Any, device: torch.device | None = None) -> Any:
     """`value` (a view into a checkpoint buffer) as a tensor of our own: copied into the live tensor
-    it replaces when that has the same shape and dtype (no new memory, no page faults), else cloned."""
+    it replaces when that has the same shape and dtype (no new memory, no page faults), else copied
+    to `device` when that is another one (where the optimizer's `load_state_dict` would move it),
+    else cloned."""
     if isinstance(value, LocalShard):
         local = live.to_local() if callable(getattr(live, "to_local", None)) else None
-        return LocalShard(_into(value.local, local), value.shape, value.placements)
+        return LocalShard(_into(value.local, local, device), value.shape, value.placements)
     if not isinstance(value, torch.Tensor):
         return _clone_tree(value)
     if (
@@ -129,14 +131,29 @@ def _into(value: Any, live: Any) -> Any:
         and live.is_contiguous()
     ):
         return live.copy_(value)
+    if device is not None and device != value.device:
+        # One copy, straight from the slot (page-locked on a GPU node) to the device: a clone in host
+        # memory first would cost a page fault per 4 KiB and a second, pageable, copy.
+        return value.to(device)
     return value.clone()
+
+
+def _state_device(optimizer: Any, param: Any) -> torch.device | None:
+    """Where `optimizer.load_state_dict` puts a parameter's state (other than "step"): the
+    parameter's device, for optimizers that keep torch's own loading policy; None otherwise."""
+    if param is None or type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+        return None
+    to_local = getattr(param, "to_local", None)
+    local = to_local() if callable(to_local) else param
+    return local.device if isinstance(local, torch.Tensor) else None
 
 
 def materialize(state: dict[str, Any], model: torch.nn.Module, optimizer: Any) -> None:
     """Make `state`, whose tensors view a checkpoint buffer, independent of it (in place), at the cost
     of one copy: the model's tensors stay views (`load_state_dict` copies them into the parameters),
     optimizer state is copied into the live optimizer's tensors where they exist (a resumed process
-    that already stepped), and everything else is cloned."""
+    that already stepped), else straight to its parameter's device when that is not the host, and
+    everything else is cloned."""
     optimizer = _holder(optimizer)
     for key in list(state):
         if key not in ("model", "optimizer"):
@@ -157,8 +174,11 @@ def materialize(state: dict[str, Any], model: torch.nn.Module, optimizer: Any) -
         if not isinstance(entry, dict):
             entries[pid] = _clone_tree(entry)
             continue
+        device = _state_device(optimizer, param)
         for k, v in entry.items():
-            entry[k] = _into(v, live.get(k))
+            # torch keeps "step" where it was saved (on the host) unless the group is fused or
+            # capturable: the optimizer's own load_state_dict moves it when needed.
+            entry[k] = _into(v, live.get(k), None if k == "step" else device)
 
 
 @dataclass(frozen=True)

@@ -214,7 +214,9 @@ def test_durable_round_trip_pruning_and_failure(tmp_path: Path) -> None:
         DurableStore(str(blocker), "run", 0).write(1, memoryview(b"abc"))
 
 
-def _lone_gemini(tmp_path: Path, model: torch.nn.Module, opt: Any, copier: Any = None) -> Any:
+def _lone_gemini(
+    tmp_path: Path, model: torch.nn.Module, opt: Any, copier: Any = None, pin_memory: bool = True
+) -> Any:
     """A GEMINI of a one-rank job with no runtime (nothing to replicate to)."""
     from lm_resiliency.config import InMemoryCkptConfig
     from lm_resiliency.core.topology import Topology
@@ -239,7 +241,7 @@ def _lone_gemini(tmp_path: Path, model: torch.nn.Module, opt: Any, copier: Any =
         scheduler=None,
         extra_state_fn=None,
         load_extra_state_fn=None,
-        config=InMemoryCkptConfig(),
+        config=InMemoryCkptConfig(pin_memory=pin_memory),
         interval=1,
         shm_dir=str(tmp_path),
         copier=copier,
@@ -274,6 +276,95 @@ def test_async_capture_is_fenced_before_the_optimizer_mutates_parameters(tmp_pat
         assert all(torch.equal(a, b) for a, b in zip(want, model2.parameters(), strict=True))
     finally:
         gem.close()
+
+
+def test_a_restarted_gpu_rank_restores_through_its_page_locked_slot(tmp_path: Path) -> None:
+    """A new process restores from its own slot through the mapping its captures will use, page
+    locked first (copies to a GPU from pageable memory are staged and slow); the next capture into
+    that slot finds it registered. With `pin_memory=False` no slot is ever page-locked."""
+    from lm_resiliency.testing.copier import DeferredCopier
+
+    for pin in (True, False):
+        shm = tmp_path / f"pin-{pin}"
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        gem = _lone_gemini(shm, model, opt, copier=DeferredCopier())
+        try:
+            model(torch.randn(2, 64)).sum().backward()
+            opt.step()
+            assert gem.capture(1) and gem.drain(10)
+            k = next(iter(gem._own_step))
+            size = gem._own[k].size
+            want = dict(model.state_dict()), {n: v.clone() for n, v in opt.state[model.weight].items()}
+        finally:
+            gem.close()
+        fresh = torch.nn.Linear(64, 64)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)  # no state yet, as after a restart
+        copier = DeferredCopier()
+        gem = _lone_gemini(shm, fresh, fresh_opt, copier=copier, pin_memory=pin)
+        try:
+            assert gem._own[k].mapping is None
+            gem._restore_from(gem._own[k], 1)
+            assert all(torch.equal(v, fresh.state_dict()[n]) for n, v in want[0].items())
+            assert all(torch.equal(v, fresh_opt.state[fresh.weight][n]) for n, v in want[1].items())
+            assert copier.registered == ([size] if pin else [])
+            assert (k in gem._pinned and gem._pinned[k] is gem._own[k].mapping) is pin
+            for step in (2, 3):  # into the other slot (registered now), then into slot k (it was)
+                assert gem.capture(step) and gem.drain(10)
+            assert len(copier.registered) == (2 if pin else 0)
+        finally:
+            gem.close()
+
+
+def test_a_slot_cut_short_under_its_mapping_is_found_truncated_not_read(tmp_path: Path) -> None:
+    """Reading a mapping past the end of its file raises SIGBUS: a restore through the slot's own
+    mapping checks the file's length first."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    gem = _lone_gemini(tmp_path, model, None)
+    try:
+        assert gem.capture(1) and gem.drain(10)
+        slot = gem._own[next(iter(gem._own_step))]
+        os.truncate(slot.path, slot.size // 2)
+        with pytest.raises(CorruptSlot, match="truncated"):
+            gem._restore_from(slot, 1)
+    finally:
+        gem.close()
+
+
+def test_a_fresh_optimizer_state_goes_straight_to_its_parameters_device() -> None:
+    """A restored optimizer state with no live tensor to copy into is copied once, to where the
+    optimizer's load_state_dict would move it (here the meta device stands in for a GPU); "step"
+    stays on the host as torch keeps it, and an optimizer that loads its own way gets host clones."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+
+    saved = opt.state[model.weight]
+
+    def restored(optimizer: Any) -> dict[str, Any]:
+        # The restore's views into the slot; here the saved tensors themselves, in dicts of their own.
+        state = {"optimizer": {**opt.state_dict(), "state": {0: dict(saved)}}}
+        materialize(state, torch.nn.Linear(4, 4), optimizer)
+        return state["optimizer"]["state"][0]
+
+    meta = [torch.nn.Parameter(torch.empty(shape, device="meta")) for shape in ((4, 4), (4,))]
+    entry = restored(torch.optim.AdamW(meta, lr=0.1))
+    assert entry["exp_avg"].device.type == "meta" and entry["exp_avg_sq"].device.type == "meta"
+    assert entry["step"].device.type == "cpu"
+    assert entry["step"].data_ptr() != saved["step"].data_ptr()  # a clone: the slot's view is let go
+
+    class OwnLoading(torch.optim.AdamW):
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            super().load_state_dict(state_dict)
+
+    entry = restored(OwnLoading(meta, lr=0.1))
+    assert entry["exp_avg"].device.type == "cpu"
+    assert entry["exp_avg"].data_ptr() != saved["exp_avg"].data_ptr()
+    assert torch.equal(entry["exp_avg"], saved["exp_avg"])
 
 
 def test_stale_runs_are_reclaimed_live_and_recent_ones_kept(
