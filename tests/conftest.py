@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,3 +69,44 @@ def _isolated_checkpoint_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     """GEMINI writes to /dev/shm and ./checkpoints by default: keep every test in its own folders."""
     monkeypatch.setenv("LM_RESILIENCY_SHM_DIR", str(tmp_path / "shm"))
     monkeypatch.chdir(tmp_path)
+
+
+def lone_gemini(
+    tmp_path: Path,
+    model: Any,
+    opt: Any,
+    copier: Any = None,
+    pin_memory: bool = True,
+    verify_integrity: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """A GEMINI of a one-rank job with no runtime (nothing to replicate to)."""
+    from lm_resiliency.config import InMemoryCkptConfig
+    from lm_resiliency.core.topology import Topology
+    from lm_resiliency.gemini.component import Gemini
+
+    class NoRuntime:
+        alive = False
+
+        def add_transfer_listener(self, fn: object) -> None: ...
+        def add_chunk_sink(self, fn: object) -> None: ...
+        def add_handler(self, tag: str, fn: object) -> None: ...
+
+    return Gemini(
+        rank=0,
+        world_size=1,
+        node_id="n",
+        run_id="r",
+        topology=Topology.build(["n"], [[0]]),
+        runtime=NoRuntime(),
+        model=model,
+        optimizer=opt,
+        scheduler=None,
+        extra_state_fn=None,
+        load_extra_state_fn=None,
+        config=InMemoryCkptConfig(pin_memory=pin_memory, verify_integrity=verify_integrity),
+        interval=1,
+        shm_dir=str(tmp_path),
+        copier=copier,
+        **kwargs,
+    )

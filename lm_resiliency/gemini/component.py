@@ -58,6 +58,7 @@ from lm_resiliency.runtime.shm import (
     SlotHeader,
     chunk_digests,
     n_chunks,
+    verify_image,
 )
 
 __all__ = ["Gemini", "GeminiStats"]
@@ -111,6 +112,8 @@ class GeminiStats:
     disk_writes: int = 0
     disk_errors: int = 0
     last_disk_error: str = ""
+    scrubbed: int = 0  # held copies verified again in the background (verify_integrity)
+    scrub_failures: int = 0  # of those, copies found damaged (dropped and reported)
 
 
 class Gemini:
@@ -192,6 +195,10 @@ class Gemini:
         self._in_flight: dict[int, int] = {}  # busy slot -> the step being committed into it
         self._replica_slots: dict[int, list[SlotFile]] = {}
         self._replica_step: dict[int, dict[int, int]] = {}  # owner -> slot -> step
+        # verify_integrity: slot path -> times a writer took the slot (a scrub that fails while a
+        # capture or a received replica overwrites the slot found no damage).
+        self._rewrites: dict[Path, int] = {}
+        self._scrubbing = False  # the worker is verifying held copies again (drain waits for it)
         self._restore_waiters: dict[str, threading.Event] = {}
         # (slot, header, copy completion, step of the other own slot this capture left in place)
         self._jobs: queue.Queue[tuple[int, SlotHeader, Completion, int] | None] = queue.Queue()
@@ -299,7 +306,7 @@ class Gemini:
         log.warning("rank %d: checkpoint copy skipped: %s", self.rank, why)
         self._fault("checkpoint_corruption", "checkpoint_copy_invalid", why)
 
-    def _fault(self, kind: str, reason: str, detail: str, **extra: str) -> None:
+    def _fault(self, kind: str, reason: str, detail: str, **extra: Any) -> None:
         if self._on_fault is not None:
             report = SCOUTFaultReport(kind, (self.rank,), "rank", ("gemini",), reason=reason).to_dict()
             self._on_fault({**report, "detail": detail, **extra})
@@ -412,8 +419,11 @@ class Gemini:
         """Whether captures copy from a GPU into page-locked slots (choosing the copier if not yet)."""
         if not self.config.pin_memory:
             return False
-        if self._copier is None:
-            self._copier = copier_for([*self.model.parameters(), *self.model.buffers()])
+        if self._copier is None:  # before the first capture (a restore): the model's device decides
+            chosen = copier_for([*self.model.parameters(), *self.model.buffers()])
+            if isinstance(chosen, SyncCopier):
+                return False  # (the first capture chooses from all the state it copies)
+            self._copier = chosen
         return not isinstance(self._copier, SyncCopier)
 
     def _pin(self, k: int) -> None:
@@ -751,6 +761,7 @@ class Gemini:
             k = free[0]
             self._busy.add(k)
             self._own_step.pop(k, None)
+            self._taken(self._own[k].path)
             # The capture left in place: committed, or still being committed (replicated first).
             keeps = self._own_step.get(1 - k, self._in_flight.get(1 - k, -1))
             self._in_flight[k] = step
@@ -820,7 +831,86 @@ class Gemini:
                 with self._lock:
                     self._busy.discard(k)
                     self._in_flight.pop(k, None)
+                    self._scrubbing = self.config.verify_integrity and not self._closed
                     self._idle.notify_all()
+            if self._scrubbing:
+                try:
+                    self._scrub(k)
+                except Exception:  # a scrub never stops capturing
+                    log.exception("rank %d: re-verifying a held copy failed", self.rank)
+                finally:
+                    with self._lock:
+                        self._scrubbing = False
+                        self._idle.notify_all()
+
+    def _taken(self, path: Path) -> None:
+        """A writer is about to overwrite the slot at `path` (see _scrub)."""
+        self._rewrites[path] = self._rewrites.get(path, 0) + 1
+
+    def _scrub(self, committed: int) -> None:
+        """`verify_integrity`: after each commit, verify every other copy this rank holds again
+        (its other own slot and the replicas it holds for peers; not those being overwritten). A
+        copy damaged in memory since it was committed (a bit flip at rest, something writing into
+        /dev/shm) is dropped from the inventory and reported as `checkpoint_corruption` now, not
+        found by the restart that needed it. Costs about three captures' checksums per commit."""
+        with self._lock:
+            held = [(self.rank, k, s) for k, s in sorted(self._own_step.items()) if k != committed]
+            for o, steps in sorted(self._replica_step.items()):
+                held += [(o, k, s) for k, s in sorted(steps.items())]
+        for owner, k, step in held:
+            if self._closed:
+                return
+            path = self._own[k].path if owner == self.rank else self._replica_path(owner, k)
+            with self._lock:
+                seen = self._rewrites.get(path, 0)
+                steps = self._own_step if owner == self.rank else self._replica_step.get(owner, {})
+                if steps.get(k) != step:
+                    continue  # taken by a writer since
+            try:
+                reader = SlotFile.open_existing(path)
+            except CorruptSlot as exc:
+                self._drop_damaged(owner, k, step, path, seen, str(exc))
+                continue
+            try:
+                h = reader.read_header()
+                if h.step != step or h.owner != owner:
+                    raise CorruptSlot(f"{path.name}: holds rank {h.owner} step {h.step}, expected {step}")
+                reader.verify(h, self._verify_pool)
+                self.stats.scrubbed += 1
+            except CorruptSlot as exc:
+                self._drop_damaged(owner, k, step, path, seen, str(exc))
+            finally:
+                reader.close()
+
+    def _drop_damaged(self, owner: int, k: int, step: int, path: Path, seen: int, why: str) -> None:
+        with self._lock:
+            if self._rewrites.get(path, 0) != seen or self._closed:
+                return  # overwritten meanwhile by a newer copy: what we read was no damage
+            steps = self._own_step if owner == self.rank else self._replica_step.get(owner, {})
+            if steps.get(k) != step:
+                return
+            del steps[k]
+            self._verified.pop(path, None)
+            with contextlib.suppress(CorruptSlot, OSError):
+                damaged = SlotFile.open_existing(path)
+                try:
+                    damaged.begin()  # never loaded, not even by a restart's scan
+                finally:
+                    damaged.close()
+            self.stats.scrub_failures += 1
+            self._idle.notify_all()
+        whose = "its own" if owner == self.rank else f"rank {owner}'s"
+        log.error("rank %d: %s copy of step %d is damaged, dropped: %s", self.rank, whose, step, why)
+        self.stats.rejected_copies.append(why)
+        self._fault(
+            "checkpoint_corruption",
+            "checkpoint_copy_invalid",
+            why,
+            steps=[step],
+            owner=owner,  # whose state the copy holds (the report names its holder: this rank)
+            endpoint_id=str(path),
+        )
+        self._announce()
 
     def _commit_and_replicate(self, k: int, header: SlotHeader, keeps: int = -1) -> None:
         slot = self._own[k]
@@ -886,7 +976,16 @@ class Gemini:
         if header.step in self._on_disk:
             return True
         try:
-            self.durable.write(header.step, slot.view()[: header.file_size])
+            written = self.durable.write(header.step, slot.view()[: header.file_size])
+            if self.config.verify_integrity:
+                # Read the file back from the disk and check every chunk: a write the disk or the
+                # file system got wrong shows now, not at the restart that reads it.
+                try:
+                    verify_image(written.name, self.durable.read(header.step), self._verify_pool)
+                except (CorruptSlot, DurableError) as exc:
+                    written.unlink(missing_ok=True)
+                    why = f"durable checkpoint of step {header.step} reads back damaged: {exc}"
+                    raise DurableError(0, why) from exc
         except DurableError as exc:
             self.stats.disk_errors += 1
             self.stats.last_disk_error = str(exc)
@@ -1001,6 +1100,7 @@ class Gemini:
         return False
 
     def _store_restored(self, tid: str, size: int, step: int, chunks: list[Any]) -> None:
+        self._taken(self._own[0].path)
         if self._write_file(self._own[0], chunks, size, self.rank, step):
             self._own_step[0] = step
             self._restore_waiters.pop(tid).set()
@@ -1032,7 +1132,9 @@ class Gemini:
         if kept is None:
             kept = self._slot_to_keep(steps)
         k = 1 if kept == 0 else 0
-        steps.pop(k, None)
+        with self._lock:
+            steps.pop(k, None)
+            self._taken(slots[k].path)
         return slots, k
 
     def _store_replica(self, owner: int, step: int, size: int, chunks: list[Any], keeps: int = -1) -> None:
@@ -1207,11 +1309,12 @@ class Gemini:
 
     def drain(self, timeout: float = 60.0) -> bool:
         """Wait until every capture handed to the worker is committed, replicated and published
-        (the inventory sent on, where a sink such as the torchrun backend's control store takes it)."""
+        (the inventory sent on, where a sink such as the torchrun backend's control store takes it),
+        and the held copies checked again after it (`verify_integrity`)."""
         self._take_deferred()
         deadline = time.monotonic() + timeout
         with self._idle:
-            if not self._idle.wait_for(lambda: not self._busy, timeout):
+            if not self._idle.wait_for(lambda: not self._busy and not self._scrubbing, timeout):
                 return False
         flush = self.flush_inventory
         return flush is None or flush(max(0.0, deadline - time.monotonic()))

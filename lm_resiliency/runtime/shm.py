@@ -31,7 +31,16 @@ import xxhash
 
 from lm_resiliency.errors import SharedMemoryError
 
-__all__ = ["HEADER_SIZE", "CorruptSlot", "NotACopy", "SlotFile", "SlotHeader", "chunk_digests"]
+__all__ = [
+    "HEADER_SIZE",
+    "CorruptSlot",
+    "NotACopy",
+    "SlotFile",
+    "SlotHeader",
+    "chunk_digests",
+    "parse_header",
+    "verify_image",
+]
 
 HEADER_SIZE = 4096
 MAGIC = b"LMRGEM01"
@@ -98,6 +107,51 @@ def chunk_digests(payload: memoryview, chunk_size: int, pool: Executor | None = 
 
 def n_chunks(payload_len: int, chunk_size: int) -> int:
     return max(1, -(-payload_len // chunk_size))
+
+
+def parse_header(name: str, image: bytes | memoryview | mmap.mmap, size: int) -> SlotHeader:
+    """The committed header of a slot image of `size` bytes (a mapping, or a file's bytes);
+    raises CorruptSlot naming `name` and what is wrong."""
+    raw = bytes(image[: _FMT.size + _DIGEST])
+    if len(raw) < _FMT.size + _DIGEST:
+        raise CorruptSlot(f"{name}: truncated to {size} bytes")
+    magic, ver, state, step, owner, world, payload, index, chunk, n, run, topo = _FMT.unpack_from(raw)
+    if magic == b"\0" * len(MAGIC):
+        raise NotACopy(f"{name}: empty (never written, or its capture was interrupted)")
+    if magic != MAGIC or ver != 1:
+        raise CorruptSlot(f"{name}: not a committed checkpoint slot (bad magic)")
+    if state != COMMITTED:
+        raise CorruptSlot(f"{name}: capture was never committed (torn write)")
+    h = SlotHeader(
+        step,
+        owner,
+        world,
+        payload,
+        index,
+        chunk,
+        n,
+        run.rstrip(b"\0").decode(errors="replace"),
+        topo.rstrip(b"\0").decode(errors="replace"),
+    )
+    if chunk <= 0 or n != n_chunks(payload, chunk) or h.file_size > size:
+        raise CorruptSlot(f"{name}: truncated ({size} bytes, header needs {h.file_size})")
+    table = bytes(image[HEADER_SIZE + payload : HEADER_SIZE + payload + n * _DIGEST])
+    if xxhash.xxh3_128_digest(raw[: _FMT.size] + table) != raw[_FMT.size :]:
+        raise CorruptSlot(f"{name}: header checksum mismatch")
+    return h
+
+
+def verify_image(name: str, image: bytes | memoryview, pool: Executor | None = None) -> SlotHeader:
+    """Check a whole slot image held in memory (a durable file read back): its header and every
+    chunk's checksum. Raises CorruptSlot naming the first problem."""
+    view = memoryview(image)
+    h = parse_header(name, view, len(view))
+    got = chunk_digests(view[HEADER_SIZE : HEADER_SIZE + h.payload_len], h.chunk_size, pool)
+    table = bytes(view[HEADER_SIZE + h.payload_len : h.file_size])
+    for i, digest in enumerate(got):
+        if digest != table[i * _DIGEST : (i + 1) * _DIGEST]:
+            raise CorruptSlot(f"{name}: chunk {i} fails its checksum (step {h.step})")
+    return h
 
 
 class SlotFile:
@@ -217,32 +271,7 @@ class SlotFile:
         return slot
 
     def read_header(self) -> SlotHeader:
-        mm = self._require()
-        raw = bytes(mm[: _FMT.size + _DIGEST])
-        magic, ver, state, step, owner, world, payload, index, chunk, n, run, topo = _FMT.unpack_from(raw)
-        if magic == b"\0" * len(MAGIC):
-            raise NotACopy(f"{self.path.name}: empty (never written, or its capture was interrupted)")
-        if magic != MAGIC or ver != 1:
-            raise CorruptSlot(f"{self.path.name}: not a committed checkpoint slot (bad magic)")
-        if state != COMMITTED:
-            raise CorruptSlot(f"{self.path.name}: capture was never committed (torn write)")
-        h = SlotHeader(
-            step,
-            owner,
-            world,
-            payload,
-            index,
-            chunk,
-            n,
-            run.rstrip(b"\0").decode(),
-            topo.rstrip(b"\0").decode(),
-        )
-        if chunk <= 0 or n != n_chunks(payload, chunk) or h.file_size > self.size:
-            raise CorruptSlot(f"{self.path.name}: truncated ({self.size} bytes, header needs {h.file_size})")
-        table = bytes(mm[HEADER_SIZE + payload : HEADER_SIZE + payload + n * _DIGEST])
-        if xxhash.xxh3_128_digest(raw[: _FMT.size] + table) != raw[_FMT.size :]:
-            raise CorruptSlot(f"{self.path.name}: header checksum mismatch")
-        return h
+        return parse_header(self.path.name, self._require(), self.size)
 
     def digest_table(self, header: SlotHeader) -> list[bytes]:
         start = HEADER_SIZE + header.payload_len

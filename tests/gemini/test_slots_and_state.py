@@ -14,7 +14,16 @@ import torch
 from lm_resiliency.errors import SharedMemoryError
 from lm_resiliency.gemini.durable import DurableError, DurableStore
 from lm_resiliency.gemini.state import apply_state, collect_state, flatten, materialize, unflatten
-from lm_resiliency.runtime.shm import CorruptSlot, NotACopy, SlotFile, SlotHeader, chunk_digests, n_chunks
+from lm_resiliency.runtime.shm import (
+    HEADER_SIZE,
+    CorruptSlot,
+    NotACopy,
+    SlotFile,
+    SlotHeader,
+    chunk_digests,
+    n_chunks,
+)
+from tests.conftest import lone_gemini
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -214,40 +223,6 @@ def test_durable_round_trip_pruning_and_failure(tmp_path: Path) -> None:
         DurableStore(str(blocker), "run", 0).write(1, memoryview(b"abc"))
 
 
-def _lone_gemini(
-    tmp_path: Path, model: torch.nn.Module, opt: Any, copier: Any = None, pin_memory: bool = True
-) -> Any:
-    """A GEMINI of a one-rank job with no runtime (nothing to replicate to)."""
-    from lm_resiliency.config import InMemoryCkptConfig
-    from lm_resiliency.core.topology import Topology
-    from lm_resiliency.gemini.component import Gemini
-
-    class NoRuntime:
-        alive = False
-
-        def add_transfer_listener(self, fn: object) -> None: ...
-        def add_chunk_sink(self, fn: object) -> None: ...
-        def add_handler(self, tag: str, fn: object) -> None: ...
-
-    return Gemini(
-        rank=0,
-        world_size=1,
-        node_id="n",
-        run_id="r",
-        topology=Topology.build(["n"], [[0]]),
-        runtime=NoRuntime(),
-        model=model,
-        optimizer=opt,
-        scheduler=None,
-        extra_state_fn=None,
-        load_extra_state_fn=None,
-        config=InMemoryCkptConfig(pin_memory=pin_memory),
-        interval=1,
-        shm_dir=str(tmp_path),
-        copier=copier,
-    )
-
-
 def test_async_capture_is_fenced_before_the_optimizer_mutates_parameters(tmp_path: Path) -> None:
     """The GPU path's ordering, with a deferred copier standing in for a side-stream D2H copy."""
     from lm_resiliency.testing.copier import DeferredCopier
@@ -256,7 +231,7 @@ def test_async_capture_is_fenced_before_the_optimizer_mutates_parameters(tmp_pat
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     copier = DeferredCopier()
-    gem = _lone_gemini(tmp_path, model, opt, copier=copier)
+    gem = lone_gemini(tmp_path, model, opt, copier=copier)
     try:
         model(torch.randn(2, 4)).sum().backward()
         want = [p.detach().clone() for p in model.parameters()]
@@ -289,7 +264,7 @@ def test_a_restarted_gpu_rank_restores_through_its_page_locked_slot(tmp_path: Pa
         torch.manual_seed(0)
         model = torch.nn.Linear(64, 64)
         opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-        gem = _lone_gemini(shm, model, opt, copier=DeferredCopier())
+        gem = lone_gemini(shm, model, opt, copier=DeferredCopier())
         try:
             model(torch.randn(2, 64)).sum().backward()
             opt.step()
@@ -302,7 +277,7 @@ def test_a_restarted_gpu_rank_restores_through_its_page_locked_slot(tmp_path: Pa
         fresh = torch.nn.Linear(64, 64)
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)  # no state yet, as after a restart
         copier = DeferredCopier()
-        gem = _lone_gemini(shm, fresh, fresh_opt, copier=copier, pin_memory=pin)
+        gem = lone_gemini(shm, fresh, fresh_opt, copier=copier, pin_memory=pin)
         try:
             assert gem._own[k].mapping is None
             gem._restore_from(gem._own[k], 1)
@@ -322,7 +297,7 @@ def test_a_slot_cut_short_under_its_mapping_is_found_truncated_not_read(tmp_path
     mapping checks the file's length first."""
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)
-    gem = _lone_gemini(tmp_path, model, None)
+    gem = lone_gemini(tmp_path, model, None)
     try:
         assert gem.capture(1) and gem.drain(10)
         slot = gem._own[next(iter(gem._own_step))]
@@ -331,6 +306,86 @@ def test_a_slot_cut_short_under_its_mapping_is_found_truncated_not_read(tmp_path
             gem._restore_from(slot, 1)
     finally:
         gem.close()
+
+
+def test_verify_integrity_finds_a_copy_damaged_at_rest_and_drops_it(tmp_path: Path) -> None:
+    """With `verify_integrity`, each commit is followed by a second look at every other held copy: a
+    byte flipped in a committed slot (the capture's bytes at rest) is reported with its step, the
+    copy leaves the inventory and its header is invalidated, so no restart can load it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    faults: list[dict[str, Any]] = []
+    gem = lone_gemini(tmp_path, model, None, verify_integrity=True, on_fault=faults.append)
+    try:
+        for step in (1, 2):
+            assert gem.capture(step) and gem.drain(10)
+        assert gem.stats.scrubbed == 1 and not faults  # step 1's slot, after step 2 committed
+        k = next(k for k, s in gem._own_step.items() if s == 2)
+        with open(gem._own[k].path, "r+b") as f:  # one bit of a weight, behind the slot's back
+            f.seek(HEADER_SIZE + 9000)
+            byte = f.read(1)[0]
+            f.seek(HEADER_SIZE + 9000)
+            f.write(bytes([byte ^ 0x10]))
+        assert gem.capture(3) and gem.drain(10)  # into step 1's slot; then step 2's is checked
+        assert [(f["kind"], f["failed_ranks"], f["steps"]) for f in faults] == [
+            ("checkpoint_corruption", [0], [2])
+        ]
+        assert "fails its checksum" in faults[0]["detail"]
+        assert gem.inventory().local == (3,) and gem.stats.scrub_failures == 1
+        with pytest.raises(NotACopy):
+            SlotFile.open_existing(gem._own[k].path).read_header()
+    finally:
+        gem.close()
+
+
+def test_verify_integrity_reads_each_durable_write_back(tmp_path: Path) -> None:
+    """A disk that stores other bytes than it was given (a fake of faulty hardware): the file read
+    back fails its checksums, is deleted and reported as an I/O error; training goes on."""
+    from lm_resiliency.gemini.durable import DurableStore
+
+    class LyingDisk(DurableStore):
+        def write(self, step: int, slot_bytes: memoryview) -> Path:
+            path = super().write(step, slot_bytes)
+            data = bytearray(path.read_bytes())
+            data[data.index(b"LMRGEM01") + HEADER_SIZE + 50] ^= 1  # a payload byte, as read back
+            path.write_bytes(bytes(data))
+            return path
+
+    model = torch.nn.Linear(64, 64)
+    faults: list[dict[str, Any]] = []
+    gem = lone_gemini(
+        tmp_path / "shm", model, None, verify_integrity=True, on_fault=faults.append, disk_interval=1
+    )
+    try:
+        assert gem.capture(1) and gem.drain(10)
+        assert gem.stats.disk_writes == 1 and not faults  # a good disk: read back and kept
+        good = gem.durable.root
+        gem.durable = LyingDisk(str(tmp_path / "bad"), "r", 0)
+        assert gem.capture(2) and gem.drain(10)
+        assert [f["kind"] for f in faults] == ["io_error"] and "reads back damaged" in faults[0]["detail"]
+        assert not gem.durable.steps() and 2 not in gem.inventory().disk
+        assert gem.inventory().local == (1, 2) and DurableStore(str(good.parent), "r", 0).steps() == [1]
+    finally:
+        gem.close()
+
+
+def test_verify_image_checks_header_and_every_chunk(tmp_path: Path) -> None:
+    from lm_resiliency.runtime.shm import verify_image
+
+    slot = SlotFile(tmp_path / "s")
+    h = _commit(slot, bytes(range(256)) * 3, step=5)
+    image = bytes(slot.view()[: h.file_size])
+    slot.close()
+    assert verify_image("s", image) == h
+    for at, what in ((HEADER_SIZE + 70, "chunk 1 fails"), (20, "header checksum"), (0, "bad magic")):
+        damaged = bytearray(image)
+        damaged[at] ^= 1
+        with pytest.raises(CorruptSlot, match=what):
+            verify_image("s", bytes(damaged))
+    with pytest.raises(CorruptSlot, match="truncated"):
+        verify_image("s", image[: h.file_size - 1])
+    with pytest.raises(CorruptSlot, match="truncated"):
+        verify_image("s", image[:10])
 
 
 def test_a_fresh_optimizer_state_goes_straight_to_its_parameters_device() -> None:
@@ -421,7 +476,7 @@ def test_a_copy_the_scan_verified_is_not_hashed_again_but_a_changed_one_is(tmp_p
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
-    gem = _lone_gemini(tmp_path, model, None)
+    gem = lone_gemini(tmp_path, model, None)
     try:
         assert gem.capture(1) and gem.drain(10)
         assert gem.scan()["local"] == [1]
@@ -495,7 +550,7 @@ def test_a_second_live_job_with_the_same_run_id_keeps_its_copies_apart(
         owner.write_text(str(other.pid))
         (owner.parent / "own-r0-s0").write_bytes(b"the live job's copy")
         model = torch.nn.Linear(2, 2)
-        gem = _lone_gemini(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1))
+        gem = lone_gemini(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1))
         try:
             with caplog.at_level("WARNING"):
                 gem.claim()
@@ -512,7 +567,7 @@ def test_a_second_live_job_with_the_same_run_id_keeps_its_copies_apart(
     finally:
         other.stdin.close()  # type: ignore[union-attr]
         other.wait(timeout=30)
-    gem = _lone_gemini(tmp_path, torch.nn.Linear(2, 2), None)
+    gem = lone_gemini(tmp_path, torch.nn.Linear(2, 2), None)
     try:
         gem.claim()  # its owner is gone now
         assert gem.dir == owner.parent and owner.read_text() == str(os.getpid())

@@ -140,6 +140,41 @@ def test_cuda_training_killed_and_resumed_is_bitwise_equal(tmp_path) -> None:  #
     assert summary["recovery_decision"]["checkpoint_source"] == "gemini"
 
 
+def test_a_fresh_cuda_process_restores_through_a_page_locked_slot_straight_to_the_device(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The restart path: a new model and an optimizer with no state, on the GPU. The slot is
+    page-locked before the copies (and stays so for the next capture), the optimizer state lands
+    on the device without a host clone ("step" on the host, as torch keeps it), bitwise."""
+    from tests.conftest import lone_gemini
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 1024, device=dev)).sum().backward()
+    opt.step()
+    gem = lone_gemini(tmp_path, model, opt)
+    try:
+        assert gem.capture(1) and gem.drain(30)
+        k = next(iter(gem._own_step))
+    finally:
+        gem.close()
+    fresh = torch.nn.Linear(1024, 1024).to(dev)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    gem = lone_gemini(tmp_path, fresh, fresh_opt)
+    try:
+        gem._restore_from(gem._own[k], 1)
+        assert isinstance(gem._copier, CudaCopier) and gem._copier._registered, "slot not page-locked"
+        assert gem._pinned.get(k) is gem._own[k].mapping
+        for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+            assert torch.equal(a, b)
+            sa, sb = opt.state[a], fresh_opt.state[b]
+            assert sb["exp_avg"].is_cuda and sb["step"].device.type == "cpu"
+            assert all(torch.equal(sa[n], sb[n]) for n in sa)
+        assert gem.capture(2) and gem.drain(30)
+    finally:
+        gem.close()
+
+
 def test_fp16_training_with_a_grad_scaler_resumes_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp16 autocast with a CUDA GradScaler, overflows at two steps: the scale (a CUDA tensor,
     captured by the side-stream copy) and the skipped steps survive a restart, bitwise."""

@@ -5,7 +5,8 @@ FSDP (1: the model is FSDP2-sharded over all ranks, DTensor state, instead of DD
 FLIP_AT (generation 0: that rank flips a weight bit after that step; every rank waits for SCOUT's
 SDC verdict after the next step, then for the kill), RECOVERY_MODE (enable_resiliency's),
 PUBLISH_COALESCE_S and HEARTBEAT_S (RuntimeConfig's: evidence, and so certificates, up to the
-smaller of the two late),
+smaller of the two late), VERIFY_INTEGRITY (1: InMemoryCkptConfig's), DAMAGE_RANK and DAMAGE_AT
+(that rank flips a byte of the newest replica it holds after that step),
 plus LM_RESILIENCY_{RUN_ID,SHM_DIR,GENERATION,MACHINE_ID_PATH}. Data depends only on (rank, step);
 the model uses dropout, so a bitwise resume needs the RNG state too. In generation 0, PAUSE_RANK
 blocks after step PAUSE_AT (all captures drained) until the test kills the job. At the end it saves
@@ -14,17 +15,20 @@ its final model and optimizer state to RESULT_DIR/final-rank<r>.pt and a JSON re
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lm_resiliency import DurableCheckpointConfig, InMemoryCkptConfig, RuntimeConfig, enable_resiliency
+from lm_resiliency.runtime.shm import CorruptSlot, SlotFile
 
 
 def main() -> int:
@@ -32,6 +36,7 @@ def main() -> int:
     steps = int(os.environ["STEPS"])
     pause_rank, pause_at = int(os.environ.get("PAUSE_RANK", "-1")), int(os.environ.get("PAUSE_AT", "-1"))
     flip_rank, flip_at = int(os.environ.get("FLIP_RANK", "-1")), int(os.environ.get("FLIP_AT", "-1"))
+    damage_rank, damage_at = int(os.environ.get("DAMAGE_RANK", "-1")), int(os.environ.get("DAMAGE_AT", "-1"))
     generation = int(os.environ.get("LM_RESILIENCY_GENERATION", "0"))
     result_dir = os.environ["RESULT_DIR"]
     store = dist.TCPStore(
@@ -60,7 +65,9 @@ def main() -> int:
         opt,
         opt_param_scheduler=sched,
         interval=1,
-        checkpoint=InMemoryCkptConfig(replication_chunk_size=1 << 16),
+        checkpoint=InMemoryCkptConfig(
+            replication_chunk_size=1 << 16, verify_integrity=os.environ.get("VERIFY_INTEGRITY") == "1"
+        ),
         durable_checkpoint=DurableCheckpointConfig(
             folder=os.environ["DISK_FOLDER"], interval=int(os.environ.get("DISK_INTERVAL", "4"))
         ),
@@ -118,6 +125,19 @@ def main() -> int:
             store.set(f"test/paused/{rank}", b"1")
             store.set(f"test/certified/{rank}", b"1")
             store.wait(["test/never"], datetime.timedelta(seconds=300))  # killed here
+        if rank == damage_rank and step == damage_at:
+            # A byte of the newest replica this rank holds flips at rest (bit rot, a stray write).
+            held = {}
+            for path in Path(os.environ["LM_RESILIENCY_SHM_DIR"]).rglob(f"replica-r*-h{rank}-s*"):
+                slot = SlotFile.open_existing(path)
+                with contextlib.suppress(CorruptSlot):  # one being received right now
+                    held[slot.read_header().step] = path
+                slot.close()
+            with open(held[max(held)], "r+b") as f:
+                f.seek(4096 + 200)
+                byte = f.read(1)[0]
+                f.seek(4096 + 200)
+                f.write(bytes([byte ^ 0x10]))
         if generation == 0 and rank == pause_rank and step == pause_at:
             session.gemini.drain(30)
             store.set(f"test/paused/{rank}", b"1")
@@ -144,6 +164,7 @@ def main() -> int:
         "replicas_received": gem.stats.replicas_received,
         "disk_writes": gem.stats.disk_writes,
         "disk_errors": gem.stats.disk_errors,
+        "scrubbed": gem.stats.scrubbed,
         "faults": faults,
         "held_bytes": gem.held_bytes(),
         "cluster_plan_step": gem.cluster_plan().step,
