@@ -700,8 +700,15 @@ class Session:
             recovery_mode=RecoveryMode.RECOVERY_VERIFIED
             if gem.restored_verified
             else self._recovery_mode or RecoveryMode.LATEST,
-            checkpoint_source="gemini" if step >= 0 else "none",
+            # The tier the restore came from leads the reason: local, peer, disk (GEMINI's durable
+            # tier), fallback (the caller's own checkpoint through load_fallback).
+            checkpoint_source="none"
+            if step < 0
+            else "durable"
+            if reason.startswith(("disk:", "fallback:"))
+            else "gemini",
             checkpoint_step=step,
+            checkpoint_id=str(gem.durable.path(step)) if step >= 0 and reason.startswith("disk:") else None,
             topology_digest=self._topology.digest(),
             available=step >= 0,
             reason=reason,

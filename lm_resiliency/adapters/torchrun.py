@@ -734,11 +734,14 @@ class _Pulse:
         keeps = {n for n in new.slots if n is not None and n in old.slots}  # same machine, same shm
         local: dict[int, set[int]] = {}
         replicas: dict[int, dict[int, set[int]]] = {}
+        disk: dict[int, set[int]] = {}
         certified: set[int] | None = None
         for r, inv in invs.items():
             node = _node_of_rank(old, r)
             if node in keeps and _node_of_rank(new, r) == node:
                 local[r] = {int(x) for x in inv.get("local", [])}
+                # The durable tier's folder may be the node's own disk: a rank that stays finds it.
+                disk[r] = {int(x) for x in inv.get("disk", [])}
             if node in keeps:
                 replicas[r] = {int(o): {int(x) for x in st} for o, st in inv.get("replicas", {}).items()}
             # Every rank reaches the same verdicts from the same evidence, so a certificate any rank
@@ -747,9 +750,10 @@ class _Pulse:
             if inv.get("scout"):
                 certified = cert if certified is None else certified | cert
         allowed = certified if mode == "recovery_verified" and certified is not None else None
-        rp = plan_recovery(world, local, replicas, allowed=allowed)
+        rp = plan_recovery(world, local, replicas, disk, allowed=allowed)
         if rp.step >= 0:
-            plan["checkpoint_source"] = "gemini"
+            tiers = {src.tier for src in rp.sources.values()}
+            plan["checkpoint_source"] = "durable" if tiers == {"disk"} else "gemini"
             plan["checkpoint_step"] = rp.step
             plan["checkpoint_id"] = f"gemini-step-{rp.step}"
             plan["sources"] = sorted({src.tier for src in rp.sources.values()})

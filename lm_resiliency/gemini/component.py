@@ -263,12 +263,34 @@ class Gemini:
             if h is not None:
                 self._replica_step.setdefault(owner, {})[k] = h.step
                 replicas.setdefault(owner, []).append(h.step)
+        disk = self._scan_disk()
         return {
             "local": sorted(set(local)),
             "replicas": {str(o): sorted(set(s)) for o, s in replicas.items()},
+            "disk": disk,
             "certified": sorted(self.carried_certificates),
             "mode": self.noted_restart_mode() or "",
         }
+
+    def _scan_disk(self) -> list[int]:
+        """The steps of this rank's state on the durable tier that a restore may choose: files of
+        this run, rank and topology whose header and checksum table are intact (their chunks are
+        verified when one is loaded). Held from now on in the inventory, as written ones are."""
+        steps = []
+        for step in self.durable.steps():
+            try:
+                h = self.durable.header(step)
+            except DurableError as exc:
+                self._reject(CorruptSlot(str(exc)))
+                continue
+            if h.owner != self.rank or h.step != step or h.run_id != self.run_id[:64]:
+                self._reject(NotACopy(f"{self.durable.path(step)}: holds rank {h.owner} step {h.step}"))
+            elif h.world_size != self.world_size or h.topology != self.shape:
+                self._reject(NotACopy(f"{self.durable.path(step)}: captured with another topology"))
+            else:
+                steps.append(step)
+        self._on_disk |= set(steps)
+        return steps
 
     def _check(self, path: Path, owner: int) -> SlotHeader | None:
         if not path.exists():

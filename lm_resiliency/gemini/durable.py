@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from lm_resiliency.runtime.shm import CorruptSlot, SlotHeader, parse_header
+
 __all__ = ["FORMAT", "DurableError", "DurableStore"]
 
 FORMAT = "lm_resiliency.gemini.slot/1"
@@ -90,9 +92,22 @@ class DurableStore:
 
     def read(self, step: int) -> bytes:
         """The slot bytes of `step`; raises DurableError for a missing or malformed file."""
+        return self._slot(step, mmap=False).numpy().tobytes()
+
+    def header(self, step: int) -> SlotHeader:
+        """The committed header of `step`'s slot, without reading the state: the file is mapped
+        and only the header and the checksum table are read (the chunks are verified when the
+        copy is loaded). Raises DurableError for a missing, malformed or truncated file."""
+        blob = self._slot(step, mmap=True)
+        try:
+            return parse_header(self.path(step).name, blob.numpy().data, blob.numel())
+        except CorruptSlot as exc:
+            raise DurableError(0, f"{self.path(step)}: {exc}") from exc
+
+    def _slot(self, step: int, mmap: bool) -> torch.Tensor:
         path = self.path(step)
         try:
-            doc = torch.load(path, weights_only=True, map_location="cpu")
+            doc = torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
         except Exception as exc:  # torch.load raises many types for a bad file; translate here
             raise DurableError(0, f"{path}: cannot load ({type(exc).__name__}: {exc})") from exc
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -100,6 +115,6 @@ class DurableStore:
         if doc.get("owner") != self.rank or doc.get("step") != step or doc.get("run_id") != self.run_id:
             raise DurableError(0, f"{path}: belongs to another rank, step or run")
         blob = doc["slot"]
-        if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8:
+        if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
             raise DurableError(0, f"{path}: slot is not a byte tensor")
-        return blob.numpy().tobytes()
+        return blob

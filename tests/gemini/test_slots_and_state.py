@@ -369,6 +369,41 @@ def test_verify_integrity_reads_each_durable_write_back(tmp_path: Path) -> None:
         gem.close()
 
 
+def test_a_restart_offers_the_durable_copies_whose_headers_hold(tmp_path: Path) -> None:
+    """The durable tier is a recovery tier: a restart's scan lists each step whose file has an
+    intact header for this run, rank and topology; a damaged file is reported and left out, a
+    missing one is not listed; the copy is verified chunk by chunk when loaded, and restores
+    bitwise."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    gem = lone_gemini(tmp_path / "a", model, None, disk_interval=1, keep_last=3)
+    try:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            assert gem.capture(step) and gem.drain(10)
+        want = model.weight.detach().clone()
+        disk = gem.durable
+    finally:
+        gem.close()
+    data = bytearray(disk.path(1).read_bytes())
+    data[data.index(b"LMRGEM01") + 30] ^= 1  # a header field: its checksum fails
+    disk.path(1).write_bytes(bytes(data))
+    disk.path(2).rename(disk.path(2).with_name("rank-00000.pt.moved"))  # step 2's file is gone
+    faults: list[dict[str, Any]] = []
+    fresh = torch.nn.Linear(64, 64)
+    gem = lone_gemini(tmp_path / "b", fresh, None, disk_interval=1, keep_last=3, on_fault=faults.append)
+    gem.durable = disk
+    try:
+        inv = gem.scan()
+        assert inv["disk"] == [3] and inv["local"] == [] and gem.inventory().disk == (3,)
+        assert [f["kind"] for f in faults] == ["checkpoint_corruption"] and "header" in faults[0]["detail"]
+        gem._restore_from(gem._own[gem._load_from_disk(3)], 3)
+        assert torch.equal(fresh.weight, want)
+    finally:
+        gem.close()
+
+
 def test_verify_image_checks_header_and_every_chunk(tmp_path: Path) -> None:
     from lm_resiliency.runtime.shm import verify_image
 

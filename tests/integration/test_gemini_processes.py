@@ -187,6 +187,27 @@ def test_b_node_memory_wiped_restores_from_peer_replicas_bitwise(
         assert rep["decision"]["reason"].startswith(want), rep
 
 
+def test_b_every_node_memory_lost_restores_from_the_durable_tier_bitwise(
+    processes,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+    shm_root: Path,
+    baseline: Path,
+) -> None:
+    """Both nodes' shared memory gone (every local copy and every replica): the restart finds the
+    step-4 files of the durable tier for every rank, restores them (their checksums verified on
+    load) and the run ends bitwise equal; the decision names the durable tier."""
+    disk = tmp_path / "disk"
+    _run(processes, tmp_path, "g0", shm_root, 0, disk, pause_rank=1, kill=True)
+    shutil.rmtree(shm_root / "gemini-test")
+    reports = _run(processes, tmp_path, "g1", shm_root, 1, disk)
+    for r in range(WORLD):
+        _same(baseline / f"final-rank{r}.pt", tmp_path / "g1" / f"final-rank{r}.pt")
+    for rep in reports:
+        assert rep["recovered_step"] == 4 and rep["decision"]["reason"].startswith("disk:"), rep
+        assert rep["decision"]["checkpoint_source"] == "durable", rep["decision"]
+        assert rep["decision"]["checkpoint_id"].endswith(f"step-0000000004/rank-{rep['rank']:05d}.pt")
+
+
 @pytest.fixture(scope="module")
 def baseline_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.conftest import ProcessGroup
