@@ -1296,7 +1296,8 @@ class Gemini:
             self._capture_from_hook(step, wait_for_verdict=False)
 
     def flush_for_restart(self, timeout: float = 30.0, replicate: bool = True) -> int:
-        """Write the newest committed capture to disk; return its step, or -1 (nothing, or disk failed).
+        """Write the committed captures to disk, newest first; return the newest step written, or -1
+        (nothing, or the disk failed).
 
         First every capture handed to the worker is committed, replicated and its inventory
         published (`drain`). Without `replicate` (SIGTERM: the process ends next), committed and
@@ -1318,15 +1319,30 @@ class Gemini:
         with self._lock:
             if not self._own_step or self._released:
                 return -1
-            k, step = max(self._own_step.items(), key=lambda kv: kv[1])
-            self._flushing.add(k)
+            # Newest first; then the older capture too: a signal finds some ranks one capture
+            # ahead of others, and the restart needs a step every rank wrote (without it, the
+            # one before: a whole disk interval further back).
+            held = sorted(self._own_step.items(), key=lambda kv: kv[1], reverse=True)
+            self._flushing.update(k for k, _ in held)
         try:
-            slot = self._own[k]
-            header = slot.read_header()
-            return step if self._write_durable(slot, header) else -1
+            written = []
+            for k, step in held:
+                # (A restarted rank holds the copies its scan found before it maps the slots.)
+                slot = self._own[k] if self._own[k].mapping is not None else None
+                try:
+                    reader = slot or SlotFile.open_existing(self._own[k].path)
+                    try:
+                        if self._write_durable(reader, reader.read_header()):
+                            written.append(step)
+                    finally:
+                        if reader is not slot:
+                            reader.close()
+                except CorruptSlot as exc:
+                    log.warning("rank %d: step %d not flushed to disk: %s", self.rank, step, exc)
+            return max(written, default=-1)
         finally:
             with self._lock:
-                self._flushing.discard(k)
+                self._flushing.difference_update(k for k, _ in held)
                 self._idle.notify_all()
 
     def drain(self, timeout: float = 60.0) -> bool:

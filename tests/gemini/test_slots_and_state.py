@@ -404,6 +404,32 @@ def test_a_restart_offers_the_durable_copies_whose_headers_hold(tmp_path: Path) 
         gem.close()
 
 
+def test_a_flush_writes_both_held_captures_newest_first_even_before_the_slots_are_mapped(
+    tmp_path: Path,
+) -> None:
+    """A SIGTERM finds some ranks one capture ahead of others: each rank writes its newest and its
+    older capture, so a step every rank wrote exists. A restarted rank that has not captured yet
+    (its slots known from the scan, not mapped) flushes as well."""
+    model = torch.nn.Linear(16, 16)
+    gem = lone_gemini(tmp_path / "a", model, None, disk_interval=10**6)
+    try:
+        for step in (1, 2):
+            assert gem.capture(step) and gem.drain(10)
+        assert gem.flush_for_restart(replicate=False) == 2 and gem.durable.steps() == [1, 2]
+        disk = gem.durable
+    finally:
+        gem.close()
+    for step in (1, 2):
+        disk.path(step).unlink()
+    gem = lone_gemini(tmp_path / "a", torch.nn.Linear(16, 16), None)
+    gem.durable = disk
+    try:
+        assert gem.scan()["local"] == [1, 2] and all(slot.mapping is None for slot in gem._own)
+        assert gem.flush_for_restart(replicate=False) == 2 and disk.steps() == [1, 2]
+    finally:
+        gem.close()
+
+
 def test_verify_image_checks_header_and_every_chunk(tmp_path: Path) -> None:
     from lm_resiliency.runtime.shm import verify_image
 
