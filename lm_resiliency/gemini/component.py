@@ -281,7 +281,7 @@ class Gemini:
             try:
                 h = self.durable.header(step)
             except DurableError as exc:
-                self._reject(CorruptSlot(str(exc)))
+                self._reject(CorruptSlot(str(exc)), self.rank, step)
                 continue
             if h.owner != self.rank or h.step != step or h.run_id != self.run_id[:64]:
                 self._reject(NotACopy(f"{self.durable.path(step)}: holds rank {h.owner} step {h.step}"))
@@ -300,6 +300,7 @@ class Gemini:
         except CorruptSlot as exc:
             self._reject(exc)
             return None
+        h = None
         try:
             h = slot.read_header()
             if h.run_id != self.run_id[:64] or h.owner != owner or h.world_size != self.world_size:
@@ -312,12 +313,12 @@ class Gemini:
                 self.carried_certificates.add(h.step)
             return h
         except CorruptSlot as exc:
-            self._reject(exc)
+            self._reject(exc, owner, None if h is None else h.step)
             return None
         finally:
             slot.close()
 
-    def _reject(self, exc: CorruptSlot) -> None:
+    def _reject(self, exc: CorruptSlot, owner: int | None = None, step: int | None = None) -> None:
         why = str(exc)
         self.stats.rejected_copies.append(why)
         if isinstance(exc, NotACopy):
@@ -326,7 +327,10 @@ class Gemini:
             log.info("rank %d: checkpoint slot holds no copy: %s", self.rank, why)
             return
         log.warning("rank %d: checkpoint copy skipped: %s", self.rank, why)
-        self._fault("checkpoint_corruption", "checkpoint_copy_invalid", why)
+        known: dict[str, Any] = {"owner": owner} if owner is not None else {}
+        if step is not None:  # the header held: whose copy of which step failed its checksums
+            known["steps"] = [step]
+        self._fault("checkpoint_corruption", "checkpoint_copy_invalid", why, **known)
 
     def _fault(self, kind: str, reason: str, detail: str, **extra: Any) -> None:
         if self._on_fault is not None:

@@ -272,6 +272,9 @@ def test_c_damaged_copies_are_skipped_and_others_used_bitwise(
     for r in (0, 2):
         assert reports[r]["rejected_copies"], f"rank {r}'s damaged copy was not reported"
         assert any(f["kind"] == "checkpoint_corruption" for f in reports[r]["faults"]), reports[r]
+    # The flipped byte left the header intact: the report names whose copy of which step failed.
+    found = [f for f in reports[0]["faults"] if f["kind"] == "checkpoint_corruption"]
+    assert found[0]["owner"] == 0 and found[0]["steps"][0] in (PAUSE_AT - 1, PAUSE_AT), found
     for rep in reports.values():
         assert not rep["decision"]["reason"].startswith("disk"), rep["decision"]
 
