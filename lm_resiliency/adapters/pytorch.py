@@ -60,6 +60,7 @@ class PyTorchAdapter:
         self.parallelism_info = dict(parallelism_info or {})
         self._time_comm = time_comm
         self._handles: list[Any] = []
+        self._untrack: list[Callable[[], Any]] = []  # undoes what attach() wrapped
         self._on_step: StepSink | None = None
         self._attached = False
         # Per-step timing state (training thread; the comm hook's callbacks write comm_end from
@@ -153,6 +154,8 @@ class PyTorchAdapter:
             self._handles.append(mark_ours(self.optimizer.register_step_pre_hook(self._opt_pre)))
             self._handles.append(mark_ours(self.optimizer.register_step_post_hook(self._opt_post)))
         ddp = self._ddp  # hooks above stay on the compiled wrapper: eager
+        if ddp is not None:
+            self._track_buffer_broadcast(ddp)
         if ddp is not None and self._time_comm:
             if getattr(ddp, "_comm_hooks", None):
                 log.info("DDP model already has a comm hook; communication time will not be measured")
@@ -178,7 +181,37 @@ class PyTorchAdapter:
                 ddp.register_comm_hook(pg, comm_hook)
         self._t_step_start = time.perf_counter()
 
+    def _track_buffer_broadcast(self, ddp: Any) -> None:
+        """DDP broadcasts its buffers from rank 0 at the start of a training forward
+        (`broadcast_buffers=True` and buffers: BatchNorm's statistics, a rotary embedding's table):
+        a collective of the step like its all-reduce, in which rank 0's peers wait for rank 0 (and
+        rank 0 for them). Untracked, ranks stuck in it looked as if they had never entered the
+        step's collective, and a hang named them with the rank that had stopped."""
+        original = ddp._sync_buffers  # bound; the instance attribute shadows it
+        group = getattr(ddp, "process_group", None)
+
+        def tracked() -> Any:
+            # (Its body runs under no_grad: whether this is a training forward is known out here.
+            # An evaluation's first forward broadcasts too: between steps, not tracked.)
+            if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+                return original()
+            if not self._stepping:  # the model given was the module DDP wraps: the step begins here
+                self._forward_pre(ddp, ())
+            buffers = list(getattr(ddp, "modules_buffers", ()))
+            size = sum(b.numel() for b in buffers if isinstance(b, torch.Tensor))
+            self.enter_collective(f"broadcast_buffers:{len(buffers)}:{size}:{_world(group)}", True)
+            try:
+                return original()
+            finally:
+                self.exit_collective()
+
+        ddp._sync_buffers = tracked
+        self._untrack.append(lambda: vars(ddp).pop("_sync_buffers", None))
+
     def detach(self) -> None:
+        for undo in self._untrack:
+            undo()
+        self._untrack.clear()
         collectives.uninstall(self)
         for h in self._handles:
             h.remove()
@@ -346,6 +379,13 @@ class PyTorchAdapter:
     def set_step(self, step: int) -> None:
         """Start counting from `step` (after a recovery)."""
         self._step = step
+
+
+def _world(group: Any) -> int:
+    try:
+        return dist.get_world_size(group)
+    except Exception:  # not initialised (a test's lone module): the signature only names it
+        return -1
 
 
 def _ranks(value: Any, where: str) -> tuple[int, ...]:

@@ -190,6 +190,22 @@ def test_rank_that_never_enters_a_collective_is_named_before_gloo_times_out(
         assert latency < 30.0  # gloo's timeout in this job
 
 
+@pytest.mark.parametrize("culprit", [0, 1])
+def test_a_hang_is_named_when_ddp_broadcasts_buffers_in_the_forward(
+    processes, tmp_path: Path, culprit: int
+) -> None:  # type: ignore[no-untyped-def]
+    """A model with buffers (BatchNorm): DDP broadcasts them from rank 0 at each training forward,
+    so the peers of a rank that stops wait in that broadcast, not in the all-reduce. Rank 0
+    stopping left every peer there (no hang named at all); rank 1 stopping named ranks 0 and 3
+    with it (they were stuck in the broadcast, which looked like never entering the step)."""
+    results, _ = _run(
+        processes, tmp_path, "hang", steps=50, culprit=culprit, at=8, wait_all=False, extra={"BN": "1"}
+    )
+    for res in results:
+        hang = [f for f in res["faults"] if f["kind"] == "hang"]
+        assert hang and hang[0]["failed_ranks"] == [culprit], res["faults"]
+
+
 def test_a_data_loader_that_blocks_is_named_a_data_stall(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Rank 1's loader blocks for 3 s (threshold 1 s): a data stall naming it, from its own
     runtime's out-of-band progress, while its training thread is still inside `next()`."""

@@ -72,6 +72,8 @@ def main() -> int:
     )
     torch.manual_seed(0)
     inner = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 128))
+    if os.environ.get("BN") == "1":  # buffers: DDP broadcasts them from rank 0 in every training forward
+        inner.append(nn.BatchNorm1d(128))
     wrapped = os.environ.get("WRAP", "ddp") == "ddp"
     model: nn.Module = nn.parallel.DistributedDataParallel(inner) if wrapped else inner
     sharded = os.environ.get("WRAP") == "fsdp2"
