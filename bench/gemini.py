@@ -112,6 +112,25 @@ def in_process(state_mib: int, reps: int, tmp: Path, device: torch.device, shm: 
         _sync(device)
         return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
 
+    def torch_load(m: nn.Module, o: torch.optim.Optimizer) -> float:
+        t0 = time.perf_counter()
+        sd = torch.load(save_path, weights_only=True)
+        m.load_state_dict(sd["model"])
+        o.load_state_dict(sd["optimizer"])
+        _sync(device)
+        return time.perf_counter() - t0
+
+    def restore(m: nn.Module, o: torch.optim.Optimizer, k: int, step: int) -> float:
+        """GEMINI's restore of slot `k` into `m` and `o`."""
+        gem.model, gem.optimizer = m, o
+        try:
+            t0 = time.perf_counter()
+            gem._restore_from(gem._own[k], step)
+            _sync(device)
+            return time.perf_counter() - t0
+        finally:
+            gem.model, gem.optimizer = model, opt
+
     for i in range(reps):
         _sync(device)
         t0 = time.perf_counter()
@@ -129,37 +148,12 @@ def in_process(state_mib: int, reps: int, tmp: Path, device: torch.device, shm: 
         fd = os.open(save_path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-        t0 = time.perf_counter()
-        sd = torch.load(save_path, weights_only=True)
-        model.load_state_dict(sd["model"])
-        opt.load_state_dict(sd["optimizer"])
-        _sync(device)
-        loads.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()  # and the baseline's best case: the same file, page cache warm
-        sd = torch.load(save_path, weights_only=True)
-        model.load_state_dict(sd["model"])
-        opt.load_state_dict(sd["optimizer"])
-        _sync(device)
-        warm_loads.append(time.perf_counter() - t0)
         k = next(k for k, s in gem._own_step.items() if s == i + 1)
-        t0 = time.perf_counter()
-        gem._restore_from(gem._own[k], i + 1)
-        _sync(device)
-        restores.append(time.perf_counter() - t0)
-        m, o = fresh()
-        t0 = time.perf_counter()
-        sd = torch.load(save_path, weights_only=True)
-        m.load_state_dict(sd["model"])
-        o.load_state_dict(sd["optimizer"])
-        _sync(device)
-        fresh_loads.append(time.perf_counter() - t0)
-        del m, o, sd
-        gem.model, gem.optimizer = fresh()
-        t0 = time.perf_counter()
-        gem._restore_from(gem._own[k], i + 1)
-        _sync(device)
-        fresh_restores.append(time.perf_counter() - t0)
-        gem.model, gem.optimizer = model, opt
+        loads.append(torch_load(model, opt))
+        warm_loads.append(torch_load(model, opt))  # the baseline's best case: the page cache warm
+        restores.append(restore(model, opt, k, i + 1))
+        fresh_loads.append(torch_load(*fresh()))
+        fresh_restores.append(restore(*fresh(), k, i + 1))
         print(
             f"rep {i}: capture blocks {blocks[-1] * 1e3:.1f} ms, torch.save {saves[-1] * 1e3:.0f} ms, "
             f"torch.load {loads[-1] * 1e3:.0f} ms, restore {restores[-1] * 1e3:.1f} ms; into a fresh "
