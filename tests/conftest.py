@@ -78,9 +78,11 @@ def lone_gemini(
     copier: Any = None,
     pin_memory: bool = True,
     verify_integrity: bool = False,
+    world: int = 1,
     **kwargs: Any,
 ) -> Any:
-    """A GEMINI of a one-rank job with no runtime (nothing to replicate to)."""
+    """Rank 0's GEMINI of a one-node job with no runtime (nothing to replicate to; what the other
+    ranks of a `world` hold is what a test puts in its `_inventories`)."""
     from lm_resiliency.config import InMemoryCkptConfig
     from lm_resiliency.core.topology import Topology
     from lm_resiliency.gemini.component import Gemini
@@ -94,10 +96,10 @@ def lone_gemini(
 
     return Gemini(
         rank=0,
-        world_size=1,
+        world_size=world,
         node_id="n",
         run_id="r",
-        topology=Topology.build(["n"], [[0]]),
+        topology=Topology.build(["n"] * world, [list(range(world))]),
         runtime=NoRuntime(),
         model=model,
         optimizer=opt,

@@ -1300,8 +1300,8 @@ class Gemini:
             self._capture_from_hook(step, wait_for_verdict=False)
 
     def flush_for_restart(self, timeout: float = 30.0, replicate: bool = True) -> int:
-        """Write the committed captures to disk, newest first; return the newest step written, or -1
-        (nothing, or the disk failed).
+        """Write the newest committed capture to disk, and the older one unless every rank is known
+        to hold the newest; return the newest step written, or -1 (nothing, or the disk failed).
 
         First every capture handed to the worker is committed, replicated and its inventory
         published (`drain`). Without `replicate` (SIGTERM: the process ends next), committed and
@@ -1323,14 +1323,16 @@ class Gemini:
         with self._lock:
             if not self._own_step or self._released:
                 return -1
-            # Newest first; then the older capture too: a signal finds some ranks one capture
-            # ahead of others, and the restart needs a step every rank wrote (without it, the
-            # one before: a whole disk interval further back).
+            # Newest first; then the older capture too, unless every rank is known to hold the
+            # newest: a signal finds some ranks one capture ahead of others, and the restart needs
+            # a step every rank wrote (without it, the one before: a whole disk interval back).
             held = sorted(self._own_step.items(), key=lambda kv: kv[1], reverse=True)
             self._flushing.update(k for k, _ in held)
         try:
             written = []
-            for k, step in held:
+            for i, (k, step) in enumerate(held):
+                if i and self.cluster_plan().step >= held[0][1]:
+                    break  # (gossip says every rank holds the newest: the restart needs no other)
                 # (A restarted rank holds the copies its scan found before it maps the slots.)
                 slot = self._own[k] if self._own[k].mapping is not None else None
                 try:

@@ -404,28 +404,35 @@ def test_a_restart_offers_the_durable_copies_whose_headers_hold(tmp_path: Path) 
         gem.close()
 
 
-def test_a_flush_writes_both_held_captures_newest_first_even_before_the_slots_are_mapped(
-    tmp_path: Path,
-) -> None:
-    """A SIGTERM finds some ranks one capture ahead of others: each rank writes its newest and its
-    older capture, so a step every rank wrote exists. A restarted rank that has not captured yet
-    (its slots known from the scan, not mapped) flushes as well."""
+def test_a_flush_writes_the_older_capture_too_while_a_peer_lacks_the_newest(tmp_path: Path) -> None:
+    """A SIGTERM finds some ranks one capture ahead of others: a rank whose peers are not known to
+    hold its newest capture writes its older one too, so a step every rank wrote exists; once
+    every rank holds the newest, only that (a group restart is not delayed by a second write). A
+    restarted rank that has not captured yet (its slots known from the scan, not mapped) flushes
+    as well."""
+    from lm_resiliency.core.messages import GeminiInventory
+
     model = torch.nn.Linear(16, 16)
-    gem = lone_gemini(tmp_path / "a", model, None, disk_interval=10**6)
+    gem = lone_gemini(tmp_path / "a", model, None, world=2, disk_interval=10**6)
     try:
         for step in (1, 2):
             assert gem.capture(step) and gem.drain(10)
+        gem._inventories[1] = GeminiInventory(1, (1,), {}, ())  # rank 1 committed step 1 only
         assert gem.flush_for_restart(replicate=False) == 2 and gem.durable.steps() == [1, 2]
         disk = gem.durable
+        for step in (1, 2):
+            disk.path(step).unlink()
+        gem._on_disk.clear()
+        gem._inventories[1] = GeminiInventory(1, (1, 2), {}, ())  # now it holds step 2 as well
+        assert gem.flush_for_restart(replicate=False) == 2 and disk.steps() == [2]
+        disk.path(2).unlink()
     finally:
         gem.close()
-    for step in (1, 2):
-        disk.path(step).unlink()
-    gem = lone_gemini(tmp_path / "a", torch.nn.Linear(16, 16), None)
+    gem = lone_gemini(tmp_path / "a", torch.nn.Linear(16, 16), None, world=2)
     gem.durable = disk
     try:
         assert gem.scan()["local"] == [1, 2] and all(slot.mapping is None for slot in gem._own)
-        assert gem.flush_for_restart(replicate=False) == 2 and disk.steps() == [1, 2]
+        assert gem.flush_for_restart(replicate=False) == 2 and disk.steps() == [1, 2]  # rank 1 unheard
     finally:
         gem.close()
 
