@@ -199,6 +199,7 @@ class Gemini:
         # capture or a received replica overwrites the slot found no damage).
         self._rewrites: dict[Path, int] = {}
         self._scrubbing = False  # the worker is verifying held copies again (drain waits for it)
+        self._scrub_hold: int | None = None  # the own slot being verified again (not to overwrite)
         self._restore_waiters: dict[str, threading.Event] = {}
         # (slot, header, copy completion, step of the other own slot this capture left in place)
         self._jobs: queue.Queue[tuple[int, SlotHeader, Completion, int] | None] = queue.Queue()
@@ -735,7 +736,11 @@ class Gemini:
         the newest one. After an SDC the certified slot stays put while the other rotates."""
         keep = self._slot_to_keep(self._own_step)
         return sorted(
-            (k for k in (0, 1) if k != keep and k not in self._busy and k not in self._flushing),
+            (
+                k
+                for k in (0, 1)
+                if k != keep and k not in self._busy and k not in self._flushing and k != self._scrub_hold
+            ),
             key=lambda k: self._own_step.get(k, -1),
         )
 
@@ -858,6 +863,10 @@ class Gemini:
                     self._busy.discard(k)
                     self._in_flight.pop(k, None)
                     self._scrubbing = self.config.verify_integrity and not self._closed
+                    if self._scrubbing and 1 - k in self._own_step:
+                        # Held from now on: a capture that overwrote it before the check began
+                        # would erase a damaged copy unreported.
+                        self._scrub_hold = 1 - k
                     self._idle.notify_all()
             if self._scrubbing:
                 try:
@@ -867,6 +876,7 @@ class Gemini:
                 finally:
                     with self._lock:
                         self._scrubbing = False
+                        self._scrub_hold = None
                         self._idle.notify_all()
 
     def _taken(self, path: Path) -> None:
@@ -892,21 +902,32 @@ class Gemini:
                 steps = self._own_step if owner == self.rank else self._replica_step.get(owner, {})
                 if steps.get(k) != step:
                     continue  # taken by a writer since
+                # The next capture must not overwrite our other slot meanwhile (held since the
+                # commit): a damaged copy it replaced would look like one being rewritten.
+                self._scrub_hold = k if owner == self.rank else None
             try:
-                reader = SlotFile.open_existing(path)
-            except CorruptSlot as exc:
-                self._drop_damaged(owner, k, step, path, seen, str(exc))
-                continue
-            try:
-                h = reader.read_header()
-                if h.step != step or h.owner != owner:
-                    raise CorruptSlot(f"{path.name}: holds rank {h.owner} step {h.step}, expected {step}")
-                reader.verify(h, self._verify_pool)
-                self.stats.scrubbed += 1
-            except CorruptSlot as exc:
-                self._drop_damaged(owner, k, step, path, seen, str(exc))
+                self._verify_held(owner, k, step, path, seen)
             finally:
-                reader.close()
+                with self._lock:
+                    self._scrub_hold = None
+                    self._idle.notify_all()
+
+    def _verify_held(self, owner: int, k: int, step: int, path: Path, seen: int) -> None:
+        try:
+            reader = SlotFile.open_existing(path)
+        except CorruptSlot as exc:
+            self._drop_damaged(owner, k, step, path, seen, str(exc))
+            return
+        try:
+            h = reader.read_header()
+            if h.step != step or h.owner != owner:
+                raise CorruptSlot(f"{path.name}: holds rank {h.owner} step {h.step}, expected {step}")
+            reader.verify(h, self._verify_pool)
+            self.stats.scrubbed += 1
+        except CorruptSlot as exc:
+            self._drop_damaged(owner, k, step, path, seen, str(exc))
+        finally:
+            reader.close()
 
     def _drop_damaged(self, owner: int, k: int, step: int, path: Path, seen: int, why: str) -> None:
         with self._lock:

@@ -6,7 +6,7 @@ FLIP_AT (generation 0: that rank flips a weight bit after that step; every rank 
 SDC verdict after the next step, then for the kill), RECOVERY_MODE (enable_resiliency's),
 PUBLISH_COALESCE_S and HEARTBEAT_S (RuntimeConfig's: evidence, and so certificates, up to the
 smaller of the two late), VERIFY_INTEGRITY (1: InMemoryCkptConfig's), DAMAGE_RANK and DAMAGE_AT
-(that rank flips a byte of the newest replica it holds after that step),
+(that rank flips a byte of each of its own committed captures after that step),
 plus LM_RESILIENCY_{RUN_ID,SHM_DIR,GENERATION,MACHINE_ID_PATH}. Data depends only on (rank, step);
 the model uses dropout, so a bitwise resume needs the RNG state too. In generation 0, PAUSE_RANK
 blocks after step PAUSE_AT (all captures drained) until the test kills the job. At the end it saves
@@ -15,7 +15,6 @@ its final model and optimizer state to RESULT_DIR/final-rank<r>.pt and a JSON re
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -28,7 +27,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lm_resiliency import DurableCheckpointConfig, InMemoryCkptConfig, RuntimeConfig, enable_resiliency
-from lm_resiliency.runtime.shm import CorruptSlot, SlotFile
 
 
 def main() -> int:
@@ -126,18 +124,15 @@ def main() -> int:
             store.set(f"test/certified/{rank}", b"1")
             store.wait(["test/never"], datetime.timedelta(seconds=300))  # killed here
         if rank == damage_rank and step == damage_at:
-            # A byte of the newest replica this rank holds flips at rest (bit rot, a stray write).
-            held = {}
-            for path in Path(os.environ["LM_RESILIENCY_SHM_DIR"]).rglob(f"replica-r*-h{rank}-s*"):
-                slot = SlotFile.open_existing(path)
-                with contextlib.suppress(CorruptSlot):  # one being received right now
-                    held[slot.read_header().step] = path
-                slot.close()
-            with open(held[max(held)], "r+b") as f:
-                f.seek(4096 + 200)
-                byte = f.read(1)[0]
-                f.seek(4096 + 200)
-                f.write(bytes([byte ^ 0x10]))
+            # A byte of each of this rank's committed captures flips at rest (bit rot, a stray
+            # write). The next capture overwrites one of them; the one it keeps stays damaged.
+            session.gemini.drain(30)
+            for path in Path(os.environ["LM_RESILIENCY_SHM_DIR"]).rglob(f"own-r{rank}-s*"):
+                with open(path, "r+b") as f:
+                    f.seek(4096 + 200)
+                    byte = f.read(1)[0]
+                    f.seek(4096 + 200)
+                    f.write(bytes([byte ^ 0x10]))
         if generation == 0 and rank == pause_rank and step == pause_at:
             session.gemini.drain(30)
             store.set(f"test/paused/{rank}", b"1")
