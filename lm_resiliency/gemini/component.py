@@ -1354,16 +1354,13 @@ class Gemini:
             for i, (k, step) in enumerate(held):
                 if i and self.cluster_plan().step >= held[0][1]:
                     break  # (gossip says every rank holds the newest: the restart needs no other)
-                # (A restarted rank holds the copies its scan found before it maps the slots.)
-                slot = self._own[k] if self._own[k].mapping is not None else None
-                try:
-                    reader = slot or SlotFile.open_existing(self._own[k].path)
-                    try:
-                        if self._write_durable(reader, reader.read_header()):
-                            written.append(step)
-                    finally:
-                        if reader is not slot:
-                            reader.close()
+
+                def write(slot: SlotFile, step: int = step) -> None:
+                    if self._write_durable(slot, slot.read_header()):
+                        written.append(step)
+
+                try:  # (a restarted rank holds the copies its scan found before it maps the slots)
+                    self._on_own_slot(k, write)
                 except CorruptSlot as exc:
                     log.warning("rank %d: step %d not flushed to disk: %s", self.rank, step, exc)
             return max(written, default=-1)
