@@ -79,6 +79,7 @@ def lone_gemini(
     pin_memory: bool = True,
     verify_integrity: bool = False,
     world: int = 1,
+    interval: int = 1,
     **kwargs: Any,
 ) -> Any:
     """Rank 0's GEMINI of a one-node job with no runtime (nothing to replicate to; what the other
@@ -107,7 +108,7 @@ def lone_gemini(
         extra_state_fn=None,
         load_extra_state_fn=None,
         config=InMemoryCkptConfig(pin_memory=pin_memory, verify_integrity=verify_integrity),
-        interval=1,
+        interval=interval,
         shm_dir=str(tmp_path),
         copier=copier,
         **kwargs,

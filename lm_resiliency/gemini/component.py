@@ -959,6 +959,14 @@ class Gemini:
         )
         self._announce()
 
+    def _disk_due(self, step: int) -> bool:
+        """Whether the capture of `step` goes to disk: the first capture at or past each multiple
+        of the disk interval (captures every 3 steps, disk every 4: steps 6, 9, 12, 18, ...). Only
+        the multiples themselves would be the common multiples of the two intervals (12, 24, ...;
+        with captures every 7 steps and the default 100, one write in 700 steps). The same steps on
+        every rank, whatever step a generation resumed at."""
+        return step // self.disk_interval > max(step - self.interval, 0) // self.disk_interval
+
     def _commit_and_replicate(self, k: int, header: SlotHeader, keeps: int = -1) -> None:
         slot = self._own[k]
         t0 = time.perf_counter()
@@ -971,7 +979,7 @@ class Gemini:
             if self.certifier is not None and self.certifier(header.step):
                 slot.mark_certified(header.step)  # SCOUT agreed before the commit finished
         self.stats.captures += 1
-        if header.step % self.disk_interval == 0:
+        if self._disk_due(header.step):
             self._write_durable(slot, header)
         self._announce()
         with self._lock:

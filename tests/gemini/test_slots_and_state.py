@@ -369,6 +369,21 @@ def test_verify_integrity_reads_each_durable_write_back(tmp_path: Path) -> None:
         gem.close()
 
 
+def test_the_durable_tier_writes_every_disk_interval_when_captures_do_not_divide_it(tmp_path: Path) -> None:
+    """Captures every 3 steps with a disk interval of 4: the first capture at or past each multiple
+    of 4 goes to disk (6, 9, 12, 18, 21, 24), one write per 4 steps; not only the common multiples
+    (12, 24), which with captures every 7 steps and the default 100 is one write in 700 steps."""
+    model = torch.nn.Linear(8, 8)
+    gem = lone_gemini(tmp_path / "a", model, None, interval=3, disk_interval=4, keep_last=100)
+    try:
+        for step in range(3, 25, 3):  # the steps the session captures
+            assert gem.capture(step) and gem.drain(10)
+        assert sorted(gem._on_disk) == [6, 9, 12, 18, 21, 24]
+        assert [s for s in range(1, 25) if gem.durable.path(s).exists()] == [6, 9, 12, 18, 21, 24]
+    finally:
+        gem.close()
+
+
 def test_a_restart_offers_the_durable_copies_whose_headers_hold(tmp_path: Path) -> None:
     """The durable tier is a recovery tier: a restart's scan lists each step whose file has an
     intact header for this run, rank and topology; a damaged file is reported and left out, a
