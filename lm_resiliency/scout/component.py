@@ -43,7 +43,13 @@ from lm_resiliency.core.messages import (
 from lm_resiliency.core.scout.audit import audit_source, audit_target, audit_verdicts
 from lm_resiliency.core.scout.consensus import VoteBook
 from lm_resiliency.core.scout.links import LinkDetector
-from lm_resiliency.core.scout.replay import ReplayOutcome, SdcHistory, replay_verdict
+from lm_resiliency.core.scout.replay import (
+    GRADS_JUDGED,
+    DivergenceTracker,
+    ReplayOutcome,
+    SdcHistory,
+    replay_verdict,
+)
 from lm_resiliency.core.scout.verdicts import (
     HangDetector,
     PhaseTimes,
@@ -402,7 +408,7 @@ class Scout:
         # The step, its gradients' fingerprint.
         self._deferred_evidence: tuple[int, Fingerprint | None] | None = None
         self._last_params: tuple[int, bytes, bytes] = (-1, b"", b"")  # step, params, optimizer state
-        self._params_split: tuple[int, set[int]] = (-1, set())  # last checked step params disagreed
+        self._divergence = DivergenceTracker(self.interval)  # disagreements that continue a judged one
         # Evidence, audit and replay results and link reports are judged by the replica group
         # alone, phase times and votes by the peer group (its superset): only their members get them
         # (job-wide gossip grows with the job). Progress stays job-wide; hangs are judged among peers
@@ -557,14 +563,17 @@ class Scout:
             self._revoke_from(step)
         if verdict is not None:
             what = verdict.reason.split("_", 1)[0]
-            # Parameters that disagreed at the previous check (or took different gradients there)
-            # stay apart until recovery: the same divergence, not a new fault. Gradients re-agree
-            # every step through the all-reduce, so a gradient disagreement is always judged.
-            before = self._params_split
-            self._params_split = (step, set(verdict.ranks))
-            continuing = verdict.kind == "sdc_ambiguous" or set(verdict.ranks) <= before[1]
-            if what == "params" and before[0] == step - self.interval and continuing:
-                log.debug("rank %d: params still diverged at step %d", self.rank, step)
+            if self._divergence.continuing(verdict):
+                if what == "grads" and self._divergence.grads_streak == GRADS_JUDGED + 1:
+                    log.warning(
+                        "rank %d: ranks %s disagree on gradients at every check since step %d; "
+                        "the same incident, not reported again until they agree",
+                        self.rank,
+                        list(verdict.ranks),
+                        step - GRADS_JUDGED * self.interval,
+                    )
+                else:
+                    log.debug("rank %d: %s still diverged at step %d", self.rank, verdict.reason, step)
                 return
             if verdict.kind == "sdc_ambiguous" and self._recorder is not None:
                 self._start_replay(step, what, per_step.get(self.rank))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lm_resiliency.core.scout.replay import ReplayOutcome, SdcHistory, replay_verdict
+from lm_resiliency.core.scout.replay import DivergenceTracker, ReplayOutcome, SdcHistory, replay_verdict
 from lm_resiliency.core.scout.verdicts import Verdict
 from lm_resiliency.scout.fingerprint import fingerprint
 from lm_resiliency.scout.replay import ReplayRecorder, pack_contributions, replay_grads, replay_params
@@ -53,6 +53,27 @@ def test_recurring_sdc_is_a_second_distinct_step() -> None:
     assert h.record(Verdict("sdc_ambiguous", (1, 2), 5, "x")) is None
     again = h.record(Verdict("sdc", (2, 3), 9, "grads_fingerprint_minority"))
     assert again is not None and (again.ranks, again.step, again.reason) == ((2,), 9, "recurring_sdc")
+
+
+def test_a_divergence_that_continues_is_judged_once_and_gradients_twice_in_a_row() -> None:
+    """Parameters apart at the previous check stay apart: not judged again. Gradients re-agree every
+    step, so the same ranks disagreeing at every check (a rank one optimizer step behind) are
+    judged at the first check (named) and the second (named recurring), then not until they agree."""
+    t = DivergenceTracker(interval=2)
+    p = Verdict("sdc", (1,), 4, "params_fingerprint_minority")
+    assert not t.continuing(p)
+    assert t.continuing(Verdict("sdc", (1,), 6, "params_fingerprint_minority"))
+    assert not t.continuing(Verdict("sdc", (3,), 8, "params_fingerprint_minority"))  # other ranks
+    assert not t.continuing(Verdict("sdc", (3,), 12, "params_fingerprint_minority"))  # not the previous check
+
+    t = DivergenceTracker(interval=1)
+    behind = [t.continuing(Verdict("sdc", (1,), s, "grads_fingerprint_minority")) for s in range(9, 14)]
+    assert behind == [False, False, True, True, True] and t.grads_streak == 5
+    # The group agreed at step 14: a disagreement at 15 is a new fault, judged again.
+    assert not t.continuing(Verdict("sdc", (1,), 15, "grads_fingerprint_minority"))
+    assert not t.continuing(Verdict("sdc", (2,), 16, "grads_fingerprint_minority"))  # other ranks
+    # Parameters that took different gradients at the previous check stay apart too.
+    assert t.continuing(Verdict("sdc", (2,), 17, "params_fingerprint_minority"))
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:

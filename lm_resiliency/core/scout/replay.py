@@ -17,7 +17,8 @@ that corrupts again shows up as a replay that disagrees with its peers'):
 `replay_verdict` turns the replayed fingerprints (one per replica: what that replica computes the
 value should be) and the recorded ones (what each replica actually held) into a verdict that every
 rank computes identically from the same results. `SdcHistory` names a rank found corrupting at a
-second, different step: recurring SDC, a device to quarantine.
+second, different step: recurring SDC, a device to quarantine. `DivergenceTracker` says which
+disagreements only continue one already judged.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 
 from lm_resiliency.core.scout.verdicts import Verdict
 
-__all__ = ["ReplayOutcome", "SdcHistory", "replay_verdict"]
+__all__ = ["DivergenceTracker", "ReplayOutcome", "SdcHistory", "replay_verdict"]
 
 
 @dataclass(frozen=True)
@@ -129,3 +130,43 @@ class SdcHistory:
             f"ranks {recurring} corrupted state again at step {v.step} (before: {earlier}): "
             "quarantine the device",
         )
+
+
+# Checks in a row at which the same ranks' gradients may disagree and still be judged: the first
+# names them, the second names them recurring; later ones are the same incident.
+GRADS_JUDGED = 2
+
+
+@dataclass
+class DivergenceTracker:
+    """Which fingerprint disagreements continue one already judged (`interval`: steps between checks).
+
+    - Parameters that disagreed at the previous check (or took different gradients there) stay apart
+      until recovery: the same divergence, not a new fault, and not judged again while it lasts.
+    - Gradients re-agree every step through the all-reduce, so their disagreement is a new fault.
+      The same ranks disagreeing at every check are one incident, though: a device that corrupts
+      every step, or a rank one optimizer step behind its replicas (it skipped one: its step k holds
+      the gradients of their step k+1, forever). It is judged at `GRADS_JUDGED` checks in a row
+      (the second names it recurring), then not again until those ranks agree at a check.
+    """
+
+    interval: int
+    params: tuple[int, frozenset[int]] = (-1, frozenset())  # last check that disagreed, its ranks
+    grads: tuple[int, tuple[int, ...], int] = (-1, (), 0)  # ... and how many checks in a row
+
+    def continuing(self, v: Verdict) -> bool:
+        """Whether the disagreement `v` (its reason names "params" or "grads") is not to be judged."""
+        step, what = v.step, v.reason.split("_", 1)[0]
+        before, self.params = self.params, (step, frozenset(v.ranks))
+        if what == "params":
+            follows = before[0] == step - self.interval
+            return follows and (v.kind == "sdc_ambiguous" or set(v.ranks) <= before[1])
+        last, ranks, n = self.grads
+        n = n + 1 if ranks == v.ranks and last == step - self.interval else 1
+        self.grads = (step, v.ranks, n)
+        return n > GRADS_JUDGED
+
+    @property
+    def grads_streak(self) -> int:
+        """Checks in a row at which the ranks of the newest gradient disagreement disagreed."""
+        return self.grads[2]
