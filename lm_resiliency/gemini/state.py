@@ -181,6 +181,38 @@ def materialize(state: dict[str, Any], model: torch.nn.Module, optimizer: Any) -
             entry[k] = _into(v, live.get(k), None if k == "step" else device)
 
 
+def _keep_saved_dtypes(optimizer: Any, saved: Any) -> None:
+    """Undo the dtype cast of torch's `Optimizer.load_state_dict`: it converts every floating state
+    tensor but "step" to its parameter's dtype, so a float32 `mu_product` (NAdam) or a float32
+    master copy or moment that an optimizer keeps for a bfloat16 parameter came back bfloat16, and
+    the resumed run was not the uninterrupted one. The state resumes in the dtype it was captured
+    in, on the device the load chose. Optimizers that load their own way are left alone."""
+    if type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+        return
+    entries = saved.get("state") if isinstance(saved, dict) else None
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(entries, dict) or not isinstance(groups, list):
+        return
+    params = {
+        pid: p
+        for sg, g in zip(groups, optimizer.param_groups, strict=False)
+        for pid, p in zip(sg.get("params", ()), g["params"], strict=False)
+    }
+    for pid, entry in entries.items():
+        live = optimizer.state.get(params.get(pid)) if pid in params else None
+        if not isinstance(entry, dict) or not isinstance(live, dict):
+            continue
+        for k, v in entry.items():
+            now = live.get(k)
+            if (
+                type(v) is torch.Tensor
+                and type(now) is torch.Tensor
+                and v.dtype != now.dtype
+                and v.shape == now.shape
+            ):
+                live[k] = v.to(device=now.device)  # `v` is ours (materialized), not the slot's
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     dtype: str
@@ -245,6 +277,7 @@ def apply_state(
                 + f", the live optimizer is {type(optimizer).__name__}"
             )
         _holder(optimizer).load_state_dict(state["optimizer"])
+        _keep_saved_dtypes(_holder(optimizer), state["optimizer"])
         if partition is not None:
             for group, saved in zip(optimizer.param_groups, state["zero_param_groups"], strict=True):
                 group.update(saved)

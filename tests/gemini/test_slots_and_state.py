@@ -118,6 +118,68 @@ def test_collect_and_apply_restore_training_bitwise() -> None:
         assert all(torch.equal(a, b) for a, b in zip(want, m3.parameters(), strict=True)), stepped
 
 
+class _Fp32Moments(torch.optim.Optimizer):
+    """Momentum SGD that keeps its state in float32 for bfloat16 parameters (as mixed-precision
+    optimizers do), loading through torch's own `load_state_dict`."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                if not st:
+                    st["master"] = p.detach().float()
+                    st["buf"] = torch.zeros_like(st["master"])
+                st["buf"].mul_(0.9).add_(p.grad.float())
+                st["master"].add_(st["buf"], alpha=-g["lr"])
+                p.copy_(st["master"])
+
+
+@pytest.mark.parametrize("kind", ["nadam", "fp32_moments"])
+def test_optimizer_state_resumes_in_the_dtype_it_was_captured_in(kind: str) -> None:
+    """torch's `Optimizer.load_state_dict` casts floating state to the parameter's dtype: NAdam's
+    float32 `mu_product` of a bfloat16 parameter, or a float32 master copy, came back bfloat16 and
+    the resumed run drifted from the uninterrupted one. Restored into a fresh optimizer (a restarted
+    process) or one that holds state already, the state keeps its dtype and training is bitwise."""
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(16, 8).to(torch.bfloat16)
+        o: torch.optim.Optimizer
+        o = torch.optim.NAdam(m.parameters(), lr=0.01) if kind == "nadam" else _Fp32Moments(m.parameters())
+        return m, o
+
+    def train(m: torch.nn.Module, o: torch.optim.Optimizer, steps: range) -> None:
+        for i in steps:
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+            m(x).float().pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+
+    m, o = make()
+    train(m, o, range(3))
+    skeleton, tensors, _ = flatten(collect_state(m, o, None, None, 3))
+    tensors = [t.clone() for t in tensors]
+    dtypes = {k: v.dtype for k, v in o.state[m.weight].items()}
+    assert torch.float32 in dtypes.values()
+    train(m, o, range(3, 8))
+    want = [p.detach().clone() for p in m.parameters()] + [v.clone() for v in o.state[m.weight].values()]
+    for stepped in (False, True):
+        m2, o2 = make()
+        if stepped:
+            train(m2, o2, range(100, 101))
+        state = unflatten(skeleton, [t.clone() for t in tensors])
+        materialize(state, m2, o2)
+        apply_state(state, m2, o2, None, None)
+        assert {k: v.dtype for k, v in o2.state[m2.weight].items()} == dtypes, stepped
+        train(m2, o2, range(3, 8))
+        got = [p.detach() for p in m2.parameters()] + list(o2.state[m2.weight].values())
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got, strict=True)), stepped
+
+
 def _commit(slot: SlotFile, payload: bytes, step: int = 7, chunk: int = 64) -> SlotHeader:
     h = SlotHeader(step, 0, 1, len(payload), 0, chunk, n_chunks(len(payload), chunk), "run", "topo")
     slot.ensure_size(h.file_size)
