@@ -26,7 +26,16 @@ import torch
 from lm_resiliency.adapters.amp import load_scaler_state, scaler_state
 from lm_resiliency.adapters.base import uncompiled, zero_partition
 
-__all__ = ["LocalShard", "TensorSpec", "apply_state", "collect_state", "flatten", "materialize", "unflatten"]
+__all__ = [
+    "LocalShard",
+    "TensorSpec",
+    "apply_state",
+    "collect_state",
+    "flatten",
+    "load_optimizer_state",
+    "materialize",
+    "unflatten",
+]
 
 SKELETON_VERSION = 1
 
@@ -181,12 +190,14 @@ def materialize(state: dict[str, Any], model: torch.nn.Module, optimizer: Any) -
             entry[k] = _into(v, live.get(k), None if k == "step" else device)
 
 
-def _keep_saved_dtypes(optimizer: Any, saved: Any) -> None:
-    """Undo the dtype cast of torch's `Optimizer.load_state_dict`: it converts every floating state
-    tensor but "step" to its parameter's dtype, so a float32 `mu_product` (NAdam) or a float32
-    master copy or moment that an optimizer keeps for a bfloat16 parameter came back bfloat16, and
-    the resumed run was not the uninterrupted one. The state resumes in the dtype it was captured
-    in, on the device the load chose. Optimizers that load their own way are left alone."""
+def load_optimizer_state(optimizer: Any, saved: Any) -> None:
+    """`optimizer.load_state_dict(saved)`, undoing the dtype cast of torch's own: it converts every
+    floating state tensor but "step" to its parameter's dtype, so a float32 `mu_product` (NAdam) or
+    a float32 master copy or moment that an optimizer keeps for a bfloat16 parameter came back
+    bfloat16, and the resumed run (or a replay of the step) was not the uninterrupted one. The
+    state keeps the dtype it was saved in (a copy, on the device the load chose). Optimizers that
+    load their own way are left alone."""
+    optimizer.load_state_dict(saved)
     if type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict:
         return
     entries = saved.get("state") if isinstance(saved, dict) else None
@@ -210,7 +221,7 @@ def _keep_saved_dtypes(optimizer: Any, saved: Any) -> None:
                 and v.dtype != now.dtype
                 and v.shape == now.shape
             ):
-                live[k] = v.to(device=now.device)  # `v` is ours (materialized), not the slot's
+                live[k] = v.to(device=now.device, copy=v.device == now.device)
 
 
 @dataclass(frozen=True)
@@ -276,8 +287,7 @@ def apply_state(
                 + (" a ZeroRedundancyOptimizer" if partition is None else "out ZeroRedundancyOptimizer")
                 + f", the live optimizer is {type(optimizer).__name__}"
             )
-        _holder(optimizer).load_state_dict(state["optimizer"])
-        _keep_saved_dtypes(_holder(optimizer), state["optimizer"])
+        load_optimizer_state(_holder(optimizer), state["optimizer"])
         if partition is not None:
             for group, saved in zip(optimizer.param_groups, state["zero_param_groups"], strict=True):
                 group.update(saved)

@@ -24,6 +24,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from lm_resiliency.adapters.base import is_dtensor, zero_partition
+from lm_resiliency.gemini.state import load_optimizer_state
 from lm_resiliency.scout.fingerprint import fingerprint
 
 __all__ = ["ReplayRecord", "ReplayRecorder", "pack_contributions", "replay_grads", "replay_params"]
@@ -222,7 +223,7 @@ def replay_params(record: ReplayRecord) -> tuple[bytes, str]:
                 groups.append({**hyper, "params": opt_params[at : at + n]})
                 at += n
             opt = record.optimizer_cls(groups)
-            opt.load_state_dict(record.state)
+            load_optimizer_state(opt, record.state)  # in the recorded dtypes, as training stepped
             opt.step()
             return fingerprint(params), ""
     except Exception as exc:  # a custom optimizer we cannot rebuild: the replay is inconclusive
