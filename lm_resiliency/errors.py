@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "AuthError",
+    "CheckpointMismatchError",
     "CodecError",
     "ConfigError",
     "DiscoveryError",
@@ -42,6 +43,10 @@ class RuntimeClosedError(ResiliencyError, RuntimeError):
 
 class DiscoveryError(ResiliencyError, RuntimeError):
     """Peers could not be found through the job's store."""
+
+
+class CheckpointMismatchError(ResiliencyError, ValueError):
+    """A checkpoint does not fit the live model (other names, shapes or dtypes): nothing was loaded."""
 
 
 class SharedMemoryError(ResiliencyError, OSError):

@@ -37,7 +37,7 @@ from lm_resiliency.core.gemini.placement import replica_holders
 from lm_resiliency.core.gemini.recovery import RecoveryPlan, plan_recovery
 from lm_resiliency.core.messages import GeminiInventory, ReplicaRequest
 from lm_resiliency.core.topology import Topology
-from lm_resiliency.errors import DiscoveryError
+from lm_resiliency.errors import CheckpointMismatchError, DiscoveryError
 from lm_resiliency.gemini.copier import Completion, Copier, SyncCopier, copier_for
 from lm_resiliency.gemini.durable import DurableError, DurableStore
 from lm_resiliency.gemini.hygiene import owner_pid, reclaim_stale_runs, write_owner
@@ -398,7 +398,15 @@ class Gemini:
             k = self._pull_from_peer(src.holder, plan.step, timeout)
         else:
             k = self._load_from_disk(plan.step)
-        self._restore_from(self._own[k], plan.step)
+        try:
+            self._restore_from(self._own[k], plan.step)
+        except CheckpointMismatchError as exc:
+            raise CheckpointMismatchError(
+                f"rank {self.rank}: the {src.tier} copy of step {plan.step} (run id {self.run_id!r}) does "
+                f"not fit this model, nothing was loaded: {exc}. A model changed under the same run id? "
+                "Give the job a new InMemoryCkptConfig.run_id (or LM_RESILIENCY_RUN_ID), or reclaim the "
+                f"old copies (`lm-resiliency shm --clean`, and {self.durable.root})"
+            ) from exc
         log.info("rank %d restored step %d from %s copy (%s)", self.rank, plan.step, src.tier, plan.reason)
         return plan.step, f"{src.tier}:{plan.reason}"
 

@@ -15,6 +15,7 @@ the shape and placements are the ones captured: a rank restores exactly its own 
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -25,11 +26,13 @@ import torch
 
 from lm_resiliency.adapters.amp import load_scaler_state, scaler_state
 from lm_resiliency.adapters.base import uncompiled, zero_partition
+from lm_resiliency.errors import CheckpointMismatchError
 
 __all__ = [
     "LocalShard",
     "TensorSpec",
     "apply_state",
+    "check_fits",
     "collect_state",
     "flatten",
     "load_optimizer_state",
@@ -268,6 +271,35 @@ def collect_state(
     return state
 
 
+def check_fits(saved: Any, model: torch.nn.Module) -> None:
+    """Raise `CheckpointMismatchError` naming what differs when the captured model state does not
+    fit `model` (a parameter or buffer missing, unexpected, of another shape or dtype): checked
+    before anything is loaded, so a model changed under the same run id is told so, not left half
+    restored by a size mismatch deep inside `load_state_dict`."""
+    if not isinstance(saved, dict):
+        raise CheckpointMismatchError("the checkpoint holds no model state")
+    fsdp1 = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
+    if fsdp1 is not None and any(isinstance(m, fsdp1) for m in model.modules()):
+        return  # its state_dict() gathers (collectives, memory): load_state_dict checks as it loads
+    live = model.state_dict()
+    problems = [f"{k} is missing from the checkpoint" for k in live if k not in saved]
+    problems += [f"{k} is in the checkpoint, not in the model" for k in saved if k not in live]
+    for k, v in saved.items():
+        now = live.get(k)
+        if not isinstance(now, torch.Tensor) or not isinstance(v, (torch.Tensor, LocalShard)):
+            continue
+        shape = tuple(v.shape)
+        dtype = v.local.dtype if isinstance(v, LocalShard) else v.dtype
+        if shape != tuple(now.shape) or dtype != now.dtype:
+            problems.append(
+                f"{k} is {list(shape)} {str(dtype).removeprefix('torch.')} in the checkpoint, "
+                f"{list(now.shape)} {str(now.dtype).removeprefix('torch.')} in the model"
+            )
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointMismatchError("; ".join(problems[:3]) + more)
+
+
 def apply_state(
     state: dict[str, Any],
     model: torch.nn.Module,
@@ -277,6 +309,7 @@ def apply_state(
     scaler: Any = None,
 ) -> None:
     model = uncompiled(model)
+    check_fits(state.get("model"), model)
     _resolve_shards(state, model, _holder(optimizer))
     model.load_state_dict(state["model"])
     if optimizer is not None and "optimizer" in state:

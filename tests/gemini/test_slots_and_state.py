@@ -13,7 +13,7 @@ import torch
 
 from lm_resiliency.errors import SharedMemoryError
 from lm_resiliency.gemini.durable import DurableError, DurableStore
-from lm_resiliency.gemini.state import apply_state, collect_state, flatten, materialize, unflatten
+from lm_resiliency.gemini.state import apply_state, check_fits, collect_state, flatten, materialize, unflatten
 from lm_resiliency.runtime.shm import (
     HEADER_SIZE,
     CorruptSlot,
@@ -178,6 +178,43 @@ def test_optimizer_state_resumes_in_the_dtype_it_was_captured_in(kind: str) -> N
         train(m2, o2, range(3, 8))
         got = [p.detach() for p in m2.parameters()] + list(o2.state[m2.weight].values())
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got, strict=True)), stepped
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused_before_anything_loads(tmp_path: Path) -> None:
+    """A model changed under the same run id: the restart names what differs and which copy, and
+    tells how to fix it, instead of torch's size mismatch from inside a half-done load_state_dict."""
+    from lm_resiliency.errors import CheckpointMismatchError
+
+    torch.manual_seed(0)
+    old = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    gem = lone_gemini(tmp_path, old, None)
+    try:
+        assert gem.capture(3) and gem.drain(10)
+    finally:
+        gem.close()
+    new = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+    before = [p.detach().clone() for p in new.parameters()]
+    gem = lone_gemini(tmp_path, new, None)
+    try:
+        with pytest.raises(CheckpointMismatchError) as err:
+            gem.recover(lambda key, blob, timeout: {0: blob}, None, timeout=10)
+    finally:
+        gem.close()
+    msg = str(err.value)
+    assert (
+        "local copy of step 3 (run id 'r')" in msg and "1.weight is [2, 8] float32 in the checkpoint" in msg
+    )
+    assert "[3, 8] float32 in the model" in msg and "run_id" in msg and "1.bias" in msg
+    assert all(torch.equal(a, b) for a, b in zip(before, new.parameters(), strict=True))  # nothing loaded
+    # Names and dtypes too, each said once.
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"1\.weight is missing from the checkpoint; 2\.weight is in the checkpoint, not in the "
+        r"model; 0\.weight is \[8, 4\] float32 in the checkpoint, \[8, 4\] bfloat16 in the model$",
+    ):
+        saved = {"0.weight": torch.zeros(8, 4), "2.weight": torch.zeros(1)}
+        live = torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(8, 2, bias=False))
+        check_fits(saved, live.to(torch.bfloat16))
 
 
 def _commit(slot: SlotFile, payload: bytes, step: int = 7, chunk: int = 64) -> SlotHeader:
