@@ -110,6 +110,7 @@ def lone_gemini(
         config=InMemoryCkptConfig(pin_memory=pin_memory, verify_integrity=verify_integrity),
         interval=interval,
         shm_dir=str(tmp_path),
+        disk_folder=kwargs.pop("disk_folder", str(tmp_path / "checkpoints")),
         copier=copier,
         **kwargs,
     )

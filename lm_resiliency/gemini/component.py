@@ -187,6 +187,8 @@ class Gemini:
         self._own_step: dict[int, int] = {}  # slot index -> committed step
         # Steps whose own slot carried a SCOUT certificate when this worker started (a restart).
         self.carried_certificates: set[int] = set()
+        # Copies of this run that the scan found taken with another topology: (step, world size).
+        self._elsewhere: set[tuple[int, int]] = set()
         self.restored_verified = False  # recover() chose among certified steps, as noted before
         self._busy: set[int] = set()
         self._released = False  # close() unmapped the slots
@@ -271,6 +273,7 @@ class Gemini:
             "disk": disk,
             "certified": sorted(self.carried_certificates),
             "mode": self.noted_restart_mode() or "",
+            "elsewhere": sorted(self._elsewhere),
         }
 
     def _scan_disk(self) -> list[int]:
@@ -286,9 +289,12 @@ class Gemini:
                 continue
             if h.owner != self.rank or h.step != step or h.run_id != self.run_id[:64]:
                 self._reject(NotACopy(f"{self.durable.path(step)}: holds rank {h.owner} step {h.step}"))
-            elif h.world_size != self.world_size or h.topology != self.shape:
-                self._reject(NotACopy(f"{self.durable.path(step)}: captured with another topology"))
             else:
+                try:
+                    self._same_topology(h, self.durable.path(step))
+                except NotACopy as exc:
+                    self._reject(exc)
+                    continue
                 steps.append(step)
         self._on_disk |= set(steps)
         return steps
@@ -304,10 +310,9 @@ class Gemini:
         h = None
         try:
             h = slot.read_header()
-            if h.run_id != self.run_id[:64] or h.owner != owner or h.world_size != self.world_size:
-                raise NotACopy(f"{path.name}: belongs to another run or topology (run {h.run_id!r})")
-            if h.topology != self.shape:
-                raise NotACopy(f"{path.name}: captured with topology {h.topology}, job has {self.shape}")
+            if h.run_id != self.run_id[:64] or h.owner != owner:
+                raise NotACopy(f"{path.name}: belongs to another run (run {h.run_id!r}, rank {h.owner})")
+            self._same_topology(h, path)
             slot.verify(h, self._verify_pool)
             self._verified[path] = (h, slot.digest_table(h))
             if owner == self.rank and slot.certified(h):
@@ -318,6 +323,17 @@ class Gemini:
             return None
         finally:
             slot.close()
+
+    def _same_topology(self, h: Any, path: Path) -> None:
+        """Raise NotACopy for a copy of this run taken with another topology (noted for the plan's
+        reason: an elastic job that shrank or grew finds its copies and cannot use them)."""
+        if h.world_size == self.world_size and h.topology == self.shape:
+            return
+        self._elsewhere.add((h.step, h.world_size))
+        raise NotACopy(
+            f"{path.name}: step {h.step} taken with another topology (world size {h.world_size}, "
+            f"topology {h.topology}; this job: {self.world_size}, {self.shape})"
+        )
 
     def _reject(self, exc: CorruptSlot, owner: int | None = None, step: int | None = None) -> None:
         why = str(exc)
@@ -365,8 +381,10 @@ class Gemini:
         local, replicas, disk = {}, {}, {}
         certified: set[int] = set()
         noted: set[str] = set()
+        elsewhere: set[tuple[int, int]] = set()
         for r, blob in raw.items():
             doc = msgpack.unpackb(blob)
+            elsewhere |= {(int(st), int(ws)) for st, ws in doc.get("elsewhere", ())}
             local[r] = set(doc["local"])
             replicas[r] = {int(o): set(s) for o, s in doc["replicas"].items()}
             disk[r] = set(doc.get("disk", ()))
@@ -380,6 +398,17 @@ class Gemini:
         plan: RecoveryPlan = plan_recovery(self.world_size, local, replicas, disk, allowed=allowed)
         if plan.step < 0 and self.restored_verified:
             plan = RecoveryPlan(-1, {}, f"no recovery-verified step: {plan.reason}")
+        if plan.step < 0 and elsewhere:
+            worlds = sorted({ws for _, ws in elsewhere})
+            plan = RecoveryPlan(
+                -1,
+                {},
+                f"{plan.reason}; copies of steps {sorted({st for st, _ in elsewhere})} taken with "
+                f"another topology (world size {', '.join(map(str, worlds))}; this job: "
+                f"{self.world_size}) are not used: a copy restores into the topology that took it",
+            )
+            if self.rank == 0:
+                log.warning("GEMINI: nothing this topology can restore: %s", plan.reason)
         if plan.step < 0:
             if self.load_fallback is not None:
                 # The caller's own checkpoint (e.g. DCP on shared storage): it restores and says which step.

@@ -217,6 +217,24 @@ def test_a_checkpoint_that_does_not_fit_the_model_is_refused_before_anything_loa
         check_fits(saved, live.to(torch.bfloat16))
 
 
+def test_copies_of_another_topology_are_named_in_the_reason_nothing_restores(tmp_path: Path) -> None:
+    """An elastic job that shrank (world 2 -> 1) finds its copies and cannot use them: the decision
+    says so (which steps, which world size), not only "no copy at all"."""
+    model = torch.nn.Linear(4, 4)
+    gem = lone_gemini(tmp_path, model, None, world=2, disk_interval=1)
+    try:
+        assert gem.capture(5) and gem.drain(10)
+    finally:
+        gem.close()
+    gem = lone_gemini(tmp_path, model, None, world=1, disk_interval=1)
+    try:
+        step, reason = gem.recover(lambda key, blob, timeout: {0: blob}, None, timeout=10)
+    finally:
+        gem.close()
+    assert step == -1
+    assert "copies of steps [5] taken with another topology (world size 2; this job: 1)" in reason, reason
+
+
 def _commit(slot: SlotFile, payload: bytes, step: int = 7, chunk: int = 64) -> SlotHeader:
     h = SlotHeader(step, 0, 1, len(payload), 0, chunk, n_chunks(len(payload), chunk), "run", "topo")
     slot.ensure_size(h.file_size)
