@@ -1091,7 +1091,8 @@ class Session:
 
     @contextlib.contextmanager
     def checkpoint_io(self, kind: str, name: str = "") -> Iterator[None]:
-        """Mark framework checkpoint I/O so it is not mistaken for a stall."""
+        """Mark framework checkpoint I/O so it is not mistaken for a stall, or (between steps) for a
+        slow input: a rank that saves a checkpoint of its own is no straggler for it."""
         if kind not in ("read", "write"):
             raise ValueError(f"checkpoint_io kind must be 'read' or 'write', got {kind!r}")
         t0 = time.perf_counter()
@@ -1101,9 +1102,11 @@ class Session:
         try:
             yield
         finally:
-            self._io.append((kind, name, time.perf_counter() - t0))
+            took = time.perf_counter() - t0
+            self._io.append((kind, name, took))
             if outer is None:
                 self._mark_phase(None)
+                self._adapter.note_excused_time(took)  # not input: no input straggler for it
 
     def prepare_recovery(self, failure_kind: str, all_ranks_accessible: bool = True) -> RecoveryMode:
         """Decide which checkpoint trust level a recovery from `failure_kind` needs: a report kind

@@ -106,6 +106,10 @@ class FrameworkAdapter(Protocol):
         next step fetches its batch): not the script's input time."""
         ...
 
+    def note_excused_time(self, seconds: float) -> None:
+        """Time the loop spent in marked checkpoint I/O between two steps: not its input time."""
+        ...
+
     def detach(self) -> None:
         """Remove every hook this adapter installed. Idempotent."""
         ...

@@ -74,8 +74,9 @@ class PyTorchAdapter:
         self._comm_end: float | None = None
         self._input_s = 0.0
         # Before the forward but not input: our own work (note_own_time), waiting in the script's
-        # collectives (waited_between_steps).
+        # collectives (waited_between_steps), marked checkpoint I/O and evaluations (note_excused_time).
         self._not_input_s = 0.0
+        self._eval_started: float | None = None  # an evaluation between steps began (perf_counter)
         self._stepping = False  # between a training forward and the optimizer step (see `in_step`)
         self._blocking = 0  # blocking tracked collectives this thread is in (nested: one interval)
         self._blocked_since = 0.0
@@ -227,10 +228,22 @@ class PyTorchAdapter:
     def waited_between_steps(self, seconds: float) -> None:
         self._not_input_s += seconds
 
+    def note_excused_time(self, seconds: float) -> None:
+        """Marked checkpoint I/O (`session.checkpoint_io`) between two steps: not input, so a rank
+        that saves a checkpoint of its own is no input straggler. Inside a step, or inside an
+        evaluation (whose whole time is excused already), nothing changes."""
+        if not self._stepping and self._t_fwd is None and self._eval_started is None:
+            self._not_input_s += seconds
+
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
-        if self._t_fwd is None:
-            self._t_fwd = time.perf_counter()
         if torch.is_grad_enabled():  # a training forward opens the step (an evaluation's does not)
+            if self._t_fwd is None:
+                self._t_fwd = time.perf_counter()
+                if self._eval_started is not None:
+                    # An evaluation ran between the steps (rank 0's alone, maybe): not input, and
+                    # not this step's compute either (its forward began the timing before).
+                    self._not_input_s += self._t_fwd - self._eval_started
+                    self._eval_started = None
             self._stepping = True
         else:
             self._evaluating(module, args)
@@ -241,6 +254,8 @@ class PyTorchAdapter:
         """The model runs with gradients off outside a step: an evaluation (rank 0 alone, maybe,
         while its peers wait in the next step's all-reduce). Marked until the end of the next step,
         so the hang check excuses it up to its threshold; the loop's own phases are left alone."""
+        if not self._stepping and self._t_fwd is None and self._eval_started is None:
+            self._eval_started = time.perf_counter()
         if not self._stepping and self.phase is None:
             self.phase = ("evaluation", time.monotonic())
 
@@ -368,6 +383,7 @@ class PyTorchAdapter:
         self._stepping = False
         self._t_fwd = self._t_opt = self._comm_start = self._comm_end = self._comm_last_call = None
         self._input_s = self._not_input_s = 0.0
+        self._eval_started = None
         try:
             if self._on_step is not None:
                 self._on_step(times)

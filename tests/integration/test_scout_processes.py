@@ -154,6 +154,17 @@ def test_slow_data_loader_is_named_an_input_straggler(processes, tmp_path: Path,
         assert found == [([3], "input")], res["faults"]
 
 
+def test_marked_checkpoint_io_and_evaluations_between_steps_are_no_input_straggler(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 saves a checkpoint of its own (inside `session.checkpoint_io`) or evaluates (gradients
+    off) for 80 ms after every step, as the slow-preparation rank does before its forward: that
+    one is an input straggler, this one is not (both counted as input before)."""
+    results, _ = _run(processes, tmp_path, "own-work", steps=15, culprit=1)
+    for res in results:
+        assert [f for f in res["faults"] if f["kind"] == "straggler"] == [], res["faults"]
+
+
 @pytest.mark.parametrize("wrap", ["fsdp2", "tp"])  # FSDP1's peers: the hang test
 def test_sharded_stragglers_are_named_among_the_mesh_peers(processes, tmp_path: Path, wrap: str) -> None:  # type: ignore[no-untyped-def]
     """No two ranks of an FSDP2 or tensor-parallel job hold the same state, but all do the same work:

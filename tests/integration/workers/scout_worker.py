@@ -272,6 +272,17 @@ def main() -> int:
                 done = time.monotonic() + 4.0
                 while time.monotonic() < done:
                     inner(torch.randn(64, 128))
+        if scenario == "own-work" and rank == culprit:
+            # Work of its own between steps, told to SCOUT: a checkpoint it saves (marked), or an
+            # evaluation (gradients off). Its peers wait for it, but neither is a slow input.
+            if step % 2:
+                with session.checkpoint_io("write", name="own"):
+                    time.sleep(0.08)
+            else:
+                with torch.no_grad():
+                    done = time.monotonic() + 0.08
+                    while time.monotonic() < done:
+                        inner(torch.randn(64, 128))
         if scenario == "weight" and rank == culprit and step == at:
             with torch.no_grad():
                 w = inner[2].weight
