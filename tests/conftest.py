@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,3 +115,23 @@ def lone_gemini(
         copier=copier,
         **kwargs,
     )
+
+
+class Fp32StateSGD(torch.optim.Optimizer):
+    """Momentum SGD that keeps its state in float32 for bfloat16 parameters (as mixed-precision
+    optimizers do), loading through torch's own `load_state_dict`."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                if not st:
+                    st["master"] = p.detach().float()
+                    st["buf"] = torch.zeros_like(st["master"])
+                st["buf"].mul_(0.9).add_(p.grad.float())
+                st["master"].add_(st["buf"], alpha=-g["lr"])
+                p.copy_(st["master"])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from torch import nn
@@ -12,6 +10,7 @@ from lm_resiliency.core.scout.replay import DivergenceTracker, ReplayOutcome, Sd
 from lm_resiliency.core.scout.verdicts import Verdict
 from lm_resiliency.scout.fingerprint import fingerprint
 from lm_resiliency.scout.replay import ReplayRecorder, pack_contributions, replay_grads, replay_params
+from tests.conftest import Fp32StateSGD
 
 pytestmark = pytest.mark.timeout(60)
 A, B, C = b"a" * 16, b"b" * 16, b"c" * 16
@@ -112,28 +111,13 @@ def test_optimizer_replay_is_bitwise_the_step_it_recorded(foreach: bool) -> None
         assert note == "" and replayed == fingerprint(model.parameters())
 
 
-class _Fp32Master(torch.optim.Optimizer):
-    """SGD on a float32 master copy of each bfloat16 parameter, kept in its state."""
-
-    def __init__(self, params: Any, lr: float = 0.1) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for g in self.param_groups:
-            for p in g["params"]:
-                master = self.state[p].setdefault("master", p.detach().float())
-                master.add_(p.grad.float(), alpha=-g["lr"])
-                p.copy_(master)
-
-
 def test_a_replay_keeps_the_float32_state_of_bfloat16_parameters() -> None:
     """A master copy (or NAdam's `mu_product`) is float32 for a bfloat16 parameter; torch's
     load_state_dict cast it to bfloat16, so a replay did not match the honest step (inconclusive,
     the culprit unnamed)."""
     torch.manual_seed(0)
     model = nn.Linear(8, 4).to(torch.bfloat16)
-    opt = _Fp32Master(model.parameters())
+    opt = Fp32StateSGD(model.parameters())
     rec = ReplayRecorder(model, opt)
     replays = []
     for step in range(1, 9):

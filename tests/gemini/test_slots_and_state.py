@@ -23,7 +23,7 @@ from lm_resiliency.runtime.shm import (
     chunk_digests,
     n_chunks,
 )
-from tests.conftest import lone_gemini
+from tests.conftest import Fp32StateSGD, lone_gemini
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,26 +118,6 @@ def test_collect_and_apply_restore_training_bitwise() -> None:
         assert all(torch.equal(a, b) for a, b in zip(want, m3.parameters(), strict=True)), stepped
 
 
-class _Fp32Moments(torch.optim.Optimizer):
-    """Momentum SGD that keeps its state in float32 for bfloat16 parameters (as mixed-precision
-    optimizers do), loading through torch's own `load_state_dict`."""
-
-    def __init__(self, params: Any, lr: float = 0.1) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for g in self.param_groups:
-            for p in g["params"]:
-                st = self.state[p]
-                if not st:
-                    st["master"] = p.detach().float()
-                    st["buf"] = torch.zeros_like(st["master"])
-                st["buf"].mul_(0.9).add_(p.grad.float())
-                st["master"].add_(st["buf"], alpha=-g["lr"])
-                p.copy_(st["master"])
-
-
 @pytest.mark.parametrize("kind", ["nadam", "fp32_moments"])
 def test_optimizer_state_resumes_in_the_dtype_it_was_captured_in(kind: str) -> None:
     """torch's `Optimizer.load_state_dict` casts floating state to the parameter's dtype: NAdam's
@@ -149,7 +129,7 @@ def test_optimizer_state_resumes_in_the_dtype_it_was_captured_in(kind: str) -> N
         torch.manual_seed(0)
         m = torch.nn.Linear(16, 8).to(torch.bfloat16)
         o: torch.optim.Optimizer
-        o = torch.optim.NAdam(m.parameters(), lr=0.01) if kind == "nadam" else _Fp32Moments(m.parameters())
+        o = torch.optim.NAdam(m.parameters(), lr=0.01) if kind == "nadam" else Fp32StateSGD(m.parameters())
         return m, o
 
     def train(m: torch.nn.Module, o: torch.optim.Optimizer, steps: range) -> None:
