@@ -1106,7 +1106,9 @@ class Session:
             self._io.append((kind, name, took))
             if outer is None:
                 self._mark_phase(None)
-                self._adapter.note_excused_time(took)  # not input: no input straggler for it
+                excuse = getattr(self._adapter, "note_excused_time", None)  # optional: custom adapters
+                if excuse is not None:
+                    excuse(took)  # not input: no input straggler for it
 
     def prepare_recovery(self, failure_kind: str, all_ranks_accessible: bool = True) -> RecoveryMode:
         """Decide which checkpoint trust level a recovery from `failure_kind` needs: a report kind

@@ -107,7 +107,9 @@ class FrameworkAdapter(Protocol):
         ...
 
     def note_excused_time(self, seconds: float) -> None:
-        """Time the loop spent in marked checkpoint I/O between two steps: not its input time."""
+        """Time the loop spent in marked checkpoint I/O between two steps: not its input time.
+        Optional: an adapter without it (one of a policy's `adapter = "pkg.mod:factory"`) counts
+        that time as input."""
         ...
 
     def detach(self) -> None:
