@@ -232,8 +232,12 @@ class PyTorchAdapter:
         """Marked checkpoint I/O (`session.checkpoint_io`) between two steps: not input, so a rank
         that saves a checkpoint of its own is no input straggler. Inside a step, or inside an
         evaluation (whose whole time is excused already), nothing changes."""
-        if not self._stepping and self._t_fwd is None and self._eval_started is None:
+        if self._before_forward() and self._eval_started is None:
             self._not_input_s += seconds
+
+    def _before_forward(self) -> bool:
+        """Between two steps: this step's training forward has not begun."""
+        return not self._stepping and self._t_fwd is None
 
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():  # a training forward opens the step (an evaluation's does not)
@@ -254,7 +258,7 @@ class PyTorchAdapter:
         """The model runs with gradients off outside a step: an evaluation (rank 0 alone, maybe,
         while its peers wait in the next step's all-reduce). Marked until the end of the next step,
         so the hang check excuses it up to its threshold; the loop's own phases are left alone."""
-        if not self._stepping and self._t_fwd is None and self._eval_started is None:
+        if self._before_forward() and self._eval_started is None:
             self._eval_started = time.perf_counter()
         if not self._stepping and self.phase is None:
             self.phase = ("evaluation", time.monotonic())

@@ -90,11 +90,14 @@ def _holder(optimizer: Any) -> Any:
     return optimizer if partition is None else partition
 
 
-def _resolve_shards(state: dict[str, Any], model: torch.nn.Module, optimizer: Any) -> None:
-    """Replace every LocalShard in `state` by a DTensor on the live job's mesh (in place)."""
+def _resolve_shards(
+    state: dict[str, Any], model: torch.nn.Module, optimizer: Any, live: dict[str, Any] | None = None
+) -> None:
+    """Replace every LocalShard in `state` by a DTensor on the live job's mesh (in place); `live`:
+    the model's `state_dict()` when the caller has it already."""
     model_state = state.get("model")
     if isinstance(model_state, dict) and any(isinstance(v, LocalShard) for v in model_state.values()):
-        live = model.state_dict()
+        live = model.state_dict() if live is None else live
         for k, v in model_state.items():
             if isinstance(v, LocalShard):
                 model_state[k] = _rebuild(v, live.get(k), f"model.{k}")
@@ -271,16 +274,17 @@ def collect_state(
     return state
 
 
-def check_fits(saved: Any, model: torch.nn.Module) -> None:
+def check_fits(saved: Any, model: torch.nn.Module) -> dict[str, Any] | None:
     """Raise `CheckpointMismatchError` naming what differs when the captured model state does not
     fit `model` (a parameter or buffer missing, unexpected, of another shape or dtype): checked
     before anything is loaded, so a model changed under the same run id is told so, not left half
-    restored by a size mismatch deep inside `load_state_dict`."""
+    restored by a size mismatch deep inside `load_state_dict`. Returns the live `state_dict()` it
+    compared with (None for FSDP1, which is not checked here)."""
     if not isinstance(saved, dict):
         raise CheckpointMismatchError("the checkpoint holds no model state")
     fsdp1 = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
     if fsdp1 is not None and any(isinstance(m, fsdp1) for m in model.modules()):
-        return  # its state_dict() gathers (collectives, memory): load_state_dict checks as it loads
+        return None  # its state_dict() gathers (collectives, memory): load_state_dict checks as it loads
     live = model.state_dict()
     problems = [f"{k} is missing from the checkpoint" for k in live if k not in saved]
     problems += [f"{k} is in the checkpoint, not in the model" for k in saved if k not in live]
@@ -298,6 +302,7 @@ def check_fits(saved: Any, model: torch.nn.Module) -> None:
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CheckpointMismatchError("; ".join(problems[:3]) + more)
+    return live
 
 
 def apply_state(
@@ -309,8 +314,8 @@ def apply_state(
     scaler: Any = None,
 ) -> None:
     model = uncompiled(model)
-    check_fits(state.get("model"), model)
-    _resolve_shards(state, model, _holder(optimizer))
+    live = check_fits(state.get("model"), model)
+    _resolve_shards(state, model, _holder(optimizer), live)
     model.load_state_dict(state["model"])
     if optimizer is not None and "optimizer" in state:
         partition = zero_partition(optimizer)
