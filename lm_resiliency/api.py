@@ -61,7 +61,7 @@ __all__ = ["ResiliencySession", "Session", "SessionComponent", "enable_resilienc
 log = logging.getLogger(__name__)
 
 # Verdicts the torchrun backend's leader acts on (restart in place, or replace the culprit's node).
-BACKEND_ACTIONABLE = frozenset({"sdc", "hardware", "hang"})
+BACKEND_ACTIONABLE = frozenset({"sdc", "stale_state", "hardware", "hang"})
 
 MAX_ERROR_TEXT = 2000  # characters of an uncaught exception's text carried in reports and goodbyes
 # A peer that said it was terminated (SIGTERM) is reported this long after, unless this rank is

@@ -267,6 +267,7 @@ class SCOUTFaultReport:
 
 FAILURE_ACTIONS = (
     "sdc",
+    "stale_state",
     "hardware",
     "node_lost",
     "process_failure",

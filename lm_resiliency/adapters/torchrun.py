@@ -702,7 +702,7 @@ class _Pulse:
         """The step every rank of the new generation restores, from the workers' GEMINI inventories."""
         pending = dict(old.pending)
         kind = str(pending.get("failure_kind", "none"))
-        mode = "recovery_verified" if kind in ("sdc", "hardware") else "latest"
+        mode = "recovery_verified" if kind in ("sdc", "stale_state", "hardware") else "latest"
         plan: dict[str, Any] = {
             "failure_kind": kind,
             "reason_code": str(pending.get("reason", "startup")),

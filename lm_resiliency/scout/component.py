@@ -49,6 +49,7 @@ from lm_resiliency.core.scout.replay import (
     ReplayOutcome,
     SdcHistory,
     replay_verdict,
+    stale_verdict,
 )
 from lm_resiliency.core.scout.verdicts import (
     HangDetector,
@@ -409,6 +410,7 @@ class Scout:
         self._deferred_evidence: tuple[int, Fingerprint | None] | None = None
         self._last_params: tuple[int, bytes, bytes] = (-1, b"", b"")  # step, params, optimizer state
         self._divergence = DivergenceTracker(self.interval)  # disagreements that continue a judged one
+        self._grads_before: tuple[int, dict[int, bytes]] = (-1, {})  # the last judged step's gradients
         # Evidence, audit and replay results and link reports are judged by the replica group
         # alone, phase times and votes by the peer group (its superset): only their members get them
         # (job-wide gossip grows with the job). Progress stays job-wide; hangs are judged among peers
@@ -549,7 +551,9 @@ class Scout:
         return self._live_of(self.peers)
 
     def _judge_fingerprints(self, step: int, per_step: dict[int, Evidence]) -> None:
-        verdict = fingerprint_verdict(step, "grads", {r: e.grads for r, e in per_step.items()})
+        held = {r: e.grads for r, e in per_step.items()}
+        before, self._grads_before = self._grads_before, (step, held)
+        verdict = fingerprint_verdict(step, "grads", held)
         if verdict is None:
             verdict = fingerprint_verdict(step, "params", {r: e.params for r, e in per_step.items()})
         if verdict is None:
@@ -575,6 +579,8 @@ class Scout:
                 else:
                     log.debug("rank %d: %s still diverged at step %d", self.rank, verdict.reason, step)
                 return
+            if what == "grads":  # a neighbouring step's gradients: stale, not corrupted
+                verdict = stale_verdict(verdict, held, before[1] if before[0] == step - 1 else {})
             if verdict.kind == "sdc_ambiguous" and self._recorder is not None:
                 self._start_replay(step, what, per_step.get(self.rank))
             else:
@@ -1070,7 +1076,7 @@ class Scout:
         with self._lock:
             self.verdicts.append(v)
         recurring = self._history.record(v) if v.reason != "recurring_sdc" else None
-        if v.kind in ("sdc", "sdc_ambiguous") and v.step >= 0:
+        if v.kind in ("sdc", "sdc_ambiguous", "stale_state") and v.step >= 0:
             self._revoke_from(v.step)  # audits find SDC in steps whose fingerprints agreed
         kind = {"sdc_ambiguous": "sdc", "collective_stall": "hang"}.get(v.kind, v.kind)
         endpoint_kind, _, endpoint_id = v.endpoint.partition(":")

@@ -6,7 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from lm_resiliency.core.scout.replay import DivergenceTracker, ReplayOutcome, SdcHistory, replay_verdict
+from lm_resiliency.core.scout.replay import (
+    DivergenceTracker,
+    ReplayOutcome,
+    SdcHistory,
+    replay_verdict,
+    stale_verdict,
+)
 from lm_resiliency.core.scout.verdicts import Verdict
 from lm_resiliency.scout.fingerprint import fingerprint
 from lm_resiliency.scout.replay import ReplayRecorder, pack_contributions, replay_grads, replay_params
@@ -93,6 +99,56 @@ def _grads(model: nn.Module, seed: int) -> None:
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed))
     model.zero_grad()
     model(x).pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def _on_grads(kind: str, ranks: tuple[int, ...], step: int = 9) -> Verdict:
+    return Verdict(kind, ranks, step, "grads_fingerprint_minority" if kind == "sdc" else "grads_x")
+
+
+def test_a_rank_holding_the_previous_steps_gradients_is_stale_state_not_sdc() -> None:
+    """Reused: two replicas cannot outvote each other, but one holds exactly what both agreed on
+    one step before; among four, the minority does."""
+    v = stale_verdict(_on_grads("sdc_ambiguous", (0, 1)), {0: A, 1: B}, {0: B, 1: B})
+    assert (v.kind, v.ranks, v.step, v.reason) == ("stale_state", (1,), 9, "grads_reused")
+    assert "step 8" in v.detail
+    v = stale_verdict(_on_grads("sdc", (2,)), {0: A, 1: A, 2: C, 3: A}, {0: C, 1: C, 2: C, 3: C})
+    assert (v.kind, v.ranks, v.reason) == ("stale_state", (2,), "grads_reused")
+
+
+def test_a_rank_one_optimizer_step_behind_is_stale_state_at_its_second_check() -> None:
+    """Rank 3 skipped a step: its step 8 held the others' step 9, so at step 9 it is behind."""
+    v = stale_verdict(_on_grads("sdc", (3,)), {0: B, 1: B, 2: B, 3: C}, {0: A, 1: A, 2: A, 3: B})
+    assert (v.kind, v.ranks, v.reason) == ("stale_state", (3,), "grads_step_behind")
+    assert "one optimizer step behind" in v.detail
+
+
+def test_corrupted_gradients_and_lone_evidence_stay_what_they_were() -> None:
+    sdc = _on_grads("sdc", (2,))
+    # Other gradients than any step's; the step before not checked; parameters, not gradients.
+    assert stale_verdict(sdc, {0: A, 1: A, 2: C, 3: A}, {0: B, 1: B, 2: B, 3: B}) is sdc
+    assert stale_verdict(sdc, {0: A, 1: A, 2: C, 3: A}, {}) is sdc
+    params = Verdict("sdc", (2,), 9, "params_fingerprint_minority")
+    assert stale_verdict(params, {0: A, 1: A, 2: C, 3: A}, {0: C, 1: C, 2: C, 3: C}) is params
+    # The group's gradients repeat legitimately (the same batch, parameters unchanged): the rank
+    # off them is corrupted, not stale.
+    assert stale_verdict(sdc, {0: A, 1: A, 2: C, 3: A}, {0: A, 1: A, 2: A, 3: A}) is sdc
+    # A majority named by a verdict naming one rank: only that rank can be stale.
+    assert stale_verdict(_on_grads("sdc", (1,)), {0: A, 1: B, 2: C}, {0: C, 1: C, 2: C}).kind == "sdc"
+    # Two replicas that disagreed one step before too: neither step tells them apart.
+    amb = _on_grads("sdc_ambiguous", (0, 1))
+    assert stale_verdict(amb, {0: A, 1: B}, {0: C, 1: A}) is amb
+    slow = Verdict("straggler", (1,), 9, "grads_x")
+    assert stale_verdict(slow, {0: A, 1: B}, {0: B, 1: B}) is slow
+
+
+def test_a_rank_that_stepped_twice_is_the_one_named() -> None:
+    """Rank 2 stepped twice at step 8: its step 9 holds what all held at 8, then it stays one step
+    ahead: at 10 the others are not 'behind' it (they are the majority), it is what reused."""
+    v = stale_verdict(_on_grads("sdc", (2,)), {0: B, 1: B, 2: A, 3: B}, {0: A, 1: A, 2: A, 3: A})
+    assert (v.ranks, v.reason) == ((2,), "grads_reused")
+    v = stale_verdict(_on_grads("sdc", (2,), 10), {0: C, 1: C, 2: B, 3: C}, {0: B, 1: B, 2: A, 3: B})
+    assert (v.ranks, v.reason) == ((2,), "grads_reused")
 
 
 @pytest.mark.parametrize("foreach", [False, True])

@@ -294,6 +294,34 @@ def test_a_rank_that_corrupts_again_is_reported_as_recurring_sdc_for_quarantine(
         ], res["faults"]
 
 
+@pytest.mark.parametrize("world", [4, 2])
+def test_a_rank_that_steps_with_the_previous_steps_gradients_is_stale_state(
+    processes, tmp_path: Path, world: int
+) -> None:  # type: ignore[no-untyped-def]
+    """Stale state (FAILURES.md): a restart from a recovery-verified step, not a device to replace.
+    Its parameters then stay apart from the others': the same incident, not reported again."""
+    results, _ = _run(processes, tmp_path, "stale-grads", steps=10, culprit=1, at=6, world=world)
+    for res in results:
+        faults = [(f["kind"], f["failed_ranks"], f["steps"], f["reason"]) for f in res["faults"]]
+        assert faults == [("stale_state", [1], [6], "grads_reused")], res["faults"]
+        assert res["faults"][0]["confidence"] == 1.0 and "step 5" in res["faults"][0]["detail"]
+
+
+def test_a_rank_that_skipped_an_optimizer_step_is_stale_state_not_recurring_sdc(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 3 skips its step 6: from then on its step k holds the others' step k + 1 gradients. The
+    first check cannot tell that from corruption; the second can, and it is no recurring SDC (a
+    device to quarantine); later ones are the same incident."""
+    results, _ = _run(processes, tmp_path, "skip-step", steps=12, culprit=3, at=6)
+    for res in results:
+        faults = [(f["kind"], f["failed_ranks"], f["steps"], f["reason"]) for f in res["faults"]]
+        assert faults == [
+            ("sdc", [3], [6], "grads_fingerprint_minority"),
+            ("stale_state", [3], [7], "grads_step_behind"),
+        ], res["faults"]
+
+
 def test_two_replicas_name_the_rank_whose_optimizer_state_changed_between_steps(
     processes, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]

@@ -274,6 +274,25 @@ def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(p
     assert _equal(job.final(), base.final())
 
 
+def test_stale_state_named_by_scout_restarts_in_place_from_a_verified_step(
+    processes, tmp_path, baseline
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 steps with step 9's gradients at step 10. Two replicas cannot outvote each other, but
+    rank 1 holds exactly what both held one step before: stale state, not a faulty device. No
+    standby is taken; the job resumes from the newest verified step, before the fault, bitwise."""
+    job = Job(processes, tmp_path, "stale")
+    job.start({"FAULT": "stale", "FAULT_RANK": "1", "FAULT_STEP": "10"})
+    job.wait()
+    gens = job.generations()
+    assert sorted(gens) == [0, 1], job.logs()
+    ctx = json.loads(Path(gens[1]["context"]).read_text())
+    assert ctx["failure_kind"] == "stale_state" and ctx["reason_code"] == "grads_reused", ctx
+    assert ctx["recovery_mode"] == "recovery_verified" and ctx["admitted"] == [], ctx
+    assert len(ctx["culprits"]) == 1, ctx
+    assert 0 < ctx["checkpoint_step"] < 10 and gens[1]["start"] == ctx["checkpoint_step"], (ctx, gens)
+    assert _equal(job.final(), baseline)
+
+
 def test_a_hang_named_by_scout_is_recovered_and_the_run_completes_bitwise(
     processes, tmp_path, baseline
 ) -> None:  # type: ignore[no-untyped-def]

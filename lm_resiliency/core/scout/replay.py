@@ -18,7 +18,8 @@ that corrupts again shows up as a replay that disagrees with its peers'):
 value should be) and the recorded ones (what each replica actually held) into a verdict that every
 rank computes identically from the same results. `SdcHistory` names a rank found corrupting at a
 second, different step: recurring SDC, a device to quarantine. `DivergenceTracker` says which
-disagreements only continue one already judged.
+disagreements only continue one already judged. `stale_verdict` tells a rank holding a neighbouring
+step's gradients (stale state: restart it) from one holding corrupted ones (SDC: a device to replace).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 
 from lm_resiliency.core.scout.verdicts import Verdict
 
-__all__ = ["DivergenceTracker", "ReplayOutcome", "SdcHistory", "replay_verdict"]
+__all__ = ["DivergenceTracker", "ReplayOutcome", "SdcHistory", "replay_verdict", "stale_verdict"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,59 @@ def replay_verdict(step: int, what: str, outcomes: Mapping[int, ReplayOutcome]) 
         f"replay of step {step} on {len(members)} replicas agrees with ranks "
         f"{[r for r in members if r not in culprits]}; ranks {list(culprits)} held other {what}",
     )
+
+
+def _majority(values: Mapping[int, bytes], members: list[int]) -> bytes | None:
+    """The fingerprint more than half of `members` hold in `values` (None: no majority, or unknown)."""
+    votes = Counter(values.get(r, b"") for r in members)
+    value, n = votes.most_common(1)[0]
+    return value if value and n * 2 > len(members) else None
+
+
+def stale_verdict(v: Verdict, held: Mapping[int, bytes], before: Mapping[int, bytes]) -> Verdict:
+    """`v`, a gradient disagreement at `v.step`, as stale state when the ranks it suspects hold a
+    neighbouring step's gradients rather than corrupted ones; else `v` itself.
+
+    `held`: every replica's gradient fingerprint at `v.step`; `before`: at `v.step - 1` (empty when
+    that step was not checked). Two signatures, both exact equalities of whole-model fingerprints:
+
+    - reused: ranks hold at this step the gradients a majority held at the step before (a tensor of
+      the previous step used again; or a rank one optimizer step ahead, that stepped twice);
+    - behind: ranks held at the step before the gradients a majority holds now (they skipped an
+      optimizer step: each of their steps holds their replicas' next step, forever).
+
+    Suspects are the ranks `v` names (a majority's minority, or the replay's culprits); for an
+    ambiguous verdict, any proper subset of its replicas. Two replicas have no majority when they
+    disagree, so only `reused` (both agreed one step before) can tell them apart.
+    """
+    if v.kind not in ("sdc", "sdc_ambiguous") or not v.reason.startswith("grads_") or not before:
+        return v
+    members = sorted(held)
+    prev, now = _majority(before, members), _majority(held, members)
+    signatures = (
+        (
+            "grads_reused",
+            [r for r in v.ranks if prev is not None and held.get(r) == prev and prev != now],
+            "hold the gradients the group held at step {prev}: a previous step's tensor used again",
+        ),
+        (
+            "grads_step_behind",
+            [r for r in v.ranks if now is not None and before.get(r) == now != prev and held.get(r) != now],
+            "held at step {prev} the gradients the group holds at step {step}: one optimizer step "
+            "behind their replicas (a step skipped)",
+        ),
+    )
+    for reason, culprits, what in signatures:
+        whole = set(culprits) == set(v.ranks) if v.kind == "sdc" else 0 < len(culprits) < len(members)
+        if culprits and whole:
+            return Verdict(
+                "stale_state",
+                tuple(culprits),
+                v.step,
+                reason,
+                f"ranks {culprits} at step {v.step} " + what.format(prev=v.step - 1, step=v.step),
+            )
+    return v
 
 
 def _inconclusive(step: int, what: str, members: list[int], why: str) -> Verdict:

@@ -5,6 +5,7 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
   node    -- rank FAULT_RANK's whole node dies: its agent, then (parent-death signal) its worker
   leader  -- the node of the current leader dies the same way
   sdc     -- rank FAULT_RANK flips a bit of a gradient after reduction (SCOUT must name it)
+  stale   -- rank FAULT_RANK steps with the previous step's gradients (SCOUT must name stale state)
   hang    -- rank FAULT_RANK never enters step FAULT_STEP's all-reduce (SCOUT must name it; HANG_S is
              the stall threshold)
   repeat  -- in each generation g < FAULT_REPEAT, rank g % world dies two steps after its start
@@ -74,6 +75,7 @@ def leader_is_me() -> bool:
     return state["leader"] == os.environ["LM_RESILIENCY_NODE_ID"]
 
 
+kept: list[torch.Tensor] = []  # the stale fault's gradients of the step before
 for step in range(start + 1, STEPS + 1):
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank * 1000 + step))
     if fault == "hang" and rank == fault_rank and step == fault_step:
@@ -86,6 +88,11 @@ for step in range(start + 1, STEPS + 1):
         with torch.no_grad():
             p = next(model.parameters())
             p.grad.view(-1)[3] += 1.0  # after reduction: only this replica's copy changes
+    if fault == "stale" and rank == fault_rank:
+        if step == fault_step:
+            for p, g in zip(model.parameters(), kept, strict=True):
+                p.grad.copy_(g)
+        kept = [p.grad.clone() for p in model.parameters()]
     opt.step()
     sched.step()
     if step == fault_step and fault in ("worker", "node") and rank == fault_rank:

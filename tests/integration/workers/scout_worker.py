@@ -9,7 +9,9 @@ but the loop spends 80 ms on each batch before the forward (host-side preparatio
 culprit SIGSTOPs itself at AT_STEP, runtime thread and all; sigterm: the culprit SIGTERMs itself at
 AT_STEP; group-stop: every rank tells the test it reached AT_STEP, which SIGTERMs them all;
 desync: every rank all-reduces a metric of 4 elements after each step, the culprit 5 at AT_STEP;
-evaluation: every AT_STEP steps the culprit alone runs the model with gradients off for 4 s),
+evaluation: every AT_STEP steps the culprit alone runs the model with gradients off for 4 s;
+stale-grads: at AT_STEP the culprit steps with the previous step's reduced gradients;
+skip-step: the culprit skips its optimizer step at AT_STEP and counts one step behind from then on),
 CULPRIT, AT_STEP, LOCALGRAD_ALSO (rank:step: a gradient flipped before reduction besides),
 REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
 SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
@@ -214,6 +216,7 @@ def main() -> int:
         return 0
     jitter = random.Random(rank)
     accumulate = int(os.environ.get("ACCUM", "1"))
+    kept: list[torch.Tensor] = []  # the stale-grads culprit's gradients of the step before
     stall_at = at if scenario == "datastall" and rank == culprit else -1
     slow_loader = (scenario == "input" and rank == culprit) or rank == int(
         os.environ.get("SLOW_LOADER", "-1")
@@ -254,9 +257,15 @@ def main() -> int:
         if flip_grad and rank == culprit:
             g = next(model.parameters()).grad
             g.view(-1).view(torch.int32)[7] ^= 1 << 3  # one bit, after the all-reduce
+        if scenario == "stale-grads" and rank == culprit:
+            if step == at:  # the previous step's tensors used again, after this step's all-reduce
+                for p, g in zip(model.parameters(), kept, strict=True):
+                    p.grad.copy_(g)
+            kept = [p.grad.clone() for p in model.parameters()]
         if os.environ.get("CLIP") == "1":  # clipping between the all-reduce and the step, as LLMs do
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
-        opt.step()
+        if not (scenario == "skip-step" and rank == culprit and step == at):
+            opt.step()
         if scenario == "optstate" and rank == culprit and step == at:
             with torch.no_grad():
                 m = opt.state[inner[0].weight]["exp_avg"]
