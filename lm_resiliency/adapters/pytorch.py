@@ -97,6 +97,9 @@ class PyTorchAdapter:
         # Called from the comm hook with (parameters, gradients) of each bucket before its all-reduce.
         self.contribution_tap: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None] | None = None
         self._reduction: CanonicalReduction | None = None
+        # The DDP whose comm hook is ours to register at its first forward; whether ours is.
+        self._comm_hook_pending: Any = None
+        self._comm_hook_ours = False
 
     # -- topology ---------------------------------------------------------------------------------
     def topology(self) -> AdapterTopology:
@@ -158,29 +161,64 @@ class PyTorchAdapter:
         if ddp is not None:
             self._track_buffer_broadcast(ddp)
         if ddp is not None and self._time_comm:
-            if getattr(ddp, "_comm_hooks", None):
-                log.info("DDP model already has a comm hook; communication time will not be measured")
-            elif _sparse_gradients(ddp):
-                # DDP reduces sparse gradients (an Embedding(sparse=True)) its own way, which a comm
-                # hook's flat bucket buffer cannot stand for.
-                log.info("DDP model has sparse gradients: communication time will not be measured")
-            else:
-                pg = getattr(ddp, "process_group", None)
-
-                def comm_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-                    return self._comm_hook(state, bucket)
-
-                # DDP inspects the annotations at runtime; ours are strings under PEP 563.
-                comm_hook.__annotations__ = {
-                    "bucket": dist.GradBucket,  # type: ignore[attr-defined]
-                    "return": torch.futures.Future[torch.Tensor],
-                }
-                # Complex gradients reach a comm hook as real views of the bucket whose lengths do
-                # not match the parameters': their buckets are reduced whole, as DDP does.
-                if not any(p.is_complex() for p in ddp_parameters(ddp)):
-                    self._reduction = CanonicalReduction.for_ddp(ddp)
-                ddp.register_comm_hook(pg, comm_hook)
+            self._defer_comm_hook(ddp)
         self._t_step_start = time.perf_counter()
+
+    def _defer_comm_hook(self, ddp: Any) -> None:
+        """Ours is registered at the model's first forward, not here: DDP takes one comm hook, and a
+        script that registers its own after enable_resiliency (fp16 compression, PowerSGD) keeps
+        it. One registered after that forward is refused with a message that says so."""
+        original = ddp.register_comm_hook
+
+        def register_comm_hook(state: object, hook: Callable[..., Any]) -> None:
+            if self._comm_hook_ours:
+                raise RuntimeError(
+                    "DDP takes one comm hook, and lm-resiliency registered its own at the model's "
+                    "first forward: register yours before that forward (or before enable_resiliency); "
+                    "communication time is then not measured"
+                )
+            if self._comm_hook_pending is not None:
+                self._comm_hook_pending = None
+                log.info(
+                    "the script registers a DDP comm hook of its own: communication time is not measured"
+                )
+            original(state, hook)
+
+        ddp.register_comm_hook = register_comm_hook
+        self._untrack.append(lambda: vars(ddp).pop("register_comm_hook", None))
+        self._comm_hook_pending = ddp
+
+    def _register_comm_hook(self, ddp: Any) -> None:
+        self._comm_hook_pending = None
+        if getattr(ddp, "_comm_hooks", None):
+            log.info("DDP model already has a comm hook; communication time will not be measured")
+        elif _sparse_gradients(ddp):
+            # DDP reduces sparse gradients (an Embedding(sparse=True)) its own way, which a comm
+            # hook's flat bucket buffer cannot stand for.
+            log.info("DDP model has sparse gradients: communication time will not be measured")
+        else:
+            pg = getattr(ddp, "process_group", None)
+
+            def comm_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+                return self._comm_hook(state, bucket)
+
+            # DDP inspects the annotations at runtime; ours are strings under PEP 563.
+            comm_hook.__annotations__ = {
+                "bucket": dist.GradBucket,  # type: ignore[attr-defined]
+                "return": torch.futures.Future[torch.Tensor],
+            }
+            try:  # past our instance's guard (see _defer_comm_hook)
+                type(ddp).register_comm_hook(ddp, pg, comm_hook)
+            except RuntimeError as exc:  # one registered through DDP's builtin-hook API
+                if ddp._comm_hooks and ddp._comm_hooks[-1][0] is comm_hook:
+                    ddp._comm_hooks.pop()
+                log.info("DDP model already has a comm hook (%s): communication time is not measured", exc)
+                return
+            self._comm_hook_ours = True
+            # Complex gradients reach a comm hook as real views of the bucket whose lengths do
+            # not match the parameters': their buckets are reduced whole, as DDP does.
+            if not any(p.is_complex() for p in ddp_parameters(ddp)):
+                self._reduction = CanonicalReduction.for_ddp(ddp)
 
     def _track_buffer_broadcast(self, ddp: Any) -> None:
         """DDP broadcasts its buffers from rank 0 at the start of a training forward
@@ -240,6 +278,8 @@ class PyTorchAdapter:
         return not self._stepping and self._t_fwd is None
 
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
+        if self._comm_hook_pending is not None:
+            self._register_comm_hook(self._comm_hook_pending)
         if torch.is_grad_enabled():  # a training forward opens the step (an evaluation's does not)
             if self._t_fwd is None:
                 self._t_fwd = time.perf_counter()

@@ -106,13 +106,16 @@ def test_four_ranks_membership_telemetry_death_and_forgery(processes, tmp_path: 
     assert 1 in results[0]["live_after"]  # the forged goodbye was not acted on
 
 
-@pytest.mark.parametrize("kind", ["complex", "sparse"])
+@pytest.mark.parametrize("kind", ["complex", "sparse", "own-hook"])
 def test_gradients_ddp_hands_over_differently_train_as_plain_ddp_does(
     processes, tmp_path: Path, kind: str
 ) -> None:  # type: ignore[no-untyped-def]
     """Complex parameters (DDP hands a comm hook real views of their gradients) and an
     Embedding(sparse=True) (DDP reduces sparse gradients its own way): training is bitwise what plain
-    DDP computes, both ranks agree (every step certified, no verdict) and every step is captured."""
+    DDP computes, both ranks agree (every step certified, no verdict) and every step is captured.
+    So does a script that registers a comm hook of its own after enable_resiliency (DDP takes one):
+    its hook is used. A second one is refused, as plain DDP refuses it; after ours, with a message
+    that names lm-resiliency's."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     (tmp_path / "machine-id").write_text("kinds-node\n")
     procs = [
@@ -138,3 +141,8 @@ def test_gradients_ddp_hands_over_differently_train_as_plain_ddp_does(
         assert rep["equal_to_plain_ddp"] and not rep["faults"], rep
         assert rep["steps"] == 6 and rep["certified"] == [1, 2, 3, 4, 5, 6], rep
         assert rep["captures"] >= 1 and rep["capture_failures"] == 0, rep  # (one may find both slots busy)
+        if kind == "own-hook":
+            assert rep["hooks"][0] == "fp16_compress_hook", rep  # (DDP lists the refused one too)
+            assert "can only be called once" in rep["refused"], rep
+        if kind == "complex":  # ours, registered at the first forward: the refusal says so
+            assert "lm-resiliency registered its own at the model's first forward" in rep["refused"], rep

@@ -2,8 +2,10 @@
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, KIND ("complex": complex64 parameters, whose gradients
 DDP hands a comm hook as real views; "sparse": an Embedding(sparse=True), whose gradients DDP reduces
-its own way). The same model is trained twice from the same seed and data: as plain DDP, then as DDP
-with enable_resiliency (fingerprints and captures every step). Writes a JSON report.
+its own way; "own-hook": the script registers a DDP comm hook of its own, fp16 compression, after
+enable_resiliency; after training, the script registers one more in this kind and "complex": refused,
+as DDP takes one only). The same model is trained twice from the same seed and data: as plain DDP,
+then as DDP with enable_resiliency (fingerprints and captures every step). Writes a JSON report.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
 from lm_resiliency import enable_resiliency
 
@@ -28,6 +31,11 @@ def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     if kind == "complex":
         model = nn.parallel.DistributedDataParallel(nn.Linear(8, 8, dtype=torch.complex64))
         return model, torch.optim.Adam(model.parameters(), lr=0.1)
+    if kind == "own-hook":
+        model = nn.parallel.DistributedDataParallel(
+            nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
+        )
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
     model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Embedding(64, 8, sparse=True)))
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -37,6 +45,8 @@ def train(kind: str, model: nn.Module, opt: torch.optim.Optimizer, rank: int) ->
         g = torch.Generator().manual_seed(rank * 1000 + step)
         if kind == "complex":
             loss = model(torch.randn(4, 8, dtype=torch.complex64, generator=g)).abs().pow(2).mean()
+        elif kind == "own-hook":
+            loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
         else:
             loss = model(torch.randint(0, 64, (4, 3), generator=g)).pow(2).sum()
         loss.backward()
@@ -52,10 +62,15 @@ def main() -> int:
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     plain, plain_opt = build(kind)
+    if kind == "own-hook":
+        plain.register_comm_hook(None, fp16_compress_hook)
     train(kind, plain, plain_opt, rank)
     model, opt = build(kind)
     faults: list[dict] = []
+    refused = ""
     with enable_resiliency(model, opt, interval=1, fault_callback=faults.append) as session:
+        if kind == "own-hook":  # after enable_resiliency: the script's hook is the one DDP uses
+            model.register_comm_hook(None, fp16_compress_hook)
         scout, last = session.scout, threading.Event()
         mark = scout.on_certified
 
@@ -66,6 +81,11 @@ def main() -> int:
 
         scout.on_certified = certified
         train(kind, model, opt, rank)
+        if kind in ("own-hook", "complex"):  # DDP already holds one: the script's, or ours
+            try:
+                model.register_comm_hook(None, fp16_compress_hook)  # a second one, as DDP refuses
+            except RuntimeError as exc:
+                refused = str(exc)
         assert session.gemini.drain(30) and last.wait(30), f"step {STEPS} not certified: {faults}"
         report = {
             "rank": rank,
@@ -74,6 +94,8 @@ def main() -> int:
             "certified": [s for s in range(1, STEPS + 1) if scout.certified(s)],
             "captures": session.gemini.stats.captures,
             "capture_failures": session.gemini.stats.capture_failures,
+            "refused": refused,
+            "hooks": [h.__qualname__ for h, _ in getattr(model, "_comm_hooks", [])],
             "equal_to_plain_ddp": all(
                 torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters(), strict=True)
             ),
