@@ -42,6 +42,7 @@ from lm_resiliency.config import (
 )
 from lm_resiliency.core.membership import EventKind, MembershipEvent
 from lm_resiliency.core.messages import StepTelemetry
+from lm_resiliency.core.scout.verdicts import PEERS_WAIT
 from lm_resiliency.core.taxonomy import (
     CANONICAL_TYPES,
     EXIT_FAILURES,
@@ -60,8 +61,14 @@ __all__ = ["ResiliencySession", "Session", "SessionComponent", "enable_resilienc
 
 log = logging.getLogger(__name__)
 
-# Verdicts the torchrun backend's leader acts on (restart in place, or replace the culprit's node).
+# Verdicts the torchrun backend's leader acts on (restart in place, or replace the culprit's node),
+# and a data-loader or checkpoint-I/O stall once its peers wait on it (the job stopped).
 BACKEND_ACTIONABLE = frozenset({"sdc", "stale_state", "hardware", "hang"})
+
+
+def _actionable(report: dict[str, Any]) -> bool:
+    return report.get("kind") in BACKEND_ACTIONABLE or str(report.get("reason", "")).endswith(PEERS_WAIT)
+
 
 MAX_ERROR_TEXT = 2000  # characters of an uncaught exception's text carried in reports and goodbyes
 # A peer that said it was terminated (SIGTERM) is reported this long after, unless this rank is
@@ -1013,7 +1020,7 @@ class Session:
     def _emit_fault(self, report: dict[str, Any]) -> None:
         with self._reports_lock:
             self._reports.append(report)
-            if report.get("kind") in BACKEND_ACTIONABLE or report.get("kind") == "process_failure":
+            if _actionable(report) or report.get("kind") == "process_failure":
                 self._last_fatal_report = time.monotonic()
         # The user's callbacks and the report file, in order, off the runtime's event loop: a slow
         # callback there would stop this rank's heartbeats and its peers would declare it dead.
@@ -1021,7 +1028,7 @@ class Session:
         # Hardware telemetry that is not fatal (thermal, throttling, NVLink counters) is reported,
         # never a reason for the leader to restart or replace a node.
         not_fatal = report.get("kind") == "hardware" and report.get("fatal") is False
-        if self._control is not None and report.get("kind") in BACKEND_ACTIONABLE and not not_fatal:
+        if self._control is not None and _actionable(report) and not not_fatal:
             self._control.post_verdict(self.env.generation, report)
         for cb in (self._fault_callback, self._orchestration.report_fault if self._orchestration else None):
             if cb is not None:
@@ -1087,7 +1094,10 @@ class Session:
         current = getattr(self._adapter, "phase", None)
         if current is not None and current[0] == "evaluation":
             return
-        self._adapter.phase = (phase, time.monotonic()) if phase else None
+        now = time.monotonic()
+        self._adapter.phase = (phase, now) if phase else None
+        if current is not None and hasattr(self._adapter, "last_progress"):
+            self._adapter.last_progress = now  # out of its loader or checkpoint I/O: moving again
 
     @contextlib.contextmanager
     def checkpoint_io(self, kind: str, name: str = "") -> Iterator[None]:

@@ -52,6 +52,7 @@ from lm_resiliency.core.scout.replay import (
     stale_verdict,
 )
 from lm_resiliency.core.scout.verdicts import (
+    PEERS_WAIT,
     HangDetector,
     PhaseTimes,
     StallDetector,
@@ -1021,7 +1022,9 @@ class Scout:
     def _report(self, v: Verdict, among_peers: bool = False) -> None:
         """Vote for a verdict this rank reached; acting waits for a majority of the replica group,
         or of the peer group for verdicts on timing and progress (`among_peers`)."""
-        key = (v.kind, v.ranks, -1 if v.kind in UNSTEPPED else v.step)
+        # A stall its peers wait on is a verdict of its own, after the stall alone was named.
+        kind = v.kind + PEERS_WAIT if v.reason.endswith(PEERS_WAIT) else v.kind
+        key = (kind, v.ranks, -1 if v.kind in UNSTEPPED else v.step)
         with self._lock:
             if key in self._reported:
                 return

@@ -111,6 +111,15 @@ def test_hang_names_the_rank_that_never_entered_the_collective() -> None:
     assert v is not None and v.kind == "collective_stall" and v.ranks == (0, 1, 2)
 
 
+def test_a_rank_that_moved_within_the_threshold_is_late_not_hung() -> None:
+    """Rank 2 just got its batch after a long wait in its loader and is on its way to the all-reduce
+    its peers have waited in for 3 s: not the hang's culprit until it stops moving that long."""
+    waiting = {0: Progress(9, 40, 3.0), 1: Progress(9, 40, 3.0)}
+    assert hang_verdict(9, {**waiting, 2: Progress(9, 39, 0.0, idle_s=0.1)}, 2.0) is None
+    v = hang_verdict(9, {**waiting, 2: Progress(9, 39, 0.0, idle_s=2.0)}, 2.0)
+    assert v is not None and (v.kind, v.ranks) == ("hang", (2,))
+
+
 def test_hang_detector_reports_once_until_progress() -> None:
     d = HangDetector(2.0)
     prog = {0: Progress(1, 4, 2.5), 1: Progress(1, 3, 0.0)}
@@ -147,26 +156,35 @@ def test_a_rank_being_stopped_is_never_named_for_a_hang() -> None:
 
 
 @pytest.mark.parametrize(
-    ("phase", "limit", "where"),
+    ("phase", "limit", "where", "kind"),
     [
-        ("checkpoint_io", 120.0, "in its checkpoint I/O"),
+        ("checkpoint_io", 120.0, "in its checkpoint I/O", "checkpoint_stall"),
         # Rank 2 runs its model with gradients off (an evaluation of its own) between steps.
-        ("evaluation", 600.0, "(in an evaluation"),
+        ("evaluation", 600.0, "(in an evaluation", "hang"),
     ],
 )
 def test_a_rank_in_marked_checkpoint_io_or_its_loader_is_excused_until_it_overstays(
-    phase: str, limit: float, where: str
+    phase: str, limit: float, where: str, kind: str
 ) -> None:
+    """Past its phase's threshold, a rank its peers wait on is named. In its data loader or
+    checkpoint I/O, that is the stall (`..._peers_wait`, which the torchrun leader acts on), not a
+    hang; in an evaluation, a hang."""
     excused = {"checkpoint_io": 120.0, "input": 10.0, "evaluation": 600.0}
     waiting = {0: Progress(9, 40, 35.0), 1: Progress(9, 40, 35.0)}
     saving = {**waiting, 2: Progress(9, 39, 0.0, phase=phase, in_phase_s=36.0)}
     assert hang_verdict(9, saving, 30.0, excused_s=excused) is None
     over = {**waiting, 2: Progress(9, 39, 0.0, phase=phase, in_phase_s=limit + 1.0)}
     v = hang_verdict(9, over, 30.0, excused_s=excused)
-    assert v is not None and v.ranks == (2,) and where in v.detail
+    assert v is not None and v.ranks == (2,) and where in v.detail and v.kind == kind
+    assert v.reason == {"hang": "never_entered_collective"}.get(kind, "checkpoint_io_stalled_peers_wait")
     loading = {**waiting, 2: Progress(9, 39, 0.0, phase="input", in_phase_s=36.0)}
     v = hang_verdict(9, loading, 30.0, excused_s=excused)
-    assert v is not None and v.ranks == (2,) and "in its data loader" in v.detail
+    assert v is not None and v.ranks == (2,) and "in its data loader for 36.0s" in v.detail
+    assert (v.kind, v.reason, v.stall_duration_s) == ("data_stall", "dataloader_stalled_peers_wait", 35.0)
+    # Two culprits, one in its loader and one not: a hang.
+    mixed = {0: waiting[0], 1: Progress(9, 39, 0.0), 2: loading[2]}
+    v = hang_verdict(9, mixed, 30.0, excused_s=excused)
+    assert v is not None and (v.kind, v.ranks) == ("hang", (1, 2))
 
 
 def test_stalls_in_the_data_loader_and_checkpoint_io_are_named_once_per_stall() -> None:

@@ -274,6 +274,24 @@ def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(p
     assert _equal(job.final(), base.final())
 
 
+def test_a_data_loader_stuck_while_its_peers_wait_is_a_data_stall_the_leader_restarts(
+    processes, tmp_path, baseline
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1's loader blocks for good at step 10 (threshold 1 s) while rank 0 waits in the
+    all-reduce (hang threshold 2 s): named a data stall its peers wait on, not a hang, and the
+    leader restarts in place from the capture before it."""
+    job = Job(processes, tmp_path, "loader")
+    job.start({"FAULT": "loader", "FAULT_RANK": "1", "FAULT_STEP": "10", "HANG_S": "2", "LOADER_S": "1"})
+    job.wait()
+    gens = job.generations()
+    assert sorted(gens) == [0, 1], job.logs()
+    ctx = json.loads(Path(gens[1]["context"]).read_text())
+    assert ctx["failure_kind"] == "data_stall" and ctx["reason_code"] == "dataloader_stalled_peers_wait", ctx
+    assert len(ctx["culprits"]) == 1 and ctx["admitted"] == [], ctx
+    assert ctx["checkpoint_step"] == 9 and gens[1]["start"] == 9, (ctx, gens)
+    assert _equal(job.final(), baseline)
+
+
 def test_stale_state_named_by_scout_restarts_in_place_from_a_verified_step(
     processes, tmp_path, baseline
 ) -> None:  # type: ignore[no-untyped-def]

@@ -18,7 +18,8 @@ that reports and tests rely on.
 - Hangs (`hang_verdict`): peers wait inside collective k for `stall_threshold` seconds while a rank
   never entered it (its collective count is lower): that rank is the culprit. A rank that went
   silent (its heartbeats stopped: frozen, stopped, partitioned) while its peers wait is the culprit
-  too, since it cannot describe itself any more.
+  too, since it cannot describe itself any more. A culprit stuck in its data loader or checkpoint
+  I/O past that phase's threshold makes the verdict that stall (`..._peers_wait`), not a hang.
 - Stalls (`StallDetector`): a rank whose training thread has been inside its data loader, or inside
   the framework's checkpoint I/O, for longer than that phase's threshold (`data_stall`,
   `checkpoint_stall`).
@@ -26,11 +27,13 @@ that reports and tests rely on.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "PEERS_WAIT",
     "PHASES",
     "STALL_KINDS",
     "HangDetector",
@@ -45,6 +48,14 @@ __all__ = [
 ]
 
 PHASES = ("input", "compute", "communication")
+# Phases with a stall threshold of their own: the verdict kind and reason of a rank stuck in one.
+STALL_KINDS = {
+    "input": ("data_stall", "dataloader_stalled"),
+    "checkpoint_io": ("checkpoint_stall", "checkpoint_io_stalled"),
+}
+# The reason suffix of a stall its peers wait on (stuck in a collective the stalled rank never
+# entered): the job is stopped, and the stall is acted on like a hang.
+PEERS_WAIT = "_peers_wait"
 # What a rank's training thread may be inside of while its peers wait (`Progress.phase`).
 PHASE_NAMES = {
     "input": "its data loader",
@@ -164,7 +175,7 @@ class Progress:
     step: int
     collectives: int  # collectives this rank has entered
     in_collective_s: float  # how long it has been waiting in the current one (0: not in one)
-    idle_s: float = 0.0  # how long since its training thread last made progress
+    idle_s: float = math.inf  # how long since its training thread last made progress
     phase: str = ""  # "input" (in its data loader), "checkpoint_io", or "" (anything else)
     in_phase_s: float = 0.0  # how long it has been in that phase
 
@@ -191,7 +202,15 @@ def hang_verdict(
         return None
     at = max(p.step for p in waiting.values()) + 1
     k = max(p.collectives for p in waiting.values())
-    culprits = tuple(sorted(r for r, p in progress.items() if p.collectives < k and p.in_collective_s == 0))
+    # A rank that made progress within the threshold (it just got its batch, or ended its checkpoint
+    # I/O, and is on its way to the collective) is late, not stuck: not yet a culprit.
+    culprits = tuple(
+        sorted(
+            r
+            for r, p in progress.items()
+            if p.collectives < k and p.in_collective_s == 0 and p.idle_s >= stall_threshold_s
+        )
+    )
     stall = max(p.in_collective_s for p in waiting.values())
     if any(p.phase == "stopping" for r, p in progress.items() if r in culprits):
         return None  # being terminated (SIGTERM): its peers name that when it goes, not a hang
@@ -200,6 +219,21 @@ def hang_verdict(
         p.phase in excused and p.in_phase_s < excused[p.phase] for r, p in progress.items() if r in culprits
     ):
         return None  # within what its phase may take
+    phases = {p.phase for r, p in progress.items() if r in culprits}
+    if culprits and len(phases) == 1 and (phase := phases.pop()) in STALL_KINDS:
+        # Every culprit is stuck in its data loader (or checkpoint I/O) while its peers wait: the
+        # stall, now stopping the job, not a hang of the training thread.
+        kind, reason = STALL_KINDS[phase]
+        return Verdict(
+            kind,
+            culprits,
+            at,
+            f"{reason}{PEERS_WAIT}",
+            f"ranks {sorted(waiting)} wait in collective #{k} for {stall:.1f}s; ranks {list(culprits)} "
+            f"never entered it: in {PHASE_NAMES[phase]} for "
+            f"{max(p.in_phase_s for r, p in progress.items() if r in culprits):.1f}s",
+            stall_duration_s=stall,
+        )
     if culprits:
         where = {
             r: f" (in {PHASE_NAMES.get(p.phase, p.phase)})"
@@ -283,12 +317,6 @@ class HangDetector:
             return None
         self._open = key
         return v
-
-
-STALL_KINDS = {
-    "input": ("data_stall", "dataloader_stalled"),
-    "checkpoint_io": ("checkpoint_stall", "checkpoint_io_stalled"),
-}
 
 
 class StallDetector:

@@ -6,6 +6,7 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
   leader  -- the node of the current leader dies the same way
   sdc     -- rank FAULT_RANK flips a bit of a gradient after reduction (SCOUT must name it)
   stale   -- rank FAULT_RANK steps with the previous step's gradients (SCOUT must name stale state)
+  loader  -- rank FAULT_RANK's data loader blocks for good at step FAULT_STEP (LOADER_S: its threshold)
   hang    -- rank FAULT_RANK never enters step FAULT_STEP's all-reduce (SCOUT must name it; HANG_S is
              the stall threshold)
   repeat  -- in each generation g < FAULT_REPEAT, rank g % world dies two steps after its start
@@ -37,7 +38,10 @@ session = enable_resiliency(
     opt_param_scheduler=sched,
     interval=1,
     checkpoint=InMemoryCkptConfig(disk_flush_interval=10**6),
-    replay=ReplayHarnessConfig(hang_stall_threshold_s=float(os.environ.get("HANG_S", "30"))),
+    replay=ReplayHarnessConfig(
+        hang_stall_threshold_s=float(os.environ.get("HANG_S", "30")),
+        dataloader_latency_threshold_s=float(os.environ.get("LOADER_S", "10")),
+    ),
 )
 start = session.step_count
 print(f"rank {rank} generation {gen} starts at step {start} (recovered {session.recovered_step})", flush=True)
@@ -76,8 +80,17 @@ def leader_is_me() -> bool:
 
 
 kept: list[torch.Tensor] = []  # the stale fault's gradients of the step before
-for step in range(start + 1, STEPS + 1):
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank * 1000 + step))
+
+
+def batches():  # type: ignore[no-untyped-def]
+    for step in range(start + 1, STEPS + 1):
+        if fault == "loader" and rank == fault_rank and step == fault_step:
+            session.gemini.drain(10)
+            threading.Event().wait()  # its storage never answers: the agents must stop it
+        yield step, torch.randn(8, 16, generator=torch.Generator().manual_seed(rank * 1000 + step))
+
+
+for step, x in session.instrument_dataloader(batches()):
     if fault == "hang" and rank == fault_rank and step == fault_step:
         session.gemini.drain(10)
         threading.Event().wait()  # stuck for good: the agents must stop it
