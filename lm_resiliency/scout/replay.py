@@ -166,6 +166,8 @@ def _scaled_by_one_factor(reduced: list[torch.Tensor], grads: list[torch.Tensor 
     if float(r0.reshape(-1)[j]) == 0.0:
         return False
     c = torch.tensor(float(g0.reshape(-1)[j]) / float(r0.reshape(-1)[j]), dtype=torch.float32)
+    if not float(c) > 0.0:  # clipping and unscaling keep the sign: gradients zeroed or negated are not
+        return False
     candidates, hi, lo = [c], c, c
     for _ in range(3):
         hi, lo = torch.nextafter(hi, c + 1), torch.nextafter(lo, c - 1)

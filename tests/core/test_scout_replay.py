@@ -248,3 +248,6 @@ def test_gradients_clipped_after_the_reduction_still_match_it_and_a_flip_does_no
     # Each gradient clipped on its own (two factors) is not one uniform factor either.
     separately = [r * 0.5 for r in reduced[:1]] + [r * 0.25 for r in reduced[1:]]
     assert not _scaled_by_one_factor(reduced, separately)
+    # Every gradient dropped (zeroed) or negated on one rank: no clipping or unscaling does that.
+    assert not _scaled_by_one_factor(reduced, [torch.zeros_like(r) for r in reduced])
+    assert not _scaled_by_one_factor(reduced, [-r for r in reduced])

@@ -297,6 +297,14 @@ def test_a_rank_that_corrupts_again_is_reported_as_recurring_sdc_for_quarantine(
         ], res["faults"]
 
 
+def test_two_replicas_name_the_rank_that_dropped_its_gradients(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Zeroed gradients are no clipping of the reduction (a factor of 0): the replay names rank 1."""
+    results, _ = _run(processes, tmp_path, "drop", steps=10, culprit=1, at=6, world=2)
+    for res in results:
+        faults = [(f["kind"], f["failed_ranks"], f["steps"], f["reason"]) for f in res["faults"]]
+        assert faults == [("sdc", [1], [6], "grads_replay_mismatch")], res["faults"]
+
+
 @pytest.mark.parametrize("world", [4, 2])
 def test_a_rank_that_steps_with_the_previous_steps_gradients_is_stale_state(
     processes, tmp_path: Path, world: int

@@ -11,6 +11,7 @@ AT_STEP; group-stop: every rank tells the test it reached AT_STEP, which SIGTERM
 desync: every rank all-reduces a metric of 4 elements after each step, the culprit 5 at AT_STEP;
 evaluation: every AT_STEP steps the culprit alone runs the model with gradients off for 4 s;
 stale-grads: at AT_STEP the culprit steps with the previous step's reduced gradients;
+drop: at AT_STEP the culprit zeroes every gradient after the all-reduce;
 skip-step: the culprit skips its optimizer step at AT_STEP and counts one step behind from then on),
 CULPRIT, AT_STEP, LOCALGRAD_ALSO (rank:step: a gradient flipped before reduction besides),
 REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
@@ -257,6 +258,9 @@ def main() -> int:
         if flip_grad and rank == culprit:
             g = next(model.parameters()).grad
             g.view(-1).view(torch.int32)[7] ^= 1 << 3  # one bit, after the all-reduce
+        if scenario == "drop" and rank == culprit and step == at:
+            for p in model.parameters():  # every gradient dropped after the all-reduce (one bucket)
+                p.grad.zero_()
         if scenario == "stale-grads" and rank == culprit:
             if step == at:  # the previous step's tensors used again, after this step's all-reduce
                 for p, g in zip(model.parameters(), kept, strict=True):
