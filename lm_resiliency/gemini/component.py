@@ -178,7 +178,9 @@ class Gemini:
         self.shape = topology.shape_digest()
         self.stats = GeminiStats()
         self.disk_interval = disk_interval or config.disk_flush_interval
-        self.durable = DurableStore(disk_folder or config.disk_folder, run_id, rank, keep_last)
+        self.durable = DurableStore(
+            disk_folder or config.disk_folder, run_id, rank, keep_last, self._disk_due
+        )
         self._on_disk: set[int] = set()
         # Reentrant: the SIGTERM handler runs on the training thread, possibly inside capture().
         self._lock = threading.RLock()
@@ -437,7 +439,50 @@ class Gemini:
                 f"old copies (`lm-resiliency shm --clean`, and {self.durable.root})"
             ) from exc
         log.info("rank %d restored step %d from %s copy (%s)", self.rank, plan.step, src.tier, plan.reason)
+        self._forget_after(plan.step)
         return plan.step, f"{src.tier}:{plan.reason}"
+
+    def _forget_after(self, step: int) -> None:
+        """Every rank restored `step`: this rank's copies of later steps (its own, those it holds
+        for peers, on disk) are of a run this job left: the one an SDC corrupted, or steps not every
+        rank reached. Dropped, so that no later recovery restores one (a node that loses its memory
+        after this restart would otherwise find the corrupted step on disk, newer than the rest)."""
+        dropped: list[tuple[int, int]] = []  # (owner, step)
+        with self._lock:
+            held = [(self.rank, self._own_step), *self._replica_step.items()]
+            for owner, steps in held:
+                for k, st in list(steps.items()):
+                    if st <= step:
+                        continue
+                    del steps[k]
+                    path = self._own[k].path if owner == self.rank else self._replica_path(owner, k)
+                    self._verified.pop(path, None)
+                    with contextlib.suppress(CorruptSlot, OSError):
+                        slot = SlotFile.open_existing(path)
+                        try:
+                            slot.begin()  # never loaded, not even by a restart's scan
+                        finally:
+                            slot.close()
+                    dropped.append((owner, st))
+            on_disk = set(self._on_disk)
+            with contextlib.suppress(OSError):  # a damaged copy too, which each scan reports again
+                on_disk |= set(self.durable.steps(partial=True))
+            later = sorted(s for s in on_disk if s > step)
+            self._on_disk -= set(later)
+        for st in later:
+            try:
+                self.durable.remove(st)
+            except OSError as exc:  # a failing disk: its copy of a left run stays, and is said to
+                log.warning("rank %d: cannot remove the durable copy of step %d: %s", self.rank, st, exc)
+            dropped.append((self.rank, st))
+        if dropped:
+            log.info(
+                "rank %d: copies of steps after the restored step %d dropped: %s",
+                self.rank,
+                step,
+                ", ".join(f"rank {o} step {st}" for o, st in sorted(set(dropped))),
+            )
+            self._announce()
 
     def _pull_from_peer(self, holder: int, step: int, timeout: float) -> int:
         tid = f"restore-r{self.rank}-s{step}"
@@ -1085,6 +1130,8 @@ class Gemini:
             self._fault("io_error", "durable_write_failed", str(exc), endpoint_id=str(self.durable.root))
             return False
         self._on_disk.add(header.step)
+        with contextlib.suppress(OSError):  # what the write pruned is no longer held
+            self._on_disk &= set(self.durable.steps())
         self.stats.disk_writes += 1
         return True
 

@@ -14,7 +14,9 @@ import contextlib
 import os
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -30,11 +32,21 @@ class DurableError(OSError):
 
 
 class DurableStore:
-    def __init__(self, folder: str, run_id: str, rank: int, keep_last: int = 2) -> None:
+    def __init__(
+        self,
+        folder: str,
+        run_id: str,
+        rank: int,
+        keep_last: int = 2,
+        regular: Callable[[int], bool] | None = None,
+    ) -> None:
+        """`regular(step)`: whether `step` is one the disk cadence writes on every rank (the others
+        are flushes: at SIGTERM, for a restart), for the pruning (see `_prune`)."""
         self.root = Path(folder) / re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
         self.run_id = run_id
         self.rank = rank
         self.keep_last = keep_last
+        self.regular = regular if regular is not None else (lambda step: True)
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step:010d}" / f"rank-{self.rank:05d}.pt"
@@ -43,7 +55,6 @@ class DurableStore:
         final = self.path(step)
         tmp = final.with_name(final.name + f".tmp{os.getpid()}")
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
             with warnings.catch_warnings():
                 # torch.save only reads the tensor; a read-only source buffer is fine here.
                 warnings.simplefilter("ignore", UserWarning)
@@ -52,7 +63,7 @@ class DurableStore:
                     if len(slot_bytes)
                     else torch.empty(0, dtype=torch.uint8)
                 )
-            with open(tmp, "wb") as f:
+            with self._create(tmp) as f:
                 torch.save(
                     {"format": FORMAT, "run_id": self.run_id, "owner": self.rank, "step": step, "slot": blob},
                     f,
@@ -71,22 +82,55 @@ class DurableStore:
             raise DurableError(
                 exc.errno, f"durable checkpoint of step {step} to {final} failed: {exc.strerror or exc}"
             ) from exc
-        self._prune(step)
+        if self.regular(step):
+            self._prune(step)
         return final
 
-    def _prune(self, newest: int) -> None:
-        mine = sorted(self.steps(), reverse=True)
-        for step in mine[self.keep_last :]:
-            if step < newest:
-                self.path(step).unlink(missing_ok=True)
+    @staticmethod
+    def _create(tmp: Path) -> BinaryIO:
+        """`tmp` opened for writing, its step directory made. Another rank's prune may remove that
+        directory between the two (a rank whose disk writes lag): made again, once."""
+        for attempt in (0, 1):
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                return open(tmp, "wb")
+            except FileNotFoundError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
 
-    def steps(self) -> list[int]:
+    def _prune(self, newest: int) -> None:
+        """Keep this rank's newest `keep_last` copies of the disk cadence and any flush newer than
+        the oldest of them; drop the older ones and what a writer killed mid-write left. A flush
+        never prunes: it may be of a step other ranks did not write (they were stopped first), and
+        it must not cost the cadence step every rank holds."""
+        regular = sorted((s for s in self.steps() if self.regular(s)), reverse=True)
+        if len(regular) < self.keep_last:
+            return
+        cutoff = min(regular[self.keep_last - 1], newest)
+        for step in self.steps(partial=True):
+            if step < cutoff:
+                self.remove(step)
+
+    def remove(self, step: int) -> None:
+        """Delete this rank's copy of `step` (and what a writer killed mid-write left of it); the
+        last rank to leave the step's directory removes it."""
+        final = self.path(step)
+        final.unlink(missing_ok=True)
+        for tmp in final.parent.glob(f"{final.name}.tmp*"):
+            tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # other ranks' copies are still in it
+            final.parent.rmdir()
+
+    def steps(self, partial: bool = False) -> list[int]:
+        """The steps this rank has a copy of; `partial`: or the leftover of a write killed midway."""
         if not self.root.exists():
             return []
         out = []
+        mine = f"rank-{self.rank:05d}.pt"
         for d in self.root.glob("step-*"):
             m = re.fullmatch(r"step-(\d+)", d.name)
-            if m and (d / f"rank-{self.rank:05d}.pt").exists():
+            if m and ((d / mine).exists() or (partial and any(d.glob(f"{mine}.tmp*")))):
                 out.append(int(m.group(1)))
         return sorted(out)
 

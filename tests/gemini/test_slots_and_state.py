@@ -320,6 +320,37 @@ def test_durable_round_trip_pruning_and_failure(tmp_path: Path) -> None:
         DurableStore(str(blocker), "run", 0).write(1, memoryview(b"abc"))
 
 
+def test_a_flush_never_costs_the_cadence_steps_and_pruning_leaves_no_debris(tmp_path: Path) -> None:
+    """Copies of the disk cadence (every 4 steps here) are pruned to the newest `keep_last`; a
+    flush (SIGTERM, a restart) of another step prunes nothing: it may be of a step the other ranks
+    never wrote, and the cadence step they all hold must stay. Pruning removes what a writer
+    killed mid-write left, and the last rank to leave a step's directory removes it."""
+    root = tmp_path / "disk"
+    store = DurableStore(str(root), "run", rank=0, keep_last=2, regular=lambda step: step % 4 == 0)
+    peer = DurableStore(str(root), "run", rank=1, keep_last=2, regular=lambda step: step % 4 == 0)
+    for step in (4, 8):
+        store.write(step, memoryview(b"x" * 100))
+        peer.write(step, memoryview(b"y" * 100))
+    store.write(9, memoryview(b"x" * 100))
+    store.write(10, memoryview(b"x" * 100))  # flushed at SIGTERM: step 8 stays
+    assert store.steps() == [4, 8, 9, 10]
+    killed = store.path(12).with_name(store.path(12).name + ".tmp4242")
+    killed.parent.mkdir(parents=True)
+    killed.write_bytes(b"half")  # a write killed midway
+    assert store.steps() == [4, 8, 9, 10] and store.steps(partial=True) == [4, 8, 9, 10, 12]
+    for step in (16, 20):
+        store.write(step, memoryview(b"x" * 100))
+    assert store.steps(partial=True) == [16, 20]
+    assert sorted(p.name for p in root.joinpath("run").iterdir()) == [
+        "step-0000000004",  # rank 1's copies are still in these two
+        "step-0000000008",
+        "step-0000000016",
+        "step-0000000020",
+    ]
+    peer.remove(4)
+    assert not root.joinpath("run", "step-0000000004").exists()
+
+
 def test_async_capture_is_fenced_before_the_optimizer_mutates_parameters(tmp_path: Path) -> None:
     """The GPU path's ordering, with a deferred copier standing in for a side-stream D2H copy."""
     from lm_resiliency.testing.copier import DeferredCopier
@@ -512,6 +543,49 @@ def test_a_restart_offers_the_durable_copies_whose_headers_hold(tmp_path: Path) 
         assert [f["kind"] for f in faults] == ["checkpoint_corruption"] and "header" in faults[0]["detail"]
         gem._restore_from(gem._own[gem._load_from_disk(3)], 3)
         assert torch.equal(fresh.weight, want)
+    finally:
+        gem.close()
+
+
+def test_a_restore_drops_the_copies_of_later_steps_a_restart_would_otherwise_take(tmp_path: Path) -> None:
+    """An SDC at step 9: the restart restores the certified step 8. The copies of steps 9 to 12
+    (memory, disk) are of the corrupted run. Kept, the next restart after a node lost its memory
+    took step 12 from disk (newer than 8, and `latest` needs no certificate). They are dropped
+    when 8 is restored, and that next restart restores 8 again."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    gem = lone_gemini(tmp_path / "a", model, None, disk_interval=4, disk_folder=str(tmp_path / "disk"))
+    gem.certifier = lambda step: step <= 8  # SCOUT's certificates
+    weights = {}
+    try:
+        for step in range(1, 13):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            weights[step] = model.weight.detach().clone()
+            assert gem.capture(step) and gem.drain(10)
+            if step <= 8:
+                gem.certify(step)
+            if step == 9:
+                gem.revoke(9)  # SCOUT: SDC; the slot of step 8 is kept from now on
+        assert sorted(gem._on_disk) == [8, 12] and gem.durable.steps() == [8, 12]
+        assert sorted(gem._own_step.values()) == [8, 12]
+    finally:
+        gem.close()
+    exchange = lambda key, blob, timeout: {0: blob}  # noqa: E731 (one rank: its own inventory)
+    gem = lone_gemini(tmp_path / "a", model, None, disk_interval=4, disk_folder=str(tmp_path / "disk"))
+    try:
+        assert gem.recover(exchange, None, timeout=10, verified_only=True)[0] == 8
+        assert torch.equal(model.weight, weights[8])
+        assert gem.durable.steps() == [8] and gem.inventory().disk == (8,)
+        assert gem.inventory().local == (8,)  # the other slot held step 12: dropped
+    finally:
+        gem.close()
+    fresh = torch.nn.Linear(32, 32)  # the node lost its memory: a new shared-memory directory
+    gem = lone_gemini(tmp_path / "b", fresh, None, disk_interval=4, disk_folder=str(tmp_path / "disk"))
+    try:
+        step, reason = gem.recover(exchange, None, timeout=10, verified_only=False)
+        assert step == 8 and reason.startswith("disk"), reason
+        assert torch.equal(fresh.weight, weights[8])
     finally:
         gem.close()
 
