@@ -102,6 +102,49 @@ def test_quarantined_culprit_is_excluded_and_replaced() -> None:
     assert rs.register(s, "b", "hb", 2, "pol").slots == s.slots  # coming back does not give it a slot
 
 
+def _fails(s: rs.RdzvState, node: str, error: str, live: set[str]) -> rs.RdzvState:
+    """`node`'s worker dies of `error` in the current generation; every holder arrives; the next forms."""
+    g = s.generation
+    s = rs.arrive(
+        rs.request_restart(s, g, "process_failure", "uncaught_exception", [node], False, error), node, g
+    )
+    for n in s.slots:
+        if n is not None:
+            s = rs.arrive(s, n, g)
+    return rs.form(s, live)
+
+
+def test_a_node_that_fails_the_same_way_twice_in_a_row_is_replaced_by_a_standby() -> None:
+    """b's data path is gone: its worker dies of the same error in generation 0 and again in 1. A
+    third restart in place would fail again (and use up torchrun's restarts): b is quarantined
+    and the standby takes its slot."""
+    live = {"a", "b", "c"}
+    s = _formed(["a", "b", "c"])
+    gone = "FileNotFoundError: [Errno 2] No such file or directory: '/data/shard-{}'"
+    s = _fails(s, "b", gone.format(2), live)
+    assert s.generation == 1 and s.slots == ("a", "b") and not s.excluded  # the first: in place
+    assert rs.repeat_offender(s) is None
+    s = _fails(s, "b", gone.format(3), live)  # (another of its workers' files this time)
+    assert s.generation == 2 and s.slots == ("a", "c") and s.excluded == {"b": "repeated_process_failure"}
+    assert s.history[-1]["repeated"] and s.history[-1]["admitted"] == [{"slot": 1, "node": "c"}]
+    assert rs.role_of(s, "b") == "quarantined"
+
+
+def test_other_failures_in_a_row_and_no_standby_restart_in_place() -> None:
+    live = {"a", "b", "c"}
+    for second in (("b", "RuntimeError: loss is nan"), ("a", "OSError: x")):
+        s = _fails(_formed(["a", "b", "c"]), "b", "OSError: x", live)
+        s = _fails(s, *second, live)  # another error, or another node
+        assert s.generation == 2 and s.slots == ("a", "b") and not s.excluded, second
+    s = _fails(_fails(_formed(["a", "b"]), "b", "OSError: x", {"a", "b"}), "b", "OSError: x", {"a", "b"})
+    assert s.generation == 2 and s.slots == ("a", "b") and not s.excluded  # nobody to take its slot
+    # Not in a row: generation 1 ended another way (a's node was lost) between b's two failures.
+    s = _fails(_formed(["a", "b", "c", "d"]), "b", "OSError: x", {"a", "b", "c", "d"})
+    s = rs.form(rs.arrive(rs.mark_dead(s, "a"), "b", 1), {"b", "c", "d"})
+    s = _fails(s, "b", "OSError: x", {"b", "c", "d"})
+    assert s.generation == 3 and "b" in s.slots and set(s.excluded) == set(), s
+
+
 def test_without_a_standby_a_lost_slot_waits() -> None:
     s = _formed(["a", "b"])
     s = rs.mark_dead(s, "b")

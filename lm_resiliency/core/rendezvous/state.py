@@ -40,6 +40,7 @@ __all__ = [
     "form",
     "mark_dead",
     "register",
+    "repeat_offender",
     "request_restart",
     "role_of",
 ]
@@ -237,6 +238,15 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
     """
     if s.phase not in (FORMING, RESTARTING):
         return s
+    again = repeat_offender(s)
+    if again is not None and any(n in live and n not in s.excluded for n in s.standbys):
+        # A node that failed the same way at the start of the generation that replaced it: a
+        # fault of the node (a dead disk, its data path gone), which a restart in place repeats.
+        s = replace(
+            s,
+            excluded={**s.excluded, again: f"repeated_{s.pending.get('failure_kind')}"},
+            pending={**s.pending, "quarantine": True, "repeated": True},
+        )
     slots = list(s.slots)
     for i, n in enumerate(slots):
         if n is not None and (n in s.excluded or n not in live):
@@ -263,7 +273,10 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
         "failure_kind": s.pending.get("failure_kind", "none"),
         "reason": s.pending.get("reason", "startup"),
         "culprits": list(s.pending.get("culprits", ())),
+        "error_type": _error_type(s.pending),
     }
+    if s.pending.get("repeated"):
+        entry["repeated"] = True
     return replace(
         s,
         generation=generation,
@@ -275,6 +288,33 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
         plan=dict(plan or {}),
         history=(*s.history, entry)[-64:],
     )
+
+
+def _error_type(pending: Mapping[str, Any]) -> str:
+    """The exception type a failing worker named ("FileNotFoundError"; "" for none): what two
+    failures share when their texts differ (the path of each rank's file, say)."""
+    return str(pending.get("error", "")).split(":", 1)[0][:80]
+
+
+def repeat_offender(s: RdzvState) -> str | None:
+    """The node to quarantine instead of restarting it in place again: the one culprit of this
+    restart's process failure, when the restart that published the failing generation was the
+    same failure (kind, reason, exception type) of the same lone node. Two in a row: a third restart
+    in place would only fail again and use up torchrun's restarts. None otherwise."""
+    p = s.pending
+    culprits = list(p.get("culprits", ()))
+    if s.phase != RESTARTING or p.get("failure_kind") != "process_failure" or len(culprits) != 1:
+        return None
+    if not s.history or s.history[-1].get("generation") != s.generation:
+        return None
+    before = s.history[-1]
+    same = (
+        before.get("failure_kind") == p.get("failure_kind")
+        and list(before.get("culprits", ())) == culprits
+        and before.get("reason") == p.get("reason")
+        and before.get("error_type", "") == _error_type(p)
+    )
+    return culprits[0] if same and culprits[0] not in s.excluded else None
 
 
 def close(s: RdzvState) -> RdzvState:
