@@ -456,13 +456,7 @@ class Gemini:
                         continue
                     del steps[k]
                     path = self._own[k].path if owner == self.rank else self._replica_path(owner, k)
-                    self._verified.pop(path, None)
-                    with contextlib.suppress(CorruptSlot, OSError):
-                        slot = SlotFile.open_existing(path)
-                        try:
-                            slot.begin()  # never loaded, not even by a restart's scan
-                        finally:
-                            slot.close()
+                    self._uncommit(path)
                     dropped.append((owner, st))
             on_disk = set(self._on_disk)
             with contextlib.suppress(OSError):  # a damaged copy too, which each scan reports again
@@ -1011,6 +1005,17 @@ class Gemini:
         finally:
             reader.close()
 
+    def _uncommit(self, path: Path) -> None:
+        """The copy in the slot file at `path` is never loaded again, not even by a restart's scan
+        (lock held; the caller has taken it out of the inventory)."""
+        self._verified.pop(path, None)
+        with contextlib.suppress(CorruptSlot, OSError):
+            slot = SlotFile.open_existing(path)
+            try:
+                slot.begin()
+            finally:
+                slot.close()
+
     def _drop_damaged(self, owner: int, k: int, step: int, path: Path, seen: int, why: str) -> None:
         with self._lock:
             if self._rewrites.get(path, 0) != seen or self._closed:
@@ -1019,13 +1024,7 @@ class Gemini:
             if steps.get(k) != step:
                 return
             del steps[k]
-            self._verified.pop(path, None)
-            with contextlib.suppress(CorruptSlot, OSError):
-                damaged = SlotFile.open_existing(path)
-                try:
-                    damaged.begin()  # never loaded, not even by a restart's scan
-                finally:
-                    damaged.close()
+            self._uncommit(path)
             self.stats.scrub_failures += 1
             self._idle.notify_all()
         whose = "its own" if owner == self.rank else f"rank {owner}'s"

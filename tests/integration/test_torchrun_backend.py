@@ -143,6 +143,16 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _restarted_once(job: Job, env: dict[str, str]) -> tuple[dict[int, dict], dict]:
+    """Run `job` with the fault `env`; it must end after one restart: (generations, the restart's
+    context)."""
+    job.start(env)
+    job.wait()
+    gens = job.generations()
+    assert sorted(gens) == [0, 1], job.logs()
+    return gens, json.loads(Path(gens[1]["context"]).read_text())
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     group = ProcessGroup()
@@ -281,11 +291,9 @@ def test_a_data_loader_stuck_while_its_peers_wait_is_a_data_stall_the_leader_res
     all-reduce (hang threshold 2 s): named a data stall its peers wait on, not a hang, and the
     leader restarts in place from the capture before it."""
     job = Job(processes, tmp_path, "loader")
-    job.start({"FAULT": "loader", "FAULT_RANK": "1", "FAULT_STEP": "10", "HANG_S": "2", "LOADER_S": "1"})
-    job.wait()
-    gens = job.generations()
-    assert sorted(gens) == [0, 1], job.logs()
-    ctx = json.loads(Path(gens[1]["context"]).read_text())
+    gens, ctx = _restarted_once(
+        job, {"FAULT": "loader", "FAULT_RANK": "1", "FAULT_STEP": "10", "HANG_S": "2", "LOADER_S": "1"}
+    )
     assert ctx["failure_kind"] == "data_stall" and ctx["reason_code"] == "dataloader_stalled_peers_wait", ctx
     assert len(ctx["culprits"]) == 1 and ctx["admitted"] == [], ctx
     assert ctx["checkpoint_step"] == 9 and gens[1]["start"] == 9, (ctx, gens)
@@ -299,11 +307,7 @@ def test_stale_state_named_by_scout_restarts_in_place_from_a_verified_step(
     rank 1 holds exactly what both held one step before: stale state, not a faulty device. No
     standby is taken; the job resumes from the newest verified step, before the fault, bitwise."""
     job = Job(processes, tmp_path, "stale")
-    job.start({"FAULT": "stale", "FAULT_RANK": "1", "FAULT_STEP": "10"})
-    job.wait()
-    gens = job.generations()
-    assert sorted(gens) == [0, 1], job.logs()
-    ctx = json.loads(Path(gens[1]["context"]).read_text())
+    gens, ctx = _restarted_once(job, {"FAULT": "stale", "FAULT_RANK": "1", "FAULT_STEP": "10"})
     assert ctx["failure_kind"] == "stale_state" and ctx["reason_code"] == "grads_reused", ctx
     assert ctx["recovery_mode"] == "recovery_verified" and ctx["admitted"] == [], ctx
     assert len(ctx["culprits"]) == 1, ctx
@@ -318,11 +322,7 @@ def test_a_hang_named_by_scout_is_recovered_and_the_run_completes_bitwise(
     verdict: the stuck worker group is stopped (SIGTERM reaches workers waiting in gloo) and restarts
     in place (a hang is not in `replace_node_on`), resuming from the capture before the hang."""
     job = Job(processes, tmp_path, "hang")
-    job.start({"FAULT": "hang", "FAULT_RANK": "1", "FAULT_STEP": "10", "HANG_S": "2"})
-    job.wait()
-    gens = job.generations()
-    assert sorted(gens) == [0, 1], job.logs()
-    ctx = json.loads(Path(gens[1]["context"]).read_text())
+    gens, ctx = _restarted_once(job, {"FAULT": "hang", "FAULT_RANK": "1", "FAULT_STEP": "10", "HANG_S": "2"})
     assert ctx["failure_kind"] == "hang" and ctx["reason_code"] == "never_entered_collective", ctx
     assert len(ctx["culprits"]) == 1 and ctx["admitted"] == [], ctx
     assert ctx["checkpoint_step"] == 9 and gens[1]["start"] == 9, (ctx, gens)
