@@ -1129,8 +1129,7 @@ class Gemini:
             self._fault("io_error", "durable_write_failed", str(exc), endpoint_id=str(self.durable.root))
             return False
         self._on_disk.add(header.step)
-        with contextlib.suppress(OSError):  # what the write pruned is no longer held
-            self._on_disk &= set(self.durable.steps())
+        self._on_disk -= set(self.durable.pruned)  # what the write pruned is no longer held
         self.stats.disk_writes += 1
         return True
 

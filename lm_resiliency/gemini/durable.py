@@ -47,6 +47,7 @@ class DurableStore:
         self.rank = rank
         self.keep_last = keep_last
         self.regular = regular if regular is not None else (lambda step: True)
+        self.pruned: list[int] = []  # the steps the last write removed
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step:010d}" / f"rank-{self.rank:05d}.pt"
@@ -82,8 +83,7 @@ class DurableStore:
             raise DurableError(
                 exc.errno, f"durable checkpoint of step {step} to {final} failed: {exc.strerror or exc}"
             ) from exc
-        if self.regular(step):
-            self._prune(step)
+        self.pruned = self._prune(step) if self.regular(step) else []
         return final
 
     @staticmethod
@@ -99,18 +99,19 @@ class DurableStore:
                     raise
         raise AssertionError("unreachable")
 
-    def _prune(self, newest: int) -> None:
+    def _prune(self, newest: int) -> list[int]:
         """Keep this rank's newest `keep_last` copies of the disk cadence and any flush newer than
         the oldest of them; drop the older ones and what a writer killed mid-write left. A flush
         never prunes: it may be of a step other ranks did not write (they were stopped first), and
         it must not cost the cadence step every rank holds."""
         regular = sorted((s for s in self.steps() if self.regular(s)), reverse=True)
         if len(regular) < self.keep_last:
-            return
+            return []
         cutoff = min(regular[self.keep_last - 1], newest)
-        for step in self.steps(partial=True):
-            if step < cutoff:
-                self.remove(step)
+        gone = [step for step in self.steps(partial=True) if step < cutoff]
+        for step in gone:
+            self.remove(step)
+        return gone
 
     def remove(self, step: int) -> None:
         """Delete this rank's copy of `step` (and what a writer killed mid-write left of it); the
