@@ -1057,6 +1057,11 @@ class Gemini:
         with self._lock:
             self._own_step[k] = header.step
             self._committed_at[k] = time.monotonic()
+            if self.config.verify_integrity and not self._closed and 1 - k in self._own_step:
+                # The other slot is no longer the newest: a capture may overwrite it from now on,
+                # and one during this commit's disk write or replication would erase a damaged
+                # copy before the check that follows them (see _work) read it.
+                self._scrub_hold = 1 - k
             if self.certifier is not None and self.certifier(header.step):
                 slot.mark_certified(header.step)  # SCOUT agreed before the commit finished
         self.stats.captures += 1

@@ -36,6 +36,7 @@ class ControlChannel:
         self._cond = threading.Condition()
         self._inventory: tuple[int, str] | None = None  # newest, not yet sent
         self._verdicts: deque[tuple[int, str]] = deque(maxlen=256)
+        self._sending = False  # the thread took values out and has not finished sending them
         self._closed = False
         self._warned = False
         self._thread = threading.Thread(target=self._run, name="lm-resiliency-control", daemon=True)
@@ -52,9 +53,12 @@ class ControlChannel:
             self._cond.notify()
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Wait until everything handed over has been sent (or failed). For tests and shutdown."""
+        """Wait until everything handed over has been sent (or failed): not only taken by the thread,
+        which a process that ends right after (a worker that drains, then dies) would cut short."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._inventory is None and not self._verdicts, timeout)
+            return self._cond.wait_for(
+                lambda: self._inventory is None and not self._verdicts and not self._sending, timeout
+            )
 
     def close(self) -> None:
         self.flush(timeout=2.0)
@@ -84,14 +88,13 @@ class ControlChannel:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(
-                    lambda: self._closed or self._inventory is not None or bool(self._verdicts)
-                )
+                self._cond.wait_for(self._has_work)
                 if self._closed:
                     return
                 verdicts = list(self._verdicts)
                 self._verdicts.clear()
                 inventory, self._inventory = self._inventory, None
+                self._sending = True
             try:
                 store = self._connect()
                 for generation, raw in verdicts:
@@ -105,4 +108,5 @@ class ControlChannel:
                     self._warned = True
                 self._store = None
             with self._cond:
+                self._sending = False
                 self._cond.notify_all()  # flush() waiters

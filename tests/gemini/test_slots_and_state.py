@@ -466,6 +466,51 @@ def test_verify_integrity_finds_a_copy_damaged_at_rest_and_drops_it(tmp_path: Pa
         gem.close()
 
 
+def test_verify_integrity_holds_a_copy_it_has_not_checked_while_the_commit_goes_on(tmp_path: Path) -> None:
+    """A commit's disk write (or replication) takes a while, and the slot it left behind is no
+    longer the newest: a capture then must not overwrite it before the check that follows the
+    commit read it, or a copy damaged at rest is erased unreported (the capture waits for a slot,
+    and is skipped when none comes)."""
+    import threading
+
+    from lm_resiliency.gemini.durable import DurableStore
+
+    released = threading.Event()
+
+    class SlowDisk(DurableStore):
+        def write(self, step: int, slot_bytes: memoryview) -> Path:
+            released.wait(60)
+            return super().write(step, slot_bytes)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    faults: list[dict[str, Any]] = []
+    gem = lone_gemini(
+        tmp_path / "shm", model, None, verify_integrity=True, on_fault=faults.append, disk_interval=3
+    )
+    gem.durable = SlowDisk(str(tmp_path / "disk"), "r", 0)
+    try:
+        for step in (1, 2):
+            assert gem.capture(step) and gem.drain(10)
+        k = next(k for k, s in gem._own_step.items() if s == 2)
+        with open(gem._own[k].path, "r+b") as f:  # step 2's copy rots
+            f.seek(HEADER_SIZE + 3000)
+            byte = f.read(1)[0]
+            f.seek(HEADER_SIZE + 3000)
+            f.write(bytes([byte ^ 0x10]))
+        assert gem.capture(3)  # into step 1's slot; its disk write waits
+        with gem._idle:
+            assert gem._idle.wait_for(lambda: gem._own_step.get(1 - k) == 3, 10)  # committed
+        assert not gem.capture(4)  # step 2's slot is held for its check: no free slot
+        released.set()
+        assert gem.drain(10)
+        assert [(f["kind"], f["steps"]) for f in faults] == [("checkpoint_corruption", [2])], faults
+        assert gem.inventory().local == (3,) and gem.stats.skipped_busy == 1
+    finally:
+        released.set()
+        gem.close()
+
+
 def test_verify_integrity_reads_each_durable_write_back(tmp_path: Path) -> None:
     """A disk that stores other bytes than it was given (a fake of faulty hardware): the file read
     back fails its checksums, is deleted and reported as an I/O error; training goes on."""

@@ -267,6 +267,26 @@ def test_control_channel_sends_off_the_callers_thread_and_never_blocks_them(stor
     dead.close()
 
 
+def test_control_channel_flush_waits_for_the_send_not_only_for_the_hand_over() -> None:
+    """A worker drains its checkpoints and dies right after (a fault, a preemption): the newest
+    inventory must be in the store by then, or the leader restarts the group a step further back."""
+    import socket
+
+    from lm_resiliency.runtime.control import ControlChannel
+
+    mute = socket.socket()  # accepts connections (the kernel's backlog) and never answers
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)
+    ch = ControlChannel(f"tcp://127.0.0.1:{mute.getsockname()[1]}", "unit-run", timeout_s=5.0)
+    try:
+        ch.publish_inventory(0, {"local": [4]})
+        assert not ch.flush(1.0)  # the thread took it long ago, and is still sending it
+    finally:
+        mute.close()  # the connection is reset: the send fails, and nothing is left to wait for
+    assert ch.flush(30.0)
+    ch.close()
+
+
 def test_only_verdicts_sure_of_their_culprit_quarantine_a_node() -> None:
     from lm_resiliency.adapters.torchrun import _quarantines
 
