@@ -242,6 +242,7 @@ class Gemini:
         runtime.add_handler("rreq", self._on_replica_request)
         runtime.add_handler("ginv", self._on_inventory)
         self._inventories: dict[int, GeminiInventory] = {}
+        self._inventory_seq = 0  # inventories computed to announce (see _announce)
         self._worker.start()
         self._rx: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._rx_thread = threading.Thread(
@@ -1356,16 +1357,28 @@ class Gemini:
         return GeminiInventory(self.rank, local, replicas, tuple(sorted(self._on_disk)))
 
     def _announce(self) -> None:
-        inv = self.inventory()
-        self._inventories[self.rank] = inv
-        if not self._closed and self.runtime.alive:
-            self.runtime.submit(inv)
-        sink = self.on_inventory
-        if sink is not None:
-            try:
-                sink(inv)
-            except Exception:  # the feed is advisory; captures go on
-                log.exception("rank %d: publishing the inventory failed", self.rank)
+        """Hand the inventory on (gossip, the sink). Threads announce concurrently (the worker after a
+        commit, the receiver after a replica): one that computed its inventory first may hand it on
+        last, and the newest handed on is what peers and the torchrun backend's leader keep (a worker
+        that died with the stale one left the restart a step back). So each checks afterwards that
+        no inventory was computed meanwhile, else hands on a fresh one: the last one out is current."""
+        for _ in range(16):  # (more only while other threads announce in a loop)
+            with self._lock:
+                inv = self.inventory()
+                self._inventory_seq += 1
+                seq = self._inventory_seq
+                self._inventories[self.rank] = inv
+            if not self._closed and self.runtime.alive:
+                self.runtime.submit(inv)
+            sink = self.on_inventory
+            if sink is not None:
+                try:
+                    sink(inv)
+                except Exception:  # the feed is advisory; captures go on
+                    log.exception("rank %d: publishing the inventory failed", self.rank)
+            with self._lock:
+                if self._inventory_seq == seq:
+                    return
 
     def _on_inventory(self, sealed: Any, msg: Any) -> None:
         self._inventories[msg.rank] = msg
@@ -1425,15 +1438,15 @@ class Gemini:
         flush until `timeout`, and the group's restart with it."""
         self._take_deferred()
         self._take_waiting()
+        deadline = time.monotonic() + timeout
+        flush = self.flush_inventory
         if replicate:
             self.drain(timeout)
         else:
-            deadline = time.monotonic() + timeout
             with self._idle:
                 self._idle.wait_for(
                     lambda: all(self._announced.get(k) == s for k, s in self._in_flight.items()), timeout
                 )
-            flush = self.flush_inventory
             if flush is not None:  # the torchrun backend's leader picks the restart step from it
                 flush(max(0.0, deadline - time.monotonic()))
         with self._lock:
@@ -1458,6 +1471,10 @@ class Gemini:
                     self._on_own_slot(k, write)
                 except CorruptSlot as exc:
                     log.warning("rank %d: step %d not flushed to disk: %s", self.rank, step, exc)
+            if written:  # the disk copies published too: for a node whose memory goes next
+                self._announce()
+                if flush is not None:
+                    flush(max(0.0, deadline - time.monotonic()))
             return max(written, default=-1)
         finally:
             with self._lock:

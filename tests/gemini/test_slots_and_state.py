@@ -511,6 +511,39 @@ def test_verify_integrity_holds_a_copy_it_has_not_checked_while_the_commit_goes_
         gem.close()
 
 
+def test_an_inventory_handed_on_late_is_followed_by_a_current_one(tmp_path: Path) -> None:
+    """Two threads announce at once (the receiver after a replica arrives, the worker after a
+    commit): the one that computed its inventory first hands it on last. The newest handed on is
+    what the torchrun backend's leader plans the restart from, so a current one must follow."""
+    import threading
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    gem = lone_gemini(tmp_path, model, None)
+    handed: list[tuple[int, ...]] = []
+    inside, release = threading.Event(), threading.Event()
+    late = threading.Thread(target=gem._announce)  # as the receiver does
+
+    def sink(inv: Any) -> None:
+        if threading.current_thread() is late and not release.is_set():
+            inside.set()
+            release.wait(30)  # preempted after computing its inventory, before handing it on
+        handed.append(inv.local)
+
+    try:
+        assert gem.capture(1) and gem.drain(10)
+        gem.on_inventory = sink
+        late.start()
+        assert inside.wait(30)
+        assert gem.capture(2) and gem.drain(10)  # the worker hands on (1, 2) meanwhile
+        release.set()
+        late.join(30)
+        assert handed[-1] == (1, 2), handed
+    finally:
+        release.set()
+        gem.close()
+
+
 def test_verify_integrity_reads_each_durable_write_back(tmp_path: Path) -> None:
     """A disk that stores other bytes than it was given (a fake of faulty hardware): the file read
     back fails its checksums, is deleted and reported as an I/O error; training goes on."""

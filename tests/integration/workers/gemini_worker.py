@@ -160,7 +160,7 @@ def main() -> int:
         "disk_writes": gem.stats.disk_writes,
         "disk_errors": gem.stats.disk_errors,
         "scrubbed": gem.stats.scrubbed,
-        "faults": faults,
+        "faults": session.fault_reports,  # (the callback's list may lag: it runs on a thread of its own)
         "held_bytes": gem.held_bytes(),
         "cluster_plan_step": gem.cluster_plan().step,
         "cluster_plan_tiers": sorted({src.tier for src in gem.cluster_plan().sources.values()}),
