@@ -940,10 +940,9 @@ class Gemini:
                     self._busy.discard(k)
                     self._in_flight.pop(k, None)
                     self._scrubbing = self.config.verify_integrity and not self._closed
-                    if self._scrubbing and 1 - k in self._own_step:
-                        # Held from now on: a capture that overwrote it before the check began
-                        # would erase a damaged copy unreported.
-                        self._scrub_hold = 1 - k
+                    # Held (since the commit) until its check: a capture that overwrote it before
+                    # the check began would erase a damaged copy unreported.
+                    self._scrub_hold = 1 - k if self._scrubbing and 1 - k in self._own_step else None
                     self._idle.notify_all()
             if self._scrubbing:
                 try:
