@@ -475,10 +475,11 @@ def test_verify_integrity_holds_a_copy_it_has_not_checked_while_the_commit_goes_
 
     from lm_resiliency.gemini.durable import DurableStore
 
-    released = threading.Event()
+    writing, released = threading.Event(), threading.Event()
 
     class SlowDisk(DurableStore):
         def write(self, step: int, slot_bytes: memoryview) -> Path:
+            writing.set()  # (after the commit)
             released.wait(60)
             return super().write(step, slot_bytes)
 
@@ -499,8 +500,7 @@ def test_verify_integrity_holds_a_copy_it_has_not_checked_while_the_commit_goes_
             f.seek(HEADER_SIZE + 3000)
             f.write(bytes([byte ^ 0x10]))
         assert gem.capture(3)  # into step 1's slot; its disk write waits
-        with gem._idle:
-            assert gem._idle.wait_for(lambda: gem._own_step.get(1 - k) == 3, 10)  # committed
+        assert writing.wait(30) and gem._own_step.get(1 - k) == 3  # committed
         assert not gem.capture(4)  # step 2's slot is held for its check: no free slot
         released.set()
         assert gem.drain(10)
