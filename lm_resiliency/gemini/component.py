@@ -940,9 +940,8 @@ class Gemini:
                     self._busy.discard(k)
                     self._in_flight.pop(k, None)
                     self._scrubbing = self.config.verify_integrity and not self._closed
-                    # Held (since the commit) until its check: a capture that overwrote it before
-                    # the check began would erase a damaged copy unreported.
-                    self._scrub_hold = 1 - k if self._scrubbing and 1 - k in self._own_step else None
+                    if not self._scrubbing:  # (the commit's hold lasts until the check, see _scrub)
+                        self._scrub_hold = None
                     self._idle.notify_all()
             if self._scrubbing:
                 try:
