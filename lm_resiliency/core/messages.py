@@ -176,13 +176,16 @@ class GeminiInventory(Message):
 @register
 @dataclass(frozen=True)
 class Evidence(Message):
-    """SCOUT fingerprints of one step: gradients after reduction, parameters after the step."""
+    """SCOUT fingerprints of one step: gradients after reduction, parameters after the step, and the
+    optimizer's state after the step (empty where replicas do not hold the same optimizer state: a
+    ZeroRedundancyOptimizer's partition, or no optimizer)."""
 
     TAG: ClassVar[str] = "evid"
     rank: int
     step: int
     grads: bytes
     params: bytes
+    optim: bytes = b""
 
 
 @register
@@ -231,7 +234,7 @@ class ReplayResult(Message):
     TAG: ClassVar[str] = "rply"
     rank: int
     step: int
-    what: str  # "grads" | "params"
+    what: str  # "grads" | "params" | "optim"
     replayed: bytes  # fingerprint of the recomputed value; empty when this rank could not replay
     recorded: bytes  # fingerprint of the value this rank held at the step
     note: str = ""

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from lm_resiliency.adapters.amp import mark_ours
-from lm_resiliency.adapters.base import is_compiled, is_dtensor
+from lm_resiliency.adapters.base import is_compiled, is_dtensor, zero_partition
 from lm_resiliency.adapters.canonical import ddp_parameters
 from lm_resiliency.config import ReplayHarnessConfig, SCOUTFaultReport
 from lm_resiliency.core.messages import (
@@ -66,7 +66,13 @@ from lm_resiliency.core.topology import Topology
 from lm_resiliency.scout.audit import AuditRecorder, dump_package, load_package, package, replay_package
 from lm_resiliency.scout.fingerprint import Fingerprint, fingerprint, fingerprint_async
 from lm_resiliency.scout.health import HealthEvent, HealthSource
-from lm_resiliency.scout.replay import ReplayRecorder, pack_contributions, replay_grads, replay_params
+from lm_resiliency.scout.replay import (
+    ReplayRecorder,
+    optimizer_tensors,
+    pack_contributions,
+    replay_grads,
+    replay_params,
+)
 
 __all__ = ["Scout"]
 
@@ -150,16 +156,6 @@ def _tri(value: int) -> bool | None:
     return None if value < 0 else bool(value)
 
 
-def _optimizer_fingerprint(opt: Any) -> bytes:
-    """The optimizer's state tensors, in parameter order and key order."""
-    out = []
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state.get(p, {})
-            out += [st[k] for k in sorted(st, key=str) if isinstance(st[k], torch.Tensor)]
-    return fingerprint(out)
-
-
 log = logging.getLogger(__name__)
 KEEP_STEPS = 64
 
@@ -174,15 +170,19 @@ class EvidenceResolver:
 
     def __init__(self, rank: int, submit: Callable[[Evidence], None]) -> None:
         self.rank, self._submit = rank, submit
-        self._queue: queue.Queue[tuple[int, Fingerprint | None, Fingerprint] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None] | None] = (
+            queue.Queue()
+        )
         self._outstanding = 0  # queued and not submitted yet (raised here, lowered by the thread)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.deferred = 0  # evidence that waited for the device (count)
 
-    def offer(self, step: int, grads: Fingerprint | None, params: Fingerprint) -> None:
-        if not self._outstanding and (grads is None or grads.ready()) and params.ready():
-            self._submit(self._evidence(step, grads, params))
+    def offer(
+        self, step: int, grads: Fingerprint | None, params: Fingerprint, optim: Fingerprint | None = None
+    ) -> None:
+        if not self._outstanding and all(f is None or f.ready() for f in (grads, params, optim)):
+            self._submit(self._evidence(step, grads, params, optim))
             return
         with self._lock:
             self._outstanding += 1
@@ -192,10 +192,18 @@ class EvidenceResolver:
                     target=self._run, name=f"lm-resiliency-evidence{self.rank}", daemon=True
                 )
                 self._thread.start()
-        self._queue.put((step, grads, params))
+        self._queue.put((step, grads, params, optim))
 
-    def _evidence(self, step: int, grads: Fingerprint | None, params: Fingerprint) -> Evidence:
-        return Evidence(self.rank, step, grads.result() if grads is not None else b"", params.result())
+    def _evidence(
+        self, step: int, grads: Fingerprint | None, params: Fingerprint, optim: Fingerprint | None
+    ) -> Evidence:
+        return Evidence(
+            self.rank,
+            step,
+            grads.result() if grads is not None else b"",
+            params.result(),
+            optim.result() if optim is not None else b"",
+        )
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -291,6 +299,8 @@ class Scout:
         opt = getattr(adapter, "optimizer", None)
         if opt is not None:
             self._handles.append(mark_ours(opt.register_step_pre_hook(self._before_step)))
+        # Replicas hold the same optimizer state, except a ZeroRedundancyOptimizer's partitions.
+        self._compare_optim = opt is not None and zero_partition(opt) is None
         # Replay records: only where a disagreement has no majority to settle it (two replicas).
         self._recorder: ReplayRecorder | None = None
         model = getattr(adapter, "model", None)
@@ -492,7 +502,7 @@ class Scout:
                 record = self._recorder.capture(step)
                 if record is not None and self._last_params[0] == step - 1:
                     # Nothing may change parameters or optimizer state between two steps.
-                    pre = (fingerprint(self.adapter.model.parameters()), _optimizer_fingerprint(opt))
+                    pre = (fingerprint(self.adapter.model.parameters()), fingerprint(optimizer_tensors(opt)))
                     record.extra["drifted"] = int(pre != self._last_params[1:])
         if self._auditors:
             try:
@@ -524,10 +534,16 @@ class Scout:
 
     def _submit_evidence(self, step: int, grads: Fingerprint | None) -> None:
         params = fingerprint_async(p for p in self.adapter.model.parameters())
+        opt = self.adapter.optimizer
+        # The optimizer's state too, where replicas hold the same: corrupted between the step and the
+        # capture (a moment), the parameters agree until the next step, and a capture certified on
+        # them alone would resume the corruption.
+        optim = fingerprint_async(optimizer_tensors(opt)) if self._compare_optim else None
         if self._recorder is not None:  # for the between-steps check of a two-replica replay
-            self._last_params = (step, params.result(), _optimizer_fingerprint(self.adapter.optimizer))
+            own_optim = optim.result() if optim is not None else fingerprint(optimizer_tensors(opt))
+            self._last_params = (step, params.result(), own_optim)
         # Gossiped (once the device's folds are on the host), and looped back to our own handlers.
-        self._evidence_out.offer(step, grads, params)
+        self._evidence_out.offer(step, grads, params, optim)
 
     # -- runtime thread ---------------------------------------------------------------------------
     def _on_evidence(self, ev: Evidence) -> None:
@@ -557,6 +573,9 @@ class Scout:
         verdict = fingerprint_verdict(step, "grads", held)
         if verdict is None:
             verdict = fingerprint_verdict(step, "params", {r: e.params for r, e in per_step.items()})
+        if verdict is None:
+            optim = {r: e.optim for r, e in per_step.items() if e.optim}
+            verdict = fingerprint_verdict(step, "optim", optim) if len(optim) == len(per_step) else None
         if verdict is None:
             with self._lock:
                 certified = self._sdc_from is None
@@ -761,7 +780,7 @@ class Scout:
     def _start_replay(self, step: int, what: str, own: Evidence | None) -> None:
         assert self._recorder is not None
         record = self._recorder.get(step)
-        recorded = b"" if own is None else (own.grads if what == "grads" else own.params)
+        recorded = b"" if own is None else getattr(own, what)
         log.warning("rank %d: replicas disagree on %s at step %d; replaying it", self.rank, what, step)
         t = threading.Thread(
             target=self._replay, args=(step, what, record, recorded), name=f"lm-resiliency-replay{step}"
@@ -773,8 +792,8 @@ class Scout:
     def _replay(self, step: int, what: str, record: Any, recorded: bytes) -> None:
         replayed, note = b"", "no record of this step"
         try:
-            if record is not None and what == "params":
-                replayed, note = replay_params(record)
+            if record is not None and what in ("params", "optim"):
+                replayed, note = replay_params(record, what)
             elif record is not None and what == "grads":
                 replayed, note, consistent = self._replay_reduction(step, record)
                 if consistent:
@@ -838,7 +857,7 @@ class Scout:
         return True
 
     def _on_replay_result(self, msg: ReplayResult) -> None:
-        if msg.rank not in self.group or msg.what not in ("grads", "params"):
+        if msg.rank not in self.group or msg.what not in ("grads", "params", "optim"):
             return
         key = (msg.step, msg.what)
         got = self._replays.setdefault(key, {})

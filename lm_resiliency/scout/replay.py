@@ -27,7 +27,14 @@ from lm_resiliency.adapters.base import is_dtensor, zero_partition
 from lm_resiliency.gemini.state import load_optimizer_state
 from lm_resiliency.scout.fingerprint import fingerprint
 
-__all__ = ["ReplayRecord", "ReplayRecorder", "pack_contributions", "replay_grads", "replay_params"]
+__all__ = [
+    "ReplayRecord",
+    "ReplayRecorder",
+    "optimizer_tensors",
+    "pack_contributions",
+    "replay_grads",
+    "replay_params",
+]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,15 @@ class ReplayRecord:
     state: dict[str, Any]  # the optimizer's state_dict, host copies
     problem: str = ""  # why this record cannot be replayed ("" = it can)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def optimizer_tensors(opt: Any) -> Iterator[torch.Tensor]:
+    """The optimizer's state tensors in parameter order, each parameter's in key order: what its
+    fingerprint is taken over (the same order in a replay's rebuilt optimizer)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p, {})
+            yield from (st[k] for k in sorted(st, key=str) if isinstance(st[k], torch.Tensor))
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -209,9 +225,10 @@ def replay_grads(record: ReplayRecord, contributions: dict[int, list[bytes]]) ->
         return fingerprint(ordered), "", consistent
 
 
-def replay_params(record: ReplayRecord) -> tuple[bytes, str]:
+def replay_params(record: ReplayRecord, what: str = "params") -> tuple[bytes, str]:
     """Re-run the optimizer step from the recorded pre-step state with the recorded (agreed)
-    gradients; the fingerprint of the resulting parameters in model order, or ("", why)."""
+    gradients; the fingerprint of the resulting parameters in model order (`what` "params") or of
+    the optimizer's resulting state (`what` "optim", as `optimizer_tensors` orders it), or ("", why)."""
     if record.problem:
         return b"", record.problem
     try:
@@ -225,9 +242,12 @@ def replay_params(record: ReplayRecord) -> tuple[bytes, str]:
                 groups.append({**hyper, "params": opt_params[at : at + n]})
                 at += n
             opt = record.optimizer_cls(groups)
-            load_optimizer_state(opt, record.state)  # in the recorded dtypes, as training stepped
+            # In the recorded dtypes, as training stepped; from a copy: torch's load keeps tensors
+            # already of the parameter's dtype and device, and the step would rewrite the record.
+            state = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, record.state)
+            load_optimizer_state(opt, state)
             opt.step()
-            return fingerprint(params), ""
+            return fingerprint(params if what == "params" else optimizer_tensors(opt)), ""
     except Exception as exc:  # a custom optimizer we cannot rebuild: the replay is inconclusive
         log.warning(
             "replay of step %d: cannot re-run %s: %s", record.step, record.optimizer_cls.__name__, exc

@@ -15,7 +15,13 @@ from lm_resiliency.core.scout.replay import (
 )
 from lm_resiliency.core.scout.verdicts import Verdict
 from lm_resiliency.scout.fingerprint import fingerprint
-from lm_resiliency.scout.replay import ReplayRecorder, pack_contributions, replay_grads, replay_params
+from lm_resiliency.scout.replay import (
+    ReplayRecorder,
+    optimizer_tensors,
+    pack_contributions,
+    replay_grads,
+    replay_params,
+)
 from tests.conftest import Fp32StateSGD
 
 pytestmark = pytest.mark.timeout(60)
@@ -81,6 +87,26 @@ def test_a_divergence_that_continues_is_judged_once_and_gradients_twice_in_a_row
     assert not t.continuing(Verdict("sdc", (2,), 16, "grads_fingerprint_minority"))  # other ranks
     # Parameters that took different gradients at the previous check stay apart too.
     assert t.continuing(Verdict("sdc", (2,), 17, "params_fingerprint_minority"))
+
+
+def test_parameters_parted_by_a_moment_named_at_the_check_before_are_that_incident() -> None:
+    """A moment corrupted between the step and the capture: named by the optimizer state at step 5,
+    it parts the parameters at step 6 (the same divergence, not a second SDC). A later optimizer
+    state disagreement after an agreed check is a new one."""
+    t = DivergenceTracker(interval=1)
+    assert not t.continuing(Verdict("sdc", (1,), 5, "optim_fingerprint_minority"))
+    assert t.continuing(Verdict("sdc", (1,), 6, "params_fingerprint_minority"))
+    assert t.continuing(Verdict("sdc", (1,), 7, "optim_fingerprint_minority"))
+    assert not t.continuing(Verdict("sdc", (1,), 9, "optim_fingerprint_minority"))
+
+
+def test_an_optimizer_state_replay_names_the_replica_off_it_and_its_detail_says_what() -> None:
+    v = replay_verdict(5, "optim", {0: ReplayOutcome(A, A), 1: ReplayOutcome(A, B)})
+    assert (v.kind, v.ranks, v.reason) == ("sdc", (1,), "optim_replay_mismatch")
+    assert "held other optimizer state" in v.detail
+    # Changed between two checks, as parameters can be: its own fingerprints name it.
+    drifted = {0: ReplayOutcome(A, A, drifted=False), 1: ReplayOutcome(B, B, drifted=True)}
+    assert replay_verdict(5, "optim", drifted).ranks == (1,)
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -165,6 +191,12 @@ def test_optimizer_replay_is_bitwise_the_step_it_recorded(foreach: bool) -> None
         assert record is not None and record.problem == ""
         replayed, note = replay_params(record)
         assert note == "" and replayed == fingerprint(model.parameters())
+        optim, note = replay_params(record, "optim")  # the same record again: it is left as it was
+        assert note == "" and optim == fingerprint(optimizer_tensors(opt))
+    # A moment flipped after the step is off the replayed state; the parameters are not.
+    opt.state[model[0].weight]["exp_avg"].view(-1).view(torch.int32)[2] ^= 1 << 20
+    assert replay_params(record, "optim")[0] != fingerprint(optimizer_tensors(opt))
+    assert replay_params(record)[0] == fingerprint(model.parameters())
 
 
 def test_a_replay_keeps_the_float32_state_of_bfloat16_parameters() -> None:

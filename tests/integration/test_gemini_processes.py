@@ -304,28 +304,44 @@ def test_c_verify_integrity_finds_a_copy_damaged_at_rest_during_the_run(
         assert not [f for f in reports[r]["faults"] if f["kind"] == "checkpoint_corruption"], reports[r]
 
 
-@pytest.mark.parametrize("mode", ["recovery_verified", ""], ids=["asked", "noted_by_the_sdc"])
+@pytest.mark.parametrize(
+    ("mode", "what", "certified"),
+    [("recovery_verified", "weight", 4), ("", "weight", 4), ("recovery_verified", "moment", 3)],
+    ids=["asked", "noted_by_the_sdc", "a_moment_in_the_capture"],
+)
 def test_a_restart_after_sdc_skips_the_corrupted_captures_bitwise(
     processes,
     tmp_path: Path,
     shm_root: Path,  # type: ignore[no-untyped-def]
     baseline: Path,
     mode: str,
+    what: str,
+    certified: int,
 ) -> None:
     """Rank 1's weight flipped after step 4 (no error), SCOUT names it at step 5, and the job is
     killed with step 5's captures (rank 1's corrupted) the newest. Restarted with no orchestrator
     naming a step (plain torchrun), with `recovery_mode="recovery_verified"` or none (the SDC the
     killed generation found is noted on its node): every rank restores step 4, the newest certified
     capture, and ends bitwise equal to an uninterrupted run. Before, the newest step was restored
-    whatever the mode, and the SDC came back."""
+    whatever the mode, and the SDC came back.
+
+    An AdamW moment flipped after step 4, with batches from the session's loader, is in step 4's
+    capture while the parameters still agree: the optimizer state's fingerprint names it at step 4,
+    and step 3 is restored. Before, step 4 was certified on its parameters, restored, and the
+    corrupted moment parted rank 1's parameters again at step 5."""
     disk = tmp_path / "disk"
-    flip = {"FLIP_RANK": "1", "FLIP_AT": "4", "PAUSE_RANK": "-1"}
+    loader = {"LOADER": "1"} if what == "moment" else {}
+    flip = {"FLIP_RANK": "1", "FLIP_AT": "4", "PAUSE_RANK": "-1", "FLIP_WHAT": what, **loader}
     _run(processes, tmp_path, "g0", shm_root, 0, disk, pause_rank=1, kill=True, env=flip)
-    reports = _run(processes, tmp_path, "g1", shm_root, 1, disk, env={"RECOVERY_MODE": mode})
+    named = "sdc [1] at step 4: 1 of 4 replicas disagree on optimizer state at step 4"
+    assert (named in (tmp_path / "g0" / "rank0.log").read_text()) == (what == "moment"), _logs(
+        tmp_path / "g0"
+    )
+    reports = _run(processes, tmp_path, "g1", shm_root, 1, disk, env={"RECOVERY_MODE": mode, **loader})
     for r in range(WORLD):
         _same(baseline / f"final-rank{r}.pt", tmp_path / "g1" / f"final-rank{r}.pt")
     for rep in reports:
-        assert rep["recovered_step"] == 4, rep["decision"]
+        assert rep["recovered_step"] == certified, rep["decision"]
         assert rep["decision"]["recovery_mode"] == "recovery_verified", rep["decision"]
         assert rep["restored_certified"], rep
         assert not [f for f in rep["faults"] if f["kind"] == "sdc"], rep["faults"]

@@ -9,7 +9,10 @@ that corrupts again shows up as a replay that disagrees with its peers'):
   from the recomputed reduction was corrupted after it.
 - `params` (after the step, gradients agreed): the optimizer step is re-run from the pre-step copy of
   the parameters and optimizer state with the agreed gradients; a replica whose parameters differ from
-  the replayed ones was corrupted in or after its step. When the previous step was checked too, each
+  the replayed ones was corrupted in or after its step.
+- `optim` (after the step, gradients and parameters agreed): the same replay, its optimizer state
+  compared (a moment corrupted between the step and the capture). When the previous step was
+  checked too, each
   replica also says whether its parameters changed between that step's end and this step's start
   (they must not): parameters corrupted between steps start every replay of their own, so that is
   the evidence that names them.
@@ -28,7 +31,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from lm_resiliency.core.scout.verdicts import Verdict
+from lm_resiliency.core.scout.verdicts import STATE_NAMES, Verdict
 
 __all__ = ["DivergenceTracker", "ReplayOutcome", "SdcHistory", "replay_verdict", "stale_verdict"]
 
@@ -49,7 +52,7 @@ def replay_verdict(step: int, what: str, outcomes: Mapping[int, ReplayOutcome]) 
     """The verdict of a replay over every replica of a group (always a verdict: the step disagreed)."""
     members = sorted(outcomes)
     drifted = tuple(r for r in members if outcomes[r].drifted)
-    if what == "params" and drifted and any(outcomes[r].drifted is False for r in members):
+    if what in ("params", "optim") and drifted and any(outcomes[r].drifted is False for r in members):
         # A state the group agreed on one step ago changed on these ranks without an optimizer step:
         # their replays start from it and cannot clear them, but their own two fingerprints do.
         return Verdict(
@@ -79,7 +82,10 @@ def replay_verdict(step: int, what: str, outcomes: Mapping[int, ReplayOutcome]) 
     if not culprits or len(culprits) == len(members):
         what_happened = "every replica's" if culprits else "no replica's"
         return _inconclusive(
-            step, what, members, f"{what_happened} {what} differ from the replayed value (not replayable)"
+            step,
+            what,
+            members,
+            f"{what_happened} {STATE_NAMES.get(what, what)} differ from the replayed value (not replayable)",
         )
     return Verdict(
         "sdc",
@@ -87,7 +93,8 @@ def replay_verdict(step: int, what: str, outcomes: Mapping[int, ReplayOutcome]) 
         step,
         f"{what}_replay_mismatch",
         f"replay of step {step} on {len(members)} replicas agrees with ranks "
-        f"{[r for r in members if r not in culprits]}; ranks {list(culprits)} held other {what}",
+        f"{[r for r in members if r not in culprits]}; ranks {list(culprits)} held other "
+        f"{STATE_NAMES.get(what, what)}",
     )
 
 
@@ -150,7 +157,7 @@ def _inconclusive(step: int, what: str, members: list[int], why: str) -> Verdict
         tuple(members),
         step,
         f"{what}_replay_inconclusive",
-        f"replicas {members} disagree on {what} at step {step}; {why}",
+        f"replicas {members} disagree on {STATE_NAMES.get(what, what)} at step {step}; {why}",
     )
 
 
@@ -195,7 +202,7 @@ GRADS_JUDGED = 2
 class DivergenceTracker:
     """Which fingerprint disagreements continue one already judged (`interval`: steps between checks).
 
-    - Parameters that disagreed at the previous check (or took different gradients there) stay apart
+    - Parameters or optimizer state that disagreed at the previous check (or gradients) stay apart
       until recovery: the same divergence, not a new fault, and not judged again while it lasts.
     - Gradients re-agree every step through the all-reduce, so their disagreement is a new fault.
       The same ranks disagreeing at every check are one incident, though: a device that corrupts
@@ -209,10 +216,12 @@ class DivergenceTracker:
     grads: tuple[int, tuple[int, ...], int] = (-1, (), 0)  # ... and how many checks in a row
 
     def continuing(self, v: Verdict) -> bool:
-        """Whether the disagreement `v` (its reason names "params" or "grads") is not to be judged."""
+        """Whether the disagreement `v` (its reason names "params", "optim" or "grads") is not to be
+        judged. Optimizer state is state after the step like the parameters: a moment corrupted at
+        one check parts the parameters at the next, the same divergence."""
         step, what = v.step, v.reason.split("_", 1)[0]
         before, self.params = self.params, (step, frozenset(v.ranks))
-        if what == "params":
+        if what in ("params", "optim"):
             follows = before[0] == step - self.interval
             return follows and (v.kind == "sdc_ambiguous" or set(v.ranks) <= before[1])
         last, ranks, n = self.grads

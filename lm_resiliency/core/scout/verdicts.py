@@ -36,6 +36,7 @@ __all__ = [
     "PEERS_WAIT",
     "PHASES",
     "STALL_KINDS",
+    "STATE_NAMES",
     "HangDetector",
     "PhaseTimes",
     "Progress",
@@ -62,6 +63,10 @@ PHASE_NAMES = {
     "checkpoint_io": "its checkpoint I/O",
     "evaluation": "an evaluation (its model run with gradients off between steps)",
 }
+
+
+# What a fingerprint covers, as a verdict's detail names it (its reason code keeps the short key).
+STATE_NAMES = {"grads": "gradients", "params": "parameters", "optim": "optimizer state"}
 
 
 @dataclass(frozen=True)
@@ -91,14 +96,16 @@ def fingerprint_verdict(step: int, what: str, fingerprints: Mapping[int, bytes])
             minority,
             step,
             f"{what}_fingerprint_minority",
-            f"{len(minority)} of {len(members)} replicas disagree on {what} at step {step}",
+            f"{len(minority)} of {len(members)} replicas disagree on {STATE_NAMES.get(what, what)} "
+            f"at step {step}",
         )
     return Verdict(
         "sdc_ambiguous",
         tuple(members),
         step,
         f"{what}_fingerprint_no_majority",
-        f"replicas {members} disagree on {what} at step {step} with no majority: replay decides",
+        f"replicas {members} disagree on {STATE_NAMES.get(what, what)} at step {step} with no majority: "
+        "replay decides",
     )
 
 

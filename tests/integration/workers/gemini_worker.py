@@ -2,8 +2,9 @@
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, PAUSE_RANK, PAUSE_AT, DISK_FOLDER, DISK_INTERVAL,
 FSDP (1: the model is FSDP2-sharded over all ranks, DTensor state, instead of DDP), FLIP_RANK and
-FLIP_AT (generation 0: that rank flips a weight bit after that step; every rank waits for SCOUT's
-SDC verdict after the next step, then for the kill), RECOVERY_MODE (enable_resiliency's),
+FLIP_AT (generation 0: that rank flips a weight bit after that step, or an AdamW moment's with
+FLIP_WHAT=moment; every rank waits for SCOUT's SDC verdict after the next step, then for the kill),
+LOADER (1: batches come through `session.instrument_dataloader`), RECOVERY_MODE (enable_resiliency's),
 PUBLISH_COALESCE_S and HEARTBEAT_S (RuntimeConfig's: evidence, and so certificates, up to the
 smaller of the two late), VERIFY_INTEGRITY (1: InMemoryCkptConfig's), DAMAGE_RANK and DAMAGE_AT
 (that rank flips a byte of each of its own committed captures after that step),
@@ -101,9 +102,16 @@ def main() -> int:
 
         session.scout.on_certified = certified
     assert seen["batches"] == start, f"extra state says {seen['batches']} batches, resuming at {start}"
-    for step in range(start + 1, steps + 1):
-        g = torch.Generator().manual_seed(rank * 100_003 + step)
-        x = torch.randn(16, 32, generator=g)
+
+    def batches():  # type: ignore[no-untyped-def]
+        for step in range(start + 1, steps + 1):
+            g = torch.Generator().manual_seed(rank * 100_003 + step)
+            yield step, torch.randn(16, 32, generator=g)
+
+    # LOADER=1: through the session's loader proxy, so that a step is captured as the next begins
+    # (what the loop does after `opt.step()` is in its capture).
+    loader = session.instrument_dataloader(batches()) if os.environ.get("LOADER") == "1" else batches()
+    for step, x in loader:
         seen["batches"] += 1
         loss = (model(x) - x).pow(2).mean()
         opt.zero_grad()
@@ -111,8 +119,10 @@ def main() -> int:
         opt.step()
         sched.step()
         if generation == 0 and rank == flip_rank and step == flip_at:
-            with torch.no_grad():  # silent data corruption of one weight, after the step
-                next(model.parameters()).view(-1).view(torch.int32)[5] ^= 1 << 22
+            with torch.no_grad():  # silent data corruption of one weight (or moment), after the step
+                first = next(model.parameters())
+                flipped = opt.state[first]["exp_avg"] if os.environ.get("FLIP_WHAT") == "moment" else first
+                flipped.view(-1).view(torch.int32)[5] ^= 1 << 22
         if generation == 0 and flip_rank >= 0 and step > flip_at:
             # Every rank waits for SCOUT's verdict, then for the kill (captures of the corrupted
             # steps taken and kept, uncertified).
