@@ -375,6 +375,9 @@ class Session:
         self._silent_nodes: set[str] = set()  # nodes reported silent as a whole (once per node)
         self._scaler_watch: Any = None  # adapters.amp.ScalerWatch of the job's GradScaler
         self._first_forward: Any = None  # the hook of _look_for_late_state
+        # Each instrumented loader's current iterator: the global torch RNG state it was made at
+        # (`iter(DataLoader)` draws from it), captured with a step taken as a batch is fetched.
+        self._loader_positions: dict[str, Any] = {}
         replay_cfg = settings.get("replay")
         report_dir = getattr(replay_cfg, "report_dir", None)
         self._report_dir = Path(report_dir) if report_dir else None
@@ -1078,15 +1081,29 @@ class Session:
     def instrument_dataloader(self, dataloader: Any, name: str = "train") -> Any:
         """Wrap `dataloader` so the time spent in `next()` counts as the step's input time."""
         note, mark = self._adapter.note_input_time, self._mark_phase
-        return _TimedLoader(dataloader, name, note, mark, self._before_fetch)
+        return _TimedLoader(dataloader, name, note, mark, self._before_fetch, self._loader_position)
 
     def _before_fetch(self) -> None:
         """A step is about to fetch its batch: GEMINI takes a capture it left for this moment."""
         gem = self.gemini
         if gem is not None and not self._closed:
             t0 = time.perf_counter()
-            gem.on_fetch()
+            gem.on_fetch(self._loader_snapshot)
             self._adapter.note_own_time(time.perf_counter() - t0)
+
+    def _loader_position(self, name: str, began: Any) -> Any:
+        """The current iterator of instrumented loader `name` was made at global RNG state `began`
+        (None: it ended, or is about to be replaced). Returns, once after a restore, the state the
+        restored capture's iterator of that name was made at, or None (see _TimedLoader)."""
+        if began is None:
+            self._loader_positions.pop(name, None)
+        else:
+            self._loader_positions[name] = began
+        gem = self.gemini
+        return gem.restored_loaders.pop(name, None) if gem is not None and began is None else None
+
+    def _loader_snapshot(self) -> dict[str, Any]:
+        return {name: {"torch": rng} for name, rng in self._loader_positions.items()}
 
     def _mark_phase(self, phase: str | None) -> None:
         """What the training thread is inside of, for out-of-band stall checks: one tuple, replaced whole.
@@ -1274,12 +1291,14 @@ class _TimedLoader:
         sink: Callable[[float], None],
         mark: Callable[[str | None], None],
         before: Callable[[], None],
+        position: Callable[[str, Any], Any] = lambda *a: None,
     ) -> None:
         self._loader = loader
         self.name = name
         self._sink = sink
         self._mark = mark
         self._before = before  # called before each `next()`, outside its timing
+        self._position = position  # told where each iterator began in the RNG (see __iter__)
         self._started = False  # `next()` on the proxy: its first batch has been taken
 
     def _timed_next(self, it: Any, first: bool) -> Any:
@@ -1295,12 +1314,33 @@ class _TimedLoader:
                 self._mark(None)
 
     def __iter__(self) -> Iterator[Any]:
-        it = iter(self._loader)
+        """Iterates the loader. `iter(DataLoader)` draws its workers' seed from the global torch RNG
+        (and, with workers, a RandomSampler's permutation as it prefetches); a capture holds the RNG
+        state after its step, long after those draws, and a loop that resumes mid-epoch calls
+        `iter()` once more than the uninterrupted run did. So the first iterator after a restore
+        is made at the RNG state the captured one was made at (the same seed and order), and the
+        restored state then goes on: the random numbers after it are the uninterrupted run's."""
+        import torch
+
+        began = self._position(self.name, None)  # a restored capture's iterator, once
+        after = None
+        if began is not None:
+            after = torch.get_rng_state()
+            torch.set_rng_state(began)
+        else:
+            began = torch.get_rng_state()
+        try:
+            it = iter(self._loader)
+        finally:
+            if after is not None:
+                torch.set_rng_state(after)
+        self._position(self.name, began)
         first = True
         while True:
             try:
                 item = self._timed_next(it, first)
             except StopIteration:
+                self._position(self.name, None)
                 return
             first = False
             yield item

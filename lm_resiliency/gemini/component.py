@@ -47,6 +47,7 @@ from lm_resiliency.gemini.state import (
     collect_state,
     dtype_from_name,
     flatten,
+    loader_positions,
     materialize,
     unflatten,
 )
@@ -153,6 +154,11 @@ class Gemini:
         # A restored loss-scaler state with no scaler to take it yet (one made after enable_resiliency,
         # adopted at the first forward: see adopt_scaler).
         self._restored_scaler: dict[str, Any] | None = None
+        # The global torch RNG state each instrumented loader's iterator was made at: captured with
+        # a step taken as a batch is fetched (see on_fetch); restored ones wait for that loader's
+        # next iter() (the session's proxy makes it at that state).
+        self._fetch_loaders: Callable[[], dict[str, Any]] | None = None
+        self.restored_loaders: dict[str, torch.Tensor] = {}
         self.extra_state_fn, self.load_extra_state_fn = extra_state_fn, load_extra_state_fn
         self.config = config
         self.interval = config.interval or interval
@@ -571,6 +577,7 @@ class Gemini:
             )
             if self.scaler is None and "scaler" in state:  # for one made later (adopt_scaler)
                 self._restored_scaler = scaler_values(state["scaler"])
+            self.restored_loaders = loader_positions(state.get("loaders"))
             del state, tensors, payload
         finally:
             if close:
@@ -672,9 +679,14 @@ class Gemini:
             self._capture_from_hook(step)
         self._take_deferred()
 
-    def on_fetch(self) -> None:
-        """Before `next()` on an instrumented loader (training thread)."""
-        self._take_deferred()
+    def on_fetch(self, loaders: Callable[[], dict[str, Any]] | None = None) -> None:
+        """Before `next()` on an instrumented loader (training thread). `loaders`: the RNG states the
+        instrumented loaders' current iterators were made at, for a capture taken now."""
+        self._fetch_loaders = loaders
+        try:
+            self._take_deferred()
+        finally:
+            self._fetch_loaders = None
         self._fetched = True
 
     def _capture_from_hook(self, step: int, wait_for_verdict: bool = True) -> None:
@@ -877,6 +889,8 @@ class Gemini:
             state = collect_state(
                 self.model, self.optimizer, self.scheduler, self.extra_state_fn, step, self.scaler
             )
+            if self._fetch_loaders is not None:
+                state["loaders"] = self._fetch_loaders()
             skeleton, tensors, specs = flatten(state)
             index = msgpack.packb(
                 [skeleton, [[s.dtype, list(s.shape), s.nbytes] for s in specs]], use_bin_type=True

@@ -14,6 +14,7 @@ the shape and placements are the ones captured: a rank restores exactly its own 
 
 from __future__ import annotations
 
+import logging
 import random
 import sys
 from collections.abc import Callable
@@ -36,9 +37,12 @@ __all__ = [
     "collect_state",
     "flatten",
     "load_optimizer_state",
+    "loader_positions",
     "materialize",
     "unflatten",
 ]
+
+log = logging.getLogger(__name__)
 
 SKELETON_VERSION = 1
 
@@ -272,6 +276,28 @@ def collect_state(
     if extra_state_fn is not None:
         state["extra"] = extra_state_fn()
     return state
+
+
+def loader_positions(saved: Any) -> dict[str, torch.Tensor]:
+    """A capture's `loaders` entry (name -> {"torch": the global RNG state that instrumented
+    loader's iterator was made at}) as name -> state; entries of any other shape are left out with
+    a warning (they only make a resumed run's random numbers the uninterrupted run's)."""
+    out: dict[str, torch.Tensor] = {}
+    if saved is None:
+        return out
+    size = torch.get_rng_state().numel()
+    for name, entry in saved.items() if isinstance(saved, dict) else [("?", saved)]:
+        rng = entry.get("torch") if isinstance(entry, dict) else None
+        if (
+            isinstance(name, str)
+            and isinstance(rng, torch.Tensor)
+            and rng.dtype == torch.uint8
+            and rng.shape == (size,)
+        ):
+            out[name] = rng.clone()
+            continue
+        log.warning("the capture's RNG state of loader %r is malformed: not used", name)
+    return out
 
 
 def check_fits(saved: Any, model: torch.nn.Module) -> dict[str, Any] | None:

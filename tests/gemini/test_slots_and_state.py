@@ -13,7 +13,15 @@ import torch
 
 from lm_resiliency.errors import SharedMemoryError
 from lm_resiliency.gemini.durable import DurableError, DurableStore
-from lm_resiliency.gemini.state import apply_state, check_fits, collect_state, flatten, materialize, unflatten
+from lm_resiliency.gemini.state import (
+    apply_state,
+    check_fits,
+    collect_state,
+    flatten,
+    loader_positions,
+    materialize,
+    unflatten,
+)
 from lm_resiliency.runtime.shm import (
     HEADER_SIZE,
     CorruptSlot,
@@ -906,3 +914,23 @@ def test_a_second_live_job_with_the_same_run_id_keeps_its_copies_apart(
     finally:
         gem.close()
     assert not owner.exists()
+
+
+def test_a_captured_loader_position_of_another_shape_is_left_out_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The RNG state an instrumented loader's iterator was made at only makes a resume's random
+    numbers the uninterrupted run's: a malformed one is logged and not used, never raised."""
+    rng = torch.get_rng_state()
+    saved = {
+        "train": {"torch": rng},
+        "short": {"torch": rng[:10]},
+        "floats": {"torch": rng.float()},
+        "none": None,
+        7: {"torch": rng},
+    }
+    got = loader_positions(saved)
+    assert list(got) == ["train"] and torch.equal(got["train"], rng)
+    assert got["train"].data_ptr() != rng.data_ptr()  # its own copy, not a view into a slot
+    assert loader_positions(None) == {} and loader_positions([rng]) == {}
+    assert caplog.text.count("is malformed: not used") == 5

@@ -275,3 +275,54 @@ def test_a_second_open_session_in_one_process_is_refused() -> None:
         enable_resiliency(d, od, interval=1)
     with enable_resiliency(d, od, interval=1) as second:  # once the first is closed
         assert second.step_count == 0
+
+
+def test_a_loop_that_iterates_its_data_loader_again_on_resume_draws_what_it_drew_before(
+    tmp_path: Path,
+) -> None:
+    """`iter(DataLoader)` draws its workers' seed from the global torch RNG. A loop resumed
+    mid-epoch calls it once more than the uninterrupted run did (to skip to its position), and every
+    random number after it (dropout) shifted: not the uninterrupted run. The first iterator after a
+    restore is made at the RNG state the captured one was made at, and the restored state goes on."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    data = TensorDataset(torch.randn(40, 8, generator=torch.Generator().manual_seed(0)))
+    ckpt = InMemoryCkptConfig(run_id="loader-rng", disk_folder=str(tmp_path / "disk"))
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader]:  # type: ignore[type-arg]
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+        return (
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            DataLoader(data, batch_size=4, sampler=sampler),
+        )
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: list[torch.Tensor]) -> None:
+        loss = model(batch[0]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    model, opt, loader = build(0)
+    with enable_resiliency(model, opt, interval=1, checkpoint=ckpt, enable_detection=False) as s:
+        batches = iter(s.instrument_dataloader(loader))
+        for _ in range(4):
+            step(model, opt, next(batches))
+        fifth = next(batches)  # step 4 is captured as this batch is fetched
+        assert s.gemini is not None and s.gemini.drain(30)
+    step(model, opt, fifth)  # the uninterrupted run goes on
+    for batch in batches:
+        step(model, opt, batch)
+    want = [p.detach().clone() for p in model.parameters()]
+
+    model2, opt2, loader2 = build(1)  # another init: everything comes from the capture
+    with enable_resiliency(model2, opt2, interval=1, checkpoint=ckpt, enable_detection=False) as s2:
+        assert s2.recovered_step == 4
+        resumed = iter(s2.instrument_dataloader(loader2))
+        for _ in range(4):  # the loop skips to its position
+            next(resumed)
+        for batch in resumed:
+            step(model2, opt2, batch)
+    assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
