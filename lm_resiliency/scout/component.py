@@ -421,7 +421,8 @@ class Scout:
         self._deferred_evidence: tuple[int, Fingerprint | None] | None = None
         self._last_params: tuple[int, bytes, bytes] = (-1, b"", b"")  # step, params, optimizer state
         self._divergence = DivergenceTracker(self.interval)  # disagreements that continue a judged one
-        self._grads_before: tuple[int, dict[int, bytes]] = (-1, {})  # the last judged step's gradients
+        # The last judged step's fingerprints, by what they cover ("grads", "params", "optim").
+        self._judged_before: tuple[int, dict[str, dict[int, bytes]]] = (-1, {})
         # Evidence, audit and replay results and link reports are judged by the replica group
         # alone, phase times and votes by the peer group (its superset): only their members get them
         # (job-wide gossip grows with the job). Progress stays job-wide; hangs are judged among peers
@@ -568,14 +569,17 @@ class Scout:
         return self._live_of(self.peers)
 
     def _judge_fingerprints(self, step: int, per_step: dict[int, Evidence]) -> None:
-        held = {r: e.grads for r, e in per_step.items()}
-        before, self._grads_before = self._grads_before, (step, held)
-        verdict = fingerprint_verdict(step, "grads", held)
+        held = {
+            "grads": {r: e.grads for r, e in per_step.items()},
+            "params": {r: e.params for r, e in per_step.items()},
+            "optim": {r: e.optim for r, e in per_step.items() if e.optim},
+        }
+        before, self._judged_before = self._judged_before, (step, held)
+        verdict = fingerprint_verdict(step, "grads", held["grads"])
         if verdict is None:
-            verdict = fingerprint_verdict(step, "params", {r: e.params for r, e in per_step.items()})
-        if verdict is None:
-            optim = {r: e.optim for r, e in per_step.items() if e.optim}
-            verdict = fingerprint_verdict(step, "optim", optim) if len(optim) == len(per_step) else None
+            verdict = fingerprint_verdict(step, "params", held["params"])
+        if verdict is None and len(held["optim"]) == len(per_step):
+            verdict = fingerprint_verdict(step, "optim", held["optim"])
         if verdict is None:
             with self._lock:
                 certified = self._sdc_from is None
@@ -599,8 +603,9 @@ class Scout:
                 else:
                     log.debug("rank %d: %s still diverged at step %d", self.rank, verdict.reason, step)
                 return
-            if what == "grads":  # a neighbouring step's gradients: stale, not corrupted
-                verdict = stale_verdict(verdict, held, before[1] if before[0] == step - 1 else {})
+            # A neighbouring step's tensors (gradients reused, an update not applied): stale state.
+            previous = before[1].get(what, {}) if before[0] == step - 1 else {}
+            verdict = stale_verdict(verdict, held[what], previous)
             if verdict.kind == "sdc_ambiguous" and self._recorder is not None:
                 self._start_replay(step, what, per_step.get(self.rank))
             else:

@@ -142,6 +142,27 @@ def test_a_rank_holding_the_previous_steps_gradients_is_stale_state_not_sdc() ->
     assert (v.kind, v.ranks, v.reason) == ("stale_state", (2,), "grads_reused")
 
 
+def test_parameters_or_optimizer_state_the_step_left_as_they_were_are_stale_state() -> None:
+    """A rank whose step counted but whose update was not applied holds the parameters (or the
+    optimizer state) the group held one step before: reused, with four replicas or two."""
+    v = stale_verdict(
+        Verdict("sdc", (2,), 10, "params_fingerprint_minority"),
+        {0: C, 1: C, 2: B, 3: C},
+        {0: B, 1: B, 2: B, 3: B},
+    )
+    assert (v.kind, v.ranks, v.reason) == ("stale_state", (2,), "params_reused")
+    assert "hold the parameters the group held at step 9" in v.detail
+    two = stale_verdict(
+        Verdict("sdc_ambiguous", (0, 1), 4, "optim_fingerprint_no_majority"), {0: C, 1: A}, {0: A, 1: A}
+    )
+    assert (two.kind, two.ranks, two.reason) == ("stale_state", (1,), "optim_reused")
+    # Corrupted, not stale: neither what the group held before nor now.
+    corrupt = Verdict("sdc", (2,), 10, "params_fingerprint_minority")
+    assert stale_verdict(corrupt, {0: C, 1: C, 2: A, 3: C}, {0: B, 1: B, 2: B, 3: B}) is corrupt
+    # No update anywhere (a learning rate of 0): every rank holds the step before, nobody is stale.
+    assert stale_verdict(corrupt, {0: B, 1: B, 2: A, 3: B}, {0: B, 1: B, 2: B, 3: B}) is corrupt
+
+
 def test_a_rank_one_optimizer_step_behind_is_stale_state_at_its_second_check() -> None:
     """Rank 3 skipped a step: its step 8 held the others' step 9, so at step 9 it is behind."""
     v = stale_verdict(_on_grads("sdc", (3,)), {0: B, 1: B, 2: B, 3: C}, {0: A, 1: A, 2: A, 3: B})
@@ -151,11 +172,11 @@ def test_a_rank_one_optimizer_step_behind_is_stale_state_at_its_second_check() -
 
 def test_corrupted_gradients_and_lone_evidence_stay_what_they_were() -> None:
     sdc = _on_grads("sdc", (2,))
-    # Other gradients than any step's; the step before not checked; parameters, not gradients.
+    # Other gradients than any step's; the step before not checked; a verdict on something else.
     assert stale_verdict(sdc, {0: A, 1: A, 2: C, 3: A}, {0: B, 1: B, 2: B, 3: B}) is sdc
     assert stale_verdict(sdc, {0: A, 1: A, 2: C, 3: A}, {}) is sdc
-    params = Verdict("sdc", (2,), 9, "params_fingerprint_minority")
-    assert stale_verdict(params, {0: A, 1: A, 2: C, 3: A}, {0: C, 1: C, 2: C, 3: C}) is params
+    chain = Verdict("collective_desync", (2,), 9, "collective_sequence_minority")
+    assert stale_verdict(chain, {0: A, 1: A, 2: C, 3: A}, {0: C, 1: C, 2: C, 3: C}) is chain
     # The group's gradients repeat legitimately (the same batch, parameters unchanged): the rank
     # off them is corrupted, not stale.
     assert stale_verdict(sdc, {0: A, 1: A, 2: C, 3: A}, {0: A, 1: A, 2: A, 3: A}) is sdc

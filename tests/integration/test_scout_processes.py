@@ -307,15 +307,20 @@ def test_two_replicas_name_the_rank_that_dropped_its_gradients(processes, tmp_pa
 
 
 @pytest.mark.parametrize("world", [4, 2])
+@pytest.mark.parametrize(
+    ("scenario", "reason"), [("stale-grads", "grads_reused"), ("stale-params", "params_reused")]
+)
 def test_a_rank_that_steps_with_the_previous_steps_gradients_is_stale_state(
-    processes, tmp_path: Path, world: int
+    processes, tmp_path: Path, world: int, scenario: str, reason: str
 ) -> None:  # type: ignore[no-untyped-def]
     """Stale state (FAILURES.md): a restart from a recovery-verified step, not a device to replace.
-    Its parameters then stay apart from the others': the same incident, not reported again."""
-    results, _ = _run(processes, tmp_path, "stale-grads", steps=10, culprit=1, at=6, world=world)
+    Its parameters then stay apart from the others': the same incident, not reported again. The
+    same for a rank whose step counted but whose update was not applied: it holds the parameters
+    all held one step before (before, named `sdc`, and its node replaced)."""
+    results, _ = _run(processes, tmp_path, scenario, steps=10, culprit=1, at=6, world=world)
     for res in results:
         faults = [(f["kind"], f["failed_ranks"], f["steps"], f["reason"]) for f in res["faults"]]
-        assert faults == [("stale_state", [1], [6], "grads_reused")], res["faults"]
+        assert faults == [("stale_state", [1], [6], reason)], res["faults"]
         assert res["faults"][0]["confidence"] == 1.0 and "step 5" in res["faults"][0]["detail"]
 
 

@@ -22,7 +22,8 @@ value should be) and the recorded ones (what each replica actually held) into a 
 rank computes identically from the same results. `SdcHistory` names a rank found corrupting at a
 second, different step: recurring SDC, a device to quarantine. `DivergenceTracker` says which
 disagreements only continue one already judged. `stale_verdict` tells a rank holding a neighbouring
-step's gradients (stale state: restart it) from one holding corrupted ones (SDC: a device to replace).
+step's gradients, parameters or optimizer state (stale state: restart it) from one holding corrupted
+ones (SDC: a device to replace).
 """
 
 from __future__ import annotations
@@ -106,39 +107,52 @@ def _majority(values: Mapping[int, bytes], members: list[int]) -> bytes | None:
 
 
 def stale_verdict(v: Verdict, held: Mapping[int, bytes], before: Mapping[int, bytes]) -> Verdict:
-    """`v`, a gradient disagreement at `v.step`, as stale state when the ranks it suspects hold a
-    neighbouring step's gradients rather than corrupted ones; else `v` itself.
+    """`v`, a disagreement at `v.step` on gradients, parameters or optimizer state (its reason's
+    prefix), as stale state when the ranks it suspects hold a neighbouring step's tensors rather
+    than corrupted ones; else `v` itself.
 
-    `held`: every replica's gradient fingerprint at `v.step`; `before`: at `v.step - 1` (empty when
-    that step was not checked). Two signatures, both exact equalities of whole-model fingerprints:
+    `held`: every replica's fingerprint of that state at `v.step`; `before`: at `v.step - 1` (empty
+    when that step was not checked). Two signatures, both exact equalities of whole-model
+    fingerprints:
 
-    - reused: ranks hold at this step the gradients a majority held at the step before (a tensor of
-      the previous step used again; or a rank one optimizer step ahead, that stepped twice);
-    - behind: ranks held at the step before the gradients a majority holds now (they skipped an
-      optimizer step: each of their steps holds their replicas' next step, forever).
+    - reused: ranks hold at this step what a majority held at the step before (gradients of the
+      previous step used again, or a rank one optimizer step ahead, that stepped twice; parameters
+      or optimizer state the step did not update: its update dropped);
+    - behind (gradients only): ranks held at the step before the gradients a majority holds now
+      (they skipped an optimizer step: each of their steps holds their replicas' next step, forever).
 
     Suspects are the ranks `v` names (a majority's minority, or the replay's culprits); for an
     ambiguous verdict, any proper subset of its replicas. Two replicas have no majority when they
     disagree, so only `reused` (both agreed one step before) can tell them apart.
     """
-    if v.kind not in ("sdc", "sdc_ambiguous") or not v.reason.startswith("grads_") or not before:
+    what = v.reason.split("_", 1)[0]
+    if v.kind not in ("sdc", "sdc_ambiguous") or what not in STATE_NAMES or not before:
         return v
     members = sorted(held)
     prev, now = _majority(before, members), _majority(held, members)
-    signatures = (
+    name = STATE_NAMES[what]
+    reused = "a previous step's tensor used again" if what == "grads" else "the step's update not applied"
+    signatures = [
         (
-            "grads_reused",
+            f"{what}_reused",
             [r for r in v.ranks if prev is not None and held.get(r) == prev and prev != now],
-            "hold the gradients the group held at step {prev}: a previous step's tensor used again",
-        ),
-        (
-            "grads_step_behind",
-            [r for r in v.ranks if now is not None and before.get(r) == now != prev and held.get(r) != now],
-            "held at step {prev} the gradients the group holds at step {step}: one optimizer step "
-            "behind their replicas (a step skipped)",
-        ),
-    )
-    for reason, culprits, what in signatures:
+            f"hold the {name} the group held at step {{prev}}: {reused}",
+        )
+    ]
+    if what == "grads":
+        signatures.append(
+            (
+                "grads_step_behind",
+                [
+                    r
+                    for r in v.ranks
+                    if now is not None and before.get(r) == now != prev and held.get(r) != now
+                ],
+                "held at step {prev} the gradients the group holds at step {step}: one optimizer step "
+                "behind their replicas (a step skipped)",
+            )
+        )
+    for reason, culprits, detail in signatures:
         whole = set(culprits) == set(v.ranks) if v.kind == "sdc" else 0 < len(culprits) < len(members)
         if culprits and whole:
             return Verdict(
@@ -146,7 +160,7 @@ def stale_verdict(v: Verdict, held: Mapping[int, bytes], before: Mapping[int, by
                 tuple(culprits),
                 v.step,
                 reason,
-                f"ranks {culprits} at step {v.step} " + what.format(prev=v.step - 1, step=v.step),
+                f"ranks {culprits} at step {v.step} " + detail.format(prev=v.step - 1, step=v.step),
             )
     return v
 

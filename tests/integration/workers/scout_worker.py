@@ -268,8 +268,13 @@ def main() -> int:
             kept = [p.grad.clone() for p in model.parameters()]
         if os.environ.get("CLIP") == "1":  # clipping between the all-reduce and the step, as LLMs do
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+        dropped = scenario == "stale-params" and rank == culprit and step == at
+        for group in opt.param_groups if dropped else ():  # the step counts, its update is not applied
+            group["lr"] = 0.0
         if not (scenario == "skip-step" and rank == culprit and step == at):
             opt.step()
+        for group in opt.param_groups if dropped else ():
+            group["lr"] = 1e-3
         if scenario == "optstate" and rank == culprit and step == at:
             with torch.no_grad():
                 m = opt.state[inner[0].weight]["exp_avg"]
