@@ -186,6 +186,9 @@ class Evidence(Message):
     grads: bytes
     params: bytes
     optim: bytes = b""
+    # Which state tensors (parameter, key, shape, dtype) the optimizer holds: replicas whose layouts
+    # differ shard it (a ZeRO-like optimizer of the script's own), and their states are not compared.
+    optim_layout: bytes = b""
 
 
 @register

@@ -68,6 +68,7 @@ from lm_resiliency.scout.fingerprint import Fingerprint, fingerprint, fingerprin
 from lm_resiliency.scout.health import HealthEvent, HealthSource
 from lm_resiliency.scout.replay import (
     ReplayRecorder,
+    optimizer_layout,
     optimizer_tensors,
     pack_contributions,
     replay_grads,
@@ -160,6 +161,10 @@ log = logging.getLogger(__name__)
 KEEP_STEPS = 64
 
 
+# A step's evidence on its way: step, gradients, parameters, optimizer state, its layout.
+_Pending = tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None, bytes]
+
+
 class EvidenceResolver:
     """Submits a step's evidence once its fingerprints are on the host, in step order.
 
@@ -170,19 +175,22 @@ class EvidenceResolver:
 
     def __init__(self, rank: int, submit: Callable[[Evidence], None]) -> None:
         self.rank, self._submit = rank, submit
-        self._queue: queue.Queue[tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None] | None] = (
-            queue.Queue()
-        )
+        self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._outstanding = 0  # queued and not submitted yet (raised here, lowered by the thread)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.deferred = 0  # evidence that waited for the device (count)
 
     def offer(
-        self, step: int, grads: Fingerprint | None, params: Fingerprint, optim: Fingerprint | None = None
+        self,
+        step: int,
+        grads: Fingerprint | None,
+        params: Fingerprint,
+        optim: Fingerprint | None = None,
+        layout: bytes = b"",
     ) -> None:
         if not self._outstanding and all(f is None or f.ready() for f in (grads, params, optim)):
-            self._submit(self._evidence(step, grads, params, optim))
+            self._submit(self._evidence(step, grads, params, optim, layout))
             return
         with self._lock:
             self._outstanding += 1
@@ -192,10 +200,15 @@ class EvidenceResolver:
                     target=self._run, name=f"lm-resiliency-evidence{self.rank}", daemon=True
                 )
                 self._thread.start()
-        self._queue.put((step, grads, params, optim))
+        self._queue.put((step, grads, params, optim, layout))
 
     def _evidence(
-        self, step: int, grads: Fingerprint | None, params: Fingerprint, optim: Fingerprint | None
+        self,
+        step: int,
+        grads: Fingerprint | None,
+        params: Fingerprint,
+        optim: Fingerprint | None,
+        layout: bytes,
     ) -> Evidence:
         return Evidence(
             self.rank,
@@ -203,6 +216,7 @@ class EvidenceResolver:
             grads.result() if grads is not None else b"",
             params.result(),
             optim.result() if optim is not None else b"",
+            layout,
         )
 
     def _run(self) -> None:
@@ -301,6 +315,7 @@ class Scout:
             self._handles.append(mark_ours(opt.register_step_pre_hook(self._before_step)))
         # Replicas hold the same optimizer state, except a ZeroRedundancyOptimizer's partitions.
         self._compare_optim = opt is not None and zero_partition(opt) is None
+        self._optim_sharded = False  # replicas' optimizer layouts differed (said once)
         # Replay records: only where a disagreement has no majority to settle it (two replicas).
         self._recorder: ReplayRecorder | None = None
         model = getattr(adapter, "model", None)
@@ -540,11 +555,12 @@ class Scout:
         # capture (a moment), the parameters agree until the next step, and a capture certified on
         # them alone would resume the corruption.
         optim = fingerprint_async(optimizer_tensors(opt)) if self._compare_optim else None
+        layout = optimizer_layout(opt) if self._compare_optim else b""
         if self._recorder is not None:  # for the between-steps check of a two-replica replay
             own_optim = optim.result() if optim is not None else fingerprint(optimizer_tensors(opt))
             self._last_params = (step, params.result(), own_optim)
         # Gossiped (once the device's folds are on the host), and looped back to our own handlers.
-        self._evidence_out.offer(step, grads, params, optim)
+        self._evidence_out.offer(step, grads, params, optim, layout)
 
     # -- runtime thread ---------------------------------------------------------------------------
     def _on_evidence(self, ev: Evidence) -> None:
@@ -578,7 +594,7 @@ class Scout:
         verdict = fingerprint_verdict(step, "grads", held["grads"])
         if verdict is None:
             verdict = fingerprint_verdict(step, "params", held["params"])
-        if verdict is None and len(held["optim"]) == len(per_step):
+        if verdict is None and len(held["optim"]) == len(per_step) and self._same_optimizer_layout(per_step):
             verdict = fingerprint_verdict(step, "optim", held["optim"])
         if verdict is None:
             with self._lock:
@@ -610,6 +626,22 @@ class Scout:
                 self._start_replay(step, what, per_step.get(self.rank))
             else:
                 self._report(verdict)
+
+    def _same_optimizer_layout(self, per_step: dict[int, Evidence]) -> bool:
+        """Whether the replicas' optimizers hold the same state tensors (their states are compared).
+        Layouts that differ are an optimizer of the script's own sharding its state over them
+        (ZeRO-like): said once, and their states are not compared."""
+        if len({e.optim_layout for e in per_step.values()}) == 1:
+            return True
+        if not self._optim_sharded:
+            self._optim_sharded = True
+            log.info(
+                "rank %d: replicas %s hold optimizer states of different layouts (an optimizer that "
+                "shards its state over them): optimizer states are not compared",
+                self.rank,
+                sorted(per_step),
+            )
+        return False
 
     def _revoke_from(self, step: int) -> None:
         """An SDC at `step`: no step from it on is recovery-verified, and none will be."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 from torch.utils._pytree import tree_map
 
 from lm_resiliency.adapters.base import is_dtensor, zero_partition
@@ -30,6 +31,7 @@ from lm_resiliency.scout.fingerprint import fingerprint
 __all__ = [
     "ReplayRecord",
     "ReplayRecorder",
+    "optimizer_layout",
     "optimizer_tensors",
     "pack_contributions",
     "replay_grads",
@@ -62,6 +64,20 @@ def optimizer_tensors(opt: Any) -> Iterator[torch.Tensor]:
         for p in group["params"]:
             st = opt.state.get(p, {})
             yield from (st[k] for k in sorted(st, key=str) if isinstance(st[k], torch.Tensor))
+
+
+def optimizer_layout(opt: Any) -> bytes:
+    """A digest of which state tensors `optimizer_tensors` yields: each one's parameter (its index
+    over the groups), key, shape and dtype. Replicas of one optimizer hold the same layout; an
+    optimizer that shards its state over them (ZeRO-like) does not."""
+    h = xxhash.xxh3_64()
+    for i, p in enumerate(p for group in opt.param_groups for p in group["params"]):
+        st = opt.state.get(p, {})
+        for k in sorted(st, key=str):
+            v = st[k]
+            if isinstance(v, torch.Tensor):
+                h.update(f"{i}:{k}:{tuple(v.shape)}:{v.dtype};".encode())
+    return h.digest()
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,23 @@ class Source:
             yield torch.randn(32, 128, generator=torch.Generator().manual_seed(self.rank * 7919 + step))
 
 
+class ShardedAdamW(torch.optim.AdamW):
+    """A ZeRO-like optimizer of a script's own: each rank keeps the state of, and updates, every
+    world-th parameter, then each parameter is broadcast from the rank that updated it."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        rank, world = dist.get_rank(), dist.get_world_size()
+        params = [p for g in self.param_groups for p in g["params"]]
+        kept = [p.grad for p in params]
+        for i, p in enumerate(params):
+            if i % world != rank:
+                p.grad = None  # not this rank's: no state, no update
+        super().step(closure)
+        for i, (p, g) in enumerate(zip(params, kept, strict=True)):
+            p.grad = g
+            dist.broadcast(p.data, src=i % world)
+
+
 def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     steps, scenario = int(os.environ["STEPS"]), os.environ["SCENARIO"]
@@ -105,6 +122,8 @@ def main() -> int:
         plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
     if scenario == "optstate":
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    elif scenario == "sharded-optim":
+        opt = ShardedAdamW(model.parameters(), lr=1e-3)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     faults: list[dict[str, object]] = []
