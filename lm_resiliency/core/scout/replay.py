@@ -9,13 +9,12 @@ that corrupts again shows up as a replay that disagrees with its peers'):
   from the recomputed reduction was corrupted after it.
 - `params` (after the step, gradients agreed): the optimizer step is re-run from the pre-step copy of
   the parameters and optimizer state with the agreed gradients; a replica whose parameters differ from
-  the replayed ones was corrupted in or after its step.
-- `optim` (after the step, gradients and parameters agreed): the same replay, its optimizer state
-  compared (a moment corrupted between the step and the capture). When the previous step was
-  checked too, each
+  the replayed ones was corrupted in or after its step. When the previous step was checked too, each
   replica also says whether its parameters changed between that step's end and this step's start
   (they must not): parameters corrupted between steps start every replay of their own, so that is
   the evidence that names them.
+- `optim` (after the step, gradients and parameters agreed): the same replay, its optimizer state
+  compared (a moment corrupted between the step and the capture).
 
 `replay_verdict` turns the replayed fingerprints (one per replica: what that replica computes the
 value should be) and the recorded ones (what each replica actually held) into a verdict that every
