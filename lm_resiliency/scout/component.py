@@ -316,6 +316,7 @@ class Scout:
         # Replicas hold the same optimizer state, except a ZeroRedundancyOptimizer's partitions.
         self._compare_optim = opt is not None and zero_partition(opt) is None
         self._optim_sharded = False  # replicas' optimizer layouts differed (said once)
+        self._layout: tuple[Any, bytes] = (None, b"")  # (what it was computed for, the layout)
         # Replay records: only where a disagreement has no majority to settle it (two replicas).
         self._recorder: ReplayRecorder | None = None
         model = getattr(adapter, "model", None)
@@ -555,7 +556,7 @@ class Scout:
         # capture (a moment), the parameters agree until the next step, and a capture certified on
         # them alone would resume the corruption.
         optim = fingerprint_async(optimizer_tensors(opt)) if self._compare_optim else None
-        layout = optimizer_layout(opt) if self._compare_optim else b""
+        layout = self._optimizer_layout(opt) if self._compare_optim else b""
         if self._recorder is not None:  # for the between-steps check of a two-replica replay
             own_optim = optim.result() if optim is not None else fingerprint(optimizer_tensors(opt))
             self._last_params = (step, params.result(), own_optim)
@@ -626,6 +627,15 @@ class Scout:
                 self._start_replay(step, what, per_step.get(self.rank))
             else:
                 self._report(verdict)
+
+    def _optimizer_layout(self, opt: Any) -> bytes:
+        """`optimizer_layout(opt)`, computed again only when the number of parameters with state, or
+        of parameters per group, changed (a Python walk over every state tensor: milliseconds for
+        thousands of them, on the training thread)."""
+        key = (len(opt.state), tuple(len(g["params"]) for g in opt.param_groups))
+        if self._layout[0] != key:
+            self._layout = (key, optimizer_layout(opt))
+        return self._layout[1]
 
     def _same_optimizer_layout(self, per_step: dict[int, Evidence]) -> bool:
         """Whether the replicas' optimizers hold the same state tensors (their states are compared).
