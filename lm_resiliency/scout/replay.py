@@ -57,26 +57,26 @@ class ReplayRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _optimizer_state(opt: Any) -> Iterator[tuple[int, str, torch.Tensor]]:
+    """(parameter index over the groups, key, tensor) of every state tensor, in parameter order and
+    each parameter's in key order (the same order in a replay's rebuilt optimizer)."""
+    for i, p in enumerate(p for group in opt.param_groups for p in group["params"]):
+        st = opt.state.get(p, {})
+        yield from ((i, str(k), st[k]) for k in sorted(st, key=str) if isinstance(st[k], torch.Tensor))
+
+
 def optimizer_tensors(opt: Any) -> Iterator[torch.Tensor]:
-    """The optimizer's state tensors in parameter order, each parameter's in key order: what its
-    fingerprint is taken over (the same order in a replay's rebuilt optimizer)."""
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state.get(p, {})
-            yield from (st[k] for k in sorted(st, key=str) if isinstance(st[k], torch.Tensor))
+    """The optimizer's state tensors: what its fingerprint is taken over."""
+    return (t for _, _, t in _optimizer_state(opt))
 
 
 def optimizer_layout(opt: Any) -> bytes:
-    """A digest of which state tensors `optimizer_tensors` yields: each one's parameter (its index
-    over the groups), key, shape and dtype. Replicas of one optimizer hold the same layout; an
-    optimizer that shards its state over them (ZeRO-like) does not."""
+    """A digest of which state tensors `optimizer_tensors` yields: each one's parameter, key, shape
+    and dtype. Replicas of one optimizer hold the same layout; an optimizer that shards its state
+    over them (ZeRO-like) does not."""
     h = xxhash.xxh3_64()
-    for i, p in enumerate(p for group in opt.param_groups for p in group["params"]):
-        st = opt.state.get(p, {})
-        for k in sorted(st, key=str):
-            v = st[k]
-            if isinstance(v, torch.Tensor):
-                h.update(f"{i}:{k}:{tuple(v.shape)}:{v.dtype};".encode())
+    for i, k, t in _optimizer_state(opt):
+        h.update(f"{i}:{k}:{tuple(t.shape)}:{t.dtype};".encode())
     return h.digest()
 
 
