@@ -42,9 +42,10 @@ from lm_resiliency.config import (
 )
 from lm_resiliency.core.membership import EventKind, MembershipEvent
 from lm_resiliency.core.messages import StepTelemetry
-from lm_resiliency.core.scout.verdicts import PEERS_WAIT
+from lm_resiliency.core.scout.verdicts import LEFT, PEERS_WAIT
 from lm_resiliency.core.taxonomy import (
     CANONICAL_TYPES,
+    CLOSED,
     EXIT_FAILURES,
     FAILURE_KINDS,
     classify_exit,
@@ -369,7 +370,7 @@ class Session:
         self._stopping = False  # SIGTERM received, and the process ends after our handler
         self._sigterm_seen = False  # SIGTERM received (a handler of the script's own may go on)
         self._components_closed = False  # close() got past GEMINI and SCOUT (see _terminating)
-        self._close_reason = "close"  # what close() tells the peers
+        self._close_reason = CLOSED  # what close() tells the peers
         self._terminated: dict[int, tuple[float, str]] = {}  # peers that said SIGTERM ended them
         self._last_fatal_report = float("-inf")  # monotonic time of the last restart-worthy report
         self._silent_nodes: set[str] = set()  # nodes reported silent as a whole (once per node)
@@ -889,6 +890,33 @@ class Session:
                     detail=f"rank {peer} said it was terminated ({signal_name or 'a signal'})",
                 )
 
+    def _report_left(self, error: str) -> None:
+        """A collective failed under this rank mid-step: the peers whose scripts had closed their
+        sessions (a loop that ended early; gloo fails the collective at once where NCCL would wait,
+        see hang_verdict's `left`) are why."""
+        rt = self._runtime
+        went = {r for r, why in rt.departed().items() if why == CLOSED} if rt else set()
+        with self._reports_lock:  # named already while its peers waited (SCOUT's hang verdict)
+            for r in self._reports:
+                if r.get("reason") == LEFT:
+                    went -= set(r.get("failed_ranks", ()))
+        if not went:
+            return
+        report = SCOUTFaultReport(
+            kind="hang",
+            failed_ranks=tuple(sorted(went)),
+            scope="rank",
+            sources=("goodbye",),
+            steps=(self.step_count + 1,),
+            reason=LEFT,
+            confidence=1.0,
+        ).to_dict()
+        report["detail"] = (
+            f"ranks {sorted(went)} closed their sessions and left while rank {self.rank} was in step "
+            f"{self.step_count + 1}, whose collective then failed: {error}"
+        )[:MAX_ERROR_TEXT]
+        self._emit_fault(report)
+
     def _process_failure(
         self,
         ranks: tuple[int, ...],
@@ -1011,6 +1039,7 @@ class Session:
             # yet (its process ended on this host; it said it was terminated).
             self._runtime.check_exited_peers(timeout=0.5)
             self._report_terminated()
+            self._report_left(error)
         if reason in EXIT_FAILURES:
             report = self._process_failure(
                 (self.rank,), reason, "self", steps=(self.step_count,), error=error
@@ -1191,11 +1220,11 @@ class Session:
         except OSError as exc:
             log.error("cannot append the fault report to %s: %s", path, exc)
 
-    def close(self, reason: str = "close") -> None:
+    def close(self, reason: str = CLOSED) -> None:
         """Stop hooks, components and the runtime. Idempotent; also runs at interpreter exit."""
         if self._closed:
             return
-        if reason == "close" and self._sigterm_seen:
+        if reason == CLOSED and self._sigterm_seen:
             reason = "terminated: SIGTERM"  # its own handler let it end after ours: peers name it
         self._close_reason = reason
         self._closed = True

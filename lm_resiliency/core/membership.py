@@ -54,6 +54,7 @@ class _Peer:
     last_heard: float
     ever_seen: bool = False
     exited: bool = False  # this incarnation's process was seen ending: nothing it sent revives it
+    left_reason: str = ""  # LEFT: why it said it goes (its goodbye's reason)
 
 
 class FailureDetector:
@@ -91,7 +92,8 @@ class FailureDetector:
         if p is None or incarnation < p.incarnation or p.state is PeerState.LEFT:
             return []
         p.state, p.incarnation, p.ever_seen = PeerState.LEFT, incarnation, True
-        return [MembershipEvent(EventKind.LEFT, peer, incarnation, now, reason or "goodbye")]
+        p.left_reason = reason or "goodbye"
+        return [MembershipEvent(EventKind.LEFT, peer, incarnation, now, p.left_reason)]
 
     def exited(self, peer: int, incarnation: int, now: float, reason: str) -> list[MembershipEvent]:
         """An observer on the peer's host found its process gone (no heartbeat timeout to wait
@@ -133,3 +135,7 @@ class FailureDetector:
 
     def snapshot(self) -> dict[int, PeerState]:
         return {p: s.state for p, s in self._peers.items()}
+
+    def departed(self) -> dict[int, str]:
+        """The peers that said goodbye (LEFT), each with the reason it gave."""
+        return {p: s.left_reason for p, s in self._peers.items() if s.state is PeerState.LEFT}

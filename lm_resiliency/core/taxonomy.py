@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "CANONICAL_TYPES",
+    "CLOSED",
     "EXIT_FAILURES",
     "FAILURE_KINDS",
     "VERIFIED_KINDS",
@@ -76,6 +77,9 @@ def default_recovery_mode(failure_kind: str) -> str:
     """ "recovery_verified" when the fault may have corrupted state silently, else "latest"."""
     return "recovery_verified" if failure_kind in VERIFIED_KINDS else "latest"
 
+
+# The reason in the goodbye of a session its script closed (`close()`, or at interpreter exit).
+CLOSED = "close"
 
 # How a worker's uncaught exception ended it (the reason code of its own process_failure report).
 # Not failures of the rank: `collective_error` (a collective failed under it, most often because a

@@ -40,6 +40,7 @@ from lm_resiliency.core.messages import (
     PeerAnnouncement,
     StepTelemetry,
 )
+from lm_resiliency.core.taxonomy import CLOSED
 from lm_resiliency.errors import AuthError, CodecError
 from lm_resiliency.runtime.clock import SystemClock
 from lm_resiliency.runtime.loop import LoopThread
@@ -259,7 +260,7 @@ class RankRuntime:
             "rank %d connected to rank %d (incarnation %d) at %s", self.rank, ann.rank, ann.incarnation, pub
         )
 
-    def close(self, timeout: float = 1.0, reason: str = "close") -> None:
+    def close(self, timeout: float = 1.0, reason: str = CLOSED) -> None:
         """Say goodbye to peers (with `reason`: why this rank leaves), close every socket and join the
         loop thread. Idempotent."""
         if self._closed:
@@ -371,6 +372,11 @@ class RankRuntime:
         """Ranks declared dead: their heartbeats stopped without a goodbye."""
         with self._cond:
             return frozenset(r for r, st in self._detector.snapshot().items() if st is PeerState.DEAD)
+
+    def departed(self) -> dict[int, str]:
+        """Ranks that said goodbye, each with the reason it gave ("close": its session closed)."""
+        with self._cond:
+            return self._detector.departed()
 
     def view(self) -> ClusterView:
         with self._cond:

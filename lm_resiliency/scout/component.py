@@ -62,6 +62,7 @@ from lm_resiliency.core.scout.verdicts import (
     fingerprint_verdict,
 )
 from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
+from lm_resiliency.core.taxonomy import CLOSED
 from lm_resiliency.core.topology import Topology
 from lm_resiliency.scout.audit import AuditRecorder, dump_package, load_package, package, replay_package
 from lm_resiliency.scout.fingerprint import Fingerprint, fingerprint, fingerprint_async
@@ -1037,7 +1038,14 @@ class Scout:
                 if d is not None:
                     self._desync_step = max(self._desync_step, d.step)
                     self._report(d)
-                v = self._hangs.observe(own.step, evidence, self.runtime.silent() & self._peer_set)
+                # Peers whose scripts closed their sessions (a loop that ended early leaves its peers
+                # waiting in the next collective), with the collectives each had entered when last heard.
+                left = {
+                    r: self._progress[r].collectives if r in self._progress else -1
+                    for r, why in self.runtime.departed().items()
+                    if why == CLOSED and r in self._peer_set
+                }
+                v = self._hangs.observe(own.step, evidence, self.runtime.silent() & self._peer_set, left)
                 # A desync leaves ranks stuck in mismatched collectives right after it: the hang that
                 # follows is its consequence, already named.
                 if v is not None and v.step > self._desync_step + 1:

@@ -46,8 +46,11 @@ def test_goodbye_leaves_without_waiting_and_late_beats_do_not_revive() -> None:
     assert kinds(d.goodbye(1, 1, now=0.2)) == [(EventKind.LEFT, 1)]
     assert d.heard(1, 1, now=0.3) == []
     assert d.tick(now=10.0) == [] and d.next_deadline() is None
-    assert d.state(1) is PeerState.LEFT
+    assert d.state(1) is PeerState.LEFT and d.departed() == {1: "goodbye"}
     assert kinds(d.heard(1, 2, now=11.0)) == [(EventKind.REJOINED, 1)]
+    assert d.departed() == {}
+    d.goodbye(1, 2, now=12.0, reason="close")
+    assert d.departed() == {1: "close"}
 
 
 def test_invalid_timeout() -> None:

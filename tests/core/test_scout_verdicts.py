@@ -5,6 +5,7 @@ import random
 import pytest
 
 from lm_resiliency.core.scout.verdicts import (
+    PEERS_WAIT,
     HangDetector,
     PhaseTimes,
     Progress,
@@ -141,6 +142,31 @@ def test_a_silent_rank_is_the_hang_when_every_live_peer_waits() -> None:
     prog = {**stuck, 2: Progress(9, 39, 0.0)}
     assert hang_verdict(9, prog, 30.0, silent=frozenset({3})).ranks == (2,)  # type: ignore[union-attr]
     assert hang_verdict(9, {r: Progress(9, 40, 0.0) for r in range(3)}, 30.0, frozenset({3})) is None
+
+
+def test_a_rank_that_left_before_the_collective_is_the_hang_when_every_live_peer_waits() -> None:
+    """Rank 3's loop ended early (uneven inputs): it closed its session after entering 36
+    collectives, so it is not in the live ranks' progress, and they wait in collective #40. It is
+    named, not the waiting ranks' anonymous 'every rank is stuck'."""
+    stuck = {r: Progress(9, 40, 31.0) for r in range(3)}
+    v = hang_verdict(9, stuck, 30.0, left={3: 36})
+    assert v is not None and (v.kind, v.ranks, v.reason, v.step) == (
+        "hang",
+        (3,),
+        "left_while_peers_wait",
+        10,
+    )
+    assert v.reason.endswith(PEERS_WAIT)  # acted on by the torchrun leader
+    assert hang_verdict(9, stuck, 30.0, left={3: -1}).ranks == (3,)  # type: ignore[union-attr]  # never heard
+    # One that had entered the collective they wait in (it left afterwards) is not why they wait.
+    assert hang_verdict(9, stuck, 30.0, left={3: 40}).kind == "collective_stall"  # type: ignore[union-attr]
+    # A live culprit is named first; one that left, before a silent one.
+    prog = {**stuck, 2: Progress(9, 39, 0.0)}
+    assert hang_verdict(9, prog, 30.0, left={3: 36}).ranks == (2,)  # type: ignore[union-attr]
+    v = hang_verdict(9, {r: Progress(9, 40, 31.0) for r in range(2)}, 30.0, frozenset({2}), left={3: 36})
+    assert v is not None and v.ranks == (3,)
+    # Leaving with nobody waiting (the job's end) is no hang.
+    assert hang_verdict(9, {r: Progress(9, 40, 0.0) for r in range(3)}, 30.0, left={3: 36}) is None
 
 
 def test_a_rank_being_stopped_is_never_named_for_a_hang() -> None:

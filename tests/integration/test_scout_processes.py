@@ -544,6 +544,38 @@ def _reports(tmp: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
 
 
+@pytest.mark.parametrize("linger", [True, False], ids=["keeps-its-process-group", "ends"])
+def test_a_rank_whose_loop_ends_early_is_named_by_the_peers_it_leaves_waiting(
+    processes, tmp_path: Path, linger: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 2's loop ends at step 6 (uneven inputs): it closes its session, which is no fault, but its
+    peers wait in step 6's all-reduce. Kept open (as NCCL would wait), its process group leaves them
+    stuck: a hang naming rank 2 after the 2 s threshold (before: a collective stall naming the three
+    waiting ranks). Closed, gloo fails their collective at once: each names rank 2 as it dies (before:
+    nobody was named)."""
+    env = {
+        "STEPS": "40",
+        "SCENARIO": "leave",
+        "CULPRIT": "2",
+        "AT_STEP": "6",
+        "LINGER": "1" if linger else "0",
+    }
+    _store, procs = _start_workers(processes, tmp_path, env)
+    deadline = time.monotonic() + 120
+    while not all(_reports(tmp_path, r) for r in (0, 1, 3)):
+        assert time.monotonic() < deadline, [_reports(tmp_path, r) for r in range(WORLD)]
+        time.sleep(0.1)  # polling report files the workers append to
+    if not linger:
+        assert [p.wait(60) for p in procs][2] == 0
+    for r in (0, 1, 3):
+        reports = _reports(tmp_path, r)
+        assert [(f["kind"], f["failed_ranks"], f["reason"], f["steps"]) for f in reports] == [
+            ("hang", [2], "left_while_peers_wait", [6])
+        ], reports
+        assert reports[0]["sources"] == (["scout"] if linger else ["goodbye"]), reports
+    assert _reports(tmp_path, 2) == []
+
+
 def test_a_worker_terminated_by_sigterm_is_named_by_its_peers(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Rank 2 gets SIGTERM at step 6 (a scheduler or a campaign stopping one worker): it writes its
     newest capture to disk and says goodbye before it ends. Its peers name it (terminated), though

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "LEFT",
     "PEERS_WAIT",
     "PHASES",
     "STALL_KINDS",
@@ -57,6 +58,8 @@ STALL_KINDS = {
 # The reason suffix of a stall its peers wait on (stuck in a collective the stalled rank never
 # entered): the job is stopped, and the stall is acted on like a hang.
 PEERS_WAIT = "_peers_wait"
+# The reason of a hang whose culprits closed their sessions and left while their peers wait.
+LEFT = f"left_while{PEERS_WAIT}"
 # What a rank's training thread may be inside of while its peers wait (`Progress.phase`).
 PHASE_NAMES = {
     "input": "its data loader",
@@ -193,9 +196,12 @@ def hang_verdict(
     stall_threshold_s: float,
     silent: frozenset[int] = frozenset(),
     excused_s: Mapping[str, float] | None = None,
+    left: Mapping[int, int] | None = None,
 ) -> Verdict | None:
     """Name the ranks that never entered the collective their peers are stuck in; failing that, the
-    `silent` ranks (peers of the group whose heartbeats stopped, so they are not in `progress`).
+    ranks that `left` (closed their sessions and went, while their peers still wait: a loop that ended
+    early, uneven inputs; each with the collectives it had entered when last heard, -1 unknown); failing
+    that, the `silent` ranks (peers of the group whose heartbeats stopped, so they are not in `progress`).
 
     `excused_s`: phases a rank may spend that long in while its peers wait (checkpoint I/O the
     framework marked, a data loader's batch, an evaluation between steps): no hang is named until it
@@ -256,6 +262,17 @@ def hang_verdict(
             f"ranks {list(culprits)} never entered it" + "".join(where.values()),
             stall_duration_s=stall,
         )
+    went = tuple(sorted(r for r, entered in (left or {}).items() if r not in progress and entered < k))
+    if went:
+        return Verdict(
+            "hang",
+            went,
+            at,
+            LEFT,
+            f"ranks {sorted(waiting)} wait in collective #{k} for {stall:.1f}s; ranks {list(went)} "
+            "closed their sessions and left before entering it (a loop that ended early?)",
+            stall_duration_s=stall,
+        )
     gone = tuple(sorted(silent - set(progress)))
     if gone:
         return Verdict(
@@ -313,9 +330,13 @@ class HangDetector:
         self._open: tuple[str, tuple[int, ...]] | None = None
 
     def observe(
-        self, now_step: int, progress: Mapping[int, Progress], silent: frozenset[int] = frozenset()
+        self,
+        now_step: int,
+        progress: Mapping[int, Progress],
+        silent: frozenset[int] = frozenset(),
+        left: Mapping[int, int] | None = None,
     ) -> Verdict | None:
-        v = hang_verdict(now_step, progress, self.stall_threshold_s, silent, self.excused_s)
+        v = hang_verdict(now_step, progress, self.stall_threshold_s, silent, self.excused_s, left)
         if v is None:
             self._open = None
             return None

@@ -12,7 +12,9 @@ desync: every rank all-reduces a metric of 4 elements after each step, the culpr
 evaluation: every AT_STEP steps the culprit alone runs the model with gradients off for 4 s;
 stale-grads: at AT_STEP the culprit steps with the previous step's reduced gradients;
 drop: at AT_STEP the culprit zeroes every gradient after the all-reduce;
-skip-step: the culprit skips its optimizer step at AT_STEP and counts one step behind from then on),
+skip-step: the culprit skips its optimizer step at AT_STEP and counts one step behind from then on;
+leave: the culprit's loop ends at AT_STEP (uneven inputs): it closes its session and ends, or with
+LINGER=1 keeps its process group open (as a peer NCCL would wait for), until the test kills it),
 CULPRIT, AT_STEP, LOCALGRAD_ALSO (rank:step: a gradient flipped before reduction besides),
 REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
 SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
@@ -256,6 +258,12 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler or a campaign stops one worker
         if scenario == "group-stop" and step == at:
             store.set(f"test/at/{rank}", b"1")  # the test SIGTERMs every rank, as torchrun's agent does
+        if scenario == "leave" and rank == culprit and step == at:
+            session.close()
+            if os.environ.get("LINGER") == "1":
+                threading.Event().wait(600)
+            dist.destroy_process_group()
+            return 0
         if scenario == "oom" and rank == culprit and step == at:
             torch.empty(1 << 44, dtype=torch.uint8)  # the allocator refuses: a real, uncaught error
         if accumulate > 1:  # gradient accumulation: all-reduce only after the last micro-batch
