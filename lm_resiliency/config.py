@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 import os
 import socket
 import sys
@@ -62,6 +63,41 @@ class RecoveryMode(str, enum.Enum):
             raise ConfigError(key, f"expected one of {[m.value for m in cls]}, got {value!r}") from None
 
 
+def _check_types(obj: Any, prefix: str) -> None:
+    """Every field of settings dataclass `obj` holds a value of its annotated type (a number where a
+    number goes: its range checks then compare numbers), else a ConfigError naming the field. As
+    lenient as Python is: any integral number (not a bool) is an int, any real one a float, any
+    path-like a string (a folder given as a `Path`)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        problem = _type_problem(getattr(obj, f.name), hints[f.name])
+        if problem:
+            raise ConfigError(f"{prefix}{f.name}", problem)
+
+
+def _type_problem(value: Any, tp: Any) -> str:
+    """Why `value` is not of type `tp` ("" when it is, or when `tp` is not a plain one)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return ""
+        problems = [_type_problem(value, a) for a in args if a is not type(None)]
+        return "" if not all(problems) else " or ".join(problems)
+    given = f"got {type(value).__name__} {value!r}"
+    if tp is bool:
+        return "" if isinstance(value, bool) else f"expected bool, {given}"
+    if tp is int:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        return "" if ok else f"expected int, {given}"
+    if tp is float:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        return "" if ok else f"expected a number, {given}"
+    if tp is str:
+        return "" if isinstance(value, str | os.PathLike) else f"expected string, {given}"
+    return ""
+
+
 def _positive(key: str, value: float | int | None, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
@@ -89,6 +125,7 @@ class InMemoryCkptConfig:
     pin_memory: bool = True
 
     def __post_init__(self) -> None:
+        _check_types(self, "checkpoint.")
         _positive("checkpoint.interval", self.interval)
         _positive("checkpoint.replication_chunk_size", self.replication_chunk_size, allow_none=False)
         _positive("checkpoint.disk_flush_interval", self.disk_flush_interval, allow_none=False)
@@ -135,6 +172,7 @@ class ReplayHarnessConfig:
     audit_max_mib: int = 256
 
     def __post_init__(self) -> None:
+        _check_types(self, "replay.")
         _positive("replay.interval", self.interval)
         if self.straggler_ratio <= 1.0:
             raise ConfigError("replay.straggler_ratio", f"must be > 1.0, got {self.straggler_ratio}")
@@ -166,6 +204,7 @@ class DurableCheckpointConfig:
     fsync: bool = True
 
     def __post_init__(self) -> None:
+        _check_types(self, "durable.")
         if not self.folder:
             raise ConfigError("durable.folder", "must not be empty")
         _positive("durable.interval", self.interval, allow_none=False)
@@ -190,6 +229,7 @@ class RuntimeConfig:
     publish_coalesce_s: float = 0.0
 
     def __post_init__(self) -> None:
+        _check_types(self, "runtime.")
         _positive("runtime.heartbeat_interval_s", self.heartbeat_interval_s, allow_none=False)
         _positive("runtime.heartbeat_timeout_s", self.heartbeat_timeout_s, allow_none=False)
         if not self.publish_coalesce_s >= 0:

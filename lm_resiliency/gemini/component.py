@@ -39,7 +39,7 @@ from lm_resiliency.core.messages import GeminiInventory, ReplicaRequest
 from lm_resiliency.core.topology import Topology
 from lm_resiliency.errors import CheckpointMismatchError, DiscoveryError
 from lm_resiliency.gemini.copier import Completion, Copier, SyncCopier, copier_for
-from lm_resiliency.gemini.durable import DurableError, DurableStore
+from lm_resiliency.gemini.durable import DurableError, DurableStore, path_name
 from lm_resiliency.gemini.hygiene import owner_pid, reclaim_stale_runs, write_owner
 from lm_resiliency.gemini.state import (
     TensorSpec,
@@ -178,8 +178,7 @@ class Gemini:
         self._copier = copier
         self._pinned: dict[int, Any] = {}  # slot index -> mapping registered with the copier
         self._fence: Completion | None = None
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
-        self.dir = Path(shm_dir) / safe / re.sub(r"[^A-Za-z0-9_.-]", "_", node_id)
+        self.dir = Path(shm_dir) / path_name(run_id) / path_name(node_id)
         self.holder = replica_holders(topology, config.replication_jump).get(rank)
         self.shape = topology.shape_digest()
         self.stats = GeminiStats()

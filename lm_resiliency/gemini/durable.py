@@ -22,13 +22,20 @@ import torch
 
 from lm_resiliency.runtime.shm import CorruptSlot, SlotHeader, parse_header
 
-__all__ = ["FORMAT", "DurableError", "DurableStore"]
+__all__ = ["FORMAT", "DurableError", "DurableStore", "path_name"]
 
 FORMAT = "lm_resiliency.gemini.slot/1"
 
 
 class DurableError(OSError):
     """The durable tier failed (read-only, full, I/O error)."""
+
+
+def path_name(name: str) -> str:
+    """`name` (a run id, a node id) as one path component: letters, digits and `_.-` kept, anything
+    else `_`; one that is empty or only dots (`..` would be the folder above) gets a `_` in front."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+    return safe if safe.strip(".") else f"_{safe}"
 
 
 class DurableStore:
@@ -42,7 +49,7 @@ class DurableStore:
     ) -> None:
         """`regular(step)`: whether `step` is one the disk cadence writes on every rank (the others
         are flushes: at SIGTERM, for a restart), for the pruning (see `_prune`)."""
-        self.root = Path(folder) / re.sub(r"[^A-Za-z0-9_.-]", "_", run_id)
+        self.root = Path(folder) / path_name(run_id)
         self.run_id = run_id
         self.rank = rank
         self.keep_last = keep_last

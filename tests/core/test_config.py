@@ -1,12 +1,19 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from lm_resiliency import ConfigError, InMemoryCkptConfig, RecoveryMode, load_policy, parse_policy
 from lm_resiliency.cli.main import main as cli_main
-from lm_resiliency.config import RuntimeConfig, SCOUTFaultReport, read_environment
+from lm_resiliency.config import (
+    DurableCheckpointConfig,
+    ReplayHarnessConfig,
+    RuntimeConfig,
+    SCOUTFaultReport,
+    read_environment,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -85,6 +92,31 @@ def test_dataclasses_validate_directly() -> None:
     assert RecoveryMode.parse("latest") is RecoveryMode.LATEST
     assert parse_policy({"schema_version": 1}).checkpoint == InMemoryCkptConfig()
     assert RuntimeConfig().heartbeat_timeout_s > RuntimeConfig().heartbeat_interval_s
+
+
+@pytest.mark.parametrize(
+    ("build", "key", "problem"),
+    [
+        (lambda: ReplayHarnessConfig(hang_stall_threshold_s="5"), "replay.hang_stall_threshold_s", "number"),
+        (lambda: InMemoryCkptConfig(replication_jump="2"), "checkpoint.replication_jump", "int"),
+        (lambda: InMemoryCkptConfig(interval=2.5), "checkpoint.interval", "int"),
+        (lambda: InMemoryCkptConfig(disk_folder=5), "checkpoint.disk_folder", "string"),
+        (lambda: InMemoryCkptConfig(verify_integrity="yes"), "checkpoint.verify_integrity", "bool"),
+        (lambda: DurableCheckpointConfig(interval=True), "durable.interval", "int"),
+        (lambda: RuntimeConfig(heartbeat_timeout_s=None), "runtime.heartbeat_timeout_s", "number"),
+    ],
+)
+def test_dataclasses_built_directly_name_a_field_of_the_wrong_type(build, key: str, problem: str) -> None:  # type: ignore[no-untyped-def]
+    """Built in code, not from a policy: a wrong type is a ConfigError naming the field (it was a
+    bare TypeError from a range check comparing a str with an int, or accepted)."""
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}: expected (an? )?{problem}"):
+        build()
+
+
+def test_dataclasses_built_directly_take_what_python_takes_for_the_type(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    assert InMemoryCkptConfig(disk_folder=tmp_path, interval=np.int64(3)).interval == 3  # type: ignore[arg-type]
+    assert ReplayHarnessConfig(hang_stall_threshold_s=np.float32(2.5), straggler_ratio=2).straggler_ratio == 2
 
 
 def test_fault_report_dict_drops_unset_keys() -> None:

@@ -326,6 +326,9 @@ def test_durable_round_trip_pruning_and_failure(tmp_path: Path) -> None:
     blocker.write_text("x")
     with pytest.raises(DurableError, match="failed"):
         DurableStore(str(blocker), "run", 0).write(1, memoryview(b"abc"))
+    # A run id is one folder inside the disk folder, whatever it holds ('..' was the folder above).
+    for run_id, name in (("..", "_.."), ("../../etc", ".._.._etc"), ("", "_"), ("a.b-c_1", "a.b-c_1")):
+        assert DurableStore(str(tmp_path / "disk"), run_id, 0).root == tmp_path / "disk" / name
 
 
 def test_a_flush_never_costs_the_cadence_steps_and_pruning_leaves_no_debris(tmp_path: Path) -> None:
