@@ -173,6 +173,28 @@ def _grad_scaler() -> Any:
 _OPEN: weakref.WeakSet[Session] = weakref.WeakSet()  # sessions started in this process
 
 
+def _check_device(device: Any, model: Any) -> None:
+    """`device` (INTERFACE.md's option): a torch device, or a string or index naming one. What we run
+    on is where the model's parameters are; a device that names another type is ignored, with a
+    warning."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"device: {device!r} names no torch device ({exc})") from None
+    params = getattr(model, "parameters", None)
+    kinds = {p.device.type for p in params()} if callable(params) else set()
+    if kinds and dev.type not in kinds:
+        warnings.warn(
+            f"enable_resiliency: device={device!r}, but the model's parameters are on "
+            f"{'/'.join(sorted(kinds))}: SCOUT and GEMINI work where the parameters are",
+            stacklevel=3,
+        )
+
+
 def enable_resiliency(
     model: Any,
     optimizer: Any = None,
@@ -220,7 +242,7 @@ def enable_resiliency(
         The session (see `ResiliencySession`); also a context manager, closed at interpreter exit.
 
     Raises:
-        ValueError: unknown framework, `interval <= 0`, bad `recovery_mode`.
+        ValueError: unknown framework, `interval <= 0`, bad `recovery_mode`, a `device` torch does not know.
         TypeError: an option the framework cannot take, or an argument of the wrong type.
         UnsupportedFrameworkError: a recognised framework this version has no adapter for.
         DiscoveryError: peers could not be found through the store.
@@ -249,6 +271,7 @@ def enable_resiliency(
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable")
     mode = RecoveryMode.parse(recovery_mode)
+    _check_device(device, model)
     other = next((o for o in list(_OPEN) if not o._closed), None)  # no reference to a closed one kept
     if other is not None:
         raise RuntimeError(

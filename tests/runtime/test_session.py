@@ -152,6 +152,15 @@ def test_framework_detection() -> None:
         enable_resiliency(DeepSpeedEngine())
 
 
+def test_a_device_torch_does_not_know_is_refused_and_another_type_than_the_models_warns() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"device: 'tpu:0' names no torch device"):
+        enable_resiliency(model, opt, device="tpu:0")
+    with pytest.warns(UserWarning, match=r"device='cuda:0', but the model's parameters are on cpu"):
+        enable_resiliency(model, opt, device="cuda:0").close()
+
+
 def test_fsdp2_dtensor_state_is_captured_and_resumed_bitwise(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
