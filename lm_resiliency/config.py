@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 MiB = 1 << 20
+DEFAULT_SHM_DIR = "/dev/shm/lm_resiliency"  # GEMINI's slots, unless LM_RESILIENCY_SHM_DIR names another
 T = TypeVar("T")
 
 
@@ -503,7 +504,7 @@ class Environment:
     local_rank: int = 0
     hostname: str = ""
     explicit_run_id: bool = False
-    shm_dir: str = "/dev/shm/lm_resiliency"
+    shm_dir: str = DEFAULT_SHM_DIR
     control_store: str | None = None  # set by the torchrun backend: tcp://HOST:PORT or file://PATH
 
     def node_id(self) -> str:
@@ -532,7 +533,7 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         # Our backend exports its generation; under plain torchrun, its restart count plays that role.
         generation=_env_int(env, "LM_RESILIENCY_GENERATION", _env_int(env, "TORCHELASTIC_RESTART_COUNT", 0)),
         explicit_run_id=bool(env.get("LM_RESILIENCY_RUN_ID")),
-        shm_dir=env.get("LM_RESILIENCY_SHM_DIR") or "/dev/shm/lm_resiliency",
+        shm_dir=env.get("LM_RESILIENCY_SHM_DIR") or DEFAULT_SHM_DIR,
         control_store=env.get("LM_RESILIENCY_CONTROL_STORE") or None,
         run_id=env.get("LM_RESILIENCY_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or "default",
         restart_context_path=env.get("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT") or None,

@@ -7,10 +7,12 @@ offers `--version`, `--help`, `check-policy` and `shm` (GEMINI's shared-memory u
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 from lm_resiliency._version import __version__
+from lm_resiliency.config import DEFAULT_SHM_DIR
 
 __all__ = ["main"]
 
@@ -25,7 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-policy", help="validate a worker policy TOML file and print its settings")
     check.add_argument("path", help="path to the policy TOML (schema_version = 1)")
     shm = sub.add_parser("shm", help="list what GEMINI holds in shared memory on this host; --clean reclaims")
-    shm.add_argument("--dir", default="/dev/shm/lm_resiliency", help="GEMINI's shared-memory folder")
+    shm.add_argument(
+        "--dir",
+        default=None,
+        help="GEMINI's shared-memory folder (default: $LM_RESILIENCY_SHM_DIR, as the jobs use it, "
+        f"else {DEFAULT_SHM_DIR})",
+    )
     shm.add_argument("--clean", action="store_true", help="delete runs with no live owner process")
     shm.add_argument(
         "--older-than",
@@ -56,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "shm":
         from lm_resiliency.gemini.hygiene import reclaim_stale_runs, usage
+
+        if args.dir is None:
+            args.dir = os.environ.get("LM_RESILIENCY_SHM_DIR") or DEFAULT_SHM_DIR
 
         if args.clean:
             for u in reclaim_stale_runs(args.dir, args.older_than):

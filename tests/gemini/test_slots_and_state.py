@@ -766,7 +766,7 @@ def test_a_fresh_optimizer_state_goes_straight_to_its_parameters_device() -> Non
 
 
 def test_stale_runs_are_reclaimed_live_and_recent_ones_kept(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import os
     import subprocess
@@ -795,6 +795,10 @@ def test_stale_runs_are_reclaimed_live_and_recent_ones_kept(
     assert cli(["shm", "--dir", str(tmp_path), "--clean", "--older-than", "0"]) == 0
     out = capsys.readouterr().out
     assert "reclaimed new-dead/node-a" in out and "old-live/node-a" in out
+    # Without --dir: the folder the jobs use, LM_RESILIENCY_SHM_DIR (it listed /dev/shm/lm_resiliency).
+    monkeypatch.setenv("LM_RESILIENCY_SHM_DIR", str(tmp_path))
+    assert cli(["shm"]) == 0
+    assert capsys.readouterr().out.startswith("old-live/node-a: ")
 
 
 def test_checksums_on_a_thread_pool_equal_the_serial_ones() -> None:
