@@ -189,6 +189,10 @@ class Evidence(Message):
     # Which state tensors (parameter, key, shape, dtype) the optimizer holds: replicas whose layouts
     # differ shard it (a ZeRO-like optimizer of the script's own), and their states are not compared.
     optim_layout: bytes = b""
+    # Per state (gradients, parameters, optimizer state), this rank's tensors that held at this step
+    # what they held at the step before, both checked: (how many, XXH3-64 of their indices), -1 when
+    # unknown. Stale state in some tensors only (one gradient reused) shows as more of them.
+    reused: tuple[tuple[int, bytes], ...] = ()
 
 
 @register

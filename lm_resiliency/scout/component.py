@@ -20,12 +20,14 @@ import os
 import queue
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import anyio
 import torch
 import torch.distributed as dist
+import xxhash
 
 from lm_resiliency.adapters.amp import mark_ours
 from lm_resiliency.adapters.base import is_compiled, is_dtensor, zero_partition
@@ -166,6 +168,17 @@ KEEP_STEPS = 64
 _Pending = tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None, bytes]
 
 
+REUSED_ORDER = ("grads", "params", "optim")  # the states of `Evidence.reused`, in order
+
+
+def _reused(now: tuple[bytes, ...], before: tuple[bytes, ...]) -> tuple[int, bytes]:
+    """How many tensors hold what they held one step before, and a digest of which (-1: unknown)."""
+    if not now or len(now) != len(before):
+        return (-1, b"")
+    same = [i for i, (a, b) in enumerate(zip(now, before, strict=True)) if a == b]
+    return (len(same), xxhash.xxh3_64_digest(array("q", same).tobytes()))
+
+
 class EvidenceResolver:
     """Submits a step's evidence once its fingerprints are on the host, in step order.
 
@@ -181,6 +194,8 @@ class EvidenceResolver:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.deferred = 0  # evidence that waited for the device (count)
+        # The step of the last evidence and its fingerprints' parts (gradients, parameters, optimizer).
+        self._last: tuple[int, tuple[tuple[bytes, ...], ...]] = (-1, ())
 
     def offer(
         self,
@@ -211,6 +226,8 @@ class EvidenceResolver:
         optim: Fingerprint | None,
         layout: bytes,
     ) -> Evidence:
+        parts = tuple(f.parts() if f is not None else () for f in (grads, params, optim))
+        last, self._last = self._last, (step, parts)
         return Evidence(
             self.rank,
             step,
@@ -218,6 +235,9 @@ class EvidenceResolver:
             params.result(),
             optim.result() if optim is not None else b"",
             layout,
+            tuple(_reused(now, before) for now, before in zip(parts, last[1], strict=True))
+            if last[0] == step - 1
+            else (),
         )
 
     def _run(self) -> None:
@@ -623,7 +643,9 @@ class Scout:
                 return
             # A neighbouring step's tensors (gradients reused, an update not applied): stale state.
             previous = before[1].get(what, {}) if before[0] == step - 1 else {}
-            verdict = stale_verdict(verdict, held[what], previous)
+            at = REUSED_ORDER.index(what)
+            reused = {r: e.reused[at] for r, e in per_step.items() if len(e.reused) > at}
+            verdict = stale_verdict(verdict, held[what], previous, reused)
             if verdict.kind == "sdc_ambiguous" and self._recorder is not None:
                 self._start_replay(step, what, per_step.get(self.rank))
             else:

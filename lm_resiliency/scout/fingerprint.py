@@ -1,14 +1,15 @@
 """Bitwise fingerprints of tensors: equal iff (up to hash collisions) the bytes are equal.
 
-CPU tensors are hashed with XXH3-128 over their bytes. CUDA tensors are folded on the device and only
-the folds cross to the host: `fingerprint` waits for them (one synchronisation per fingerprint);
-`fingerprint_async` copies them into pinned host memory behind an event and returns at once, so the
-training thread never waits for the device (whoever needs the bytes waits). The fold reads each byte once
-and needs no temporaries the size of the tensor (a 500M-element embedding on a device that training
-has filled): the tensor's 32-bit words, laid out in rows of `MOD` columns, are summed down each
-column (one reduction, wrapping modulo 2**32); the `MOD` column sums are then folded into their sum
-and a column-weighted sum, the same as a position-weighted sum of the words with weights that
-repeat every `MOD` words, so a permutation of words changes it too.
+Each tensor has a part: CPU tensors are hashed with XXH3-128 over their bytes; CUDA tensors are folded
+on the device and only the folds cross to the host; the fingerprint is XXH3-128 over the parts (which
+also say which tensors two fingerprints share). `fingerprint` waits for the folds (one
+synchronisation per fingerprint); `fingerprint_async` copies them into pinned host memory behind an
+event and returns at once, so the training thread never waits for the device (whoever needs the
+bytes waits). The fold reads each byte once and needs no temporaries the size of the tensor (a
+500M-element embedding on a device that training has filled): the tensor's 32-bit words, laid out in
+rows of `MOD` columns, are summed down each column (one reduction, wrapping modulo 2**32); the `MOD`
+column sums are then folded into their sum and a column-weighted sum, the same as a position-weighted
+sum of the words with weights that repeat every `MOD` words, so a permutation of words changes it too.
 """
 
 from __future__ import annotations
@@ -25,22 +26,25 @@ MOD = 65521  # columns of the fold (a prime): the position weights are 2..MOD, r
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
-def _hash(tensors: Iterable[torch.Tensor | None]) -> tuple[Any, torch.Tensor | None]:
-    """The hasher fed with every CPU tensor (and the size of every CUDA one), and the CUDA tensors'
-    folds stacked on their device (None when there is none): the folds' bytes come last."""
-    h = xxhash.xxh3_128()
+def _parts(tensors: Iterable[torch.Tensor | None]) -> tuple[list[bytes], list[int], torch.Tensor | None]:
+    """One part per tensor: the XXH3-128 digest of a CPU tensor's bytes; for a CUDA tensor its size,
+    its fold to come (see `Fingerprint`) at the returned positions, the folds stacked on their device
+    (None when there is none). A sparse COO tensor is three parts (its shape, indices and values)."""
+    parts: list[bytes] = []
+    at: list[int] = []
     device_folds: list[torch.Tensor] = []
 
     def feed(t: torch.Tensor) -> None:
         if t.is_cuda:
-            h.update(t.numel().to_bytes(8, "little"))
+            at.append(len(parts))
+            parts.append(b"\0cuda" + t.numel().to_bytes(8, "little"))
             device_folds.append(device_fold(t))
         else:
-            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            parts.append(xxhash.xxh3_128_digest(t.contiguous().reshape(-1).view(torch.uint8).numpy().data))
 
     for t in tensors:
         if t is None:
-            h.update(b"\0none")
+            parts.append(b"\0none")
             continue
         t = t.detach()
         to_local = getattr(t, "to_local", None)  # a DTensor: this rank's shard is what replicas share
@@ -48,33 +52,35 @@ def _hash(tensors: Iterable[torch.Tensor | None]) -> tuple[Any, torch.Tensor | N
             t = to_local()
         if t.layout == torch.sparse_coo:  # an Embedding(sparse=True)'s gradient: its entries, in order
             t = t.coalesce()
-            h.update(b"\0coo" + repr(tuple(t.shape)).encode())
+            parts.append(b"\0coo" + repr(tuple(t.shape)).encode())
             feed(t.indices())
             feed(t.values())
         else:
             feed(t if t.layout == torch.strided else t.to_dense())  # other sparse layouts: dense
-    return h, (torch.stack(device_folds) if device_folds else None)
+    return parts, at, (torch.stack(device_folds) if device_folds else None)
 
 
 def fingerprint(tensors: Iterable[torch.Tensor | None]) -> bytes:
-    h, folds = _hash(tensors)
-    if folds is not None:
-        h.update(folds.cpu().numpy().tobytes())  # waits for the device
-    digest: bytes = h.digest()
-    return digest
+    parts, at, folds = _parts(tensors)
+    return Fingerprint(parts, folds, None, at).result()  # a CUDA fold's copy to the host waits
 
 
 class Fingerprint:
     """A fingerprint whose device folds may still be on their way to the host.
 
-    `ready()` says whether `result()` would return without waiting; `result()` waits for the
-    copy's event (releasing the GIL) and gives the bytes `fingerprint` gives for the same tensors.
-    Resolve it on one thread."""
+    The digest is XXH3-128 over the tensors' parts (`_parts`), so equal tensors give equal parts
+    and `parts()` tells which tensors two fingerprints share. `ready()` says whether `result()`
+    would return without waiting; `result()` waits for the copy's event (releasing the GIL) and
+    gives the bytes `fingerprint` gives for the same tensors. Resolve it on one thread."""
 
-    __slots__ = ("_digest", "_event", "_hasher", "_host")
+    __slots__ = ("_at", "_digest", "_event", "_host", "_parts")
 
-    def __init__(self, hasher: Any, host: torch.Tensor | None = None, event: Any = None) -> None:
-        self._hasher, self._host, self._event = hasher, host, event
+    def __init__(
+        self, parts: list[bytes], host: torch.Tensor | None = None, event: Any = None, at: Iterable[int] = ()
+    ) -> None:
+        """`host`: the folds of the CUDA tensors whose parts are at `at`, in that order, copied to the
+        host behind `event` (each part then ends with its fold's bytes)."""
+        self._parts, self._host, self._event, self._at = parts, host, event, tuple(at)
         self._digest: bytes | None = None
 
     def ready(self) -> bool:
@@ -85,24 +91,31 @@ class Fingerprint:
             if self._event is not None:
                 self._event.synchronize()
             if self._host is not None:
-                self._hasher.update(self._host.numpy().tobytes())
-            self._digest = self._hasher.digest()
-            self._hasher = self._host = self._event = None
+                folds = self._host.cpu().numpy()
+                for row, i in enumerate(self._at):
+                    self._parts[i] += folds[row].tobytes()
+            self._digest = xxhash.xxh3_128_digest(b"".join(self._parts))
+            self._host = self._event = None
         return self._digest
+
+    def parts(self) -> tuple[bytes, ...]:
+        """One digest per tensor (see `_parts`), once the device's folds are on the host."""
+        self.result()
+        return tuple(self._parts)
 
 
 def fingerprint_async(tensors: Iterable[torch.Tensor | None]) -> Fingerprint:
     """`fingerprint` without waiting for the device: the folds of CUDA tensors are copied into
     pinned host memory on the current stream (after the kernels that computed them), with an event
     recorded after the copy. CPU tensors are hashed now, as `fingerprint` does."""
-    h, folds = _hash(tensors)
+    parts, at, folds = _parts(tensors)
     if folds is None:
-        return Fingerprint(h)
+        return Fingerprint(parts)
     host = torch.empty(folds.shape, dtype=folds.dtype, pin_memory=True)
     host.copy_(folds, non_blocking=True)
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record(torch.cuda.current_stream(folds.device))
-    return Fingerprint(h, host, event)
+    return Fingerprint(parts, host, event, at)
 
 
 def device_fold(t: torch.Tensor) -> torch.Tensor:

@@ -170,6 +170,34 @@ def test_a_rank_one_optimizer_step_behind_is_stale_state_at_its_second_check() -
     assert "one optimizer step behind" in v.detail
 
 
+def test_a_rank_that_reused_some_tensors_only_is_stale_state() -> None:
+    """One gradient of the previous step used again (or one parameter's update not applied): the
+    whole-model fingerprints match no step's, but the rank holds more tensors unchanged since the
+    step before than its replicas do."""
+    usual, one_more = (2, b"usual"), (3, b"+one")
+    v = stale_verdict(
+        _on_grads("sdc", (2,)), {0: A, 1: A, 2: C, 3: A}, {}, {0: usual, 1: usual, 2: one_more, 3: usual}
+    )
+    assert (v.kind, v.ranks, v.step, v.reason) == ("stale_state", (2,), 9, "grads_reused")
+    assert "hold in some tensors (1 more than their replicas)" in v.detail and "at step 8" in v.detail
+    two = stale_verdict(
+        _on_grads("sdc_ambiguous", (0, 1)), {0: A, 1: B}, {0: C, 1: C}, {0: usual, 1: one_more}
+    )
+    assert (two.kind, two.ranks, two.reason) == ("stale_state", (1,), "grads_reused")
+    params = Verdict("sdc", (0,), 4, "params_fingerprint_minority")
+    v = stale_verdict(params, {0: A, 1: B, 2: B}, {}, {0: (1, b"x"), 1: (0, b"y"), 2: (0, b"y")})
+    assert (v.kind, v.ranks, v.reason) == ("stale_state", (0,), "params_reused")
+    # Corrupted: no more tensors unchanged than the others (fewer, when one they leave alone changed).
+    sdc = _on_grads("sdc", (2,))
+    for counts in ({0: usual, 1: usual, 2: usual, 3: usual}, {0: usual, 1: usual, 2: (1, b"-one"), 3: usual}):
+        assert stale_verdict(sdc, {0: A, 1: A, 2: C, 3: A}, {}, counts) is sdc
+    # Unknown (the step before not checked, -1), or missing for a replica: no signature.
+    assert stale_verdict(sdc, {0: A, 1: A, 2: C, 3: A}, {}, {2: one_more}) is sdc
+    amb = _on_grads("sdc_ambiguous", (0, 1))
+    assert stale_verdict(amb, {0: A, 1: B}, {}, {0: (-1, b""), 1: one_more}) is amb
+    assert stale_verdict(amb, {0: A, 1: B}, {}, {0: usual, 1: usual}) is amb
+
+
 def test_corrupted_gradients_and_lone_evidence_stay_what_they_were() -> None:
     sdc = _on_grads("sdc", (2,))
     # Other gradients than any step's; the step before not checked; a verdict on something else.

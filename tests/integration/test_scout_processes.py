@@ -306,9 +306,16 @@ def test_two_replicas_name_the_rank_that_dropped_its_gradients(processes, tmp_pa
         assert faults == [("sdc", [1], [6], "grads_replay_mismatch")], res["faults"]
 
 
-@pytest.mark.parametrize("world", [4, 2])
 @pytest.mark.parametrize(
-    ("scenario", "reason"), [("stale-grads", "grads_reused"), ("stale-params", "params_reused")]
+    ("world", "scenario", "reason"),
+    [
+        (4, "stale-grads", "grads_reused"),
+        (2, "stale-grads", "grads_reused"),
+        (4, "stale-params", "params_reused"),
+        (2, "stale-params", "params_reused"),
+        (2, "stale-one-grad", "grads_reused"),
+        (4, "stale-one-param", "params_reused"),
+    ],
 )
 def test_a_rank_that_steps_with_the_previous_steps_gradients_is_stale_state(
     processes, tmp_path: Path, world: int, scenario: str, reason: str
@@ -316,7 +323,9 @@ def test_a_rank_that_steps_with_the_previous_steps_gradients_is_stale_state(
     """Stale state (FAILURES.md): a restart from a recovery-verified step, not a device to replace.
     Its parameters then stay apart from the others': the same incident, not reported again. The
     same for a rank whose step counted but whose update was not applied: it holds the parameters
-    all held one step before (before, named `sdc`, and its node replaced)."""
+    all held one step before (before, named `sdc`, and its node replaced). And where that happened
+    to one tensor only (one gradient reused, one parameter left as it was): it holds more tensors as
+    they were one step before than its replicas (before, `sdc`)."""
     results, _ = _run(processes, tmp_path, scenario, steps=10, culprit=1, at=6, world=world)
     for res in results:
         faults = [(f["kind"], f["failed_ranks"], f["steps"], f["reason"]) for f in res["faults"]]

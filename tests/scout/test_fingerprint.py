@@ -79,6 +79,14 @@ def test_cpu_fingerprints_are_bitwise() -> None:
     assert fingerprint([x]) != fingerprint([y])
 
 
+def test_parts_say_which_tensors_two_fingerprints_share() -> None:
+    x, y = torch.randn(100), torch.randn(7).bfloat16()
+    same = fingerprint_async([x, None, y]).parts()
+    assert len(same) == 3 and same == fingerprint_async([x.clone(), None, y.clone()]).parts()
+    other = fingerprint_async([x, None, y + 1]).parts()
+    assert [a == b for a, b in zip(same, other, strict=True)] == [True, True, False]
+
+
 def test_async_fingerprints_of_cpu_tensors_are_ready_and_equal() -> None:
     tensors = [torch.randn(1000), None, torch.arange(7, dtype=torch.int16)]
     pending = fingerprint_async(tensors)
@@ -113,7 +121,8 @@ def test_evidence_waiting_for_the_device_leaves_in_step_order_without_blocking_t
         assert [e.step for e in sent] == [1] and resolver.deferred == 0
         copy = DeviceCopyStandIn()
         folds = torch.tensor([[5, 7]], dtype=torch.int64)  # what the device copy brings
-        pending = Fingerprint(xxhash.xxh3_128(b"x"), folds, copy)
+        size = b"\0cuda" + (4).to_bytes(8, "little")  # the part of a 4-element CUDA tensor, fold to come
+        pending = Fingerprint([size], folds, copy, at=(0,))
         resolver.offer(2, pending, fingerprint_async([torch.zeros(2)]))
         # Ready itself, but behind step 2: it waits its turn rather than overtake it.
         resolver.offer(3, None, fingerprint_async([torch.zeros(3)]))
@@ -122,9 +131,8 @@ def test_evidence_waiting_for_the_device_leaves_in_step_order_without_blocking_t
         with arrived:
             assert arrived.wait_for(lambda: len(sent) == 3, 30)
         assert [e.step for e in sent] == [1, 2, 3] and all(e.rank == 3 for e in sent)
-        want = xxhash.xxh3_128(b"x")
-        want.update(folds.numpy().tobytes())
-        assert sent[1].grads == want.digest() and sent[2].grads == b""
+        want = xxhash.xxh3_128_digest(size + folds.numpy().tobytes())
+        assert sent[1].grads == want and sent[2].grads == b""
         resolver.offer(4, None, fingerprint_async([torch.zeros(4)]))  # caught up: at once again
         assert [e.step for e in sent] == [1, 2, 3, 4]
     finally:

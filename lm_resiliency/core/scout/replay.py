@@ -105,7 +105,12 @@ def _majority(values: Mapping[int, bytes], members: list[int]) -> bytes | None:
     return value if value and n * 2 > len(members) else None
 
 
-def stale_verdict(v: Verdict, held: Mapping[int, bytes], before: Mapping[int, bytes]) -> Verdict:
+def stale_verdict(
+    v: Verdict,
+    held: Mapping[int, bytes],
+    before: Mapping[int, bytes],
+    reused: Mapping[int, tuple[int, bytes]] | None = None,
+) -> Verdict:
     """`v`, a disagreement at `v.step` on gradients, parameters or optimizer state (its reason's
     prefix), as stale state when the ranks it suspects hold a neighbouring step's tensors rather
     than corrupted ones; else `v` itself.
@@ -120,22 +125,28 @@ def stale_verdict(v: Verdict, held: Mapping[int, bytes], before: Mapping[int, by
     - behind (gradients only): ranks held at the step before the gradients a majority holds now
       (they skipped an optimizer step: each of their steps holds their replicas' next step, forever).
 
+    A third, per tensor (`reused`: each replica's count of its own tensors that held at `v.step`
+    what they held at the step before, and a digest of which; see `Evidence.reused`): ranks with
+    more of them than the others (a majority's, or for an ambiguous verdict the fewest any replica
+    has), and other ones, reused some tensors only (one gradient). Corruption changes tensors; it
+    never makes one hold its previous step's bytes again.
+
     Suspects are the ranks `v` names (a majority's minority, or the replay's culprits); for an
     ambiguous verdict, any proper subset of its replicas. Two replicas have no majority when they
     disagree, so only `reused` (both agreed one step before) can tell them apart.
     """
     what = v.reason.split("_", 1)[0]
-    if v.kind not in ("sdc", "sdc_ambiguous") or what not in STATE_NAMES or not before:
+    if v.kind not in ("sdc", "sdc_ambiguous") or what not in STATE_NAMES:
         return v
     members = sorted(held)
     prev, now = _majority(before, members), _majority(held, members)
     name = STATE_NAMES[what]
-    reused = "a previous step's tensor used again" if what == "grads" else "the step's update not applied"
+    used = "a previous step's tensor used again" if what == "grads" else "the step's update not applied"
     signatures = [
         (
             f"{what}_reused",
-            [r for r in v.ranks if prev is not None and held.get(r) == prev and prev != now],
-            f"hold the {name} the group held at step {{prev}}: {reused}",
+            [r for r in v.ranks if before and prev is not None and held.get(r) == prev and prev != now],
+            f"hold the {name} the group held at step {{prev}}: {used}",
         )
     ]
     if what == "grads":
@@ -151,6 +162,23 @@ def stale_verdict(v: Verdict, held: Mapping[int, bytes], before: Mapping[int, by
                 "behind their replicas (a step skipped)",
             )
         )
+    known = {r: c for r, c in (reused or {}).items() if r in held and c[0] >= 0}
+    if v.kind == "sdc":
+        usual = Counter(c for r, c in known.items() if r not in v.ranks).most_common(1)
+        base = usual[0][0] if usual else None
+    else:
+        base = min(known.values()) if len(known) == len(members) else None
+    some = [r for r in v.ranks if base is not None and r in known and known[r][0] > base[0]]
+    signatures.append(
+        (
+            f"{what}_reused",
+            some,
+            f"hold in some tensors ({', '.join(str(known[r][0] - base[0]) for r in some)} more than "
+            f"their replicas) the {name} they held at step {{prev}}: {used}"
+            if base is not None
+            else "",
+        )
+    )
     for reason, culprits, detail in signatures:
         whole = set(culprits) == set(v.ranks) if v.kind == "sdc" else 0 < len(culprits) < len(members)
         if culprits and whole:

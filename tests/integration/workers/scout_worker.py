@@ -10,7 +10,8 @@ culprit SIGSTOPs itself at AT_STEP, runtime thread and all; sigterm: the culprit
 AT_STEP; group-stop: every rank tells the test it reached AT_STEP, which SIGTERMs them all;
 desync: every rank all-reduces a metric of 4 elements after each step, the culprit 5 at AT_STEP;
 evaluation: every AT_STEP steps the culprit alone runs the model with gradients off for 4 s;
-stale-grads: at AT_STEP the culprit steps with the previous step's reduced gradients;
+stale-grads: at AT_STEP the culprit steps with the previous step's reduced gradients (stale-one-grad:
+with one of them; stale-one-param: its last parameter's update at AT_STEP is not applied);
 drop: at AT_STEP the culprit zeroes every gradient after the all-reduce;
 skip-step: the culprit skips its optimizer step at AT_STEP and counts one step behind from then on;
 leave: the culprit's loop ends at AT_STEP (uneven inputs): it closes its session and ends, or with
@@ -126,6 +127,9 @@ def main() -> int:
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     elif scenario == "sharded-optim":
         opt = ShardedAdamW(model.parameters(), lr=1e-3)
+    elif scenario == "stale-one-param":  # its last parameter in a group of its own
+        every = list(model.parameters())
+        opt = torch.optim.SGD([{"params": every[:-1]}, {"params": every[-1:]}], lr=1e-3)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     faults: list[dict[str, object]] = []
@@ -288,19 +292,22 @@ def main() -> int:
         if scenario == "drop" and rank == culprit and step == at:
             for p in model.parameters():  # every gradient dropped after the all-reduce (one bucket)
                 p.grad.zero_()
-        if scenario == "stale-grads" and rank == culprit:
+        if scenario in ("stale-grads", "stale-one-grad") and rank == culprit:
+            reused = list(model.parameters())[: 1 if scenario == "stale-one-grad" else None]
             if step == at:  # the previous step's tensors used again, after this step's all-reduce
-                for p, g in zip(model.parameters(), kept, strict=True):
+                for p, g in zip(reused, kept, strict=True):
                     p.grad.copy_(g)
-            kept = [p.grad.clone() for p in model.parameters()]
+            kept = [p.grad.clone() for p in reused]
         if os.environ.get("CLIP") == "1":  # clipping between the all-reduce and the step, as LLMs do
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
-        dropped = scenario == "stale-params" and rank == culprit and step == at
-        for group in opt.param_groups if dropped else ():  # the step counts, its update is not applied
+        dropped = scenario in ("stale-params", "stale-one-param") and rank == culprit and step == at
+        # The step counts, its update is not applied (stale-one-param: to its last parameter only).
+        undone = opt.param_groups[-1:] if scenario == "stale-one-param" else opt.param_groups
+        for group in undone if dropped else ():
             group["lr"] = 0.0
         if not (scenario == "skip-step" and rank == culprit and step == at):
             opt.step()
-        for group in opt.param_groups if dropped else ():
+        for group in undone if dropped else ():
             group["lr"] = 1e-3
         if scenario == "optstate" and rank == culprit and step == at:
             with torch.no_grad():
