@@ -139,6 +139,23 @@ def test_evidence_waiting_for_the_device_leaves_in_step_order_without_blocking_t
         resolver.close()
 
 
+def test_evidence_counts_the_tensors_that_hold_what_they_held_one_step_before() -> None:
+    """Gradients, parameters, optimizer state: (how many, which) tensors are as they were at the step
+    before, when that step was checked (-1 where there is nothing to count)."""
+    sent: list[Evidence] = []
+    resolver = EvidenceResolver(0, sent.append)
+    a, b, c = torch.ones(3), torch.zeros(2), torch.arange(4.0)
+    resolver.offer(1, fingerprint_async([a, b]), fingerprint_async([c]))
+    resolver.offer(2, fingerprint_async([a, b + 1]), fingerprint_async([c]))  # `a` and `c` as they were
+    resolver.offer(4, fingerprint_async([a, b]), fingerprint_async([c]))  # step 3 was not checked
+    assert sent[0].reused == () and sent[2].reused == ()
+    (grads_n, grads_which), (params_n, params_which), optim = sent[1].reused
+    assert (grads_n, params_n, optim) == (1, 1, (-1, b""))
+    assert grads_which == params_which  # both: the tensor at index 0
+    resolver.offer(5, fingerprint_async([a + 1, b]), fingerprint_async([c]))
+    assert sent[3].reused[0][0] == 1 and sent[3].reused[0][1] != grads_which  # index 1 this time
+
+
 def test_sparse_gradients_are_fingerprinted_by_their_entries() -> None:
     """An Embedding(sparse=True)'s gradient: the same entries (in any order, duplicates summed) give
     the same fingerprint, another value or another shape another one; other layouts by value."""
