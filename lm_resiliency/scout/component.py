@@ -165,7 +165,7 @@ KEEP_STEPS = 64
 
 
 # A step's evidence on its way: step, gradients, parameters, optimizer state, its layout.
-_Pending = tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None, bytes]
+_Pending = tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None, bytes, bool]
 
 
 REUSED_ORDER = ("grads", "params", "optim")  # the states of `Evidence.reused`, in order
@@ -204,9 +204,14 @@ class EvidenceResolver:
         params: Fingerprint,
         optim: Fingerprint | None = None,
         layout: bytes = b"",
+        send: bool = True,
     ) -> None:
+        """`send=False`: the step before a checked one, whose fingerprints only serve the next
+        evidence's count of tensors as they were (`Evidence.reused`)."""
         if not self._outstanding and all(f is None or f.ready() for f in (grads, params, optim)):
-            self._submit(self._evidence(step, grads, params, optim, layout))
+            ev = self._evidence(step, grads, params, optim, layout)
+            if send:
+                self._submit(ev)
             return
         with self._lock:
             self._outstanding += 1
@@ -216,7 +221,7 @@ class EvidenceResolver:
                     target=self._run, name=f"lm-resiliency-evidence{self.rank}", daemon=True
                 )
                 self._thread.start()
-        self._queue.put((step, grads, params, optim, layout))
+        self._queue.put((step, grads, params, optim, layout, send))
 
     def _evidence(
         self,
@@ -243,7 +248,9 @@ class EvidenceResolver:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             try:
-                self._submit(self._evidence(*item))
+                ev = self._evidence(*item[:-1])
+                if item[-1]:
+                    self._submit(ev)
             except Exception:  # a failed device copy loses this step's evidence, never detection
                 log.exception("rank %d: evidence of step %d could not be resolved", self.rank, item[0])
             finally:
@@ -534,9 +541,11 @@ class Scout:
 
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         step = self._session_step() + 1
-        if self._due(step) and not self._paused():
+        # The step before a checked one too (when checks are not every step): the next evidence
+        # counts the tensors that are as they were then (stale state, `Evidence.reused`).
+        if (self._due(step) or self._due(step + 1)) and not self._paused():
             self._grads_fp = fingerprint_async(p.grad for g in opt.param_groups for p in g["params"])
-            if self._recorder is not None:
+            if self._recorder is not None and self._due(step):
                 record = self._recorder.capture(step)
                 if record is not None and self._last_params[0] == step - 1:
                     # Nothing may change parameters or optimizer state between two steps.
@@ -553,6 +562,9 @@ class Scout:
         self._ended[step] = time.monotonic()
         self._ended.pop(step - ENDED_STEPS, None)
         if not self._due(step):
+            grads, self._grads_fp = self._grads_fp, None
+            if grads is not None and self._due(step + 1):
+                self._submit_evidence(step, grads, send=False)
             return
         if self.defer_evidence is not None and self.defer_evidence(step):
             # GEMINI captures this step when the next begins: the parameters are fingerprinted
@@ -570,13 +582,16 @@ class Scout:
         if not self._closed:
             self._submit_evidence(deferred, grads)
 
-    def _submit_evidence(self, step: int, grads: Fingerprint | None) -> None:
+    def _submit_evidence(self, step: int, grads: Fingerprint | None, send: bool = True) -> None:
         params = fingerprint_async(p for p in self.adapter.model.parameters())
         opt = self.adapter.optimizer
         # The optimizer's state too, where replicas hold the same: corrupted between the step and the
         # capture (a moment), the parameters agree until the next step, and a capture certified on
         # them alone would resume the corruption.
         optim = fingerprint_async(optimizer_tensors(opt)) if self._compare_optim else None
+        if not send:
+            self._evidence_out.offer(step, grads, params, optim, send=False)
+            return
         layout = self._optimizer_layout(opt) if self._compare_optim else b""
         if self._recorder is not None:  # for the between-steps check of a two-replica replay
             own_optim = optim.result() if optim is not None else fingerprint(optimizer_tensors(opt))

@@ -307,30 +307,33 @@ def test_two_replicas_name_the_rank_that_dropped_its_gradients(processes, tmp_pa
 
 
 @pytest.mark.parametrize(
-    ("world", "scenario", "reason"),
+    ("world", "scenario", "reason", "interval"),
     [
-        (4, "stale-grads", "grads_reused"),
-        (2, "stale-grads", "grads_reused"),
-        (4, "stale-params", "params_reused"),
-        (2, "stale-params", "params_reused"),
-        (2, "stale-one-grad", "grads_reused"),
-        (4, "stale-one-param", "params_reused"),
+        (4, "stale-grads", "grads_reused", 1),
+        (2, "stale-grads", "grads_reused", 1),
+        (4, "stale-params", "params_reused", 5),
+        (2, "stale-params", "params_reused", 1),
+        (2, "stale-one-grad", "grads_reused", 1),
+        (4, "stale-one-param", "params_reused", 1),
     ],
 )
 def test_a_rank_that_steps_with_the_previous_steps_gradients_is_stale_state(
-    processes, tmp_path: Path, world: int, scenario: str, reason: str
+    processes, tmp_path: Path, world: int, scenario: str, reason: str, interval: int
 ) -> None:  # type: ignore[no-untyped-def]
     """Stale state (FAILURES.md): a restart from a recovery-verified step, not a device to replace.
     Its parameters then stay apart from the others': the same incident, not reported again. The
     same for a rank whose step counted but whose update was not applied: it holds the parameters
     all held one step before (before, named `sdc`, and its node replaced). And where that happened
     to one tensor only (one gradient reused, one parameter left as it was): it holds more tensors as
-    they were one step before than its replicas (before, `sdc`)."""
-    results, _ = _run(processes, tmp_path, scenario, steps=10, culprit=1, at=6, world=world)
+    they were one step before than its replicas (before, `sdc`). Checked every 5 steps, at a checked
+    step: each rank fingerprints the step before a check for itself, to count against."""
+    at = 6 if interval == 1 else 2 * interval
+    extra = {"INTERVAL": str(interval)}
+    results, _ = _run(processes, tmp_path, scenario, steps=at + 4, culprit=1, at=at, world=world, extra=extra)
     for res in results:
         faults = [(f["kind"], f["failed_ranks"], f["steps"], f["reason"]) for f in res["faults"]]
-        assert faults == [("stale_state", [1], [6], reason)], res["faults"]
-        assert res["faults"][0]["confidence"] == 1.0 and "step 5" in res["faults"][0]["detail"]
+        assert faults == [("stale_state", [1], [at], reason)], res["faults"]
+        assert res["faults"][0]["confidence"] == 1.0 and f"step {at - 1}" in res["faults"][0]["detail"]
 
 
 def test_a_rank_that_skipped_an_optimizer_step_is_stale_state_not_recurring_sdc(

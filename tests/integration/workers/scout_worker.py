@@ -17,7 +17,8 @@ skip-step: the culprit skips its optimizer step at AT_STEP and counts one step b
 leave: the culprit's loop ends at AT_STEP (uneven inputs): it closes its session and ends, or with
 LINGER=1 keeps its process group open (as a peer NCCL would wait for), until the test kills it),
 CULPRIT, AT_STEP, LOCALGRAD_ALSO (rank:step: a gradient flipped before reduction besides),
-REPORT_DIR, AUDIT (audit interval, 0 = off), ACCUM (micro-batches per step),
+REPORT_DIR, INTERVAL (steps between checks; default 1), AUDIT (audit interval, 0 = off), ACCUM
+(micro-batches per step),
 SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
 default 10), LOADER_S (dataloader_latency_threshold_s; default 10),
 WRAP (ddp | plain: no DDP, this script all-reduces the gradients after backward | fsdp2: every layer
@@ -156,7 +157,7 @@ def main() -> int:
     session = enable_resiliency(
         inner if os.environ.get("PASS_INNER") == "1" else model,  # the module DDP wraps: found
         opt,
-        interval=1,
+        interval=int(os.environ.get("INTERVAL", "1")),
         enable_checkpoint=checkpoint,
         fault_callback=on_fault,
         # A plain module's data-parallel peers are named; the others' come from DDP or the mesh.
