@@ -920,9 +920,9 @@ class Session:
         rt = self._runtime
         went = {r for r, why in rt.departed().items() if why == CLOSED} if rt else set()
         with self._reports_lock:  # named already while its peers waited (SCOUT's hang verdict)
-            for r in self._reports:
-                if r.get("reason") == LEFT:
-                    went -= set(r.get("failed_ranks", ()))
+            for named in self._reports:
+                if named.get("reason") == LEFT:
+                    went -= set(named.get("failed_ranks", ()))
         if not went:
             return
         report = SCOUTFaultReport(

@@ -71,9 +71,12 @@ def _check_types(obj: Any, prefix: str) -> None:
     path-like a string (a folder given as a `Path`)."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
-        problem = _type_problem(getattr(obj, f.name), hints[f.name])
+        value = getattr(obj, f.name)
+        problem = _type_problem(value, hints[f.name])
         if problem:
             raise ConfigError(f"{prefix}{f.name}", problem)
+        if isinstance(value, os.PathLike):  # held as the string it names, as a str field is used
+            object.__setattr__(obj, f.name, os.fspath(value))
 
 
 def _type_problem(value: Any, tp: Any) -> str:

@@ -115,7 +115,8 @@ def test_dataclasses_built_directly_name_a_field_of_the_wrong_type(build, key: s
 
 def test_dataclasses_built_directly_take_what_python_takes_for_the_type(tmp_path: Path) -> None:
     np = pytest.importorskip("numpy")
-    assert InMemoryCkptConfig(disk_folder=tmp_path, interval=np.int64(3)).interval == 3  # type: ignore[arg-type]
+    ckpt = InMemoryCkptConfig(disk_folder=tmp_path, run_id=Path("job"), interval=np.int64(3))  # type: ignore[arg-type]
+    assert ckpt.interval == 3 and (ckpt.disk_folder, ckpt.run_id) == (str(tmp_path), "job")
     assert ReplayHarnessConfig(hang_stall_threshold_s=np.float32(2.5), straggler_ratio=2).straggler_ratio == 2
 
 
