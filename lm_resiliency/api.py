@@ -1281,8 +1281,14 @@ class Session:
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, tp: type[BaseException] | None, value: BaseException | None, tb: Any) -> None:
+        """An exception leaving the `with` block ends the worker as an uncaught one would, and is
+        reported the same way (`_exiting`: its reason and text, to the peers in the goodbye); a
+        close with no reason told the peers this rank was done, and nobody why it failed."""
+        if value is None or (isinstance(value, SystemExit) and value.code in (None, 0)):
+            self.close()
+        else:
+            self._exiting(value)
 
 
 class _CallbackThread:

@@ -152,6 +152,24 @@ def test_framework_detection() -> None:
         enable_resiliency(DeepSpeedEngine())
 
 
+def test_an_exception_leaving_the_sessions_with_block_is_reported_as_the_workers_failure() -> None:
+    """As an uncaught exception is (its reason and text): the block's exit closed the session first,
+    the excepthook then found nothing to report, and the peers heard only that this rank was done."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reports: list[dict[str, object]] = []
+    with pytest.raises(MemoryError), enable_resiliency(model, opt, fault_callback=reports.append) as session:
+        raise MemoryError("the allocator refused")
+    assert [(r["kind"], r["reason"], r["failed_ranks"]) for r in reports] == [
+        ("process_failure", "resource_exhaustion", [0])
+    ]
+    assert "MemoryError: the allocator refused" in str(reports[0]["error"])
+    assert session._closed and not session.runtime.alive  # closed all the same
+    with enable_resiliency(model, opt, fault_callback=reports.append):
+        pass
+    assert len(reports) == 1
+
+
 def test_a_device_torch_does_not_know_is_refused_and_another_type_than_the_models_warns() -> None:
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
