@@ -164,7 +164,8 @@ log = logging.getLogger(__name__)
 KEEP_STEPS = 64
 
 
-# A step's evidence on its way: step, gradients, parameters, optimizer state, its layout.
+# A step's evidence on its way: step, gradients, parameters, optimizer state, its layout, and
+# whether it is sent (not for the step before a check, kept only to count against).
 _Pending = tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None, bytes, bool]
 
 
