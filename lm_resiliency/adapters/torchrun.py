@@ -439,6 +439,9 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
                 raise RendezvousError("the rendezvous state vanished from the control store")
             s = got[1]
             role = rs.role_of(s, self.node_id)
+            if s.phase == rs.CLOSED and s.pending.get("gave_up"):
+                self._stop()
+                raise RendezvousError(f"run {self.run_id} gave up: {s.pending['gave_up']}")
             if s.phase == rs.CLOSED:
                 log.info("run %s closed: node %s (%s) exits", self.run_id, self.node_id, role)
                 self._stop()

@@ -145,6 +145,39 @@ def test_other_failures_in_a_row_and_no_standby_restart_in_place() -> None:
     assert s.generation == 3 and "b" in s.slots and set(s.excluded) == set(), s
 
 
+def _restarted(s: rs.RdzvState, kind: str, reason: str, node: str, step: int) -> rs.RdzvState:
+    """A verdict on `node` stops the current generation; every holder arrives; the next forms from `step`."""
+    g = s.generation
+    s = rs.request_restart(s, g, kind, reason, [node])
+    for n in s.slots:
+        if n is not None:
+            s = rs.arrive(s, n, g)
+    return rs.form(s, set(s.nodes), {"checkpoint_step": step})
+
+
+def test_the_same_failure_restarted_from_the_same_step_again_and_again_closes_the_run_as_failed() -> None:
+    """b's loop ends early at step 8 in every generation (its data): its peers wait, SCOUT names it,
+    the leader restarts from step 8, and the same happens again. After `LOOP_LIMIT` such restarts
+    the next one is not published: the run is closed with the reason, and every agent fails
+    (before: a new generation every few seconds, for ever, with torchrun's restarts untouched)."""
+    s = _formed(["a", "b"])
+    for _ in range(rs.LOOP_LIMIT):
+        s = _restarted(s, "hang", "left_while_peers_wait", "b", 8)
+        assert s.phase == rs.RUNNING
+    assert s.generation == rs.LOOP_LIMIT and s.history[-1]["checkpoint_step"] == 8
+    gave_up = _restarted(s, "hang", "left_while_peers_wait", "b", 8)
+    assert gave_up.phase == rs.CLOSED and gave_up.generation == rs.LOOP_LIMIT
+    assert (
+        "same failure (hang: left_while_peers_wait, nodes ['b']) from the same step (8)"
+        in (gave_up.pending["gave_up"])
+    )
+    assert rs.decode(rs.encode(gave_up)) == gave_up
+    # Progress between (a later step each time), another failure, or another node: restarted.
+    for step, kind, node in ((9, "hang", "b"), (8, "data_stall", "b"), (8, "hang", "a")):
+        other = _restarted(s, kind, "left_while_peers_wait", node, step)
+        assert other.phase == rs.RUNNING and other.generation == rs.LOOP_LIMIT + 1, (step, kind, node)
+
+
 def test_without_a_standby_a_lost_slot_waits() -> None:
     s = _formed(["a", "b"])
     s = rs.mark_dead(s, "b")

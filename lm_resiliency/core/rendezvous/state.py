@@ -12,7 +12,9 @@ Life of a run:
 - `restarting`: every slot holder must arrive (its agent stopped its workers and re-entered the
   rendezvous) or be declared dead. Dead or quarantined slots are filled by the oldest live standby;
   previous holders keep their slots (stable ranks). Then generation g+1 is published.
-- `closed`: the job succeeded; parked and quarantined nodes exit 0.
+- `closed`: the job succeeded; parked and quarantined nodes exit 0. Or it gave up (`pending["gave_up"]`
+  says why): the same failure restarted from the same step `LOOP_LIMIT` times in a row; every agent
+  then fails.
 """
 
 from __future__ import annotations
@@ -275,6 +277,11 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
         "culprits": list(s.pending.get("culprits", ())),
         "error_type": _error_type(s.pending),
     }
+    if plan is not None:
+        entry["checkpoint_step"] = int(plan.get("checkpoint_step", -1))
+        looping = _looping(s.history, entry)
+        if looping:
+            return replace(s, phase=CLOSED, pending={**s.pending, "gave_up": looping})
     if s.pending.get("repeated"):
         entry["repeated"] = True
     return replace(
@@ -287,6 +294,27 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
         pending={},
         plan=dict(plan or {}),
         history=(*s.history, entry)[-64:],
+    )
+
+
+# Restarts in a row tolerated for the same failure (kind, reason, culprits) resumed from the same
+# step: the next one would fail the same way again (a hang or stall at a fixed step of the data, a
+# loop that ends early on one rank), so the run is closed as failed instead of looping for ever.
+LOOP_LIMIT = 3
+_LOOP_KEYS = ("failure_kind", "reason", "culprits", "checkpoint_step")
+
+
+def _looping(history: tuple[Mapping[str, Any], ...], entry: Mapping[str, Any]) -> str:
+    """Why publishing `entry` would repeat the last `LOOP_LIMIT` generations' restart ("" if not)."""
+    last = history[-LOOP_LIMIT:]
+    if entry["failure_kind"] == "none" or len(last) < LOOP_LIMIT:
+        return ""
+    if any(tuple(h.get(k) for k in _LOOP_KEYS) != tuple(entry[k] for k in _LOOP_KEYS) for h in last):
+        return ""
+    return (
+        f"generations {[h.get('generation') for h in last]} were restarted for the same failure "
+        f"({entry['failure_kind']}: {entry['reason']}, nodes {entry['culprits']}) from the same step "
+        f"({entry['checkpoint_step']}) and failed again: a restart would repeat it"
     )
 
 
