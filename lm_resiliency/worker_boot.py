@@ -128,7 +128,7 @@ def auto_instrument(policy_path: str) -> None:
     torch.optim.Optimizer.__init__ = noting_opt_init  # type: ignore[method-assign]
     state: dict[str, Any] = {"done": False, "handles": [], "depth": 0}
 
-    def first_forward(module: Any, args: Any) -> None:
+    def first_forward(module: Any, args: Any) -> Any:
         state["depth"] += 1
         if state["done"] or not _data_parallel(module, outermost=state["depth"] == 1):
             return
@@ -145,12 +145,14 @@ def auto_instrument(policy_path: str) -> None:
         from lm_resiliency.api import enable_resiliency
         from lm_resiliency.config import load_policy, policy_kwargs
 
+        before = set(module._forward_pre_hooks)
         # The scheduler stepping `opt` is found by enable_resiliency (a SequentialLR as one).
         session = enable_resiliency(module, opt, **policy_kwargs(load_policy(policy_path)))
         sys.stderr.write(
             f"lm_resiliency: instrumented automatically (rank {session.rank}, "
             f"resumed at step {session.step_count})\n"
         )
+        return _run_added_pre_hooks(module, args, before)
 
     def after_forward(module: Any, args: Any, output: Any) -> None:
         state["depth"] -= 1
@@ -159,6 +161,22 @@ def auto_instrument(policy_path: str) -> None:
         register_module_forward_pre_hook(first_forward),
         register_module_forward_hook(after_forward, always_call=True),
     ]
+
+
+def _run_added_pre_hooks(module: Any, args: Any, before: set[int]) -> Any:
+    """Run, for the forward under way, the forward pre-hooks `module` gained since `before` (the
+    session's, added while this forward's hooks were already chosen), in their order; returns the
+    arguments as they leave them (None: unchanged). Skipped, this step began without them: DDP's
+    first backward then reduced in its own bucket layout, not the canonical one, and a resumed run
+    of 3 or more replicas differed from the uninterrupted one in the last bits."""
+    changed = None
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if key in before or key in module._forward_pre_hooks_with_kwargs:
+            continue
+        result = hook(module, args)
+        if result is not None:
+            args = changed = result if isinstance(result, tuple) else (result,)
+    return changed
 
 
 def chain_next_sitecustomize(ours: str) -> None:

@@ -1,0 +1,71 @@
+"""Zero-import instrumentation (`worker_boot.auto_instrument`), in a process of its own: it patches
+torch's optimizer class and adds global module hooks, which must not leak into the test process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.timeout(120)
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, socket, sys
+    from lm_resiliency.worker_boot import auto_instrument
+    import torch
+    import torch.distributed as dist
+    auto_instrument(sys.argv[1])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    for step in range(2):
+        loss = model(torch.randn(4, 8)).square().mean()
+        # What the step's backward reduces with: the session's comm hook, from the first step on.
+        seen.append(len(model._comm_hooks))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    session = model._lm_resiliency_session()
+    print(json.dumps({"hooks": seen, "step_count": session.step_count}))
+    session.close()
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_the_session_enabled_at_the_first_forward_takes_part_in_that_step(tmp_path: Path) -> None:
+    """The session is enabled inside the first forward, after torch chose that forward's hooks.
+    Its own (the step's start, DDP's canonical comm hook) must still run for that forward: without
+    them DDP's first backward reduced in its own bucket layout, and a job of 4 ranks resumed by the
+    torchrun backend differed in the last bits from the uninterrupted run."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text("schema_version = 1\ninterval = 1\n")
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(policy)],
+        cwd=tmp_path,
+        env={
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "PATH": "/usr/bin:/bin",
+            "LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"hooks": [1, 1], "step_count": 2}, (result, out.stderr)
