@@ -1108,6 +1108,9 @@ class Gemini:
             ).result(125.0)
         except Exception as exc:  # peer gone, timeout: the local copy still stands
             self.stats.replication_failures += 1
+            if self._closed or not self.runtime.alive:  # the job's end: the transfer was cut off
+                log.info("rank %d: replica of step %d not sent: the session closed", self.rank, header.step)
+                return
             log.warning(
                 "rank %d: replica of step %d to rank %s failed: %r", self.rank, header.step, self.holder, exc
             )
