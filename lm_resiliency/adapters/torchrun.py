@@ -406,6 +406,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
                 if s is not None and s.generation == self._generation and done >= len(s.slots):
                     self._control.update(rs.close)
                     log.info("run %s closed after generation %d succeeded", self.run_id, s.generation)
+                    self._reclaim_memory()
         except Exception:  # shutdown runs on every exit path: never raise from it
             log.exception("closing the rendezvous failed")
         finally:
@@ -445,6 +446,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             if s.phase == rs.CLOSED:
                 log.info("run %s closed: node %s (%s) exits", self.run_id, self.node_id, role)
                 self._stop()
+                self._reclaim_memory()
                 raise SystemExit(0)
             if role == "active" and s.phase == rs.RUNNING and s.generation > self._generation:
                 return s
@@ -550,6 +552,28 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
 
     def _close_worker_store(self) -> None:
         self._worker_store = None  # dropping the server object stops it
+
+    def _reclaim_memory(self) -> None:
+        """The run is over: this node's in-memory checkpoints of it (GEMINI's slots and the replicas
+        it holds) go now. Nothing restores from them any more (a new torchrun of the same run id
+        starts afresh at generation 0); kept, they held /dev/shm until another job reclaimed them an
+        hour later, and a job started on the node before then could find no room for its own."""
+        try:
+            from lm_resiliency.config import DEFAULT_SHM_DIR, load_policy
+            from lm_resiliency.gemini.durable import path_name
+            from lm_resiliency.gemini.hygiene import reclaim_node
+
+            run = os.environ.get("LM_RESILIENCY_RUN_ID") or self.run_id
+            if self.worker_config:
+                run = load_policy(self.worker_config).checkpoint.run_id or run
+            shm = os.environ.get("LM_RESILIENCY_SHM_DIR") or DEFAULT_SHM_DIR
+            freed = reclaim_node(shm, path_name(run), path_name(self.node_id))
+            if freed:
+                log.info(
+                    "run %s: reclaimed %d bytes of in-memory checkpoints on node %s", run, freed, self.node_id
+                )
+        except Exception:  # never fail the agent's exit over it: the hour-old reclaim still applies
+            log.exception("reclaiming the run's shared memory failed")
 
     def _stop(self) -> None:
         if self._pulse is not None:

@@ -13,6 +13,7 @@ and restores the chosen step bitwise from local memory or by pulling the replica
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -37,7 +38,7 @@ from lm_resiliency.core.gemini.placement import replica_holders
 from lm_resiliency.core.gemini.recovery import RecoveryPlan, plan_recovery
 from lm_resiliency.core.messages import GeminiInventory, ReplicaRequest
 from lm_resiliency.core.topology import Topology
-from lm_resiliency.errors import CheckpointMismatchError, DiscoveryError
+from lm_resiliency.errors import CheckpointMismatchError, DiscoveryError, SharedMemoryError
 from lm_resiliency.gemini.copier import Completion, Copier, SyncCopier, copier_for
 from lm_resiliency.gemini.durable import DurableError, DurableStore, path_name
 from lm_resiliency.gemini.hygiene import owner_pid, reclaim_stale_runs, write_owner
@@ -71,6 +72,9 @@ CAPTURE_WAIT_S = 2.0  # the longest a capture waits for a free slot before it is
 # come within milliseconds; one that has not come by then is late for a reason (evidence lost while
 # a restarted job's connections form, a peer gone) and training should not wait for it.
 VERDICT_WAIT_S = 0.5
+# Under pressure (a full shared-memory folder), copies of other runs that no live process owns are
+# reclaimed once unchanged this long, not the hour `claim` waits (see Gemini._map).
+PRESSURE_IDLE_S = 60.0
 Exchange = Callable[[str, bytes, float], dict[int, bytes]]
 
 
@@ -591,7 +595,7 @@ class Gemini:
         size = HEADER_SIZE + payload + n_chunks(payload, self.chunk) * 16
         for k, slot in enumerate(self._own):
             if k not in self._own_step:
-                slot.ensure_size(size)
+                self._map(slot, size)
 
     # -- capture (training thread) ----------------------------------------------------------------
     # The step boundary is after the optimizer step *and* the calls that follow it and belong to
@@ -911,7 +915,7 @@ class Gemini:
                 self._copier = copier_for(tensors)
             if slot.size < header.file_size and k in self._pinned:
                 self._copier.unregister_host(self._pinned.pop(k))  # the mapping is about to grow
-            slot.ensure_size(header.file_size)
+            self._map(slot, header.file_size)
             self._pin(k)
             slot.begin()
             view = slot.view()
@@ -1197,7 +1201,7 @@ class Gemini:
 
     def _stream_open(self, st: _Stream) -> None:
         slots, k = self._replica_slot_for(st.owner, st.keeps)
-        slots[k].ensure_size(st.size)
+        self._map(slots[k], st.size)
         slots[k].begin()
         st.slot, st.k = slots[k], k
 
@@ -1307,7 +1311,7 @@ class Gemini:
     def _write_file(self, slot: SlotFile, chunks: list[Any], size: int, owner: int, step: int) -> bool:
         if len(chunks) < 2 or len(chunks[0]) != HEADER_SIZE or sum(len(c) for c in chunks) != size:
             return False
-        slot.ensure_size(size)
+        self._map(slot, size)
         slot.begin()
         off = HEADER_SIZE
         for c in chunks[1:]:
@@ -1573,6 +1577,30 @@ class Gemini:
             log.info(
                 "reclaimed %d bytes of stale run %s (node %s, idle %.0fs)", u.bytes, u.run, u.node, u.idle_s
             )
+
+    def _map(self, slot: SlotFile, size: int) -> None:
+        """`slot.ensure_size(size)`; when the shared-memory folder is full, reclaim the copies of
+        other runs that no live process owns and that have not changed for `PRESSURE_IDLE_S`, then
+        try once more. A job that ended minutes ago (whose copies wait an hour for a restart that
+        may come) no longer keeps the next job on the node from starting. A run whose worker group
+        is being restarted right now changed seconds ago: its copies stay."""
+        try:
+            slot.ensure_size(size)
+            return
+        except SharedMemoryError as exc:
+            if getattr(exc.__cause__, "errno", None) != errno.ENOSPC:
+                raise
+            freed = reclaim_stale_runs(self.dir.parent.parent, PRESSURE_IDLE_S, keep_run=self.dir.parent.name)
+            if not freed:
+                raise
+            log.warning(
+                "rank %d: shared memory is full; reclaimed copies no live process owns: %s",
+                self.rank,
+                ", ".join(
+                    f"run {u.run} node {u.node} ({u.bytes} bytes, idle {u.idle_s:.0f}s)" for u in freed
+                ),
+            )
+        slot.ensure_size(size)
 
     def _own_slots(self) -> list[SlotFile]:
         """This rank's two (double-buffered) capture slots in the node directory."""

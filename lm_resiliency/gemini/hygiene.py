@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lm_resiliency._proc import pid_alive
 
-__all__ = ["RunUsage", "owner_pid", "reclaim_stale_runs", "usage", "write_owner"]
+__all__ = ["RunUsage", "owner_pid", "reclaim_node", "reclaim_stale_runs", "usage", "write_owner"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +105,16 @@ def reclaim_stale_runs(
         with contextlib.suppress(OSError):  # not empty, or another process removed it first
             (Path(shm_dir) / u.run).rmdir()
     return reclaimed
+
+
+def reclaim_node(shm_dir: str | Path, run: str, node: str) -> int:
+    """Delete one node's directory of a run that is over (its bytes; 0 when it is absent or a live
+    process still owns it), and the run's directory once no node's is left in it."""
+    node_dir = Path(shm_dir) / run / node
+    got = [u for u in usage(shm_dir) if u.run == run and u.node == node]
+    if not got or got[0].live_owners:
+        return 0
+    shutil.rmtree(node_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):  # other nodes' directories are still there
+        node_dir.parent.rmdir()
+    return got[0].bytes

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from lm_resiliency.errors import SharedMemoryError
 from lm_resiliency.gemini.durable import DurableError, DurableStore
@@ -941,3 +943,58 @@ def test_a_captured_loader_position_of_another_shape_is_left_out_with_a_warning(
     assert got["train"].data_ptr() != rng.data_ptr()  # its own copy, not a view into a slot
     assert loader_positions(None) == {} and loader_positions([rng]) == {}
     assert caplog.text.count("is malformed: not used") == 5
+
+
+def test_a_full_shared_memory_folder_reclaims_dead_runs_idle_a_minute_not_a_restarting_one(
+    tmp_path: Path,
+) -> None:
+    """A job that ended minutes ago left its copies (kept an hour for a restart that may come); the
+    next job on the node found /dev/shm full and could not start. Under pressure, dead runs idle
+    for a minute go; a dead run that changed seconds ago (its worker group restarting) stays, and
+    with nothing to reclaim the error is the clear one."""
+    import os
+    import subprocess
+    import sys
+
+    from lm_resiliency.gemini.hygiene import write_owner
+
+    shm = tmp_path / "tmpfs"
+    shm.mkdir()
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(shm)], check=True, capture_output=True
+        )
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot mount a small tmpfs here: {exc}")
+    try:
+        dead_pid = int(
+            subprocess.run(
+                [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+            ).stdout
+        )
+        for run, size, age in (("ended", 2 << 20, 600.0), ("restarting", 400 << 10, 0.0)):
+            node = shm / run / "node-a"
+            write_owner(node, 0)
+            (node / ".owner-r0").write_text(str(dead_pid))
+            (node / "own-r0-s0").write_bytes(b"x" * size)
+            for f in node.iterdir():
+                os.utime(f, (time.time() - age, time.time() - age))
+        torch.manual_seed(0)
+        model = nn.Linear(384, 384)  # two slots of ~0.6 MiB: no room beside the dead runs
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gem = lone_gemini(shm, model, opt, pin_memory=False)
+        try:
+            gem.prepare()
+            assert sorted(p.name for p in shm.iterdir()) == ["r", "restarting"]
+        finally:
+            gem.close()
+        # Nothing left to reclaim: the clear error.
+        big = nn.Linear(1024, 1024)
+        gem = lone_gemini(shm, big, torch.optim.SGD(big.parameters(), lr=0.1), pin_memory=False)
+        try:
+            with pytest.raises(SharedMemoryError, match="is /dev/shm large enough"):
+                gem.prepare()
+        finally:
+            gem.close()
+    finally:
+        subprocess.run(["umount", "-l", str(shm)], check=False)
