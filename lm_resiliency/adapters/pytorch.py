@@ -57,6 +57,9 @@ class PyTorchAdapter:
             self._ddp = _wrapping_ddp(model)
             if self._ddp is not None:
                 log.info("the model passed is wrapped by DistributedDataParallel: its replicas are used")
+        # DDPs inside the model passed (an nn.ModuleDict of a GAN's generator and discriminator,
+        # each wrapped): each reduces through our comm hook, for a resumed run to be bitwise.
+        self._inner_ddps = [] if self._ddp is not None else _inner_ddps(uncompiled(model))
         self.parallelism_info = dict(parallelism_info or {})
         self._time_comm = time_comm
         self._handles: list[Any] = []
@@ -96,10 +99,11 @@ class PyTorchAdapter:
         self.phase: tuple[str, float] | None = None
         # Called from the comm hook with (parameters, gradients) of each bucket before its all-reduce.
         self.contribution_tap: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None] | None = None
-        self._reduction: CanonicalReduction | None = None
-        # The DDP whose comm hook is ours to register at its first forward; whether ours is.
-        self._comm_hook_pending: Any = None
-        self._comm_hook_ours = False
+        # Each DDP's canonical reduction (by id), once our comm hook is registered on it.
+        self._reductions: dict[int, CanonicalReduction] = {}
+        # The DDPs whose comm hook is ours to register at the first forward; those where ours is.
+        self._comm_hook_pending: list[Any] = []
+        self._comm_hook_ours: set[int] = set()
 
     # -- topology ---------------------------------------------------------------------------------
     def topology(self) -> AdapterTopology:
@@ -121,10 +125,17 @@ class PyTorchAdapter:
                     )
             replicated = tuple(info.get("replicated_dims", ()))
             return AdapterTopology(group, dims, replicated, "parallelism_info", peers)
-        ddp = self._ddp
-        if ddp is not None and dist.is_initialized():
-            pg = getattr(ddp, "process_group", None) or dist.group.WORLD
-            ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
+        for ddp in [self._ddp] if self._ddp is not None else self._inner_ddps[:1]:
+            if not dist.is_initialized():
+                break
+            # (Inner DDPs over other groups than the first's: each replica group is a subset of
+            # the first's ranks only by chance; the first's is taken, and the others named.)
+            ranks = _ddp_ranks(ddp)
+            others = {_ddp_ranks(d) for d in self._inner_ddps[1:]} - {ranks}
+            if others:
+                log.warning(
+                    "DDP modules over other ranks than %s: %s; SCOUT compares %s", ranks, others, ranks
+                )
             return AdapterTopology(ranks, {"dp": ranks}, ("dp",), "ddp")
         module = uncompiled(self.model)
         mesh_topo = _mesh_topology(module, rank) or _fsdp1_topology(module, rank)
@@ -157,11 +168,15 @@ class PyTorchAdapter:
             # Ours: they also run on a step a loss scaler skipped (see amp.run_skipped_step).
             self._handles.append(mark_ours(self.optimizer.register_step_pre_hook(self._opt_pre)))
             self._handles.append(mark_ours(self.optimizer.register_step_post_hook(self._opt_post)))
-        ddp = self._ddp  # hooks above stay on the compiled wrapper: eager
-        if ddp is not None:
+        ddps = [self._ddp] if self._ddp is not None else []  # hooks above stay on the compiled wrapper: eager
+        for inner_ddp in self._inner_ddps:
+            # The container's own forward may never run (a ModuleDict has none): each DDP's opens the step.
+            self._handles.append(inner_ddp.register_forward_pre_hook(self._forward_pre, prepend=True))
+            ddps.append(inner_ddp)
+        for ddp in ddps:
             self._track_buffer_broadcast(ddp)
-        if ddp is not None and self._time_comm:
-            self._defer_comm_hook(ddp)
+            if self._time_comm:
+                self._defer_comm_hook(ddp)
         self._t_step_start = time.perf_counter()
 
     def _defer_comm_hook(self, ddp: Any) -> None:
@@ -171,14 +186,14 @@ class PyTorchAdapter:
         original = ddp.register_comm_hook
 
         def register_comm_hook(state: object, hook: Callable[..., Any]) -> None:
-            if self._comm_hook_ours:
+            if id(ddp) in self._comm_hook_ours:
                 raise RuntimeError(
                     "DDP takes one comm hook, and lm-resiliency registered its own at the model's "
                     "first forward: register yours before that forward (or before enable_resiliency); "
                     "communication time is then not measured"
                 )
-            if self._comm_hook_pending is not None:
-                self._comm_hook_pending = None
+            if ddp in self._comm_hook_pending:
+                self._comm_hook_pending.remove(ddp)
                 log.info(
                     "the script registers a DDP comm hook of its own: communication time is not measured"
                 )
@@ -186,10 +201,9 @@ class PyTorchAdapter:
 
         ddp.register_comm_hook = register_comm_hook
         self._untrack.append(lambda: vars(ddp).pop("register_comm_hook", None))
-        self._comm_hook_pending = ddp
+        self._comm_hook_pending.append(ddp)
 
     def _register_comm_hook(self, ddp: Any) -> None:
-        self._comm_hook_pending = None
         if getattr(ddp, "_comm_hooks", None):
             log.info("DDP model already has a comm hook; communication time will not be measured")
         elif _sparse_gradients(ddp):
@@ -200,7 +214,7 @@ class PyTorchAdapter:
             pg = getattr(ddp, "process_group", None)
 
             def comm_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-                return self._comm_hook(state, bucket)
+                return self._comm_hook(state, bucket, self._reductions.get(id(ddp)))
 
             # DDP inspects the annotations at runtime; ours are strings under PEP 563.
             comm_hook.__annotations__ = {
@@ -214,11 +228,11 @@ class PyTorchAdapter:
                     ddp._comm_hooks.pop()
                 log.info("DDP model already has a comm hook (%s): communication time is not measured", exc)
                 return
-            self._comm_hook_ours = True
+            self._comm_hook_ours.add(id(ddp))
             # Complex gradients reach a comm hook as real views of the bucket whose lengths do
             # not match the parameters': their buckets are reduced whole, as DDP does.
             if not any(p.is_complex() for p in ddp_parameters(ddp)):
-                self._reduction = CanonicalReduction.for_ddp(ddp)
+                self._reductions[id(ddp)] = CanonicalReduction.for_ddp(ddp)
 
     def _track_buffer_broadcast(self, ddp: Any) -> None:
         """DDP broadcasts its buffers from rank 0 at the start of a training forward
@@ -278,8 +292,8 @@ class PyTorchAdapter:
         return not self._stepping and self._t_fwd is None
 
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
-        if self._comm_hook_pending is not None:
-            self._register_comm_hook(self._comm_hook_pending)
+        while self._comm_hook_pending:
+            self._register_comm_hook(self._comm_hook_pending.pop(0))
         if torch.is_grad_enabled():  # a training forward opens the step (an evaluation's does not)
             if self._t_fwd is None:
                 self._t_fwd = time.perf_counter()
@@ -291,8 +305,9 @@ class PyTorchAdapter:
             self._stepping = True
         else:
             self._evaluating(module, args)
-        if self._reduction is not None:
-            self._reduction.reset()
+        own = self._reductions.get(id(module))  # an inner DDP's forward: its reduction only
+        for reduction in [own] if own is not None else self._reductions.values():
+            reduction.reset()
 
     def _evaluating(self, module: nn.Module, args: Any) -> None:
         """The model runs with gradients off outside a step: an evaluation (rank 0 alone, maybe,
@@ -340,7 +355,9 @@ class PyTorchAdapter:
             self.in_collective_since = None
         self.last_progress = time.monotonic()
 
-    def _comm_hook(self, pg: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    def _comm_hook(
+        self, pg: Any, bucket: Any, reduction: CanonicalReduction | None
+    ) -> torch.futures.Future[torch.Tensor]:
         # Average the gradients as DDP does (multiply by 1/n, all-reduce SUM), but in canonical
         # groups rather than DDP's buckets: the sum's rounding then does not depend on which layout
         # DDP happens to use. A fresh DDP (a resumed run) uses its initial layout for one iteration
@@ -361,7 +378,6 @@ class PyTorchAdapter:
         n_grads = len(bucket.gradients())
         self._chain(f"allreduce:{buffer.numel()}:{buffer.dtype}:{n_grads}:{world}")
         buffer.mul_(1.0 / world)  # averaged as DDP does: scaled, then summed
-        reduction = self._reduction
         tap = self.contribution_tap
         if tap is not None and reduction is not None:  # SCOUT's replay record: this rank's share
             tap(bucket.parameters(), bucket.gradients())
@@ -466,6 +482,18 @@ def _sparse_gradients(ddp: Any) -> bool:
         isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad
         for m in getattr(ddp, "module", ddp).modules()
     )
+
+
+def _ddp_ranks(ddp: Any) -> tuple[int, ...]:
+    pg = getattr(ddp, "process_group", None) or dist.group.WORLD
+    return tuple(sorted(dist.get_process_group_ranks(pg)))
+
+
+def _inner_ddps(model: nn.Module) -> list[Any]:
+    """The DistributedDataParallel modules inside `model` (none nested: DDP cannot wrap one)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return [m for m in model.modules() if isinstance(m, DistributedDataParallel) and m is not model]
 
 
 def _find_ddp(model: nn.Module) -> Any:

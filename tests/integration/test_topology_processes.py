@@ -30,6 +30,7 @@ def test_replica_groups_and_bitwise_comm_hook(processes, tmp_path: Path) -> None
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     for r, out in enumerate(res):
         assert out["ddp"] == [0, 1, 2, 3]
+        assert out["inner_ddps"] == [0, 1, 2, 3]  # DDPs inside a container: not a lone rank
         assert out["fsdp2"] == [r]  # shards differ: no replica
         assert out["hsdp"] == ([0, 2] if r % 2 == 0 else [1, 3])
         assert out["hsdp_replicated"] == ["dp_replicate"]
@@ -41,8 +42,9 @@ def test_replica_groups_and_bitwise_comm_hook(processes, tmp_path: Path) -> None
         if r < 3:
             assert out["bitwise_equal"], "the session's DDP comm hook changed the training numerics"
             assert out["comm_measured"]
+            assert out["container_bitwise_equal"], "an inner DDP did not reduce in the canonical layout"
         assert out["session_steps"] == 5
-        assert out["session_groups"] == [[0, 1, 2], [3]]
+        assert out["session_groups"] == out["container_groups"] == [[0, 1, 2], [3]]
         assert out["drift_error"] == (
             "settings: ranks started with different lm-resiliency settings (every rank must pass the same): "
             "interval: ranks [0, 1, 2] have 10, ranks [3] have 5"

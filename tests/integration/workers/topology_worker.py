@@ -52,6 +52,8 @@ def main() -> int:
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(Block())
     out["ddp"] = list(PyTorchAdapter(ddp, None).topology().replica_group)
+    pair = nn.ModuleDict({"g": ddp, "d": nn.parallel.DistributedDataParallel(Block())})
+    out["inner_ddps"] = list(PyTorchAdapter(pair, None).topology().replica_group)
 
     torch.manual_seed(0)
     fsdp = Block()
@@ -133,6 +135,32 @@ def main() -> int:
         out["comm_measured"] = session.cluster_view().peers[rank].telemetry.comm_s > 0  # type: ignore[union-attr]
     out["session_steps"] = session.step_count
     out["session_groups"] = [list(g) for g in session.topology.replica_groups]
+    session.close()
+    # The same model in a container that has no forward of its own (a GAN's nn.ModuleDict of
+    # wrapped models, as the one-session-per-process error suggests): the inner DDP reduces through
+    # the session's comm hook (bitwise, whatever its bucket layout), and its ranks are the replicas.
+    torch.manual_seed(1)
+    inner = (
+        nn.parallel.DistributedDataParallel(Block(), process_group=sub, bucket_cap_mb=0.001)
+        if rank < 3
+        else Block()
+    )
+    box = nn.ModuleDict({"g": inner})
+    opt = torch.optim.SGD(box.parameters(), lr=0.1)
+    session = enable_resiliency(
+        box, opt, runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0)
+    )
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        loss = box["g"](torch.randn(8, 16, generator=gen)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if rank < 3:
+        out["container_bitwise_equal"] = all(
+            torch.equal(a, b.detach()) for a, b in zip(ref, box.parameters(), strict=True)
+        )
+    out["container_groups"] = [list(g) for g in session.topology.replica_groups]
     session.close()
     # Config drift: rank 3 starts its next session with another interval; every rank refuses it.
     drift: list[dict] = []
