@@ -869,6 +869,8 @@ class Session:
         topo = self._topology
         node = topo.node_of(ev.peer) if topo is not None else None
         if ev.kind is EventKind.DIED:
+            if self._stopping:  # this rank is being stopped too (SIGTERM): the group stops, nobody's fault
+                return
             if ev.reason.startswith("process_exited"):  # seen ending by us, on its host
                 detail = ev.reason.partition(": ")[2]
                 self._process_failure(

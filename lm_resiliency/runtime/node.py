@@ -63,6 +63,8 @@ ChunkSink = Callable[[int, str, dict[str, str], int, int, "Frame"], bool]
 
 MAX_BULK_CHUNKS = 1 << 20
 MAX_BATCH = 64  # gossip messages sealed together at most
+# A same-host peer's process seen ended is declared dead this long after (see `_exited_peers`).
+EXIT_GRACE_S = 0.05
 MAX_RESENDS = 3  # per chunk: a link that corrupts more than this is reported, not retried forever
 
 
@@ -170,6 +172,7 @@ class RankRuntime:
         )
         self._announcement: PeerAnnouncement | None = None
         self._known: dict[int, PeerAnnouncement] = {}
+        self._exit_seen: dict[tuple[int, int], float] = {}  # (rank, incarnation) -> first seen ended
         self._handlers: dict[str, list[Handler]] = {}
         self._listeners: list[MembershipListener] = []
         self._transfer_listeners: list[TransferListener] = []
@@ -616,30 +619,39 @@ class RankRuntime:
                     Heartbeat(self.rank, self.incarnation, self._step, self._progress_counter)
                 )
             next_beat = self._last_beat + interval
-            self._apply_events(self._detector.tick(now) + self._exited_peers(now))
+            self._apply_events(self._detector.tick(now) + self._exited_peers(now, EXIT_GRACE_S))
             deadline = self._detector.next_deadline()
             wake = next_beat if deadline is None else min(next_beat, deadline)
+            if self._exit_seen:  # a peer's process ended: judged once its goodbye had time to land
+                wake = min(wake, min(self._exit_seen.values()) + EXIT_GRACE_S)
             await anyio.sleep(max(0.0, wake - self._clock.monotonic()))
 
-    def _exited_peers(self, now: float) -> list[MembershipEvent]:
-        """Peers on this host (same boot id and pid namespace) whose process ended: declared dead at
-        once, not after the heartbeat timeout (a SIGKILLed worker's peers see their collective fail
-        within milliseconds, and die of it long before that timeout would name it). Loop thread."""
+    def _exited_peers(self, now: float, grace: float = 0.0) -> list[MembershipEvent]:
+        """Peers on this host (same boot id and pid namespace) whose process ended: declared dead
+        `grace` seconds after it was first seen ended, not after the heartbeat timeout (a SIGKILLed
+        worker's peers see their collective fail within milliseconds, and die of it long before that
+        timeout would name it). The grace lets a goodbye sent just before the end be received first:
+        a peer that said why it went (SIGTERM, its exception, its loop's end) has left, not died.
+        Loop thread."""
         own = self._announcement.host if self._announcement is not None else ""
         if not own:
             return []
         events = []
         with self._cond:
             for rank, ann in self._known.items():
+                key = (rank, ann.incarnation)
                 if (
                     ann.host == own
                     and self._detector.state(rank) is PeerState.ALIVE
                     and self._detector.incarnation(rank) == ann.incarnation
                     and pid_exited(ann.pid)
                 ):
+                    if now - self._exit_seen.setdefault(key, now) < grace:
+                        continue
                     events += self._detector.exited(
                         rank, ann.incarnation, now, f"process_exited: pid {ann.pid} on this host ended"
                     )
+                self._exit_seen.pop(key, None)
         return events
 
     def check_exited_peers(self, timeout: float = 1.0) -> frozenset[int]:
