@@ -125,7 +125,15 @@ class PyTorchAdapter:
                     )
             replicated = tuple(info.get("replicated_dims", ()))
             return AdapterTopology(group, dims, replicated, "parallelism_info", peers)
-        for ddp in [self._ddp] if self._ddp is not None else self._inner_ddps[:1]:
+        inner = self._inner_ddps[:1]
+        if inner and (loose := _loose_parameters(uncompiled(self.model), self._inner_ddps)):
+            log.info(
+                "the model holds DDP modules and trainable parameters outside them (%s): its ranks "
+                "are not compared as replicas",
+                ", ".join(loose[:3]) + (", ..." if len(loose) > 3 else ""),
+            )
+            inner = []
+        for ddp in [self._ddp] if self._ddp is not None else inner:
             if not dist.is_initialized():
                 break
             # (Inner DDPs over other groups than the first's: each replica group is a subset of
@@ -494,6 +502,13 @@ def _inner_ddps(model: nn.Module) -> list[Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     return [m for m in model.modules() if isinstance(m, DistributedDataParallel) and m is not model]
+
+
+def _loose_parameters(model: nn.Module, ddps: Sequence[Any]) -> list[str]:
+    """Trainable parameters of `model` outside `ddps`: not averaged over the replicas (they may
+    differ between ranks on purpose), so the ranks are no replicas of each other for SCOUT."""
+    covered = {id(p) for m in ddps for p in m.parameters()}
+    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
 
 
 def _find_ddp(model: nn.Module) -> Any:

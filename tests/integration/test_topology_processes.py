@@ -31,6 +31,7 @@ def test_replica_groups_and_bitwise_comm_hook(processes, tmp_path: Path) -> None
     for r, out in enumerate(res):
         assert out["ddp"] == [0, 1, 2, 3]
         assert out["inner_ddps"] == [0, 1, 2, 3]  # DDPs inside a container: not a lone rank
+        assert out["inner_loose"] == [r]  # ...unless trainable parameters outside them may differ
         assert out["fsdp2"] == [r]  # shards differ: no replica
         assert out["hsdp"] == ([0, 2] if r % 2 == 0 else [1, 3])
         assert out["hsdp_replicated"] == ["dp_replicate"]

@@ -54,6 +54,8 @@ def main() -> int:
     out["ddp"] = list(PyTorchAdapter(ddp, None).topology().replica_group)
     pair = nn.ModuleDict({"g": ddp, "d": nn.parallel.DistributedDataParallel(Block())})
     out["inner_ddps"] = list(PyTorchAdapter(pair, None).topology().replica_group)
+    loose = nn.ModuleDict({"g": ddp, "head": Block()})  # a trainable part no DDP averages
+    out["inner_loose"] = list(PyTorchAdapter(loose, None).topology().replica_group)
 
     torch.manual_seed(0)
     fsdp = Block()
