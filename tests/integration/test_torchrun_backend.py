@@ -248,9 +248,9 @@ def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, t
     script = "tests/integration/workers/plain_ddp.py"
     base = Job(processes, tmp_path, "plain-base", nodes=2, worker=script)
     base.start({"WRAP": wrap}, policies=[str(policy)] * 2)
-    base.wait()
-    job = Job(processes, tmp_path, "plain", worker=script)
+    job = Job(processes, tmp_path, "plain", worker=script)  # side by side: neither times anything
     job.start({"FAULT": "raise", "WRAP": wrap}, policies=[str(policy)] * 3)
+    base.wait()
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1] and gens[1]["instrumented"], job.logs()
@@ -267,9 +267,9 @@ def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(p
     # Three replicas are needed to out-vote one corrupted copy: 3 active nodes + 1 standby.
     base = Job(processes, tmp_path, "sdc-base", nodes=3, nnodes="3:4")
     base.start()
-    base.wait()
-    job = Job(processes, tmp_path, "sdc", nodes=4, nnodes="3:4")
+    job = Job(processes, tmp_path, "sdc", nodes=4, nnodes="3:4")  # side by side: nothing timed
     job.start({"FAULT": "sdc", "FAULT_RANK": "1", "FAULT_STEP": "10"})
+    base.wait()
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1], job.logs()
