@@ -694,6 +694,12 @@ class _Pulse:
                     list(s.slots),
                     dict(s.plan),
                 )
+                if s.history and s.history[-1].get("kept"):
+                    log.warning(
+                        "run %s: no standby to replace %s: restarted in place instead",
+                        h.run_id,
+                        s.history[-1]["kept"],
+                    )
         return s
 
     def _apply_verdicts(self, control: _Control, s: rs.RdzvState) -> rs.RdzvState:

@@ -102,6 +102,33 @@ def test_quarantined_culprit_is_excluded_and_replaced() -> None:
     assert rs.register(s, "b", "hb", 2, "pol").slots == s.slots  # coming back does not give it a slot
 
 
+def test_a_culprit_no_standby_can_replace_restarts_in_place_instead_of_waiting_for_ever() -> None:
+    """The only standby replaced b after an SDC; then a is found corrupt too. Nobody can take a's
+    slot: a keeps it and the job restarts in place (before, the slot waited for a standby that was
+    not there and the job stopped for good). A lost node's slot still waits for one."""
+    s = _formed(["a", "b", "c"])
+    s = rs.request_restart(s, 0, "sdc", "fingerprint_minority", ["b"], quarantine=True)
+    s = rs.form(rs.arrive(rs.arrive(s, "a", 0), "b", 0), {"a", "b", "c"})
+    assert s.slots == ("a", "c") and s.history[-1]["admitted"] == [{"slot": 1, "node": "c"}]
+    assert "kept" not in s.history[-1]
+    s = rs.request_restart(s, 1, "sdc", "fingerprint_minority", ["a"], quarantine=True)
+    assert rs.role_of(s, "a") == "quarantined"
+    s = rs.form(s, {"a", "b", "c"})  # a kept before every holder arrived: its slot stays
+    assert s.phase == rs.RESTARTING and s.slots == ("a", "c") and rs.role_of(s, "a") == "active"
+    s = rs.form(rs.arrive(rs.arrive(s, "a", 1), "c", 1), {"a", "b", "c"}, {"checkpoint_step": 8})
+    assert s.phase == rs.RUNNING and s.generation == 2 and s.slots == ("a", "c")
+    assert s.history[-1]["kept"] == ["a"] and s.history[-1]["admitted"] == []
+    assert s.excluded == {"b": "sdc"} and s.pending == {}
+    # A standby that is there takes the slot as before; a dead node's slot waits.
+    s = rs.register(s, "d", "hd", 2, "pol")
+    s = rs.request_restart(s, 2, "sdc", "fingerprint_minority", ["a"], quarantine=True)
+    s = rs.form(rs.arrive(rs.arrive(s, "a", 2), "c", 2), {"a", "c", "d"})
+    assert s.slots == ("d", "c") and "kept" not in s.history[-1]
+    s = rs.mark_dead(s, "c")
+    s = rs.form(rs.arrive(s, "d", 3), {"d"})
+    assert s.phase == rs.RESTARTING and s.slots == ("d", None)
+
+
 def _fails(s: rs.RdzvState, node: str, error: str, live: set[str]) -> rs.RdzvState:
     """`node`'s worker dies of `error` in the current generation; every holder arrives; the next forms."""
     g = s.generation

@@ -249,6 +249,7 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
             excluded={**s.excluded, again: f"repeated_{s.pending.get('failure_kind')}"},
             pending={**s.pending, "quarantine": True, "repeated": True},
         )
+    s = _keep_without_standby(s, live)
     slots = list(s.slots)
     for i, n in enumerate(slots):
         if n is not None and (n in s.excluded or n not in live):
@@ -284,6 +285,8 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
             return replace(s, phase=CLOSED, pending={**s.pending, "gave_up": looping})
     if s.pending.get("repeated"):
         entry["repeated"] = True
+    if s.pending.get("kept"):
+        entry["kept"] = list(s.pending["kept"])
     return replace(
         s,
         generation=generation,
@@ -295,6 +298,25 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
         plan=dict(plan or {}),
         history=(*s.history, entry)[-64:],
     )
+
+
+def _keep_without_standby(s: RdzvState, live: Set[str]) -> RdzvState:
+    """Quarantined slot holders that no live standby can replace keep their slots (their quarantine
+    is lifted) and restart in place, from the step their failure asks for: a slot waiting for a
+    standby that is not there stopped the job for good (a second SDC after the only standby was
+    admitted). A lost node's slot still waits: its node cannot restart. `pending["kept"]` names
+    them."""
+    quarantined = [n for n in s.slots if n is not None and n in s.excluded and n in live]
+    if not quarantined:
+        return s
+    holes = sum(1 for n in s.slots if n is None or n not in live) + len(quarantined)
+    spare = sum(1 for n in s.standbys if n in live and n not in s.excluded)
+    kept = quarantined[: max(0, holes - spare)]
+    if not kept:
+        return s
+    excluded = {n: why for n, why in s.excluded.items() if n not in kept}
+    pending = {**s.pending, "kept": sorted({*s.pending.get("kept", ()), *kept})}
+    return replace(s, excluded=excluded, pending=pending)
 
 
 # Restarts in a row tolerated for the same failure (kind, reason, culprits) resumed from the same
