@@ -152,6 +152,7 @@ def auto_instrument(policy_path: str) -> None:
             f"lm_resiliency: instrumented automatically (rank {session.rank}, "
             f"resumed at step {session.step_count})\n"
         )
+        _warn_uncovered(module, opt, optimizers)
         return _run_added_pre_hooks(module, args, before)
 
     def after_forward(module: Any, args: Any, output: Any) -> None:
@@ -161,6 +162,24 @@ def auto_instrument(policy_path: str) -> None:
         register_module_forward_pre_hook(first_forward),
         register_module_forward_hook(after_forward, always_call=True),
     ]
+
+
+def _warn_uncovered(module: Any, opt: Any, optimizers: Any) -> None:
+    """Say so when the script trains more than the session holds: other DDP models (a GAN's second
+    network), other optimizers. A restart would restore the first and start the others afresh."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lm_resiliency.adapters.base import live_instances
+
+    models = [m for m in live_instances(DistributedDataParallel) if m is not module]
+    others = [o for o in optimizers if o is not opt]
+    if models or others:
+        sys.stderr.write(
+            f"lm_resiliency: automatic instrumentation holds one model (the DDP first called) and its "
+            f"optimizer; this script also has {len(models)} other DDP model(s) and {len(others)} other "
+            "optimizer(s), which a restart would start afresh. Call enable_resiliency yourself with "
+            "one nn.ModuleDict of every model, and the other optimizers' state in extra_state_fn\n"
+        )
 
 
 def _run_added_pre_hooks(module: Any, args: Any, before: set[int]) -> Any:

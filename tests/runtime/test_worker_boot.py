@@ -30,6 +30,9 @@ SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if os.environ.get("SECOND"):  # a GAN's other network, which the session cannot hold
+        other = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+        other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
     seen = []
     for step in range(2):
         loss = model(torch.randn(4, 8)).square().mean()
@@ -46,11 +49,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_the_session_enabled_at_the_first_forward_takes_part_in_that_step(tmp_path: Path) -> None:
-    """The session is enabled inside the first forward, after torch chose that forward's hooks.
-    Its own (the step's start, DDP's canonical comm hook) must still run for that forward: without
-    them DDP's first backward reduced in its own bucket layout, and a job of 4 ranks resumed by the
-    torchrun backend differed in the last bits from the uninterrupted run."""
+def _run(tmp_path: Path, **env: str) -> tuple[dict, str]:
     policy = tmp_path / "policy.toml"
     policy.write_text("schema_version = 1\ninterval = 1\n")
     out = subprocess.run(
@@ -61,11 +60,28 @@ def test_the_session_enabled_at_the_first_forward_takes_part_in_that_step(tmp_pa
             "OMP_NUM_THREADS": "1",
             "PATH": "/usr/bin:/bin",
             "LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm"),
+            **env,
         },
         capture_output=True,
         text=True,
         timeout=100,
     )
     assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result == {"hooks": [1, 1], "step_count": 2}, (result, out.stderr)
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def test_a_script_with_more_models_than_the_session_holds_is_told(tmp_path: Path) -> None:
+    """A restart would restore the model first called and start the other afresh: said, not silent."""
+    result, stderr = _run(tmp_path, SECOND="1")
+    assert result["step_count"] == 2
+    assert "1 other DDP model(s) and 1 other optimizer(s)" in stderr, stderr
+
+
+def test_the_session_enabled_at_the_first_forward_takes_part_in_that_step(tmp_path: Path) -> None:
+    """The session is enabled inside the first forward, after torch chose that forward's hooks.
+    Its own (the step's start, DDP's canonical comm hook) must still run for that forward: without
+    them DDP's first backward reduced in its own bucket layout, and a job of 4 ranks resumed by the
+    torchrun backend differed in the last bits from the uninterrupted run."""
+    result, stderr = _run(tmp_path)
+    assert result == {"hooks": [1, 1], "step_count": 2}, (result, stderr)
+    assert "other DDP model" not in stderr, stderr  # the session holds all there is
