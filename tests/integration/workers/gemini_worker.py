@@ -83,9 +83,10 @@ def main() -> int:
     start = session.step_count
     # Certificates survive the restart: SCOUT's marks on the captures this rank restored from.
     restored_certified = session.recovered_step >= 0 and session.scout.certified(session.recovered_step)
-    if generation == 0 and pause_rank >= 0 and len(session.scout.group) == 1:
-        store.set(f"test/certified/{rank}", b"1")  # sharded: no replica to agree with, nothing to certify
-    elif generation == 0 and pause_rank >= 0:
+    # Sharded: no replica to agree with, nothing to certify; the rank says when its capture of the
+    # paused step is replicated instead (below), or a loaded machine's kill found it in flight.
+    sharded = len(session.scout.group) == 1
+    if generation == 0 and pause_rank >= 0 and not sharded:
         mark = session.scout.on_certified
         # Its own client: the paused rank's training thread blocks in `store.wait` on the other one.
         signal_store = dist.TCPStore(
@@ -143,6 +144,9 @@ def main() -> int:
                     byte = f.read(1)[0]
                     f.seek(4096 + 200)
                     f.write(bytes([byte ^ 0x10]))
+        if generation == 0 and pause_rank >= 0 and sharded and step == pause_at:
+            session.gemini.drain(30)  # committed, replicated and published
+            store.set(f"test/certified/{rank}", b"1")
         if generation == 0 and rank == pause_rank and step == pause_at:
             session.gemini.drain(30)
             store.set(f"test/paused/{rank}", b"1")
