@@ -559,15 +559,15 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         starts afresh at generation 0); kept, they held /dev/shm until another job reclaimed them an
         hour later, and a job started on the node before then could find no room for its own."""
         try:
-            from lm_resiliency.config import DEFAULT_SHM_DIR, load_policy
+            from lm_resiliency.config import load_policy, read_environment
             from lm_resiliency.gemini.durable import path_name
             from lm_resiliency.gemini.hygiene import reclaim_node
 
-            run = os.environ.get("LM_RESILIENCY_RUN_ID") or self.run_id
+            env = read_environment()  # as the workers read it; their run id is our --rdzv-id
+            run = env.run_id if env.explicit_run_id else self.run_id
             if self.worker_config:
                 run = load_policy(self.worker_config).checkpoint.run_id or run
-            shm = os.environ.get("LM_RESILIENCY_SHM_DIR") or DEFAULT_SHM_DIR
-            freed = reclaim_node(shm, path_name(run), path_name(self.node_id))
+            freed = reclaim_node(env.shm_dir, path_name(run), path_name(self.node_id))
             if freed:
                 log.info(
                     "run %s: reclaimed %d bytes of in-memory checkpoints on node %s", run, freed, self.node_id

@@ -640,9 +640,10 @@ class RankRuntime:
         with self._cond:
             # (An incarnation another replaced meanwhile is judged no more: its mark goes, or the
             # timer loop would wake for it without end.)
-            current = {(rank, ann.incarnation) for rank, ann in self._known.items()}
-            for key in [k for k in self._exit_seen if k not in current]:
-                del self._exit_seen[key]
+            if self._exit_seen:
+                current = {(rank, ann.incarnation) for rank, ann in self._known.items()}
+                for key in [k for k in self._exit_seen if k not in current]:
+                    del self._exit_seen[key]
             for rank, ann in self._known.items():
                 key = (rank, ann.incarnation)
                 if (
