@@ -117,7 +117,13 @@ class CanonicalReduction:
 
     @classmethod
     def for_ddp(cls, ddp: nn.Module) -> CanonicalReduction:
-        return cls(ddp_parameters(ddp), *ddp_caps(ddp))
+        # A parameter with sparse gradients has a bucket of its own, which the comm hook reduces.
+        sparse = {
+            id(m.weight)
+            for m in getattr(ddp, "module", ddp).modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+        }
+        return cls([p for p in ddp_parameters(ddp) if id(p) not in sparse], *ddp_caps(ddp))
 
     def _add_group(self, members: list[int], numels: list[int], dtype: torch.dtype) -> None:
         offsets, n = {}, 0

@@ -214,10 +214,6 @@ class PyTorchAdapter:
     def _register_comm_hook(self, ddp: Any) -> None:
         if getattr(ddp, "_comm_hooks", None):
             log.info("DDP model already has a comm hook; communication time will not be measured")
-        elif _sparse_gradients(ddp):
-            # DDP reduces sparse gradients (an Embedding(sparse=True)) its own way, which a comm
-            # hook's flat bucket buffer cannot stand for.
-            log.info("DDP model has sparse gradients: communication time will not be measured")
         else:
             pg = getattr(ddp, "process_group", None)
 
@@ -379,15 +375,20 @@ class PyTorchAdapter:
         if self.in_collective_since is None:
             self.in_collective_since = time.monotonic()
         group = pg if pg is not None else dist.group.WORLD
+        reduced: torch.futures.Future[torch.Tensor]
         buffer: torch.Tensor = bucket.buffer()
         world = dist.get_world_size(group)
         # What this collective is, chained onto all before it: peers that entered as many collectives
         # must hold the same chain, or one of them issued a different collective (desync).
+        sparse = buffer.layout != torch.strided
         n_grads = len(bucket.gradients())
-        self._chain(f"allreduce:{buffer.numel()}:{buffer.dtype}:{n_grads}:{world}")
+        shape = f"sparse{tuple(buffer.shape)}" if sparse else buffer.numel()
+        self._chain(f"allreduce:{shape}:{buffer.dtype}:{n_grads}:{world}")
         buffer.mul_(1.0 / world)  # averaged as DDP does: scaled, then summed
         tap = self.contribution_tap
-        if tap is not None and reduction is not None:  # SCOUT's replay record: this rank's share
+        if (
+            tap is not None and reduction is not None and not sparse
+        ):  # SCOUT's replay record: this rank's share
             tap(bucket.parameters(), bucket.gradients())
 
         def _done(f: Any) -> torch.Tensor:
@@ -399,14 +400,20 @@ class PyTorchAdapter:
             out: torch.Tensor = f.value()  # re-raises a failed all-reduce
             return out
 
-        if reduction is None:  # the bucket whole, in place (complex gradients)
+        if sparse:
+            # An Embedding(sparse=True)'s gradient, alone in its bucket: summed as DDP sums it (a
+            # sum of sparse tensors, which no bucket layout changes) into a new sparse tensor.
+            # SCOUT's replay compares the dense gradients only.
+            work = collectives.original("all_reduce")(buffer, group=group, async_op=True)
+            reduced = work.get_future().then(lambda f: f.value()[0])
+        elif reduction is None:  # the bucket whole, in place (complex gradients)
             work = collectives.original("all_reduce")(buffer, group=group, async_op=True)
 
             def _whole(f: Any) -> torch.Tensor:
                 f.value()  # re-raises a failed all-reduce
                 return buffer
 
-            reduced: torch.futures.Future[torch.Tensor] = work.get_future().then(_whole)
+            reduced = work.get_future().then(_whole)
         else:
             reduced = reduction.reduce(bucket, group)
         done: torch.futures.Future[torch.Tensor] = reduced.then(_done)
@@ -481,15 +488,6 @@ def _ranks(value: Any, where: str) -> tuple[int, ...]:
             raise TypeError(f"{where} must hold ints, got {v!r}")
         out.append(v)
     return tuple(sorted(set(out)))
-
-
-def _sparse_gradients(ddp: Any) -> bool:
-    """Whether DDP expects sparse gradients: an Embedding or EmbeddingBag with `sparse=True` whose
-    weight it reduces (the modules DDP itself checks)."""
-    return any(
-        isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad
-        for m in getattr(ddp, "module", ddp).modules()
-    )
 
 
 def _ddp_ranks(ddp: Any) -> tuple[int, ...]:

@@ -142,6 +142,8 @@ def _into(value: Any, live: Any, device: torch.device | None = None) -> Any:
         return LocalShard(_into(value.local, local, device), value.shape, value.placements)
     if not isinstance(value, torch.Tensor):
         return _clone_tree(value)
+    if value.layout != torch.strided:
+        return value.to(device) if device is not None and device != value.device else value.clone()
     if (
         isinstance(live, torch.Tensor)
         and type(live) is torch.Tensor
@@ -384,9 +386,19 @@ def flatten(state: Any) -> tuple[bytes, list[torch.Tensor], list[TensorSpec]]:
         if dtensor is not None and isinstance(obj, dtensor):
             local = walk(obj.to_local(), path)
             return {"__dt": local, "shape": list(obj.shape), "placements": str(tuple(obj.placements))}
+        if isinstance(obj, torch.Tensor) and obj.layout == torch.sparse_coo:
+            # SGD's momentum for a sparse embedding's gradient: indices and values as they are
+            # (coalesced or not), so the restored tensor is the same one, entry for entry.
+            t = obj.detach()
+            return {
+                "__coo": walk(t._indices(), f"{path}.indices"),
+                "values": walk(t._values(), f"{path}.values"),
+                "shape": list(t.shape),
+                "coalesced": t.is_coalesced(),
+            }
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
-            if t.is_sparse or t.layout != torch.strided:
+            if t.layout != torch.strided:
                 raise TypeError(f"{path}: only dense tensors can be checkpointed (got {t.layout})")
             t = t.contiguous()
             tensors.append(t)
@@ -440,6 +452,15 @@ def unflatten(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
                 return t if device == "cpu" else t.to(device)
             if "__np" in obj:
                 return walk(obj["__np"]).numpy()
+            if "__coo" in obj:
+                values = walk(obj["values"])
+                return torch.sparse_coo_tensor(
+                    walk(obj["__coo"]).to(values.device),
+                    values,
+                    tuple(obj["shape"]),
+                    is_coalesced=bool(obj["coalesced"]),
+                    check_invariants=True,  # indices within the shape: a bad copy raises, never crashes
+                )
             if "__dt" in obj:
                 return LocalShard(walk(obj["__dt"]), tuple(obj["shape"]), str(obj["placements"]))
             if "__tuple" in obj:

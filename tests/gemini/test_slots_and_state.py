@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,12 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _eq(a: object, b: object) -> None:
-    if isinstance(a, torch.Tensor):
+    if isinstance(a, torch.Tensor) and a.layout == torch.sparse_coo:
+        assert isinstance(b, torch.Tensor) and b.layout == torch.sparse_coo and a.shape == b.shape
+        assert a.is_coalesced() == b.is_coalesced()
+        _eq(a._indices(), b._indices())
+        _eq(a._values(), b._values())
+    elif isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     elif isinstance(a, np.ndarray):
         assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
@@ -80,6 +86,54 @@ def test_flatten_names_the_unsupported_object() -> None:
         flatten({"extra": {"fn": lambda: 1}})
     with pytest.raises(TypeError, match="dict key"):
         flatten({"k": {(1, 2): 3}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: CSR support is in beta
+        csr = torch.eye(3).to_sparse_csr()
+    with pytest.raises(TypeError, match=r"state\.m: only dense .*sparse_csr"):
+        flatten({"m": csr})
+
+
+def test_sparse_optimizer_state_is_captured_entry_for_entry_and_training_resumes_bitwise() -> None:
+    """SGD's momentum for an Embedding(sparse=True) is a sparse COO tensor, uncoalesced (a sum of
+    sparse gradients): captured as its indices and values as they are, not refused (which lost every
+    capture of such a job), and restored from views of a buffer overwritten right after."""
+    uncoalesced = torch.sparse_coo_tensor(
+        torch.tensor([[2, 0, 2]]),
+        torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]),
+        (4, 2),
+        check_invariants=True,
+    )
+    state = {"u": uncoalesced, "c": uncoalesced.coalesce(), "empty": torch.zeros(3, 5).to_sparse()}
+    skeleton, tensors, _ = flatten(state)
+    _eq(state, unflatten(skeleton, [t.clone() for t in tensors]))
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Embedding(20, 4, sparse=True), nn.Linear(4, 3))
+        return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+    def train(m: nn.Module, o: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            g = torch.Generator().manual_seed(step)
+            m(torch.randint(0, 20, (6, 3), generator=g)).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+
+    m, o = make()
+    train(m, o, range(3))
+    assert not o.state[m[0].weight]["momentum_buffer"].is_coalesced()
+    skeleton, tensors, _ = flatten(collect_state(m, o, None, None, 3))
+    tensors = [t.clone() for t in tensors]
+    train(m, o, range(3, 6))
+    m2, o2 = make()
+    restored = unflatten(skeleton, tensors)
+    materialize(restored, m2, o2)
+    apply_state(restored, m2, o2, None, None)
+    for t in tensors:
+        t.fill_(7)  # the slot reused by the next capture
+    train(m2, o2, range(3, 6))
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
+    _eq(o.state[m[0].weight]["momentum_buffer"], o2.state[m2[0].weight]["momentum_buffer"])
 
 
 def test_collect_and_apply_restore_training_bitwise() -> None:

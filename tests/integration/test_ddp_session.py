@@ -111,8 +111,9 @@ def test_gradients_ddp_hands_over_differently_train_as_plain_ddp_does(
     processes, tmp_path: Path, kind: str
 ) -> None:  # type: ignore[no-untyped-def]
     """Complex parameters (DDP hands a comm hook real views of their gradients) and an
-    Embedding(sparse=True) (DDP reduces sparse gradients its own way): training is bitwise what plain
-    DDP computes, both ranks agree (every step certified, no verdict) and every step is captured.
+    Embedding(sparse=True) before dense layers (its gradient reaches the comm hook alone, sparse; SGD's
+    momentum for it is sparse optimizer state): training is bitwise what plain DDP computes, both ranks
+    agree (every step certified, no verdict) and every step is captured.
     So does a script that registers a comm hook of its own after enable_resiliency (DDP takes one):
     its hook is used. A second one is refused, as plain DDP refuses it; after ours, with a message
     that names lm-resiliency's."""
@@ -144,5 +145,7 @@ def test_gradients_ddp_hands_over_differently_train_as_plain_ddp_does(
         if kind == "own-hook":
             assert rep["hooks"][0] == "fp16_compress_hook", rep  # (DDP lists the refused one too)
             assert "can only be called once" in rep["refused"], rep
+        if kind == "sparse":  # ours (canonical dense groups: a resumed run reduces as this one)
+            assert rep["hooks"] == ["PyTorchAdapter._register_comm_hook.<locals>.comm_hook"], rep
         if kind == "complex":  # ours, registered at the first forward: the refusal says so
             assert "lm-resiliency registered its own at the model's first forward" in rep["refused"], rep

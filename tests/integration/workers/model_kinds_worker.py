@@ -1,11 +1,12 @@
 """One rank of a 2-rank gloo DDP job whose gradients are not plain dense real tensors.
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, KIND ("complex": complex64 parameters, whose gradients
-DDP hands a comm hook as real views; "sparse": an Embedding(sparse=True), whose gradients DDP reduces
-its own way; "own-hook": the script registers a DDP comm hook of its own, fp16 compression, after
-enable_resiliency; after training, the script registers one more in this kind and "complex": refused,
-as DDP takes one only). The same model is trained twice from the same seed and data: as plain DDP,
-then as DDP with enable_resiliency (fingerprints and captures every step). Writes a JSON report.
+DDP hands a comm hook as real views; "sparse": an Embedding(sparse=True), whose gradient DDP hands a
+comm hook alone, as a sparse tensor, before dense layers, trained by SGD with momentum; "own-hook":
+the script registers a DDP comm hook of its own, fp16 compression, after enable_resiliency; after
+training, the script registers one more in this kind and "complex": refused, as DDP takes one
+only). The same model is trained twice from the same seed and data: as plain DDP, then as DDP with
+enable_resiliency (fingerprints and captures every step). Writes a JSON report.
 """
 
 from __future__ import annotations
@@ -36,8 +37,12 @@ def build(kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
             nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8))
         )
         return model, torch.optim.AdamW(model.parameters(), lr=0.1)
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Embedding(64, 8, sparse=True)))
-    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+    # Dense layers after it share DDP's buckets (the sparse gradient has one of its own); SGD's
+    # momentum for the embedding is a sparse tensor in the optimizer's state.
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(nn.Embedding(64, 8, sparse=True), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    )
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
 def train(kind: str, model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
