@@ -62,6 +62,7 @@ from lm_resiliency.runtime.shm import (
     n_chunks,
     verify_image,
 )
+from lm_resiliency.runtime.transport import PeerLeft
 
 __all__ = ["Gemini", "GeminiStats"]
 
@@ -1115,6 +1116,9 @@ class Gemini:
             if self._closed or not self.runtime.alive:  # the job's end: the transfer was cut off
                 log.info("rank %d: replica of step %d not sent: the session closed", self.rank, header.step)
                 return
+            if isinstance(exc, PeerLeft):  # the holder's session closed first (the job's end)
+                log.info("rank %d: replica of step %d not sent: %s", self.rank, header.step, exc)
+                return
             log.warning(
                 "rank %d: replica of step %d to rank %s failed: %r", self.rank, header.step, self.holder, exc
             )
@@ -1541,11 +1545,19 @@ class Gemini:
             if self._copier is not None:
                 self._copier.unregister_host(mapping)
         self._pinned.clear()
-        for slot in self._own:
-            slot.close()
-        for slots in self._replica_slots.values():
-            for slot in slots:
+        if self._worker.is_alive() or self._rx_thread.is_alive():
+            # Still committing or receiving (a transfer that outlived the waits above): unmapping
+            # its slots under it would fail its commit, or crash the process reading them. The
+            # mappings end with the process.
+            log.warning(
+                "rank %d: closed while a commit or transfer still ran; its slots stay mapped", self.rank
+            )
+        else:
+            for slot in self._own:
                 slot.close()
+            for slots in self._replica_slots.values():
+                for slot in slots:
+                    slot.close()
         owner = self.dir / f".owner-r{self.rank}"
         if owner_pid(owner) == os.getpid():  # the copies stay for a restart; the claim ends here
             owner.unlink(missing_ok=True)

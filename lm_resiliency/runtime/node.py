@@ -29,7 +29,7 @@ from lm_resiliency.config import RuntimeConfig
 from lm_resiliency.core import codec
 from lm_resiliency.core.auth import BufferCorrupt, Sealed, Signer, Verifier
 from lm_resiliency.core.clock import Clock
-from lm_resiliency.core.membership import FailureDetector, MembershipEvent, PeerState
+from lm_resiliency.core.membership import EventKind, FailureDetector, MembershipEvent, PeerState
 from lm_resiliency.core.messages import (
     Batch,
     BulkAck,
@@ -44,7 +44,7 @@ from lm_resiliency.core.taxonomy import CLOSED
 from lm_resiliency.errors import AuthError, CodecError
 from lm_resiliency.runtime.clock import SystemClock
 from lm_resiliency.runtime.loop import LoopThread
-from lm_resiliency.runtime.transport import ALL, DIRECT, Endpoints, PeerUnavailable, Transport
+from lm_resiliency.runtime.transport import ALL, DIRECT, Endpoints, PeerLeft, PeerUnavailable, Transport
 
 __all__ = ["ClusterView", "PeerView", "RankRuntime"]
 
@@ -473,6 +473,11 @@ class RankRuntime:
     ) -> BulkAck:
         if digests is not None and len(digests) != len(buffers):
             raise ValueError(f"{len(digests)} digests for {len(buffers)} buffers")
+        with self._cond:
+            state = self._detector.state(peer)
+        if state in (PeerState.LEFT, PeerState.DEAD):
+            # Nobody would acknowledge it: the sender is not kept waiting for its deadline.
+            raise (PeerLeft if state is PeerState.LEFT else PeerUnavailable)(f"rank {peer} is {state.value}")
         key = (peer, transfer_id)
         fut: asyncio.Future[BulkAck] = asyncio.get_running_loop().create_future()
         self._acks[key] = fut
@@ -782,6 +787,14 @@ class RankRuntime:
         with self._cond:
             self._cond.notify_all()
         for ev in events:
+            if ev.kind in (EventKind.DIED, EventKind.LEFT):
+                # Transfers it has not acknowledged never will be: their senders learn it now (a
+                # replica of the last step sent to a peer whose session just closed waited for its
+                # two-minute deadline, and the sender's close for its commits).
+                for (to, _), fut in self._acks.items():
+                    if to == ev.peer and not fut.done():
+                        gone = PeerLeft if ev.kind is EventKind.LEFT else PeerUnavailable
+                        fut.set_exception(gone(f"rank {ev.peer} {ev.kind.value}: {ev.reason}"))
             log.info(
                 "rank %d: peer %d %s (incarnation %d): %s",
                 self.rank,

@@ -29,7 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 import zmq
 import zmq.asyncio
 
-__all__ = ["ALL", "Endpoints", "Incoming", "PeerUnavailable", "Transport", "ZmqTransport"]
+__all__ = ["ALL", "Endpoints", "Incoming", "PeerLeft", "PeerUnavailable", "Transport", "ZmqTransport"]
 
 log = logging.getLogger(__name__)
 Frame = bytes | memoryview
@@ -41,6 +41,10 @@ ALL = b"*"  # the topic every runtime subscribes to; others must not start with 
 
 class PeerUnavailable(ConnectionError):
     """The peer is not connected (never was, or was disconnected)."""
+
+
+class PeerLeft(PeerUnavailable):
+    """The peer said goodbye (its session closed): nothing sent to it will be acknowledged."""
 
 
 @dataclass(frozen=True)

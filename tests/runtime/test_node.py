@@ -14,10 +14,10 @@ from lm_resiliency.config import RuntimeConfig
 from lm_resiliency.core import codec
 from lm_resiliency.core.auth import Signer
 from lm_resiliency.core.membership import EventKind, PeerState
-from lm_resiliency.core.messages import Goodbye, Heartbeat, StepTelemetry
+from lm_resiliency.core.messages import BulkChunk, Goodbye, Heartbeat, StepTelemetry
 from lm_resiliency.errors import RuntimeClosedError
 from lm_resiliency.runtime.node import RankRuntime
-from lm_resiliency.runtime.transport import ZmqTransport
+from lm_resiliency.runtime.transport import PeerLeft, ZmqTransport
 from lm_resiliency.testing import InMemoryNetwork, InMemoryTransport
 
 pytestmark = pytest.mark.timeout(60)
@@ -592,5 +592,33 @@ def test_a_same_host_peer_whose_process_ends_is_dead_before_the_timeout() -> Non
     finally:
         child.kill()
         child.wait(10)
+        for rt in rts:
+            rt.close()
+
+
+def test_a_transfer_to_a_peer_that_leaves_fails_at_its_goodbye_not_its_deadline() -> None:
+    """A replica sent to a holder whose session closes (the job's end: ranks close in any order)
+    was waited for until its deadline, two minutes for GEMINI, and the sender's close timed out
+    under it and unmapped the slots its commit was reading. The peer's goodbye now fails the
+    transfer, and one started after it fails at once."""
+    net = InMemoryNetwork()
+    rts = _start(2, lambda: InMemoryTransport(net))
+    try:
+        for rt in rts:
+            assert rt.wait_for(lambda v: len(v.live) == 2, 2.0)
+
+        def drop_chunks(sender: str, frames: list[bytes]) -> list[bytes] | None:
+            # The holder never receives the chunks (its session is closing): no ack can come.
+            return None if isinstance(codec.decode(frames[1:]), BulkChunk) else frames
+
+        net.tamper = drop_chunks
+        pending = rts[0].send_bulk(1, "in-flight", [b"x" * 1024] * 3, timeout=60.0)
+        assert not pending.done()
+        rts[1].close()
+        with pytest.raises(PeerLeft, match="rank 1 left"):
+            pending.result(5.0)
+        with pytest.raises(PeerLeft, match="rank 1 is left"):
+            rts[0].send_bulk(1, "after", [b"y"], timeout=60.0).result(1.0)
+    finally:
         for rt in rts:
             rt.close()
