@@ -643,6 +643,7 @@ class Session:
         if gem is None:
             return
         digest = self.topology.shape_digest()
+        group = list(self.topology.replica_group_of(self.rank))
 
         def publish(inv: Any) -> None:
             cert = gem.certifier
@@ -652,6 +653,7 @@ class Session:
                 "disk": list(inv.disk),
                 "certified": [s for s in inv.local if cert is not None and cert(s)],
                 "scout": cert is not None,
+                "group": group,  # whose certificates these are (verified_steps)
                 "topology": digest,
                 "generation": self.env.generation,
             }

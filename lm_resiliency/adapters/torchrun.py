@@ -45,7 +45,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-from lm_resiliency.core.gemini.recovery import plan_recovery
+from lm_resiliency.core.gemini.recovery import plan_recovery, verified_steps
 from lm_resiliency.core.rendezvous import state as rs
 
 __all__ = ["BACKEND", "LmResiliencyRendezvousHandler", "create_handler", "rendezvous_handler_creator"]
@@ -768,7 +768,8 @@ class _Pulse:
         local: dict[int, set[int]] = {}
         replicas: dict[int, dict[int, set[int]]] = {}
         disk: dict[int, set[int]] = {}
-        certified: set[int] | None = None
+        certified: dict[int, set[int]] = {}
+        groups: dict[int, list[int]] = {}
         for r, inv in invs.items():
             node = _node_of_rank(old, r)
             if node in keeps and _node_of_rank(new, r) == node:
@@ -777,12 +778,12 @@ class _Pulse:
                 disk[r] = {int(x) for x in inv.get("disk", [])}
             if node in keeps:
                 replicas[r] = {int(o): {int(x) for x in st} for o, st in inv.get("replicas", {}).items()}
-            # Every rank reaches the same verdicts from the same evidence, so a certificate any rank
-            # published holds for the job; publications lag by a step or two, so take the union.
-            cert = {int(x) for x in inv.get("certified", [])}
+            # A certificate any rank of a replica group published holds for its group (publications
+            # lag by a step or two); a step is verified when every group certified it.
             if inv.get("scout"):
-                certified = cert if certified is None else certified | cert
-        allowed = certified if mode == "recovery_verified" and certified is not None else None
+                certified[r] = {int(x) for x in inv.get("certified", [])}
+                groups[r] = [int(x) for x in inv.get("group", [])]
+        allowed = verified_steps(certified, groups) if mode == "recovery_verified" and certified else None
         rp = plan_recovery(world, local, replicas, disk, allowed=allowed)
         if rp.step >= 0:
             tiers = {src.tier for src in rp.sources.values()}

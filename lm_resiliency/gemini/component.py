@@ -35,7 +35,7 @@ from lm_resiliency.adapters.amp import load_scaler_state, mark_ours, scaler_valu
 from lm_resiliency.config import InMemoryCkptConfig, SCOUTFaultReport
 from lm_resiliency.core.auth import frame_digest
 from lm_resiliency.core.gemini.placement import replica_holders
-from lm_resiliency.core.gemini.recovery import RecoveryPlan, plan_recovery
+from lm_resiliency.core.gemini.recovery import RecoveryPlan, plan_recovery, verified_steps
 from lm_resiliency.core.messages import GeminiInventory, ReplicaRequest
 from lm_resiliency.core.topology import Topology
 from lm_resiliency.errors import CheckpointMismatchError, DiscoveryError, SharedMemoryError
@@ -392,7 +392,7 @@ class Gemini:
         inv = self.scan()
         raw = exchange("gemini/inventory", msgpack.packb(inv), timeout)
         local, replicas, disk = {}, {}, {}
-        certified: set[int] = set()
+        certs: dict[int, set[int]] = {}
         noted: set[str] = set()
         elsewhere: set[tuple[int, int]] = set()
         for r, blob in raw.items():
@@ -401,9 +401,13 @@ class Gemini:
             local[r] = set(doc["local"])
             replicas[r] = {int(o): set(s) for o, s in doc["replicas"].items()}
             disk[r] = set(doc.get("disk", ()))
-            certified |= {int(x) for x in doc.get("certified", ())}
+            certs[r] = {int(x) for x in doc.get("certified", ())}
             noted.add(str(doc.get("mode", "")))
         exact = exact_step if exact_step is not None and exact_step > 0 else None
+        # Each replica group certifies its own ranks' state: a step is verified when every group
+        # certified it (another group's certificate does not vouch for a corrupted one's copy).
+        groups = {r: self.topology.replica_group_of(r) for r in certs if 0 <= r < self.world_size}
+        certified = verified_steps(certs, groups)
         if verified_only is None:
             verified_only = "recovery_verified" in noted
         self.restored_verified = verified_only and exact is None

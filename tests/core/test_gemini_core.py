@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lm_resiliency.core.gemini.placement import replica_holders
-from lm_resiliency.core.gemini.recovery import Source, plan_recovery
+from lm_resiliency.core.gemini.recovery import Source, plan_recovery, verified_steps
 from lm_resiliency.core.topology import Topology
 
 pytestmark = pytest.mark.timeout(60)
@@ -68,3 +68,29 @@ def test_plan_reports_why_nothing_is_loadable() -> None:
     plan = plan_recovery(2, {0: {3}, 1: {4}}, {})
     assert plan.step == -1 and "no step" in plan.reason
     assert plan_recovery(2, {0: {3, 4}, 1: {3, 4}}, {}, allowed={3}).step == 3
+
+
+def test_a_step_is_verified_when_every_replica_group_certified_it() -> None:
+    # One group (plain DDP): any rank speaks for it, its publications a step apart.
+    assert verified_steps({0: {7, 8}, 1: {7}, 2: {8, 9}}, {r: (0, 1, 2) for r in range(3)}) == {7, 8, 9}
+    # Two groups (tensor parallel x data parallel): group (1, 3) disagreed at step 9 (an SDC on rank
+    # 3) and certified up to 8; the healthy group (0, 2) certified 13 and 14. Step 13, which both
+    # groups hold, is not verified: rank 3's copy of it carries the corruption.
+    groups = {0: (0, 2), 2: (0, 2), 1: (1, 3), 3: (1, 3)}
+    certs = {0: {13, 14}, 2: {13}, 1: {8}, 3: {7, 8}}
+    assert verified_steps(certs, groups) == set()
+    assert (
+        plan_recovery(
+            4,
+            {r: {8, 13} if r % 2 else {13, 14} for r in range(4)},
+            {},
+            allowed=verified_steps(certs, groups),
+        ).step
+        == -1
+    )
+    assert verified_steps({**certs, 1: {8, 13}}, groups) == {13}
+    # A group none of whose ranks certified anything verifies nothing; inventories without a group
+    # (an older version) count as one group.
+    assert verified_steps({0: {5}, 1: set()}, {0: (0,), 1: (1,)}) == set()
+    assert verified_steps({0: {5}, 1: {6}}, {}) == {5, 6}
+    assert verified_steps({}, {}) == set()

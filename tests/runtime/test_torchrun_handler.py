@@ -296,3 +296,43 @@ def test_only_verdicts_sure_of_their_culprit_quarantine_a_node() -> None:
     # Two replicas that replay could not settle: roll back, keep both nodes.
     assert not _quarantines({"kind": "sdc", "failed_ranks": [0, 1], "confidence": 0.5}, replace_on)
     assert not _quarantines({"kind": "hang", "failed_ranks": [0], "confidence": 1.0}, replace_on)
+
+
+def test_the_leader_restores_only_a_step_every_replica_group_certified() -> None:
+    """Two replica groups (DDP over {0, 2} and {1, 3}, as tensor parallelism makes them): an SDC on
+    rank 3 at step 9, named after a replay while the job went on. Its group certified up to 8; the
+    healthy group certified its later steps. Every rank holds step 13, certified by the healthy
+    group only: taking any rank's certificate for the job's restored rank 3's corrupted copy."""
+    node = {n: rs.NodeInfo(n, i, "127.0.0.1", 2) for i, n in enumerate("ab")}
+    old = rs.RdzvState(
+        "nonce",
+        2,
+        3,
+        generation=0,
+        slots=("a", "b"),
+        nodes=node,
+        pending={"failure_kind": "sdc", "culprits": ["b"]},
+    )
+    groups = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}
+
+    class Store:
+        def __init__(self, certified: dict[int, list[int]]) -> None:
+            self.certified = certified
+
+        def json_get(self, key: str) -> Any:
+            r = int(key.rsplit("/", 1)[1])
+            local = [8, 13] if r % 2 else [13, 14]
+            return {
+                "local": local,
+                "replicas": {},
+                "disk": [],
+                "certified": self.certified[r],
+                "scout": True,
+                "group": groups[r],
+                "topology": "t",
+            }
+
+    plan = tr._Pulse._plan(None, Store({0: [13, 14], 2: [13, 14], 1: [8], 3: [8]}), old, old)  # type: ignore[arg-type]
+    assert plan["recovery_mode"] == "recovery_verified" and plan["checkpoint_step"] == -1, plan
+    plan = tr._Pulse._plan(None, Store({0: [13, 14], 2: [13], 1: [8, 13], 3: [8]}), old, old)  # type: ignore[arg-type]
+    assert plan["checkpoint_step"] == 13, plan

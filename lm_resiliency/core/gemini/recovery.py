@@ -8,10 +8,10 @@ all agree without a coordinator.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
-__all__ = ["RecoveryPlan", "Source", "plan_recovery"]
+__all__ = ["RecoveryPlan", "Source", "plan_recovery", "verified_steps"]
 
 
 @dataclass(frozen=True)
@@ -72,3 +72,22 @@ def plan_recovery(
     sources = {r: loadable[r][step] for r in range(world_size)}
     tiers = sorted({s.tier for s in sources.values()})
     return RecoveryPlan(step, sources, f"newest step held for every rank ({'+'.join(tiers)})")
+
+
+def verified_steps(certified: Mapping[int, Set[int]], groups: Mapping[int, Sequence[int]]) -> set[int]:
+    """The steps recovery-verified for the whole job: certified in every replica group.
+
+    Args:
+        certified: rank -> the steps its certificates cover (of the copies it holds).
+        groups: rank -> its replica group (the ranks SCOUT compares it with); a rank without one
+            (an inventory of an older version) counts as one group with every other such rank.
+
+    The ranks of one group reach the same certificates from the same evidence, and publish them a
+    step or two apart: any of them speaks for the group (the union). A group certifies its own
+    ranks' state only: with several groups (tensor, pipeline or expert parallelism, HSDP), a step
+    another group's SDC left corrupt may be certified by every healthy group, and is verified only
+    when the corrupted group certified it too (the intersection)."""
+    by_group: dict[tuple[int, ...], set[int]] = {}
+    for rank, steps in certified.items():
+        by_group.setdefault(tuple(sorted(groups.get(rank, ()))), set()).update(steps)
+    return set.intersection(*by_group.values()) if by_group else set()
