@@ -81,10 +81,12 @@ def lone_gemini(
     verify_integrity: bool = False,
     world: int = 1,
     interval: int = 1,
+    groups: list[list[int]] | None = None,
     **kwargs: Any,
 ) -> Any:
     """Rank 0's GEMINI of a one-node job with no runtime (nothing to replicate to; what the other
-    ranks of a `world` hold is what a test puts in its `_inventories`)."""
+    ranks of a `world` hold is what a test puts in its `_inventories`). `groups`: the replica
+    groups (one of every rank by default)."""
     from lm_resiliency.config import InMemoryCkptConfig
     from lm_resiliency.core.topology import Topology
     from lm_resiliency.gemini.component import Gemini
@@ -101,7 +103,7 @@ def lone_gemini(
         world_size=world,
         node_id="n",
         run_id="r",
-        topology=Topology.build(["n"] * world, [list(range(world))]),
+        topology=Topology.build(["n"] * world, groups or [list(range(world))]),
         runtime=NoRuntime(),
         model=model,
         optimizer=opt,

@@ -185,6 +185,10 @@ class Gemini:
         self._fence: Completion | None = None
         self.dir = Path(shm_dir) / path_name(run_id) / path_name(node_id)
         self.holder = replica_holders(topology, config.replication_jump).get(rank)
+        # The replica groups (SCOUT certifies each group's steps apart): with more than one, the
+        # capture kept for a recovery-verified restart is one every group certified (_certified).
+        self._groups = sorted({topology.replica_group_of(r.rank) for r in topology.ranks})
+        self._own_group = topology.replica_group_of(rank)
         self.shape = topology.shape_digest()
         self.stats = GeminiStats()
         self.disk_interval = disk_interval or config.disk_flush_interval
@@ -765,10 +769,14 @@ class Gemini:
     def certify(self, step: int) -> None:
         """SCOUT agreed on `step`: mark its committed own slot, so the certificate outlives us."""
         with self._lock:
+            held = False
             for k, s in self._own_step.items():
                 if s == step and not self._closed:
+                    held = True
                     self._on_own_slot(k, lambda slot: slot.mark_certified(step))
             self._idle.notify_all()  # a capture may be waiting for this verdict
+        if held and len(self._groups) > 1:
+            self._announce()  # the other replica groups keep what every group certified (_certified)
 
     def revoke(self, from_step: int) -> None:
         """SDC found at `from_step`: no capture from it on is recovery-verified any more, and the
@@ -819,10 +827,35 @@ class Gemini:
         finally:
             other.close()
 
+    def _certified(self, step: int) -> bool:
+        """Whether `step` is recovery-verified for the job (lock held): SCOUT certified it for this
+        rank's replica group and, when the job has others (tensor, pipeline or expert parallelism,
+        HSDP), a rank of every other group certified it too (their inventories say so). A group
+        certifies its own ranks' state only: an SDC in another group makes the steps after it
+        corrupt there, which this group certifies all the same. Kept by the own group's certificate
+        alone, the healthy groups rotated past the last step every group certified before the other
+        group's replay named its culprit, and no recovery-verified step was left in memory."""
+        if self.certifier is None or not self.certifier(step):
+            return False
+        return all(
+            g == self._own_group or any(step in getattr(self._inventories.get(r), "certified", ()) for r in g)
+            for g in self._groups
+        )
+
+    def _judged_elsewhere(self, step: int) -> bool:
+        """Whether another replica group holds a capture of `step` that none of its ranks has
+        certified yet (lock held)."""
+        invs = [[self._inventories.get(r) for r in g] for g in self._groups if g != self._own_group]
+        return any(
+            any(i is not None and step in i.local for i in g)
+            and not any(i is not None and step in i.certified for i in g)
+            for g in invs
+        )
+
     def _slot_to_keep(self, steps: dict[int, int]) -> int | None:
         """Of two slots (index -> step), the one not to overwrite: the newest recovery-verified
-        step (SCOUT certified it), or without certificates the newest."""
-        certified = {k: s for k, s in steps.items() if self.certifier is not None and self.certifier(s)}
+        step (SCOUT certified it, every replica group did), or without certificates the newest."""
+        certified = {k: s for k, s in steps.items() if self._certified(s)}
         pool = certified or steps
         return max(pool.items(), key=lambda kv: kv[1], default=(None, -1))[0]
 
@@ -857,7 +890,15 @@ class Gemini:
             return False
         now = time.monotonic()
         return any(
-            now - self._committed_at.get(k, float("-inf")) < VERDICT_WAIT_S and self.awaiting(s)
+            now - self._committed_at.get(k, float("-inf")) < VERDICT_WAIT_S
+            and (
+                self.awaiting(s)
+                # Certified here, and another replica group holds its capture but has not certified
+                # it yet (its certificate comes a few ms later; none, an SDC there, ends the wait
+                # after VERDICT_WAIT_S). A group that has not captured it yet is not waited for:
+                # groups that do not step together would make every capture wait.
+                or (len(self._groups) > 1 and self.certifier(s) and self._judged_elsewhere(s))
+            )
             for k, s in self._own_step.items()
         )
 
@@ -1380,7 +1421,9 @@ class Gemini:
         with self._lock:
             local = tuple(sorted(set(self._own_step.values())))
             replicas = {str(o): tuple(sorted(set(s.values()))) for o, s in self._replica_step.items() if s}
-        return GeminiInventory(self.rank, local, replicas, tuple(sorted(self._on_disk)))
+            certifier = self.certifier
+            certified = tuple(s for s in local if certifier is not None and certifier(s))
+        return GeminiInventory(self.rank, local, replicas, tuple(sorted(self._on_disk)), certified)
 
     def _announce(self) -> None:
         """Hand the inventory on (gossip, the sink). Threads announce concurrently (the worker after a
@@ -1408,6 +1451,9 @@ class Gemini:
 
     def _on_inventory(self, sealed: Any, msg: Any) -> None:
         self._inventories[msg.rank] = msg
+        if msg.certified and len(self._groups) > 1:
+            with self._idle:
+                self._idle.notify_all()  # a capture may wait for this group's certificate
 
     def cluster_inventory(self) -> dict[int, GeminiInventory]:
         """The newest inventory heard from every rank (this one included)."""

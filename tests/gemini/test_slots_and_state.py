@@ -1052,3 +1052,28 @@ def test_a_full_shared_memory_folder_reclaims_dead_runs_idle_a_minute_not_a_rest
             gem.close()
     finally:
         subprocess.run(["umount", "-l", str(shm)], check=False)
+
+
+def test_with_several_replica_groups_the_capture_kept_is_one_every_group_certified(tmp_path: Path) -> None:
+    """Rank 0 of replica group (0, 2) in a job whose other group (1, 3) has an SDC at step 9 (its
+    replay names the culprit a few steps later). Rank 0's own group certifies every step; kept by
+    its own certificates alone, it rotated past step 8, and a recovery-verified restart found no
+    step every rank held (the 2 x 2 job restarted from step 0). It keeps step 8, the newest step
+    the other group certified too (its inventories say so), and says what it certified."""
+    from lm_resiliency.core.messages import GeminiInventory
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    gem = lone_gemini(tmp_path, model, None, world=4, groups=[[0, 2], [1, 3]])
+    gem.certifier = lambda step: True  # rank 0's group agreed on every step
+    try:
+        for step in range(1, 13):
+            assert gem.capture(step) and gem.drain(10)
+            # The other group, in step with this one: its captures, certified up to step 8.
+            held = (step - 1, step) if step <= 9 else (8, step)
+            for r in (1, 3):
+                gem._inventories[r] = GeminiInventory(r, held, {}, (), tuple(s for s in held if s <= 8))
+        assert sorted(gem._own_step.values()) == [8, 12]
+        assert gem.inventory().certified == (8, 12)
+    finally:
+        gem.close()
