@@ -907,6 +907,11 @@ class Session:
         with self._reports_lock:
             due, self._terminated = sorted(self._terminated.items()), {}
             quiet = not self._sigterm_seen and now - self._last_fatal_report > TERMINATION_EXPLAINED_S
+        if quiet and due:
+            stopped = self._stopped_by_restart([p for p, _ in due])
+            if stopped:
+                log.info("rank %d: ranks %s were stopped by the run's restart", self.rank, sorted(stopped))
+            due = [(p, v) for p, v in due if p not in stopped]
         for peer, (at, signal_name) in due:
             if quiet and not self._closed:
                 self._process_failure(
@@ -916,6 +921,19 @@ class Session:
                     detection_latency_s=now - at,
                     detail=f"rank {peer} said it was terminated ({signal_name or 'a signal'})",
                 )
+
+    def _stopped_by_restart(self, peers: list[int]) -> set[int]:
+        """Under the torchrun backend, of `peers` that went: those the leader's restart stopped (it
+        stops every worker group, for a fault another replica group reported that this rank never
+        heard of, or a worker's exit), not the nodes it restarts for. Blocks on the store; never
+        called on the loop."""
+        control, topo = self._control, self._topology
+        if control is None or topo is None:
+            return set()
+        culprits = control.restart_culprits(self.env.generation)
+        if culprits is None:
+            return set()
+        return {p for p in peers if topo.node_of(p) not in culprits}
 
     def _report_left(self, error: str) -> None:
         """A collective failed under this rank mid-step: the peers whose scripts had closed their
@@ -927,6 +945,7 @@ class Session:
             for named in self._reports:
                 if named.get("reason") == LEFT:
                     went -= set(named.get("failed_ranks", ()))
+        went -= self._stopped_by_restart(sorted(went)) if went else set()
         if not went:
             return
         report = SCOUTFaultReport(

@@ -60,6 +60,29 @@ class ControlChannel:
                 lambda: self._inventory is None and not self._verdicts and not self._sending, timeout
             )
 
+    def restart_culprits(self, generation: int) -> set[str] | None:
+        """When the run's leader has begun replacing `generation` (its restart stops every worker
+        group), the nodes it named as the reason; None while it has not (or the store cannot say).
+        Reads the rendezvous state through a connection of its own (a store client is not shared
+        across threads)."""
+        from lm_resiliency.core.rendezvous import state as rs
+
+        try:
+            store = self._open(timedelta(seconds=2))  # (a dying worker asks: it must not wait long)
+            key = f"{self.prefix}state"
+            if not store.check([key]):
+                return None
+            s = rs.decode(store.get(key))
+        except Exception as exc:  # advisory: a report too many, never a worker stopped by it
+            log.debug("control store %s unreadable: %s", self.where, exc)
+            return None
+        if s.generation == generation and s.phase == rs.RESTARTING:
+            return {str(n) for n in s.pending.get("culprits", ())}
+        if s.generation > generation:  # replaced already: what it was replaced for
+            after = [h for h in s.history if isinstance(h, dict) and h.get("generation") == generation + 1]
+            return {str(n) for n in after[0].get("culprits", ())} if after else set()
+        return None
+
     def close(self) -> None:
         self.flush(timeout=2.0)
         with self._cond:
@@ -69,17 +92,19 @@ class ControlChannel:
 
     # -- the channel's thread ------------------------------------------------------------------
 
+    def _open(self, timeout: timedelta | None = None) -> Any:
+        import torch.distributed as dist
+
+        if self.scheme == "file":
+            return dist.FileStore(self.where, -1)  # type: ignore[attr-defined]
+        host, _, port = self.where.rpartition(":")
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            host, int(port), is_master=False, wait_for_workers=False, timeout=timeout or self.timeout
+        )
+
     def _connect(self) -> Any:
         if self._store is None:
-            import torch.distributed as dist
-
-            if self.scheme == "file":
-                self._store = dist.FileStore(self.where, -1)  # type: ignore[attr-defined]
-            else:
-                host, _, port = self.where.rpartition(":")
-                self._store = dist.TCPStore(  # type: ignore[attr-defined]
-                    host, int(port), is_master=False, wait_for_workers=False, timeout=self.timeout
-                )
+            self._store = self._open()
         return self._store
 
     def _has_work(self) -> bool:

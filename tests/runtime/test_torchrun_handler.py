@@ -336,3 +336,32 @@ def test_the_leader_restores_only_a_step_every_replica_group_certified() -> None
     assert plan["recovery_mode"] == "recovery_verified" and plan["checkpoint_step"] == -1, plan
     plan = tr._Pulse._plan(None, Store({0: [13, 14], 2: [13], 1: [8, 13], 3: [8]}), old, old)  # type: ignore[arg-type]
     assert plan["checkpoint_step"] == 13, plan
+
+
+def test_a_worker_reads_whether_the_leader_is_restarting_its_generation(store: Any) -> None:
+    """A rank that sees peers go with "terminated" while its own group carries on asks the store:
+    under a restart the leader began (another replica group's SDC, which this rank never heard of),
+    they were stopped by it and are not reported as failed processes."""
+    import dataclasses
+
+    from lm_resiliency.runtime.control import ControlChannel
+
+    ch = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
+    control = tr._Control(store, "unit-run")
+    try:
+        assert ch.restart_culprits(2) is None  # no rendezvous state at all
+        running = dataclasses.replace(rs.RdzvState.new("nonce", 1, 2), generation=2, phase=rs.RUNNING)
+        control.init(running)
+        assert ch.restart_culprits(2) is None
+        why = {"failure_kind": "sdc", "culprits": ["node-b"]}
+        control.update(lambda s: dataclasses.replace(s, phase=rs.RESTARTING, pending=why))
+        assert ch.restart_culprits(2) == {"node-b"} and ch.restart_culprits(3) is None
+        published = {"generation": 3, "culprits": ["node-b"]}
+        control.update(lambda s: dataclasses.replace(s, generation=3, phase=rs.RUNNING, history=(published,)))
+        assert ch.restart_culprits(2) == {"node-b"}  # a worker of generation 2 still going
+        assert ch.restart_culprits(3) is None
+    finally:
+        ch.close()
+    dead = ControlChannel("tcp://127.0.0.1:1", "unit-run")
+    assert dead.restart_culprits(0) is None  # nothing listens: not known to restart
+    dead.close()
