@@ -801,6 +801,7 @@ class Session:
         gem = self.gemini
         if gem is not None:
             gem.certifier, gem.awaiting = scout.certified, scout.awaiting_certificate
+            gem.certifying = scout.certifying
             scout.on_certified, scout.on_revoked = gem.certify, gem.revoke
             # A capture taken when the next step begins: the parameters SCOUT certifies are
             # fingerprinted then too, not before the loop's code after the step could change them.

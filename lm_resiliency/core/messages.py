@@ -194,6 +194,9 @@ class Evidence(Message):
     # what they held at the step before, both checked: (how many, XXH3-64 of their indices), -1 when
     # unknown. Stale state in some tensors only (one gradient reused) shows as more of them.
     reused: tuple[tuple[int, bytes], ...] = ()
+    # XXH3-64 of the optimizer's settings (each group's hyperparameters: learning rate, betas, ...):
+    # replicas step with the same ones unless the script sets them per rank.
+    settings: bytes = b""
 
 
 @register

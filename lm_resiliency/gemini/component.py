@@ -173,6 +173,9 @@ class Gemini:
         self.certifier: Callable[[int], bool] | None = None  # set by the session when SCOUT runs
         # SCOUT will judge this step soon (its fingerprints are due, no SDC is open): set with it.
         self.awaiting: Callable[[int], bool] | None = None
+        # False once SCOUT certifies no more steps (replicas that the script made differ): the
+        # newest capture is kept again, as without SCOUT, not the last certified one for ever.
+        self.certifying: Callable[[], bool] | None = None
         # Called with the step right before each capture from the training loop (SCOUT's evidence
         # of a step whose capture waited for the next step to begin, see will_defer).
         self.before_capture: Callable[[int], None] | None = None
@@ -855,7 +858,8 @@ class Gemini:
     def _slot_to_keep(self, steps: dict[int, int]) -> int | None:
         """Of two slots (index -> step), the one not to overwrite: the newest recovery-verified
         step (SCOUT certified it, every replica group did), or without certificates the newest."""
-        certified = {k: s for k, s in steps.items() if self._certified(s)}
+        off = self.certifying is not None and not self.certifying()
+        certified = {} if off else {k: s for k, s in steps.items() if self._certified(s)}
         pool = certified or steps
         return max(pool.items(), key=lambda kv: kv[1], default=(None, -1))[0]
 

@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from array import array
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -72,6 +73,7 @@ from lm_resiliency.scout.health import HealthEvent, HealthSource
 from lm_resiliency.scout.replay import (
     ReplayRecorder,
     optimizer_layout,
+    optimizer_settings,
     optimizer_tensors,
     pack_contributions,
     replay_grads,
@@ -166,7 +168,7 @@ KEEP_STEPS = 64
 
 # A step's evidence on its way: step, gradients, parameters, optimizer state, its layout, and
 # whether it is sent (not for the step before a check, kept only to count against).
-_Pending = tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None, bytes, bool]
+_Pending = tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None, bytes, bytes, bool]
 
 
 REUSED_ORDER = ("grads", "params", "optim")  # the states of `Evidence.reused`, in order
@@ -206,11 +208,12 @@ class EvidenceResolver:
         optim: Fingerprint | None = None,
         layout: bytes = b"",
         send: bool = True,
+        settings: bytes = b"",
     ) -> None:
         """`send=False`: the step before a checked one, whose fingerprints only serve the next
         evidence's count of tensors as they were (`Evidence.reused`)."""
         if not self._outstanding and all(f is None or f.ready() for f in (grads, params, optim)):
-            ev = self._evidence(step, grads, params, optim, layout)
+            ev = self._evidence(step, grads, params, optim, layout, settings)
             if send:
                 self._submit(ev)
             return
@@ -222,7 +225,7 @@ class EvidenceResolver:
                     target=self._run, name=f"lm-resiliency-evidence{self.rank}", daemon=True
                 )
                 self._thread.start()
-        self._queue.put((step, grads, params, optim, layout, send))
+        self._queue.put((step, grads, params, optim, layout, settings, send))
 
     def _evidence(
         self,
@@ -231,6 +234,7 @@ class EvidenceResolver:
         params: Fingerprint,
         optim: Fingerprint | None,
         layout: bytes,
+        settings: bytes = b"",
     ) -> Evidence:
         parts = tuple(f.parts() if f is not None else () for f in (grads, params, optim))
         last, self._last = self._last, (step, parts)
@@ -244,6 +248,7 @@ class EvidenceResolver:
             tuple(_reused(now, before) for now, before in zip(parts, last[1], strict=True))
             if last[0] == step - 1
             else (),
+            settings,
         )
 
     def _run(self) -> None:
@@ -345,6 +350,7 @@ class Scout:
         # Replicas hold the same optimizer state, except a ZeroRedundancyOptimizer's partitions.
         self._compare_optim = opt is not None and zero_partition(opt) is None
         self._optim_sharded = False  # replicas' optimizer layouts differed (said once)
+        self._diverged_at: int | None = None  # replicas' optimizer settings differed from this step
         self._layout: tuple[Any, bytes] = (None, b"")  # (what it was computed for, the layout)
         # Replay records: only where a disagreement has no majority to settle it (two replicas).
         self._recorder: ReplayRecorder | None = None
@@ -597,8 +603,9 @@ class Scout:
         if self._recorder is not None:  # for the between-steps check of a two-replica replay
             own_optim = optim.result() if optim is not None else fingerprint(optimizer_tensors(opt))
             self._last_params = (step, params.result(), own_optim)
+        settings = optimizer_settings(opt) if opt is not None else b""
         # Gossiped (once the device's folds are on the host), and looped back to our own handlers.
-        self._evidence_out.offer(step, grads, params, optim, layout)
+        self._evidence_out.offer(step, grads, params, optim, layout, settings=settings)
 
     # -- runtime thread ---------------------------------------------------------------------------
     def _on_evidence(self, ev: Evidence) -> None:
@@ -630,10 +637,22 @@ class Scout:
         }
         before, self._judged_before = self._judged_before, (step, held)
         verdict = fingerprint_verdict(step, "grads", held["grads"])
+        if verdict is None and self._diverged_at is not None:
+            return  # the reduced gradients agree; the rest differs by the script's doing: not judged
         if verdict is None:
             verdict = fingerprint_verdict(step, "params", held["params"])
         if verdict is None and len(held["optim"]) == len(per_step) and self._same_optimizer_layout(per_step):
             verdict = fingerprint_verdict(step, "optim", held["optim"])
+        if verdict is not None and verdict.reason.split("_", 1)[0] in ("params", "optim"):
+            what = verdict.reason.split("_", 1)[0]
+            previous = before[1].get(what, {}) if before[0] == step - 1 else {}
+            at = REUSED_ORDER.index(what)
+            reused = {r: e.reused[at] for r, e in per_step.items() if len(e.reused) > at}
+            # Parameters that differ where the optimizer's settings differ (and are no stale state,
+            # an update dropped or applied twice): the script's doing, not a fault.
+            plain = stale_verdict(verdict, held[what], previous, reused).kind in ("sdc", "sdc_ambiguous")
+            if plain and self._settings_diverged(step, per_step):
+                return
         if verdict is None:
             with self._lock:
                 certified = self._sdc_from is None
@@ -675,6 +694,34 @@ class Scout:
         if self._layout[0] != key:
             self._layout = (key, optimizer_layout(opt))
         return self._layout[1]
+
+    def _settings_diverged(self, step: int, per_step: dict[int, Evidence]) -> bool:
+        """Whether the replicas stepped with different optimizer settings, at this step or before
+        (then their parameters and optimizer states differ for good, by the script's doing: a
+        ReduceLROnPlateau stepped with each rank's own loss). Said once, as `config_drift` (not
+        acted on: a restart would diverge again); from then on only the reduced gradients are
+        compared (they stay the same on every replica) and no step is certified. Before, the first
+        parameters that differed were named an SDC, the node replaced, and the restarts repeated
+        until the run gave up."""
+        settings = {r: e.settings for r, e in per_step.items() if e.settings}
+        if self._diverged_at is None and len(set(settings.values())) > 1:
+            self._diverged_at = step
+            top, n = Counter(settings.values()).most_common(1)[0]
+            odd = (
+                tuple(r for r in sorted(settings) if settings[r] != top)
+                if 2 * n > len(settings)
+                else tuple(sorted(settings))
+            )
+            detail = (
+                f"replicas {sorted(settings)} stepped with different optimizer settings (learning rate, "
+                f"...) at step {step}: ranks {list(odd)} differ, so their parameters do too, by the "
+                "script's doing, not a fault (a scheduler stepped with each rank's own metric, as "
+                "ReduceLROnPlateau with the local loss: average it over the replicas first). SCOUT "
+                "compares their reduced gradients only from now on, and certifies no step"
+            )
+            log.warning("rank %d: %s", self.rank, detail)
+            self._report(Verdict("config_drift", odd, step, "optimizer_settings_differ", detail))
+        return self._diverged_at is not None
 
     def _same_optimizer_layout(self, per_step: dict[int, Evidence]) -> bool:
         """Whether the replicas' optimizers hold the same state tensors (their states are compared).
@@ -1245,13 +1292,18 @@ class Scout:
         with self._lock:
             return step in self._agreed
 
+    def certifying(self) -> bool:
+        """Whether steps may still be certified (not once the replicas' optimizer settings
+        differed: their states differ for good, see _settings_diverged)."""
+        return self._diverged_at is None
+
     def awaiting_certificate(self, step: int) -> bool:
         """True while `step` may still be certified: its fingerprints are checked, detection is
         running, no SDC is open and no certificate came yet (GEMINI keeps its capture meanwhile)."""
         if not self._due(step) or self._paused() or self._closed:
             return False
         with self._lock:
-            return self._sdc_from is None and step not in self._agreed
+            return self._sdc_from is None and self._diverged_at is None and step not in self._agreed
 
     def seed(self, steps: set[int]) -> None:
         """Certificates carried over from the previous generation (steps at or before the restored one)."""

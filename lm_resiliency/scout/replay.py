@@ -80,6 +80,25 @@ def optimizer_layout(opt: Any) -> bytes:
     return h.digest()
 
 
+def optimizer_settings(opt: Any) -> bytes:
+    """A digest of the optimizer's settings: each parameter group's hyperparameters (learning
+    rate, betas, weight decay, ...; not its parameters). Replicas step with the same settings; a
+    script that changes them per rank (ReduceLROnPlateau stepped with each rank's own loss) makes
+    its replicas differ by design. A tensor setting on a device counts by shape and dtype (its value
+    would need a device sync)."""
+    h = xxhash.xxh3_64()
+    for group in getattr(opt, "param_groups", ()):
+        for key in sorted(group, key=str):
+            if key == "params":
+                continue
+            v = group[key]
+            if isinstance(v, torch.Tensor):
+                v = v.item() if v.device.type == "cpu" and v.numel() == 1 else (tuple(v.shape), str(v.dtype))
+            h.update(f"{key}={v!r};".encode())
+        h.update(b"|")
+    return h.digest()
+
+
 def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 

@@ -656,3 +656,18 @@ def test_a_rank_evaluating_alone_between_steps_is_not_hung(processes, tmp_path: 
     res, _ = _run(processes, tmp_path, "evaluation", steps=20, culprit=0, at=8)
     for r in res:
         assert [f for f in r["faults"] if f["kind"] == "hang"] == [], r["faults"]
+
+
+def test_replicas_the_script_steps_with_different_learning_rates_are_not_an_sdc(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A rank that lowers its own learning rate (ReduceLROnPlateau stepped with its local loss) makes
+    its parameters differ from its replicas' by the script's doing. Named once as config_drift (not
+    acted on), never an SDC (which had its node replaced, and the restarts repeated until the run gave
+    up); no step certified after it, and a crash restores the newest capture, not the last certified."""
+    results, _ = _run(processes, tmp_path, "lr-drift", steps=12, culprit=2, at=6, extra={"CHECKPOINT": "1"})
+    for res in results:
+        assert _kinds(res) == [("config_drift", [2])], res["faults"]
+        assert res["faults"][0]["reason"] == "optimizer_settings_differ", res["faults"]
+        assert not any(res["certified"][str(s)] for s in range(7, 13)), res["certified"]
+        assert res["crash_decision"]["checkpoint_step"] == 12, res["crash_decision"]

@@ -14,6 +14,7 @@ stale-grads: at AT_STEP the culprit steps with the previous step's reduced gradi
 with one of them; stale-one-param: its last parameter's update at AT_STEP is not applied);
 drop: at AT_STEP the culprit zeroes every gradient after the all-reduce;
 skip-step: the culprit skips its optimizer step at AT_STEP and counts one step behind from then on;
+lr-drift: after its step AT_STEP the culprit halves its learning rate, its replicas do not;
 leave: the culprit's loop ends at AT_STEP (uneven inputs): it closes its session and ends, or with
 LINGER=1 keeps its process group open (as a peer NCCL would wait for), until the test kills it),
 CULPRIT, AT_STEP, LOCALGRAD_ALSO (rank:step: a gradient flipped before reduction besides),
@@ -310,6 +311,10 @@ def main() -> int:
             opt.step()
         for group in undone if dropped else ():
             group["lr"] = 1e-3
+        if scenario == "lr-drift" and rank == culprit and step == at:
+            # As a ReduceLROnPlateau stepped with this rank's own loss would: its replicas keep theirs.
+            for group in opt.param_groups:
+                group["lr"] *= 0.5
         if scenario == "optstate" and rank == culprit and step == at:
             with torch.no_grad():
                 m = opt.state[inner[0].weight]["exp_avg"]
