@@ -644,13 +644,9 @@ class Scout:
         if verdict is None and len(held["optim"]) == len(per_step) and self._same_optimizer_layout(per_step):
             verdict = fingerprint_verdict(step, "optim", held["optim"])
         if verdict is not None and verdict.reason.split("_", 1)[0] in ("params", "optim"):
-            what = verdict.reason.split("_", 1)[0]
-            previous = before[1].get(what, {}) if before[0] == step - 1 else {}
-            at = REUSED_ORDER.index(what)
-            reused = {r: e.reused[at] for r, e in per_step.items() if len(e.reused) > at}
             # Parameters that differ where the optimizer's settings differ (and are no stale state,
             # an update dropped or applied twice): the script's doing, not a fault.
-            plain = stale_verdict(verdict, held[what], previous, reused).kind in ("sdc", "sdc_ambiguous")
+            plain = self._as_stale(verdict, held, before, per_step).kind in ("sdc", "sdc_ambiguous")
             if plain and self._settings_diverged(step, per_step):
                 return
         if verdict is None:
@@ -677,10 +673,7 @@ class Scout:
                     log.debug("rank %d: %s still diverged at step %d", self.rank, verdict.reason, step)
                 return
             # A neighbouring step's tensors (gradients reused, an update not applied): stale state.
-            previous = before[1].get(what, {}) if before[0] == step - 1 else {}
-            at = REUSED_ORDER.index(what)
-            reused = {r: e.reused[at] for r, e in per_step.items() if len(e.reused) > at}
-            verdict = stale_verdict(verdict, held[what], previous, reused)
+            verdict = self._as_stale(verdict, held, before, per_step)
             if verdict.kind == "sdc_ambiguous" and self._recorder is not None:
                 self._start_replay(step, what, per_step.get(self.rank))
             else:
@@ -694,6 +687,20 @@ class Scout:
         if self._layout[0] != key:
             self._layout = (key, optimizer_layout(opt))
         return self._layout[1]
+
+    @staticmethod
+    def _as_stale(
+        verdict: Verdict,
+        held: dict[str, dict[int, bytes]],
+        before: tuple[int, dict[str, dict[int, bytes]]],
+        per_step: dict[int, Evidence],
+    ) -> Verdict:
+        """`stale_verdict` of a disagreement, given this step's and the step before's evidence."""
+        what = verdict.reason.split("_", 1)[0]
+        previous = before[1].get(what, {}) if before[0] == verdict.step - 1 else {}
+        at = REUSED_ORDER.index(what)
+        reused = {r: e.reused[at] for r, e in per_step.items() if len(e.reused) > at}
+        return stale_verdict(verdict, held[what], previous, reused)
 
     def _settings_diverged(self, step: int, per_step: dict[int, Evidence]) -> bool:
         """Whether the replicas stepped with different optimizer settings, at this step or before

@@ -89,14 +89,27 @@ def optimizer_settings(opt: Any) -> bytes:
     h = xxhash.xxh3_64()
     for group in getattr(opt, "param_groups", ()):
         for key in sorted(group, key=str):
-            if key == "params":
-                continue
-            v = group[key]
-            if isinstance(v, torch.Tensor):
-                v = v.item() if v.device.type == "cpu" and v.numel() == 1 else (tuple(v.shape), str(v.dtype))
-            h.update(f"{key}={v!r};".encode())
+            v = _setting(group[key]) if key != "params" else None
+            if v is not None:
+                h.update(f"{key}={v!r};".encode())
         h.update(b"|")
     return h.digest()
+
+
+def _setting(v: Any) -> Any:
+    """A setting's value as it may count: numbers, strings, flags and tuples of them (a tensor on
+    the host by its value, on a device by shape and dtype). Anything else (an object whose repr
+    names its address) is left out: it would differ between processes that agree."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.device.type == "cpu" and v.numel() == 1 else (tuple(v.shape), str(v.dtype))
+    if isinstance(v, (tuple, list)):
+        items = [_setting(x) for x in v]
+        return (
+            tuple(items) if all(x is not None or y is None for x, y in zip(items, v, strict=True)) else None
+        )
+    return None
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:

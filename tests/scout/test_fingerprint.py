@@ -172,3 +172,20 @@ def test_sparse_gradients_are_fingerprinted_by_their_entries() -> None:
         warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
         csr = dense.to_sparse_csr()
     assert fingerprint([csr]) == fingerprint([dense])
+
+
+def test_optimizer_settings_tell_replicas_stepped_differently_and_nothing_else() -> None:
+    """The settings digest SCOUT compares before it calls differing parameters an SDC: a learning
+    rate changed on one rank counts; objects whose repr differs between processes do not."""
+    from lm_resiliency.scout.replay import optimizer_settings
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    a, b = torch.optim.AdamW(params, lr=0.1), torch.optim.AdamW(params, lr=0.1)
+    assert optimizer_settings(a) == optimizer_settings(b)
+    b.param_groups[0]["lr"] = 0.05  # a ReduceLROnPlateau stepped with this rank's own loss
+    assert optimizer_settings(a) != optimizer_settings(b)
+    b.param_groups[0]["lr"] = 0.1
+    for opt in (a, b):
+        opt.param_groups[0]["hook"] = object()  # its repr names its address
+        opt.param_groups[0]["betas"] = (torch.tensor(0.9), 0.999)
+    assert optimizer_settings(a) == optimizer_settings(b)
