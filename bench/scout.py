@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -74,6 +75,9 @@ def run(
             "CULPRIT": str(culprit),
             "AT_STEP": str(at),
             "REPORT_DIR": str(tmp / "reports"),
+            # The captures of its checkpointing scenarios, in a folder removed with the rest (not the
+            # host's /dev/shm/lm_resiliency/default, where they waited an hour for a restart).
+            "LM_RESILIENCY_SHM_DIR": str(tmp / "shm"),
             **(extra or {}),
         }
         procs.append(
@@ -93,12 +97,14 @@ def run(
                 raise RuntimeError(f"scenario {scenario} failed; see {tmp}")
             time.sleep(0.05)
         stalled = float(store.get("test/stalled_at")) if scenario == "hang" else 0.0
-        return [json.loads((tmp / f"rank{r}.json").read_text()) for r in expect], stalled
+        results = [json.loads((tmp / f"rank{r}.json").read_text()) for r in expect]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
+    shutil.rmtree(tmp, ignore_errors=True)  # (kept when the scenario failed: the error names it)
+    return results, stalled
 
 
 def medians(res: list[dict]) -> tuple[float, float, float]:
