@@ -386,10 +386,8 @@ class PyTorchAdapter:
         self._chain(f"allreduce:{shape}:{buffer.dtype}:{n_grads}:{world}")
         buffer.mul_(1.0 / world)  # averaged as DDP does: scaled, then summed
         tap = self.contribution_tap
-        if (
-            tap is not None and reduction is not None and not sparse
-        ):  # SCOUT's replay record: this rank's share
-            tap(bucket.parameters(), bucket.gradients())
+        if tap is not None and reduction is not None and not sparse:
+            tap(bucket.parameters(), bucket.gradients())  # SCOUT's replay record: this rank's share
 
         def _done(f: Any) -> torch.Tensor:
             self.outstanding -= 1
@@ -400,18 +398,15 @@ class PyTorchAdapter:
             out: torch.Tensor = f.value()  # re-raises a failed all-reduce
             return out
 
-        if sparse:
-            # An Embedding(sparse=True)'s gradient, alone in its bucket: summed as DDP sums it (a
-            # sum of sparse tensors, which no bucket layout changes) into a new sparse tensor.
-            # SCOUT's replay compares the dense gradients only.
-            work = collectives.original("all_reduce")(buffer, group=group, async_op=True)
-            reduced = work.get_future().then(lambda f: f.value()[0])
-        elif reduction is None:  # the bucket whole, in place (complex gradients)
+        if sparse or reduction is None:
+            # The bucket whole: complex gradients in place; an Embedding(sparse=True)'s gradient,
+            # alone in its bucket, summed as DDP sums it (a sum of sparse tensors, which no bucket
+            # layout changes) into a new tensor. SCOUT's replay compares the dense gradients only.
             work = collectives.original("all_reduce")(buffer, group=group, async_op=True)
 
             def _whole(f: Any) -> torch.Tensor:
-                f.value()  # re-raises a failed all-reduce
-                return buffer
+                summed: torch.Tensor = f.value()[0]  # re-raises a failed all-reduce
+                return summed if sparse else buffer
 
             reduced = work.get_future().then(_whole)
         else:
