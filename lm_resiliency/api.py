@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 from lm_resiliency.adapters.base import AdapterTopology, StepTimes
 from lm_resiliency.adapters.detect import FRAMEWORKS, detect_framework
 from lm_resiliency.config import (
+    REPLACE_ONLY_FAILURES,
     DurableCheckpointConfig,
     Environment,
     InMemoryCkptConfig,
@@ -38,6 +39,7 @@ from lm_resiliency.config import (
     ReplayHarnessConfig,
     RuntimeConfig,
     SCOUTFaultReport,
+    load_policy,
     read_environment,
 )
 from lm_resiliency.core.membership import EventKind, MembershipEvent
@@ -67,8 +69,14 @@ log = logging.getLogger(__name__)
 BACKEND_ACTIONABLE = frozenset({"sdc", "stale_state", "hardware", "hang"})
 
 
-def _actionable(report: dict[str, Any]) -> bool:
-    return report.get("kind") in BACKEND_ACTIONABLE or str(report.get("reason", "")).endswith(PEERS_WAIT)
+def _actionable(report: dict[str, Any], replace_on: frozenset[str] = frozenset()) -> bool:
+    """Whether the torchrun backend's leader acts on `report` (it is posted to it): a failure kind,
+    peers waiting on a rank, or a slow-job kind (REPLACE_ONLY_FAILURES) the run's policy replaces
+    nodes for (`replace_on`)."""
+    kind = report.get("kind")
+    return (
+        kind in BACKEND_ACTIONABLE or kind in replace_on or str(report.get("reason", "")).endswith(PEERS_WAIT)
+    )
 
 
 MAX_ERROR_TEXT = 2000  # characters of an uncaught exception's text carried in reports and goodbyes
@@ -385,6 +393,8 @@ class Session:
         self._reports_lock = threading.Lock()
         self._callbacks = _CallbackThread()
         self._control: Any = None  # ControlChannel under the torchrun backend
+        # Slow-job verdict kinds the run's policy replaces a node for: posted to its leader too.
+        self._replace_on: frozenset[str] = frozenset()
         self._context: dict[str, Any] | None = None  # the backend's restart context, when restarted
         self._closed = False
         self._detection_paused = False
@@ -639,6 +649,15 @@ class Session:
 
         channel = ControlChannel(self.env.control_store, self.env.run_id)
         self._control = channel
+        if self.env.worker_config_path:  # the policy every node runs (the agents compared digests)
+            try:
+                replace_on = load_policy(self.env.worker_config_path).recovery.replace_node_on
+            except (OSError, ConfigError) as exc:  # the agent read it at startup: it changed since
+                log.warning(
+                    "rank %d: worker policy unreadable, slow-job verdicts only reported: %s", self.rank, exc
+                )
+            else:
+                self._replace_on = frozenset(replace_on) & frozenset(REPLACE_ONLY_FAILURES)
         gem = self.gemini
         if gem is None:
             return
@@ -1099,7 +1118,7 @@ class Session:
     def _emit_fault(self, report: dict[str, Any]) -> None:
         with self._reports_lock:
             self._reports.append(report)
-            if _actionable(report) or report.get("kind") == "process_failure":
+            if _actionable(report, self._replace_on) or report.get("kind") == "process_failure":
                 self._last_fatal_report = time.monotonic()
         # The user's callbacks and the report file, in order, off the runtime's event loop: a slow
         # callback there would stop this rank's heartbeats and its peers would declare it dead.
@@ -1107,7 +1126,7 @@ class Session:
         # Hardware telemetry that is not fatal (thermal, throttling, NVLink counters) is reported,
         # never a reason for the leader to restart or replace a node.
         not_fatal = report.get("kind") == "hardware" and report.get("fatal") is False
-        if self._control is not None and _actionable(report) and not not_fatal:
+        if self._control is not None and _actionable(report, self._replace_on) and not not_fatal:
             self._control.post_verdict(self.env.generation, report)
         for cb in (self._fault_callback, self._orchestration.report_fault if self._orchestration else None):
             if cb is not None:

@@ -320,12 +320,18 @@ FAILURE_ACTIONS = (
     "data_stall",
     "checkpoint_stall",
 )
+# Verdicts on a job that still trains (slowly): reported, and acted on only where the policy says to
+# replace the culprit's node (`recovery.replace_node_on`) and a standby can take its slot; a restart
+# in place would not make the node faster.
+REPLACE_ONLY_FAILURES = ("straggler", "data_stall", "checkpoint_stall")
 
 
 @dataclass(frozen=True)
 class RecoveryPolicyConfig:
     """What the torchrun backend's leader does per failure kind: the kinds listed replace the
-    culprit's node with a standby (and quarantine it); every other kind restarts in place."""
+    culprit's node with a standby (and quarantine it); every other kind restarts in place, except
+    the slow-job kinds (REPLACE_ONLY_FAILURES: straggler, data_stall, checkpoint_stall), which are
+    only reported unless listed here, and even then only when a standby is parked."""
 
     replace_node_on: tuple[str, ...] = ("sdc", "hardware", "node_lost")
 

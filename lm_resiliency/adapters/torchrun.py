@@ -45,8 +45,10 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+from lm_resiliency.config import REPLACE_ONLY_FAILURES
 from lm_resiliency.core.gemini.recovery import plan_recovery, verified_steps
 from lm_resiliency.core.rendezvous import state as rs
+from lm_resiliency.core.scout.verdicts import PEERS_WAIT
 
 __all__ = ["BACKEND", "LmResiliencyRendezvousHandler", "create_handler", "rendezvous_handler_creator"]
 
@@ -725,10 +727,26 @@ class _Pulse:
             ranks = [int(r) for r in v.get("failed_ranks", []) if isinstance(r, int)]
             culprits = {n for n in (_node_of_rank(s, r) for r in ranks) if n is not None}
             quarantine = _quarantines(v, h.replace_on) and bool(culprits)
+            fn: Callable[..., rs.RdzvState] = rs.request_restart
+            if kind in REPLACE_ONLY_FAILURES and not str(v.get("reason", "")).endswith(PEERS_WAIT):
+                # The job still trains: a restart in place would not make the node faster. (A
+                # stall its peers wait on has stopped the job: that one restarts as a failure.)
+                if not quarantine or len(s.standbys) < len(culprits):
+                    if s.leader == h.node_id:
+                        log.warning(
+                            "run %s: verdict %s on ranks %s (%s) kept running: %s",
+                            h.run_id,
+                            kind,
+                            ranks,
+                            sorted(culprits),
+                            "no standby to replace it" if quarantine else "recovery.replace_node_on lacks it",
+                        )
+                    continue
+                fn = _replace_with_standbys
             log.warning("run %s: verdict %s on ranks %s -> %s", h.run_id, kind, ranks, sorted(culprits))
             error = str(v.get("error", ""))[:2000]
             args = (s.generation, kind, str(v.get("reason", kind)), culprits, quarantine, error)
-            s = control.update(partial(_if_leader, me=h.node_id, fn=rs.request_restart, args=args))
+            s = control.update(partial(_if_leader, me=h.node_id, fn=fn, args=args))
         return s
 
     def _plan(self, control: _Control, old: rs.RdzvState, new: rs.RdzvState) -> dict[str, Any]:
@@ -796,6 +814,22 @@ class _Pulse:
         if len(digests) == 1:
             plan["topology_digest"] = digests.pop()
         return plan
+
+
+def _replace_with_standbys(
+    s: rs.RdzvState,
+    generation: int,
+    kind: str,
+    reason: str,
+    culprits: Iterable[str],
+    quarantine: bool,
+    error: str,
+) -> rs.RdzvState:
+    """A slow-job verdict (REPLACE_ONLY_FAILURES): its culprits' nodes are replaced only while
+    parked standbys can take every one of their slots; otherwise the job keeps training."""
+    if len(s.standbys) < len(set(culprits)):
+        return s
+    return rs.request_restart(s, generation, kind, reason, culprits, quarantine, error)
 
 
 def _quarantines(verdict: dict[str, Any], replace_on: Iterable[str]) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from datetime import timedelta
@@ -54,9 +55,9 @@ def _start_in_order(store: Any, threads: dict[str, threading.Thread]) -> None:
 class _Agents:
     """Agents a, b, c as threads, registered in that order: a and b take the slots, c parks."""
 
-    def __init__(self, store: Any, tmp: Path) -> None:
+    def __init__(self, store: Any, tmp: Path, **conf: Any) -> None:
         self.handlers = {
-            n: tr.LmResiliencyRendezvousHandler(_params(store.port, tmp, n), node_id=n) for n in "abc"
+            n: tr.LmResiliencyRendezvousHandler(_params(store.port, tmp, n, **conf), node_id=n) for n in "abc"
         }
         self.infos: dict[str, Any] = {}
         self.exits: dict[str, Any] = {}
@@ -237,6 +238,70 @@ def test_manager_reads_decisions_and_publishes_a_replacement(tmp_path: Path, sto
     assert m.decisions()[-1]["slots"] == ["a", "c"] and m.decisions()[-1]["failure_kind"] == "hardware"
     for h in handlers.values():
         h.shutdown()
+
+
+@pytest.mark.parametrize("listed", [True, False])
+def test_a_slow_node_is_replaced_only_when_the_policy_lists_its_kind(
+    tmp_path: Path, store: Any, listed: bool
+) -> None:
+    """A confirmed straggler (the job still trains) is acted on only where the policy says to
+    replace its node: before, workers never posted such verdicts, so `replace_node_on =
+    ["straggler"]` was accepted and did nothing. Unlisted, it is only reported: the data-loader
+    stall posted after it, which its peers wait on (the job stopped), is what restarts the job, in
+    place."""
+    from lm_resiliency.runtime.control import ControlChannel
+
+    kinds = "['sdc', 'straggler']" if listed else "['sdc']"
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f"schema_version = 1\n[recovery]\nreplace_node_on = {kinds}\n")
+    group = _Agents(store, tmp_path, lm_resiliency_worker_config=str(policy))
+    ch = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
+    try:
+        slow = {"kind": "straggler", "straggler_type": "compute", "failed_ranks": [1], "confidence": 1.0}
+        ch.post_verdict(0, slow)
+        stopped = {"kind": "data_stall", "reason": "dataloader_stalled_peers_wait", "failed_ranks": [0]}
+        ch.post_verdict(0, stopped)
+        assert ch.flush(10)
+        for _ in range(200):
+            if group.handlers["a"].num_nodes_waiting() == 1:
+                break
+            threading.Event().wait(0.05)
+        s = tr._Control(store, "unit-run").read()[1]  # type: ignore[index]
+        assert s.phase == rs.RESTARTING, s
+        if listed:
+            assert s.pending["failure_kind"] == "straggler" and s.pending["culprits"] == ["b"], s.pending
+            assert s.excluded == {"b": "straggler"}
+        else:
+            assert s.pending["failure_kind"] == "data_stall" and s.pending["culprits"] == ["a"], s.pending
+            assert s.excluded == {}
+    finally:
+        ch.close()
+        tr._Control(store, "unit-run").update(rs.close)
+        group.threads["c"].join(30)  # the parked standby leaves when the run closes
+        group.shutdown()
+    assert group.exits == {"c": 0}
+
+
+def test_workers_post_slow_job_verdicts_only_when_the_policy_replaces_nodes_for_them() -> None:
+    from lm_resiliency.api import _actionable
+
+    slow = {"kind": "straggler", "failed_ranks": [1], "straggler_type": "compute"}
+    assert not _actionable(slow)  # reported to the script's callbacks, not to the leader
+    assert _actionable(slow, frozenset({"straggler"}))
+    assert not _actionable({"kind": "data_stall", "failed_ranks": [1]}, frozenset({"straggler"}))
+    assert _actionable({"kind": "sdc", "failed_ranks": [1]})
+
+
+def test_a_slow_node_without_a_standby_keeps_training() -> None:
+    """Replacing a slow node needs a parked standby for its slot: a restart in place would not make
+    it faster, so without one the verdict changes nothing (a failure kind still restarts)."""
+    node = {n: rs.NodeInfo(n, i, "127.0.0.1", 2) for i, n in enumerate("abc")}
+    s = rs.RdzvState("nonce", 2, 3, generation=0, phase=rs.RUNNING, slots=("a", "b"), nodes=node, leader="a")
+    args = (0, "straggler", "compute_straggler", {"b"}, True, "")
+    assert tr._replace_with_standbys(s, *args) == s
+    parked = dataclasses.replace(s, standbys=("c",))
+    out = tr._replace_with_standbys(parked, *args)
+    assert out.phase == rs.RESTARTING and out.excluded == {"b": "straggler"}
 
 
 def test_control_channel_sends_off_the_callers_thread_and_never_blocks_them(store: Any) -> None:
