@@ -615,6 +615,7 @@ class _Pulse:
         # A connection of its own: a TCPStore client is not shared across threads.
         self._control: _Control | None = None
         self._verdicts_read = (-1, 0)  # (generation, verdicts of it already applied)
+        self._kept: set[tuple[int, str, tuple[int, ...]]] = set()  # slow-job verdicts logged as kept
 
     def start(self) -> None:
         self._thread.start()
@@ -732,7 +733,9 @@ class _Pulse:
                 # The job still trains: a restart in place would not make the node faster. (A
                 # stall its peers wait on has stopped the job: that one restarts as a failure.)
                 if not quarantine or len(s.standbys) < len(culprits):
-                    if s.leader == h.node_id:
+                    seen = (s.generation, kind, tuple(sorted(ranks)))  # every rank posts its copy
+                    if s.leader == h.node_id and seen not in self._kept:
+                        self._kept.add(seen)
                         log.warning(
                             "run %s: verdict %s on ranks %s (%s) kept running: %s",
                             h.run_id,
