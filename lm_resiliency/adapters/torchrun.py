@@ -745,7 +745,7 @@ class _Pulse:
                             "no standby to replace it" if quarantine else "recovery.replace_node_on lacks it",
                         )
                     continue
-                fn = _replace_with_standbys
+                fn = rs.replace_with_standbys
             log.warning("run %s: verdict %s on ranks %s -> %s", h.run_id, kind, ranks, sorted(culprits))
             error = str(v.get("error", ""))[:2000]
             args = (s.generation, kind, str(v.get("reason", kind)), culprits, quarantine, error)
@@ -817,22 +817,6 @@ class _Pulse:
         if len(digests) == 1:
             plan["topology_digest"] = digests.pop()
         return plan
-
-
-def _replace_with_standbys(
-    s: rs.RdzvState,
-    generation: int,
-    kind: str,
-    reason: str,
-    culprits: Iterable[str],
-    quarantine: bool,
-    error: str,
-) -> rs.RdzvState:
-    """A slow-job verdict (REPLACE_ONLY_FAILURES): its culprits' nodes are replaced only while
-    parked standbys can take every one of their slots; otherwise the job keeps training."""
-    if len(s.standbys) < len(set(culprits)):
-        return s
-    return rs.request_restart(s, generation, kind, reason, culprits, quarantine, error)
 
 
 def _quarantines(verdict: dict[str, Any], replace_on: Iterable[str]) -> bool:

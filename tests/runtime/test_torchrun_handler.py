@@ -298,9 +298,9 @@ def test_a_slow_node_without_a_standby_keeps_training() -> None:
     node = {n: rs.NodeInfo(n, i, "127.0.0.1", 2) for i, n in enumerate("abc")}
     s = rs.RdzvState("nonce", 2, 3, generation=0, phase=rs.RUNNING, slots=("a", "b"), nodes=node, leader="a")
     args = (0, "straggler", "compute_straggler", {"b"}, True, "")
-    assert tr._replace_with_standbys(s, *args) == s
+    assert rs.replace_with_standbys(s, *args) == s
     parked = dataclasses.replace(s, standbys=("c",))
-    out = tr._replace_with_standbys(parked, *args)
+    out = rs.replace_with_standbys(parked, *args)
     assert out.phase == rs.RESTARTING and out.excluded == {"b": "straggler"}
 
 

@@ -194,6 +194,24 @@ def request_restart(
     return replace(s, phase=RESTARTING, arrived=(), pending=pending, excluded=excluded)
 
 
+def replace_with_standbys(
+    s: RdzvState,
+    generation: int,
+    failure_kind: str,
+    reason: str,
+    culprits: Iterable[str] = (),
+    quarantine: bool = True,
+    error: str = "",
+) -> RdzvState:
+    """A verdict on a job that still trains (a straggler, a stall nobody waits on): its culprits'
+    nodes are quarantined and replaced only while parked standbys can take every one of their
+    slots; otherwise nothing changes and the job keeps training (a restart in place would not make
+    a node faster)."""
+    if len(s.standbys) < len(set(culprits)):
+        return s
+    return request_restart(s, generation, failure_kind, reason, culprits, quarantine, error)
+
+
 def arrive(s: RdzvState, node: str, generation: int) -> RdzvState:
     """A slot holder's agent re-entered the rendezvous after its workers of `generation` stopped."""
     if generation != s.generation:
