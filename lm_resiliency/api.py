@@ -42,6 +42,7 @@ from lm_resiliency.config import (
     load_policy,
     read_environment,
 )
+from lm_resiliency.core.gemini.recovery import memory_checkpoint_id
 from lm_resiliency.core.membership import EventKind, MembershipEvent
 from lm_resiliency.core.messages import StepTelemetry
 from lm_resiliency.core.scout.verdicts import LEFT, PEERS_WAIT
@@ -763,7 +764,11 @@ class Session:
             if reason.startswith(("disk:", "fallback:"))
             else "gemini",
             checkpoint_step=step,
-            checkpoint_id=str(gem.durable.path(step)) if step >= 0 and reason.startswith("disk:") else None,
+            checkpoint_id=None
+            if step < 0 or reason.startswith("fallback:")
+            else str(gem.durable.path(step))
+            if reason.startswith("disk:")
+            else memory_checkpoint_id(step),
             topology_digest=self._topology.digest(),
             available=step >= 0,
             reason=reason,
@@ -1259,6 +1264,7 @@ class Session:
             recovery_mode=mode,
             checkpoint_source="gemini" if newest >= 0 else "none",
             checkpoint_step=newest,
+            checkpoint_id=memory_checkpoint_id(newest) if newest >= 0 else None,
             topology_digest=self.topology.digest() if self._topology else "",
             all_ranks_accessible=all_ranks_accessible,
             available=newest >= 0,

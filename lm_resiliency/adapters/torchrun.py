@@ -46,7 +46,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from lm_resiliency.config import REPLACE_ONLY_FAILURES
-from lm_resiliency.core.gemini.recovery import plan_recovery, verified_steps
+from lm_resiliency.core.gemini.recovery import memory_checkpoint_id, plan_recovery, verified_steps
 from lm_resiliency.core.rendezvous import state as rs
 from lm_resiliency.core.scout.verdicts import PEERS_WAIT
 
@@ -810,7 +810,7 @@ class _Pulse:
             tiers = {src.tier for src in rp.sources.values()}
             plan["checkpoint_source"] = "durable" if tiers == {"disk"} else "gemini"
             plan["checkpoint_step"] = rp.step
-            plan["checkpoint_id"] = f"gemini-step-{rp.step}"
+            plan["checkpoint_id"] = memory_checkpoint_id(rp.step)
             plan["sources"] = sorted({src.tier for src in rp.sources.values()})
         plan["plan_reason"] = rp.reason
         digests = {str(inv.get("topology", "")) for inv in invs.values()} - {""}

@@ -221,6 +221,8 @@ def test_ten_consecutive_worker_kills_all_recover_without_extra_generations(
     assert ctx_path.stat().st_mode & 0o777 == 0o600
     assert ctx["generation"] == 10 and ctx["checkpoint_step"] == 20 and ctx["checkpoint_source"] == "gemini"
     assert ctx["reason_code"] == "worker_exit" and ctx["admitted"] == []
+    # The session's decision names the copy it restored as the restart context does.
+    assert ctx["checkpoint_id"] == gens[10]["decision"]["checkpoint_id"] == "gemini-step-20"
     assert ctx["expected_world_size"] == 2 and ctx["logical_node_slot"] in (0, 1)
     assert _equal(job.final(), baseline)
 

@@ -67,6 +67,7 @@ def test_single_process_session_surface() -> None:
         decision = session.last_recovery_decision
         assert decision is not None and decision["checkpoint_step"] == 4 and decision["available"]
         assert decision["recovery_mode"] == "latest" and decision["checkpoint_source"] == "gemini"
+        assert decision["checkpoint_id"] == "gemini-step-4"
         with pytest.raises(ValueError, match=r"unknown failure kind 'gremlins'.*tensor_corruption"):
             session.prepare_recovery("gremlins")
         # FAILURES.md's canonical types too, recovered as the kind that catches each.

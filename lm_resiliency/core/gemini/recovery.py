@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
-__all__ = ["RecoveryPlan", "Source", "plan_recovery", "verified_steps"]
+__all__ = ["RecoveryPlan", "Source", "memory_checkpoint_id", "plan_recovery", "verified_steps"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,13 @@ class RecoveryPlan:
     step: int  # -1: nothing every rank can load
     sources: dict[int, Source]
     reason: str
+
+
+def memory_checkpoint_id(step: int) -> str:
+    """The `checkpoint_id` of a step restored from GEMINI's memory tiers (local or a peer replica):
+    the restart context and the session's recovery decision name it the same way. A restore from
+    disk names the file instead."""
+    return f"gemini-step-{step}"
 
 
 def plan_recovery(
