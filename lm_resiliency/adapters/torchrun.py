@@ -396,16 +396,41 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             return 1
         if s.phase == rs.RESTARTING and s.pending.get("from_generation") == self._generation:
             return 1
+        if s.phase == rs.CLOSED and s.pending.get("gave_up"):
+            return 1  # stop the workers: the next rendezvous fails with the reason
         return 0
 
     def shutdown(self) -> bool:
-        """Close the run when this generation's agents all passed torch's exit barrier (success);
-        otherwise only stop heart-beating."""
+        """Close the run when this generation's agents all passed torch's exit barrier (success).
+        When the agent exits failing (torchrun's restarts used up: `ChildFailedError`; torchrun
+        calls this from the `finally` of its launch, the exception in flight) the node leaves the
+        run: a standby takes its slot, or the run gives up with the reason. Otherwise only stop
+        heart-beating (a signal: torchrun does not call this then)."""
+        failed = sys.exc_info()[1]
         try:
-            if self._agent_store is not None and self._control is not None and self._slot is not None:
-                s = self._safe_read()
-                done = self._agent_store.add(_TERMINAL_KEY, 0) if s is not None else 0
-                if s is not None and s.generation == self._generation and done >= len(s.slots):
+            s = self._safe_read()
+            if s is None or s.phase == rs.CLOSED:
+                pass
+            elif failed is not None and not isinstance(failed, SystemExit) and self._generation >= 0:
+                if type(failed).__name__ == "ChildFailedError":
+                    reason, why = (
+                        "restarts_exhausted",
+                        "its workers failed and torchrun's --max-restarts are used up",
+                    )
+                else:
+                    reason, why = (
+                        "agent_failed",
+                        f"its agent failed: {type(failed).__name__}: {str(failed)[:200]}",
+                    )
+                assert self._control is not None
+                s = self._control.update(lambda cur: rs.leave(cur, self.node_id, reason, why))
+                if s.phase == rs.CLOSED and s.pending.get("gave_up"):
+                    log.error("run %s gave up: %s", self.run_id, s.pending["gave_up"])
+                else:
+                    log.warning("node %s left run %s: %s", self.node_id, self.run_id, why)
+            elif self._agent_store is not None and self._control is not None and self._slot is not None:
+                done = self._agent_store.add(_TERMINAL_KEY, 0)
+                if s.generation == self._generation and done >= len(s.slots):
                     self._control.update(rs.close)
                     log.info("run %s closed after generation %d succeeded", self.run_id, s.generation)
                     self._reclaim_memory()

@@ -205,6 +205,47 @@ def test_the_same_failure_restarted_from_the_same_step_again_and_again_closes_th
         assert other.phase == rs.RUNNING and other.generation == rs.LOOP_LIMIT + 1, (step, kind, node)
 
 
+def test_worker_kills_restarted_from_the_same_step_are_budgeted_by_torchrun_not_the_loop_limit() -> None:
+    """A chaos test SIGKILLs b's workers again and again while they restart, before any step runs:
+    each generation restarts from step 5 for the same failure. Each such restart costs b's agent
+    one of torchrun's `--max-restarts` (the user's budget for them), so the leader keeps publishing
+    (before: after three the run was closed as 'a restart would repeat it' with restarts left)."""
+    s = _formed(["a", "b"])
+    for _ in range(rs.LOOP_LIMIT + 2):
+        s = _restarted(s, "process_failure", "worker_exit", "b", 5)
+        assert s.phase == rs.RUNNING
+    assert s.generation == rs.LOOP_LIMIT + 2
+
+
+def test_a_node_that_leaves_for_good_is_replaced_at_once_or_the_run_gives_up() -> None:
+    """b's agent has no restarts left (torchrun's `--max-restarts`) and exits: a parked standby takes
+    its slot at once (no heartbeat timeout to wait out); with none, the run gives up with the reason
+    so that every agent fails now (before: a waited for b's slot to be filled, for ever)."""
+    why = "its workers failed and torchrun's --max-restarts are used up"
+    s = rs.leave(_formed(["a", "b", "c"]), "b", "restarts_exhausted", why)
+    assert s.phase == rs.RESTARTING and s.slots == ("a", None)
+    assert s.pending["failure_kind"] == "process_failure" and s.pending["reason"] == "restarts_exhausted"
+    assert s.pending["culprits"] == ["b"]
+    s = rs.form(rs.arrive(s, "a", 0), {"a", "c"})
+    assert s.phase == rs.RUNNING and s.generation == 1 and s.slots == ("a", "c")
+    assert s.history[-1]["admitted"] == [{"slot": 1, "node": "c"}] and s.history[-1]["culprits"] == ["b"]
+
+    # a's workers broke first (their collectives lost b's) and a arrived: b is still the cause.
+    s = rs.arrive(_formed(["a", "b"]), "a", 0)
+    assert s.pending["culprits"] == ["a"]
+    gave_up = rs.leave(s, "b", "restarts_exhausted", why)
+    assert gave_up.phase == rs.CLOSED and gave_up.pending["culprits"] == ["b"]
+    assert gave_up.pending["reason"] == "restarts_exhausted"
+    assert gave_up.pending["gave_up"] == f"node b left the run ({why}) and no standby can take its slot 1"
+    assert rs.decode(rs.encode(gave_up)) == gave_up
+    assert rs.leave(gave_up, "a", "restarts_exhausted") == gave_up  # closed: nothing changes
+
+    # Still forming: the slot is freed for a node that registers later; the run goes on forming.
+    forming = rs.register(rs.RdzvState.new("nonce", 2, 2, "pol"), "a", "ha", 2, "pol")
+    forming = rs.leave(forming, "a", "agent_failed")
+    assert forming.phase == rs.FORMING and forming.slots == (None, None)
+
+
 def test_without_a_standby_a_lost_slot_waits() -> None:
     s = _formed(["a", "b"])
     s = rs.mark_dead(s, "b")

@@ -211,6 +211,49 @@ def test_lost_leader_is_replaced_by_the_next_oldest_node(tmp_path: Path, store: 
         h.shutdown()
 
 
+def _shutdown_failing(handler: Any) -> None:
+    """torchrun's launch calls shutdown() from a `finally` while the agent's failure is in flight."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    try:
+        try:
+            raise ChildFailedError("train.py", {0: ProcessFailure(0, 1234, 1, "/nonexistent/error.json")})
+        finally:
+            handler.shutdown()
+    except ChildFailedError:
+        pass
+
+
+def test_a_node_whose_restarts_are_used_up_is_replaced_then_the_run_gives_up(
+    tmp_path: Path, store: Any, agents: Any
+) -> None:
+    """b's agent exits with torchrun's restarts used up: the standby takes b's slot at once, with no
+    heartbeat timeout to wait out. When c's are used up too, nobody can take its slot: the run gives
+    up, a is told to stop its workers, and its next rendezvous fails with the reason (before: a
+    waited for the slot to be filled, for ever)."""
+    handlers, threads = agents.handlers, agents.threads
+    control = tr._Control(store, "unit-run")
+    _shutdown_failing(handlers["b"])
+    s = control.read()[1]  # type: ignore[index]
+    assert s.phase == rs.RESTARTING and s.slots == ("a", None) and s.pending["culprits"] == ["b"]
+    assert s.pending["reason"] == "restarts_exhausted"
+    info_a = handlers["a"].next_rendezvous()  # a re-enters; the standby fills b's slot
+    threads["c"].join(30)
+    s = control.read()[1]  # type: ignore[index]
+    assert s.generation == 1 and s.slots == ("a", "c") and info_a.rank == 0 and agents.infos["c"].rank == 1
+    _shutdown_failing(handlers["c"])
+    assert control.read()[1].phase == rs.CLOSED  # type: ignore[index]
+    for _ in range(200):  # a's pulse sees the closed run
+        if handlers["a"].num_nodes_waiting() == 1:
+            break
+        threading.Event().wait(0.05)
+    assert handlers["a"].num_nodes_waiting() == 1
+    with pytest.raises(
+        RendezvousError, match=r"gave up: node c left the run \(its workers failed and torchrun"
+    ):
+        handlers["a"].next_rendezvous()
+
+
 def test_manager_reads_decisions_and_publishes_a_replacement(tmp_path: Path, store: Any, agents: Any) -> None:
     from lm_resiliency.manager import RunManager
 

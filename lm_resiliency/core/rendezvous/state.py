@@ -13,8 +13,8 @@ Life of a run:
   rendezvous) or be declared dead. Dead or quarantined slots are filled by the oldest live standby;
   previous holders keep their slots (stable ranks). Then generation g+1 is published.
 - `closed`: the job succeeded; parked and quarantined nodes exit 0. Or it gave up (`pending["gave_up"]`
-  says why): the same failure restarted from the same step `LOOP_LIMIT` times in a row; every agent
-  then fails.
+  says why): the same failure restarted from the same step `LOOP_LIMIT` times in a row, or a slot
+  holder left for good (`leave`) with no standby to take its slot; every agent then fails.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ __all__ = [
     "elect",
     "encode",
     "form",
+    "leave",
     "mark_dead",
     "register",
     "repeat_offender",
@@ -250,6 +251,40 @@ def mark_dead(s: RdzvState, node: str) -> RdzvState:
     return replace(s, slots=tuple(slots), arrived=tuple(n for n in s.arrived if n != node))
 
 
+def leave(s: RdzvState, node: str, reason: str, detail: str = "") -> RdzvState:
+    """The node's agent exits for good while the run goes on: torchrun has no restarts left for its
+    workers (`--max-restarts`), or the agent itself failed. Its slot is freed at once, without
+    waiting out its heartbeats, and a parked standby takes it. With no standby to take it the next
+    generation cannot form: the run is closed as given up with the reason, and every agent fails
+    now (before, the others waited for the node for ever). While the run still forms, the slot is
+    only freed: a node that registers later takes it. `reason` is the stable code
+    (`restarts_exhausted`, `agent_failed`), `detail` what an operator reads."""
+    if s.phase == CLOSED:
+        return s
+    slot = s.slot_of(node)
+    if slot is None or s.phase == FORMING:
+        return mark_dead(s, node)
+    if s.phase == RUNNING:
+        s = request_restart(s, s.generation, "process_failure", reason, (node,))
+    elif s.pending.get("failure_kind") == "process_failure":
+        # Peers' workers exited first (their collectives broke), but the root cause is this node.
+        s = replace(s, pending={**s.pending, "reason": reason, "culprits": [node]})
+    slots = list(s.slots)
+    slots[slot] = None
+    s = replace(s, slots=tuple(slots), arrived=tuple(n for n in s.arrived if n != node))
+    if any(n not in s.excluded for n in s.standbys):
+        return s
+    return replace(
+        s,
+        phase=CLOSED,
+        pending={
+            **s.pending,
+            "gave_up": f"node {node} left the run ({detail or reason}) and no standby can take its "
+            f"slot {slot}",
+        },
+    )
+
+
 def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) -> RdzvState:
     """The leader publishes the next generation once every slot is held by a ready node.
 
@@ -340,6 +375,9 @@ def _keep_without_standby(s: RdzvState, live: Set[str]) -> RdzvState:
 # Restarts in a row tolerated for the same failure (kind, reason, culprits) resumed from the same
 # step: the next one would fail the same way again (a hang or stall at a fixed step of the data, a
 # loop that ends early on one rank), so the run is closed as failed instead of looping for ever.
+# Not for a process failure: each one costs the failing node's agent one of torchrun's
+# `--max-restarts`, the budget the user set for them (workers killed again and again while they
+# restarted, before any step ran, looked like a loop and ended a healthy job after three).
 LOOP_LIMIT = 3
 _LOOP_KEYS = ("failure_kind", "reason", "culprits", "checkpoint_step")
 
@@ -347,7 +385,7 @@ _LOOP_KEYS = ("failure_kind", "reason", "culprits", "checkpoint_step")
 def _looping(history: tuple[Mapping[str, Any], ...], entry: Mapping[str, Any]) -> str:
     """Why publishing `entry` would repeat the last `LOOP_LIMIT` generations' restart ("" if not)."""
     last = history[-LOOP_LIMIT:]
-    if entry["failure_kind"] == "none" or len(last) < LOOP_LIMIT:
+    if entry["failure_kind"] in ("none", "process_failure") or len(last) < LOOP_LIMIT:
         return ""
     if any(tuple(h.get(k) for k in _LOOP_KEYS) != tuple(entry[k] for k in _LOOP_KEYS) for h in last):
         return ""
