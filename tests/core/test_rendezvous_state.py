@@ -129,8 +129,9 @@ def test_a_culprit_no_standby_can_replace_restarts_in_place_instead_of_waiting_f
     assert s.phase == rs.RESTARTING and s.slots == ("d", None)
 
 
-def _fails(s: rs.RdzvState, node: str, error: str, live: set[str]) -> rs.RdzvState:
-    """`node`'s worker dies of `error` in the current generation; every holder arrives; the next forms."""
+def _fails(s: rs.RdzvState, node: str, error: str, live: set[str], step: int | None = None) -> rs.RdzvState:
+    """`node`'s worker dies of `error` in the current generation; every holder arrives; the next forms
+    (from `step` when given)."""
     g = s.generation
     s = rs.arrive(
         rs.request_restart(s, g, "process_failure", "uncaught_exception", [node], False, error), node, g
@@ -138,7 +139,7 @@ def _fails(s: rs.RdzvState, node: str, error: str, live: set[str]) -> rs.RdzvSta
     for n in s.slots:
         if n is not None:
             s = rs.arrive(s, n, g)
-    return rs.form(s, live)
+    return rs.form(s, live, None if step is None else {"checkpoint_step": step})
 
 
 def test_a_node_that_fails_the_same_way_twice_in_a_row_is_replaced_by_a_standby() -> None:
@@ -209,12 +210,20 @@ def test_worker_kills_restarted_from_the_same_step_are_budgeted_by_torchrun_not_
     """A chaos test SIGKILLs b's workers again and again while they restart, before any step runs:
     each generation restarts from step 5 for the same failure. Each such restart costs b's agent
     one of torchrun's `--max-restarts` (the user's budget for them), so the leader keeps publishing
-    (before: after three the run was closed as 'a restart would repeat it' with restarts left)."""
+    (before: after three the run was closed as 'a restart would repeat it' with restarts left).
+    An exception that says the same thing from the same step each time still closes the run."""
     s = _formed(["a", "b"])
     for _ in range(rs.LOOP_LIMIT + 2):
         s = _restarted(s, "process_failure", "worker_exit", "b", 5)
         assert s.phase == rs.RUNNING
     assert s.generation == rs.LOOP_LIMIT + 2
+    # The same exception from the same step, again and again, is a loop (a bad batch at step 6).
+    s = _formed(["a", "b"])
+    for _ in range(rs.LOOP_LIMIT):
+        s = _fails(s, "b", "FloatingPointError: loss is nan", {"a", "b"}, step=5)
+        assert s.phase == rs.RUNNING
+    assert _fails(s, "b", "FloatingPointError: loss is nan", {"a", "b"}, step=5).phase == rs.CLOSED
+    assert _fails(s, "b", "OSError: disk", {"a", "b"}, step=5).phase == rs.RUNNING  # another error
 
 
 def test_a_node_that_leaves_for_good_is_replaced_at_once_or_the_run_gives_up() -> None:

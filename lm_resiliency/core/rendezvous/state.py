@@ -375,17 +375,20 @@ def _keep_without_standby(s: RdzvState, live: Set[str]) -> RdzvState:
 # Restarts in a row tolerated for the same failure (kind, reason, culprits) resumed from the same
 # step: the next one would fail the same way again (a hang or stall at a fixed step of the data, a
 # loop that ends early on one rank), so the run is closed as failed instead of looping for ever.
-# Not for a process failure: each one costs the failing node's agent one of torchrun's
-# `--max-restarts`, the budget the user set for them (workers killed again and again while they
-# restarted, before any step ran, looked like a loop and ended a healthy job after three).
+# Not for workers that exited without saying why (killed: an OOM killer, an operator, a chaos
+# test) or nodes that left: each costs the failing node's agent one of torchrun's `--max-restarts`,
+# the budget set for them, and workers killed again and again while they restarted, before any step
+# ran, looked like a loop and ended a healthy job after three. The same exception type raised from
+# the same step three times is a loop.
 LOOP_LIMIT = 3
-_LOOP_KEYS = ("failure_kind", "reason", "culprits", "checkpoint_step")
+_LOOP_KEYS = ("failure_kind", "reason", "culprits", "checkpoint_step", "error_type")
+_NOT_LOOPS = ("worker_exit", "restarts_exhausted", "agent_failed")
 
 
 def _looping(history: tuple[Mapping[str, Any], ...], entry: Mapping[str, Any]) -> str:
     """Why publishing `entry` would repeat the last `LOOP_LIMIT` generations' restart ("" if not)."""
     last = history[-LOOP_LIMIT:]
-    if entry["failure_kind"] in ("none", "process_failure") or len(last) < LOOP_LIMIT:
+    if entry["failure_kind"] == "none" or entry["reason"] in _NOT_LOOPS or len(last) < LOOP_LIMIT:
         return ""
     if any(tuple(h.get(k) for k in _LOOP_KEYS) != tuple(entry[k] for k in _LOOP_KEYS) for h in last):
         return ""
