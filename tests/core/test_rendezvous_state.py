@@ -249,6 +249,12 @@ def test_a_node_that_leaves_for_good_is_replaced_at_once_or_the_run_gives_up() -
     assert rs.decode(rs.encode(gave_up)) == gave_up
     assert rs.leave(gave_up, "a", "restarts_exhausted") == gave_up  # closed: nothing changes
 
+    # The leader left: forgotten, so that the oldest live node leads at once (its heartbeats have
+    # not timed out yet).
+    s = rs.leave(_formed(["a", "b", "c"]), "a", "agent_failed")
+    assert s.leader is None and "a" not in s.nodes and rs.role_of(s, "a") == "unknown"
+    assert rs.elect(s, "b", {"a", "b", "c"}).leader == "b"
+
     # Still forming: the slot is freed for a node that registers later; the run goes on forming.
     forming = rs.register(rs.RdzvState.new("nonce", 2, 2, "pol"), "a", "ha", 2, "pol")
     forming = rs.leave(forming, "a", "agent_failed")
