@@ -641,6 +641,7 @@ class _Pulse:
         self._control: _Control | None = None
         self._verdicts_read = (-1, 0)  # (generation, verdicts of it already applied)
         self._kept: set[tuple[int, str, tuple[int, ...]]] = set()  # slow-job verdicts logged as kept
+        self._unfilled_since: float | None = None  # a restart waits for a lost node, no standby
 
     def start(self) -> None:
         self._thread.start()
@@ -728,6 +729,34 @@ class _Pulse:
                         h.run_id,
                         s.history[-1]["kept"],
                     )
+        return self._wait_for_lost_nodes(control, s, now)
+
+    def _wait_for_lost_nodes(self, control: _Control, s: rs.RdzvState, now: float) -> rs.RdzvState:
+        """A restart that waits for a lost node (no standby for its slot) waits for it to come back
+        (its agent restarted on the same machine) for `lm_resiliency_join_timeout_ms`, then gives up:
+        every agent fails with the reason instead of waiting for ever."""
+        h = self.h
+        holes = rs.unfillable_slots(s)
+        if not holes:
+            self._unfilled_since = None
+            return s
+        if self._unfilled_since is None:
+            self._unfilled_since = now
+            log.warning(
+                "run %s: slots %s wait for their lost node (no standby): giving up in %.0f s",
+                h.run_id,
+                holes,
+                h.join_timeout_s,
+            )
+        if now - self._unfilled_since < h.join_timeout_s:
+            return s
+        why = (
+            f"slots {holes} had no node for {h.join_timeout_s:.0f} s (lm_resiliency_join_timeout_ms) "
+            "and no standby to take them"
+        )
+        s = control.update(partial(_if_leader, me=h.node_id, fn=rs.give_up, args=(why,)))
+        if s.phase == rs.CLOSED:
+            log.error("run %s gave up: %s", h.run_id, why)
         return s
 
     def _apply_verdicts(self, control: _Control, s: rs.RdzvState) -> rs.RdzvState:

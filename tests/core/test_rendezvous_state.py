@@ -263,9 +263,14 @@ def test_a_node_that_leaves_for_good_is_replaced_at_once_or_the_run_gives_up() -
 
 def test_without_a_standby_a_lost_slot_waits() -> None:
     s = _formed(["a", "b"])
+    assert rs.unfillable_slots(s) == []
     s = rs.mark_dead(s, "b")
     s = rs.form(rs.arrive(s, "a", 0), {"a"})
     assert s.phase == rs.RESTARTING and s.slots == ("a", None)
+    assert rs.unfillable_slots(s) == [1]  # the leader gives up after the join timeout
+    closed = rs.give_up(s, "slots [1] had no node")
+    assert closed.phase == rs.CLOSED and closed.pending["gave_up"] == "slots [1] had no node"
+    assert rs.give_up(closed, "again") == closed
     s = rs.register(s, "b", "hb", 2, "pol")  # the node's agent came back (same machine id)
     assert s.standbys == ("b",)
     s = rs.form(s, {"a", "b"})

@@ -55,13 +55,13 @@ def _start_in_order(store: Any, threads: dict[str, threading.Thread]) -> None:
 class _Agents:
     """Agents a, b, c as threads, registered in that order: a and b take the slots, c parks."""
 
-    def __init__(self, store: Any, tmp: Path, **conf: Any) -> None:
+    def __init__(self, store: Any, tmp: Path, names: str = "abc", **conf: Any) -> None:
         self.handlers = {
-            n: tr.LmResiliencyRendezvousHandler(_params(store.port, tmp, n, **conf), node_id=n) for n in "abc"
+            n: tr.LmResiliencyRendezvousHandler(_params(store.port, tmp, n, **conf), node_id=n) for n in names
         }
         self.infos: dict[str, Any] = {}
         self.exits: dict[str, Any] = {}
-        self.threads = {n: threading.Thread(target=self.run, args=(n,)) for n in "abc"}
+        self.threads = {n: threading.Thread(target=self.run, args=(n,)) for n in names}
         _start_in_order(store, self.threads)
         for n in "ab":
             self.threads[n].join(30)
@@ -71,6 +71,8 @@ class _Agents:
             self.infos[n] = self.handlers[n].next_rendezvous()
         except SystemExit as exc:
             self.exits[n] = exc.code
+        except RendezvousError as exc:
+            self.exits[n] = exc
 
     def again(self, n: str) -> threading.Thread:
         """n's agent re-enters the rendezvous (its workers stopped)."""
@@ -252,6 +254,28 @@ def test_a_node_whose_restarts_are_used_up_is_replaced_then_the_run_gives_up(
         RendezvousError, match=r"gave up: node c left the run \(its workers failed and torchrun"
     ):
         handlers["a"].next_rendezvous()
+
+
+def test_a_restart_waiting_for_a_lost_node_with_no_standby_gives_up_after_the_join_timeout(
+    tmp_path: Path, store: Any
+) -> None:
+    """No standby, and b's node is lost: the restart waits for b's slot to be filled (b's agent may
+    come back on its machine) for the join timeout, then the run gives up and a's next rendezvous
+    fails with the reason (before: a waited for ever)."""
+    group = _Agents(store, tmp_path, names="ab", lm_resiliency_join_timeout_ms="3000")
+    try:
+        handlers = group.handlers
+        control = tr._Control(store, "unit-run")
+        handlers["b"]._pulse.stop()
+        for _ in range(400):
+            if control.read()[1].phase == rs.CLOSED:  # type: ignore[index]
+                break
+            threading.Event().wait(0.05)
+        assert handlers["a"].num_nodes_waiting() == 1
+        with pytest.raises(RendezvousError, match=r"gave up: slots \[1\] had no node for 3 s"):
+            handlers["a"].next_rendezvous()
+    finally:
+        group.shutdown()
 
 
 def test_manager_reads_decisions_and_publishes_a_replacement(tmp_path: Path, store: Any, agents: Any) -> None:

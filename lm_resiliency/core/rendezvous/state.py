@@ -13,8 +13,9 @@ Life of a run:
   rendezvous) or be declared dead. Dead or quarantined slots are filled by the oldest live standby;
   previous holders keep their slots (stable ranks). Then generation g+1 is published.
 - `closed`: the job succeeded; parked and quarantined nodes exit 0. Or it gave up (`pending["gave_up"]`
-  says why): the same failure restarted from the same step `LOOP_LIMIT` times in a row, or a slot
-  holder left for good (`leave`) with no standby to take its slot; every agent then fails.
+  says why): the same failure restarted from the same step `LOOP_LIMIT` times in a row, a slot
+  holder left for good (`leave`) with no standby to take its slot, or a lost node's slot stayed
+  unfilled (`unfillable_slots`) for the join timeout; every agent then fails.
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ __all__ = [
     "elect",
     "encode",
     "form",
+    "give_up",
     "leave",
     "mark_dead",
     "register",
     "repeat_offender",
     "request_restart",
     "role_of",
+    "unfillable_slots",
 ]
 
 FORMING, RUNNING, RESTARTING, CLOSED = "forming", "running", "restarting", "closed"
@@ -282,14 +285,8 @@ def leave(s: RdzvState, node: str, reason: str, detail: str = "") -> RdzvState:
     )
     if any(n not in s.excluded for n in s.standbys):
         return s
-    return replace(
-        s,
-        phase=CLOSED,
-        pending={
-            **s.pending,
-            "gave_up": f"node {node} left the run ({detail or reason}) and no standby can take its "
-            f"slot {slot}",
-        },
+    return give_up(
+        s, f"node {node} left the run ({detail or reason}) and no standby can take its slot {slot}"
     )
 
 
@@ -343,7 +340,7 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
         entry["checkpoint_step"] = int(plan.get("checkpoint_step", -1))
         looping = _looping(s.history, entry)
         if looping:
-            return replace(s, phase=CLOSED, pending={**s.pending, "gave_up": looping})
+            return give_up(s, looping)
     if s.pending.get("repeated"):
         entry["repeated"] = True
     if s.pending.get("kept"):
@@ -436,6 +433,19 @@ def repeat_offender(s: RdzvState) -> str | None:
 
 def close(s: RdzvState) -> RdzvState:
     return s if s.phase == CLOSED else replace(s, phase=CLOSED)
+
+
+def give_up(s: RdzvState, why: str) -> RdzvState:
+    """Close the run as failed: every agent's next rendezvous raises with `why`."""
+    return s if s.phase == CLOSED else replace(s, phase=CLOSED, pending={**s.pending, "gave_up": why})
+
+
+def unfillable_slots(s: RdzvState) -> list[int]:
+    """Slots a restart waits for with no standby to fill them (their node was lost): the run can only
+    go on when that node comes back."""
+    if s.phase != RESTARTING or any(n not in s.excluded for n in s.standbys):
+        return []
+    return [i for i, n in enumerate(s.slots) if n is None]
 
 
 # ---------------------------------------------------------------------------------------------------
