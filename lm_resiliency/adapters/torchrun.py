@@ -409,9 +409,14 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         failed = sys.exc_info()[1]
         try:
             s = self._safe_read()
-            if s is None or s.phase == rs.CLOSED:
+            if s is None:
                 pass
-            elif failed is not None and not isinstance(failed, SystemExit) and self._generation >= 0:
+            elif (
+                failed is not None
+                and not isinstance(failed, SystemExit)
+                and self._generation >= 0
+                and s.phase != rs.CLOSED
+            ):
                 if type(failed).__name__ == "ChildFailedError":
                     reason, why = (
                         "restarts_exhausted",
