@@ -274,15 +274,8 @@ def leave(s: RdzvState, node: str, reason: str, detail: str = "") -> RdzvState:
         s = replace(s, pending={**s.pending, "reason": reason, "culprits": [node]})
     slots = list(s.slots)
     slots[slot] = None
-    s = replace(
-        s,
-        slots=tuple(slots),
-        arrived=tuple(n for n in s.arrived if n != node),
-        # Forgotten: a leader that left is succeeded at the next tick, not after its heartbeats
-        # time out (its agent may register again as a new node).
-        nodes={n: info for n, info in s.nodes.items() if n != node},
-        leader=None if s.leader == node else s.leader,
-    )
+    # Its NodeInfo stays: the plan of the next generation maps the last one's ranks to nodes.
+    s = replace(s, slots=tuple(slots), arrived=tuple(n for n in s.arrived if n != node))
     if any(n not in s.excluded for n in s.standbys):
         return s
     return give_up(
