@@ -249,6 +249,12 @@ def mark_dead(s: RdzvState, node: str) -> RdzvState:
                 "culprits": [node],
             },
         )
+    return _free_slot(s, node, slot)
+
+
+def _free_slot(s: RdzvState, node: str, slot: int) -> RdzvState:
+    """`node` no longer holds `slot` (its NodeInfo stays: the next plan maps the last generation's
+    ranks to their nodes)."""
     slots = list(s.slots)
     slots[slot] = None
     return replace(s, slots=tuple(slots), arrived=tuple(n for n in s.arrived if n != node))
@@ -272,10 +278,7 @@ def leave(s: RdzvState, node: str, reason: str, detail: str = "") -> RdzvState:
     elif s.pending.get("failure_kind") == "process_failure":
         # Peers' workers exited first (their collectives broke), but the root cause is this node.
         s = replace(s, pending={**s.pending, "reason": reason, "culprits": [node]})
-    slots = list(s.slots)
-    slots[slot] = None
-    # Its NodeInfo stays: the plan of the next generation maps the last one's ranks to nodes.
-    s = replace(s, slots=tuple(slots), arrived=tuple(n for n in s.arrived if n != node))
+    s = _free_slot(s, node, slot)
     if any(n not in s.excluded for n in s.standbys):
         return s
     return give_up(
