@@ -279,7 +279,7 @@ def leave(s: RdzvState, node: str, reason: str, detail: str = "") -> RdzvState:
         # Peers' workers exited first (their collectives broke), but the root cause is this node.
         s = replace(s, pending={**s.pending, "reason": reason, "culprits": [node]})
     s = _free_slot(s, node, slot)
-    if any(n not in s.excluded for n in s.standbys):
+    if not unfillable_slots(s):
         return s
     return give_up(
         s, f"node {node} left the run ({detail or reason}) and no standby can take its slot {slot}"
