@@ -335,6 +335,16 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         self.worker_config = self.conf.get("lm_resiliency_worker_config")
         self.policy_digest, self.replace_on = policy_digest(self.worker_config)
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or _nproc_from_argv()
+        # Who this agent is, for the node id it claims in the run (see _claim_node_id).
+        self.claim = json.dumps(
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "addr": self.addr,
+                "nonce": os.urandom(6).hex(),
+            },
+            sort_keys=True,
+        )
         self._control: _Control | None = None
         self._pulse: _Pulse | None = None
         self._generation = -1  # the generation this agent's workers belong to
@@ -360,6 +370,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         t0 = time.monotonic()
         control = self._connect()
         if self._pulse is None:
+            self._claim_node_id(control)
             try:
                 control.update(
                     lambda s: rs.register(
@@ -456,6 +467,28 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             control.init(fresh)
             self._control = control
         return self._control
+
+    def _claim_node_id(self, control: _Control) -> None:
+        """Hold this node id in the run for this agent before registering with it. A node id held
+        by an agent that still beats is another machine with the same identity (hosts cloned from
+        one image carry one /etc/machine-id) or a second torchrun on this host: it is refused with
+        the fix, and the holder is told (before, both registered as one node and the run waited
+        for its missing nodes without a word). A holder that stopped beating was this node's agent
+        before a restart: its claim passes to this one."""
+        key = control.key(f"owner/{self.node_id}")
+        held = control.store.compare_set(key, "", self.claim).decode()
+        while held != self.claim:
+            if node_id_in_use(control, self.node_id, max(1.0, 4 * self.poll_s)):
+                control.store.set(control.key(f"refused/{self.node_id}"), self.claim)
+                why = duplicate_node_id_message(self.node_id, held, self.run_id, "a live agent holds it")
+                raise RendezvousError(f"[duplicate_node_id] {why}")
+            held = control.store.compare_set(key, held, self.claim).decode()
+
+    def _release_node_id(self) -> None:
+        """A clean exit frees the node id: the next agent on this machine need not wait out ours."""
+        if self._control is not None and self._pulse is not None:
+            with contextlib.suppress(Exception):
+                self._control.store.compare_set(self._control.key(f"owner/{self.node_id}"), self.claim, "")
 
     def _safe_read(self) -> rs.RdzvState | None:
         try:
@@ -610,7 +643,35 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
     def _stop(self) -> None:
         if self._pulse is not None:
             self._pulse.stop()
+        self._release_node_id()
         self._close_worker_store()
+
+
+def node_id_in_use(control: _Control, node: str, window_s: float) -> bool:
+    """Whether an agent registered as `node` beats within `window_s` (live agents beat every poll)."""
+    before = control.counter(node)
+    deadline = time.monotonic() + window_s
+    while time.monotonic() < deadline:
+        time.sleep(min(0.05, window_s))
+        if control.counter(node) != before:
+            return True
+    return False
+
+
+def duplicate_node_id_message(node: str, other: str, run_id: str, what: str) -> str:
+    """Why two agents cannot both be node `node`; `other` is the other agent's claim, `what` says
+    what it did."""
+    try:
+        who = json.loads(other)
+        where = f"host {who['host']}, pid {who['pid']}, address {who['addr']}"
+    except (ValueError, KeyError, TypeError):
+        where = "an agent that does not say where"
+    return (
+        f"node id {node!r} in run {run_id}: {what} ({where}). Two agents have one node identity: "
+        "give every machine its own /etc/machine-id (hosts cloned from one image share it: delete "
+        "it and run systemd-machine-id-setup), or give each agent on one host its own "
+        "LM_RESILIENCY_MACHINE_ID_PATH"
+    )
 
 
 def _store_address(conf: dict[str, Any], endpoint: str) -> str:
@@ -647,6 +708,7 @@ class _Pulse:
         self._verdicts_read = (-1, 0)  # (generation, verdicts of it already applied)
         self._kept: set[tuple[int, str, tuple[int, ...]]] = set()  # slow-job verdicts logged as kept
         self._unfilled_since: float | None = None  # a restart waits for a lost node, no standby
+        self._told_refused = self._told_taken = False  # another agent has this node's id (logged once)
 
     def start(self) -> None:
         self._thread.start()
@@ -680,6 +742,7 @@ class _Pulse:
         assert control is not None
         h = self.h
         control.beat(h.node_id)
+        self._check_node_id(control)
         got = control.read()
         if got is None:
             return
@@ -696,6 +759,22 @@ class _Pulse:
             return
         s = self._lead(control, s, now)
         self.state = s
+
+    def _check_node_id(self, control: _Control) -> None:
+        """Say once, in this agent's log too, that another agent has this node's id: one refused
+        (it has the error), or one that took the id over while this agent's beats stalled."""
+        h = self.h
+        refused = control.key(f"refused/{h.node_id}")
+        if not self._told_refused and control.store.check([refused]):
+            self._told_refused = True
+            who = control.store.get(refused).decode()
+            what = "another agent asked for it and was refused"
+            log.error("%s", duplicate_node_id_message(h.node_id, who, h.run_id, what))
+        holder = control.store.compare_set(control.key(f"owner/{h.node_id}"), h.claim, h.claim).decode()
+        if holder != h.claim and not self._told_taken:
+            self._told_taken = True
+            what = "another agent took it over while this agent's heartbeat stalled"
+            log.error("%s", duplicate_node_id_message(h.node_id, holder, h.run_id, what))
 
     def _lead(self, control: _Control, s: rs.RdzvState, now: float) -> rs.RdzvState:
         h = self.h

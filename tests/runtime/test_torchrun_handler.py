@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 from datetime import timedelta
@@ -276,6 +277,54 @@ def test_a_restart_waiting_for_a_lost_node_with_no_standby_gives_up_after_the_jo
             handlers["a"].next_rendezvous()
     finally:
         group.shutdown()
+
+
+def test_a_second_live_agent_with_a_node_id_in_use_is_refused_and_the_holder_is_told(
+    tmp_path: Path, store: Any, agents: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Hosts cloned from one image share /etc/machine-id. Before, a second agent with b's id
+    registered as b, and the run waited for its missing node without a word. Now it is refused with
+    the fix, b's log says so, and the run's state is b's as before."""
+    control = tr._Control(store, "unit-run")
+    before = control.read()[1]  # type: ignore[index]
+    clone = tr.LmResiliencyRendezvousHandler(_params(store.port, tmp_path, "clone"), node_id="b")
+    with pytest.raises(
+        RendezvousError,
+        match=r"\[duplicate_node_id\] node id 'b' in run unit-run: a live agent holds it \(host .*, "
+        r"pid \d+, address 127.0.0.1\)\. .*/etc/machine-id.*LM_RESILIENCY_MACHINE_ID_PATH",
+    ):
+        clone.next_rendezvous()
+    assert control.read()[1] == before  # type: ignore[index]
+    assert json.loads(store.get(control.key("owner/b"))) == json.loads(agents.handlers["b"].claim)
+    for _ in range(200):
+        if any("asked for it and was refused" in r.getMessage() for r in caplog.records):
+            break
+        threading.Event().wait(0.05)
+    told = [r.getMessage() for r in caplog.records if "asked for it and was refused" in r.getMessage()]
+    assert len(told) == 1 and f"pid {os.getpid()}" in told[0] and told[0].startswith("node id 'b'")
+    clone.shutdown()
+    control.update(rs.close)
+    agents.threads["c"].join(30)
+
+
+def test_an_agent_restarted_on_its_node_takes_over_the_id_from_its_dead_or_closed_predecessor(
+    tmp_path: Path, store: Any, agents: Any
+) -> None:
+    """b's agent dies (its heartbeat stops): the agent that replaces it on b's machine claims b's
+    id. A clean exit releases the id: the next agent claims it at once."""
+    control = tr._Control(store, "unit-run")
+    key = control.key("owner/b")
+    agents.handlers["b"]._pulse.stop()
+    again = tr.LmResiliencyRendezvousHandler(_params(store.port, tmp_path, "b2"), node_id="b")
+    again._claim_node_id(again._connect())
+    assert store.get(key).decode() == again.claim != agents.handlers["b"].claim
+    agents.handlers["a"].shutdown()
+    assert store.get(control.key("owner/a")) == b""
+    fresh = tr.LmResiliencyRendezvousHandler(_params(store.port, tmp_path, "a2"), node_id="a")
+    fresh._claim_node_id(fresh._connect())
+    assert store.get(control.key("owner/a")).decode() == fresh.claim
+    control.update(rs.close)
+    agents.threads["c"].join(30)
 
 
 def test_manager_reads_decisions_and_publishes_a_replacement(tmp_path: Path, store: Any, agents: Any) -> None:
