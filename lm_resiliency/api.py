@@ -55,7 +55,7 @@ from lm_resiliency.core.taxonomy import (
     default_recovery_mode,
     kind_of,
 )
-from lm_resiliency.core.topology import ParallelDim, Topology, replica_groups_from
+from lm_resiliency.core.topology import ParallelDim, Topology, node_ids_by_machine, replica_groups_from
 from lm_resiliency.errors import ConfigError, UnsupportedFrameworkError
 from lm_resiliency.runtime.discovery import StoreDiscovery
 from lm_resiliency.runtime.node import ClusterView, RankRuntime
@@ -464,7 +464,7 @@ class Session:
             anns = discovery.wait_all(cfg.discovery_timeout_s)
             self._check_settings(anns)
             self._runtime.connect_peers(anns.values(), announce=True)
-            self._topology = _assemble_topology(anns, self.world_size)
+            self._topology = _assemble_topology(anns, self.world_size, self.rank)
         else:
             self._topology = Topology.build([node_id], [local.replica_group], peer_groups=[local.peer_group])
         self._check_restart_context()
@@ -1485,14 +1485,23 @@ def _collective_timeout_s() -> float | None:
     return min(found) if found else None
 
 
-def _assemble_topology(anns: dict[int, Any], world_size: int) -> Topology:
+def _assemble_topology(anns: dict[int, Any], world_size: int, rank: int = 0) -> Topology:
     groups = replica_groups_from({r: a.replica_group for r, a in anns.items()}, world_size)
     dim_groups: dict[str, set[tuple[int, ...]]] = {}
     for a in anns.values():
         for name, members in a.dims.items():
             dim_groups.setdefault(name, set()).add(tuple(members))
     dims = [ParallelDim(n, tuple(sorted(g))) for n, g in sorted(dim_groups.items())]
-    nodes = [anns[r].node_id for r in range(world_size)]
+    nodes, shared = node_ids_by_machine(
+        [anns[r].node_id for r in range(world_size)], [anns[r].host for r in range(world_size)]
+    )
+    if shared and rank == 0:
+        log.warning(
+            "node ids %s are each this node's id on several machines (hosts cloned from one image "
+            "share /etc/machine-id): told apart by boot id, so replicas still leave the machine. Give "
+            "each machine its own machine id (or each rank LM_RESILIENCY_MACHINE_ID_PATH)",
+            shared,
+        )
     try:
         peers = replica_groups_from(
             {r: a.peer_group or a.replica_group for r, a in anns.items()}, world_size, "peer group"

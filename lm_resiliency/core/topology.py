@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-__all__ = ["ParallelDim", "RankInfo", "Topology", "replica_groups_from"]
+__all__ = ["ParallelDim", "RankInfo", "Topology", "machine_of", "node_ids_by_machine", "replica_groups_from"]
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,28 @@ def _local_ranks(nodes: list[str]) -> list[int]:
         out.append(seen.get(n, 0))
         seen[n] = seen.get(n, 0) + 1
     return out
+
+
+def machine_of(host: str) -> str:
+    """The machine in a rank's host key (`<kernel boot id>:<pid namespace>`, "" unknown): its boot
+    id. Containers on one machine share it; machines, and one machine across a reboot, do not."""
+    return host.split(":", 1)[0]
+
+
+def node_ids_by_machine(node_ids: Iterable[str], hosts: Iterable[str]) -> tuple[list[str], list[str]]:
+    """Each rank's node id, and the ids that ranks on several machines share. Hosts cloned from one
+    image carry one /etc/machine-id: taken as is, their ranks look like one node, so no copy would
+    leave them and a node's loss would lose it. Such an id gets its machine's boot id appended
+    (`<id>@<boot id prefix>`) on each machine; others are kept. Unknown machines ("") are not told
+    apart."""
+    ids, machines = list(node_ids), [machine_of(h) for h in hosts]
+    seen: dict[str, set[str]] = {}
+    for node, machine in zip(ids, machines, strict=True):
+        if machine:
+            seen.setdefault(node, set()).add(machine)
+    shared = sorted(n for n, m in seen.items() if len(m) > 1)
+    named = [f"{n}@{m[:8]}" if n in shared and m else n for n, m in zip(ids, machines, strict=True)]
+    return named, shared
 
 
 def replica_groups_from(

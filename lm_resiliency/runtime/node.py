@@ -41,6 +41,7 @@ from lm_resiliency.core.messages import (
     StepTelemetry,
 )
 from lm_resiliency.core.taxonomy import CLOSED
+from lm_resiliency.core.topology import machine_of
 from lm_resiliency.errors import AuthError, CodecError
 from lm_resiliency.runtime.clock import SystemClock
 from lm_resiliency.runtime.loop import LoopThread
@@ -254,7 +255,10 @@ class RankRuntime:
             return
         if known is not None and known == ann:
             return
-        same_node = ann.node_id == self.node_id
+        # IPC only within one machine: a shared node id is not enough (hosts cloned from one image
+        # share /etc/machine-id, and an ipc:// path on another machine is never reached).
+        mine = self._announcement.host if self._announcement is not None else ""
+        same_node = ann.node_id == self.node_id and machine_of(ann.host) == machine_of(mine)
         pub = _pick(ann.pub, same_node and self.config.use_ipc)
         router = _pick(ann.router, same_node and self.config.use_ipc)
         self._transport.connect(ann.rank, pub, router)

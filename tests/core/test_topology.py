@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 
 from lm_resiliency.core.clock import ManualClock
-from lm_resiliency.core.topology import ParallelDim, Topology, replica_groups_from
+from lm_resiliency.core.gemini.placement import replica_holders
+from lm_resiliency.core.topology import ParallelDim, Topology, node_ids_by_machine, replica_groups_from
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -59,3 +60,30 @@ def test_manual_clock() -> None:
         c.advance(-1)
     with pytest.raises(ValueError):
         c.set(1.0)
+
+
+def test_a_node_id_that_several_machines_share_is_told_apart_so_replicas_leave_the_machine() -> None:
+    """Hosts cloned from one image share /etc/machine-id: as one node, no rank's copy would leave
+    its machine (no holder at all), and that machine's loss would lose its ranks' state."""
+    a, b = "5d1c0f3e-9a7b-4c52-8e61-0b2f4a9d7c11", "e7a94b20-31cf-4d8e-a5f6-6c3b1d2e9f80"
+    ids, hosts = ["img"] * 4, [f"{a}:4026531836"] * 2 + [f"{b}:4026531836"] * 2
+    assert replica_holders(Topology.build(ids, [[0, 2], [1, 3]])) == {0: None, 1: None, 2: None, 3: None}
+    named, shared = node_ids_by_machine(ids, hosts)
+    assert named == ["img@5d1c0f3e", "img@5d1c0f3e", "img@e7a94b20", "img@e7a94b20"] and shared == ["img"]
+    t = Topology.build(named, [[0, 2], [1, 3]])
+    assert replica_holders(t) == {0: 2, 1: 3, 2: 0, 3: 1}
+    assert [r.local_rank for r in t.ranks] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "hosts",
+    [
+        ["m1:1", "m1:2", "m2:1", "m2:1"],  # containers on one machine: one boot id, two pid namespaces
+        ["", "", "", ""],  # not Linux: machines unknown
+        ["m1:1", "", "m2:1", ""],  # partly unknown: each id on one known machine
+    ],
+)
+def test_node_ids_are_kept_unless_known_machines_share_them(hosts: list[str]) -> None:
+    ids = ["x", "x", "y", "y"]
+    named, shared = node_ids_by_machine(ids, hosts)
+    assert named == ids and shared == []

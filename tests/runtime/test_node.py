@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -14,7 +15,7 @@ from lm_resiliency.config import RuntimeConfig
 from lm_resiliency.core import codec
 from lm_resiliency.core.auth import Signer
 from lm_resiliency.core.membership import EventKind, PeerState
-from lm_resiliency.core.messages import BulkChunk, Goodbye, Heartbeat, StepTelemetry
+from lm_resiliency.core.messages import BulkChunk, Goodbye, Heartbeat, PeerAnnouncement, StepTelemetry
 from lm_resiliency.errors import RuntimeClosedError
 from lm_resiliency.runtime.node import RankRuntime
 from lm_resiliency.runtime.transport import PeerLeft, ZmqTransport
@@ -130,6 +131,45 @@ def _silence(rts: list[RankRuntime], net: InMemoryNetwork) -> None:
     assert time.monotonic() - t0 <= CFG.heartbeat_timeout_s + 0.3
     net.heal(rts[2]._transport)  # type: ignore[arg-type]
     assert rts[0].wait_for(lambda v: v.peers[2].state is PeerState.ALIVE, 2.0)
+
+
+def test_ranks_on_two_machines_with_one_machine_id_talk_over_tcp() -> None:
+    """Hosts cloned from one image share /etc/machine-id, so their ranks announce one node id.
+    An ipc:// path names a file on its own machine: here each rank sees the other's as a path its
+    machine lacks. Before, the shared id alone chose IPC and the ranks never heard each other."""
+    rts = [
+        RankRuntime(
+            rank=r,
+            world_size=2,
+            node_id="cloned-image",
+            key=KEY,
+            incarnation=1,
+            config=CFG,
+            transport_factory=lambda: ZmqTransport("127.0.0.1"),
+        )
+        for r in range(2)
+    ]
+    try:
+        anns = [rt.start() for rt in rts]
+        assert all(any(ep.startswith("ipc://") for ep in a.pub) for a in anns)
+
+        def elsewhere(a: PeerAnnouncement, machine: str) -> PeerAnnouncement:
+            def away(eps: tuple[str, ...]) -> tuple[str, ...]:
+                return tuple(
+                    "ipc:///nonexistent/other-machine" if ep.startswith("ipc://") else ep for ep in eps
+                )
+
+            return dataclasses.replace(
+                a, host=f"{machine}:4026531836", pub=away(a.pub), router=away(a.router)
+            )
+
+        rts[0].connect_peers([anns[0], elsewhere(anns[1], "boot-of-machine-b")], announce=True)
+        rts[1].connect_peers([elsewhere(anns[0], "boot-of-machine-a"), anns[1]], announce=True)
+        for rt in rts:
+            assert rt.wait_for(lambda v: len(v.live) == 2, 5.0)
+    finally:
+        for rt in rts:
+            rt.close()
 
 
 def test_close_leaks_no_thread_socket_or_fd_and_is_quick() -> None:
