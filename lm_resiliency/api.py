@@ -124,6 +124,28 @@ class SessionComponent(Protocol):
     def close(self) -> None: ...
 
 
+def _warn_of_parameters_outside(model: Any, optimizer: Any) -> None:
+    """A capture holds the model's state dict and the optimizer's: the values of parameters the
+    optimizer steps that are not the model's are in neither (the optimizer's state dict holds their
+    moments, not them). A restart would restore their moments onto fresh values."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        return
+    mine = {id(p) for p in model.parameters()}
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    outside = [p for p in stepped if id(p) not in mine]
+    if outside:
+        shapes = ", ".join(str(tuple(p.shape)) for p in outside[:4]) + (", ..." if len(outside) > 4 else "")
+        warnings.warn(
+            f"enable_resiliency: {len(outside)} of the {len(stepped)} parameters the optimizer steps "
+            f"are not the model's ({shapes}): a capture holds their optimizer state but not their "
+            "values, so a restart resumes them from fresh values. Pass a module that holds them "
+            "(an nn.ModuleDict of every model), or keep them in extra_state_fn.",
+            stacklevel=3,
+        )
+
+
 def _scheduler_of(optimizer: Any, given: Any) -> Any:
     """The scheduler to capture with `optimizer`: the one given, or the one found stepping it. One
     given that is part of a SequentialLR or ChainedScheduler is replaced by that one, whose state
@@ -313,6 +335,7 @@ def enable_resiliency(
         )
     grad_scaler = None
     if optimizer is not None:
+        _warn_of_parameters_outside(model, optimizer)
         opt_param_scheduler = _scheduler_of(optimizer, opt_param_scheduler)
         grad_scaler = _grad_scaler()
     adapter = PyTorchAdapter(model, optimizer, group=group, parallelism_info=parallelism_info)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,26 @@ def test_without_an_optimizer_the_session_says_it_sees_no_steps() -> None:
     model = nn.Linear(2, 2)
     with pytest.warns(UserWarning, match="no optimizer given"), enable_resiliency(model) as s:
         assert s.step_count == 0
+
+
+def test_an_optimizer_stepping_parameters_the_model_lacks_is_warned_of() -> None:
+    """Their values are in no capture: a restart would put their restored moments on fresh values."""
+    model, other = nn.Linear(2, 2), nn.Linear(3, 5)
+    opt = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1)
+    with (
+        pytest.warns(
+            UserWarning,
+            match=r"2 of the 4 parameters the optimizer steps are not the model's \(\(5, 3\), \(5,\)\)",
+        ),
+        enable_resiliency(model, opt),
+    ):
+        pass
+    frozen = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    sub = torch.optim.SGD(frozen[1].parameters(), lr=0.1)  # a subset (the rest frozen) is fine
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with enable_resiliency(frozen, sub):
+            pass
 
 
 def test_configured_recovery_mode_wins() -> None:
