@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from array import array
@@ -63,6 +64,7 @@ from lm_resiliency.core.scout.verdicts import (
     Verdict,
     desync_verdict,
     fingerprint_verdict,
+    in_checkpoint_io,
 )
 from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
 from lm_resiliency.core.taxonomy import CLOSED
@@ -313,6 +315,9 @@ class Scout:
         self.interval = config.interval or interval
         self._emit = emit
         self._heartbeat_s = heartbeat_s
+        # Made on the training thread (in enable_resiliency): whose stack tells unmarked checkpoint I/O.
+        self._training_thread = threading.get_ident()
+        self._io_seen_since: float | None = None
         self._session_step = step_source
         self._paused = paused
         self.health = health
@@ -1094,6 +1099,8 @@ class Scout:
         now = time.monotonic()
         count, chain = getattr(a, "collective_state", (0, b""))
         phase = getattr(a, "phase", None)  # (name, since), replaced whole by the training thread
+        if phase is None and since is None:
+            phase = self._unmarked_checkpoint_io(now)
         return Progress(
             self.rank,
             self._session_step(),
@@ -1105,6 +1112,23 @@ class Scout:
             now - phase[1] if phase else 0.0,
             tuple(getattr(a, "collective_recent", ())),
         )
+
+    def _unmarked_checkpoint_io(self, now: float) -> tuple[str, float] | None:
+        """("checkpoint_io", since) while the training thread's stack is inside torch.save,
+        torch.load, torch.distributed.checkpoint or safetensors outside session.checkpoint_io (rank
+        0 writing its own checkpoint between steps: before, peers waiting 30 s for it in the next
+        collective named it hung, and the job restarted); since when it was first seen there."""
+        frame = sys._current_frames().get(self._training_thread)
+        files: list[str] = []
+        while frame is not None and len(files) < 256:
+            files.append(frame.f_code.co_filename)
+            frame = frame.f_back
+        if not in_checkpoint_io(files):
+            self._io_seen_since = None
+            return None
+        if self._io_seen_since is None:
+            self._io_seen_since = now
+        return ("checkpoint_io", self._io_seen_since)
 
     async def _progress_forever(self) -> None:
         while True:

@@ -14,6 +14,7 @@ from lm_resiliency.core.scout.verdicts import (
     desync_verdict,
     fingerprint_verdict,
     hang_verdict,
+    in_checkpoint_io,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -257,3 +258,21 @@ def test_a_desync_is_found_among_ranks_sampled_collectives_apart() -> None:
     # The current states alone: only ranks 1 and 2 share a count, and no majority names anyone.
     v = desync_verdict(7, {r: states[:1] for r, states in chains.items()})
     assert v is not None and v.kind == "collective_desync_ambiguous"
+
+
+@pytest.mark.parametrize(
+    ("files", "inside"),
+    [
+        (["/v/lib/python3.11/site-packages/torch/serialization.py", "/job/train.py"], True),
+        (["/v/site-packages/torch/distributed/checkpoint/state_dict_saver.py", "/job/train.py"], True),
+        (["/v/site-packages/safetensors/torch.py", "/v/site-packages/transformers/modeling_utils.py"], True),
+        (["C:\\py\\Lib\\site-packages\\torch\\serialization.py"], True),
+        (["/v/site-packages/torch/nn/modules/module.py", "/job/train.py"], False),
+        (["/job/serialization.py", "/job/my_checkpoint.py"], False),  # the job's own modules
+        ([], False),
+    ],
+)
+def test_a_stack_inside_torch_save_dcp_or_safetensors_is_checkpoint_io(
+    files: list[str], inside: bool
+) -> None:
+    assert in_checkpoint_io(files) is inside

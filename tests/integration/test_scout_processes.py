@@ -658,6 +658,25 @@ def test_a_rank_evaluating_alone_between_steps_is_not_hung(processes, tmp_path: 
         assert [f for f in r["faults"] if f["kind"] == "hang"] == [], r["faults"]
 
 
+@pytest.mark.parametrize("io_threshold_s", [120.0, 1.5])
+def test_a_checkpoint_rank_0_saves_without_marking_it_is_checkpoint_io_not_a_hang(  # type: ignore[no-untyped-def]
+    processes, tmp_path: Path, io_threshold_s: float
+) -> None:
+    """Rank 0 alone writes a checkpoint with plain torch.save for 4 s (twice the 2 s hang threshold)
+    while its peers wait in the next all-reduce, without session.checkpoint_io. Before, it was
+    named hung (under the torchrun backend: a restart, and the same save again after it). Its stack
+    says it is in checkpoint I/O: below that phase's threshold it is excused; past it, a checkpoint
+    stall the peers wait on, never a hang."""
+    res, _ = _run(processes, tmp_path, "save", steps=10, culprit=0, at=5, extra={"IO_S": str(io_threshold_s)})
+    for r in res:
+        assert [f for f in r["faults"] if f["kind"] == "hang"] == [], r["faults"]
+    stalls = {(f["kind"], f["reason"], tuple(f["failed_ranks"])) for r in res for f in r["faults"]}
+    if io_threshold_s > 4:
+        assert stalls == set()
+    else:
+        assert ("checkpoint_stall", "checkpoint_io_stalled_peers_wait", (0,)) in stalls, stalls
+
+
 def test_replicas_the_script_steps_with_different_learning_rates_are_not_an_sdc(
     processes, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -61,6 +61,17 @@ PEERS_WAIT = "_peers_wait"
 # The reason of a hang whose culprits closed their sessions and left while their peers wait.
 LEFT = f"left_while{PEERS_WAIT}"
 # What a rank's training thread may be inside of while its peers wait (`Progress.phase`).
+# Where a training thread's stack is inside checkpoint I/O it did not mark (session.checkpoint_io):
+# torch.save / torch.load, torch.distributed.checkpoint, safetensors. Rank 0 writing a checkpoint of
+# its own while its peers wait in the next collective is not a hang.
+CHECKPOINT_IO_CODE = ("/torch/serialization.py", "/torch/distributed/checkpoint/", "/safetensors/")
+
+
+def in_checkpoint_io(filenames: Iterable[str]) -> bool:
+    """Whether a stack whose frames run code from `filenames` is inside checkpoint I/O."""
+    return any(part in f.replace("\\", "/") for f in filenames for part in CHECKPOINT_IO_CODE)
+
+
 PHASE_NAMES = {
     "input": "its data loader",
     "checkpoint_io": "its checkpoint I/O",

@@ -83,6 +83,20 @@ class ShardedAdamW(torch.optim.AdamW):
             dist.broadcast(p.data, src=i % world)
 
 
+class _SlowStorage:
+    """A file-like object whose writes take `seconds` in all (slow network storage)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.until = time.monotonic() + seconds
+
+    def write(self, data: bytes) -> int:
+        time.sleep(max(0.0, min(0.2, self.until - time.monotonic())))
+        return len(data)
+
+    def flush(self) -> None:
+        time.sleep(max(0.0, self.until - time.monotonic()))
+
+
 def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     steps, scenario = int(os.environ["STEPS"]), os.environ["SCENARIO"]
@@ -169,6 +183,7 @@ def main() -> int:
             straggler_confirmations=3,
             hang_stall_threshold_s=2.0,
             dataloader_latency_threshold_s=float(os.environ.get("LOADER_S", "10")),
+            checkpoint_io_latency_threshold_s=float(os.environ.get("IO_S", "120")),
             report_dir=os.environ["REPORT_DIR"],
             audit_interval=int(os.environ.get("AUDIT", "0")),
         ),
@@ -330,6 +345,10 @@ def main() -> int:
                 done = time.monotonic() + 4.0
                 while time.monotonic() < done:
                     inner(torch.randn(64, 128))
+        if scenario == "save" and rank == culprit and step % at == 0:
+            # A checkpoint of its own written with plain torch.save (not marked) to storage that
+            # takes 4 s (twice the hang threshold), while its peers wait in the next all-reduce.
+            torch.save(inner.state_dict(), _SlowStorage(4.0))
         if scenario == "own-work" and rank == culprit:
             # Work of its own between steps, told to SCOUT: a checkpoint it saves (marked), or an
             # evaluation (gradients off). Its peers wait for it, but neither is a slow input.
