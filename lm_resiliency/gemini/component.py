@@ -434,14 +434,32 @@ class Gemini:
             if self.rank == 0:
                 log.warning("GEMINI: nothing this topology can restore: %s", plan.reason)
         if plan.step < 0:
+            got = -1
             if self.load_fallback is not None:
                 # The caller's own checkpoint (e.g. DCP on shared storage): it restores and says which step.
-                got = self.load_fallback(exact_step)
-                if isinstance(got, int) and not isinstance(got, bool) and got >= 0:
-                    log.info(
-                        "rank %d: restored step %d through load_fallback (%s)", self.rank, got, plan.reason
-                    )
-                    return got, f"fallback:{plan.reason}"
+                said = self.load_fallback(exact_step)
+                if isinstance(said, int) and not isinstance(said, bool) and said >= 0:
+                    got = said
+            # Every rank planned the same (the same inventories): all are here. A step the callers'
+            # checkpoints restored on some ranks and not others (a rank's file written halfway, a
+            # path per rank) would resume them at different steps: their collectives would pair
+            # different steps' tensors, or hang.
+            steps = {r: int(v) for r, v in exchange("gemini/fallback", str(got).encode(), timeout).items()}
+            if len(set(steps.values())) > 1:
+                by_step: dict[int, list[int]] = {}
+                for r, st in sorted(steps.items()):
+                    by_step.setdefault(st, []).append(r)
+                said_ = "; ".join(
+                    f"ranks {rs} step {st}" if st >= 0 else f"ranks {rs} none" for st, rs in by_step.items()
+                )
+                raise CheckpointMismatchError(
+                    f"rank {self.rank}: load_fallback restored different steps on different ranks ({said_}): "
+                    "they cannot resume together. Make it restore one step every rank has (the newest "
+                    "checkpoint every rank wrote completely), or return -1 on every rank to start fresh"
+                )
+            if got >= 0:
+                log.info("rank %d: restored step %d through load_fallback (%s)", self.rank, got, plan.reason)
+                return got, f"fallback:{plan.reason}"
             log.info("rank %d: nothing to recover (%s)", self.rank, plan.reason)
             return -1, plan.reason
         src = plan.sources[self.rank]

@@ -513,15 +513,14 @@ def test_a_scheduler_not_passed_is_found_and_restored(
         _train_scheduled(s, m, o, sched, 5)
     assert all(torch.equal(a, b) for a, b in zip(want, m.parameters(), strict=True))
 
-    o = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    m = nn.Linear(2, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
     warm = torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=2)
     decay = torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9)
     seq = torch.optim.lr_scheduler.SequentialLR(o, [warm, decay], milestones=[2])
     assert find_scheduler(o) == (seq, [seq])
     with pytest.warns(UserWarning, match=r"opt_param_scheduler \(LinearLR\) is part of a SequentialLR"):
-        s = enable_resiliency(
-            nn.Linear(2, 2), o, opt_param_scheduler=warm, enable_checkpoint=False, enable_detection=False
-        )
+        s = enable_resiliency(m, o, opt_param_scheduler=warm, enable_checkpoint=False, enable_detection=False)
     s.close()
     monkeypatch.delenv("LM_RESILIENCY_GENERATION")
     m = nn.Linear(2, 2)
@@ -532,9 +531,10 @@ def test_a_scheduler_not_passed_is_found_and_restored(
         o.step()
         late.step()
     assert "StepLR steps the optimizer but was made after enable_resiliency" in caplog.text
-    o = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    m = nn.Linear(2, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
     a, b = (torch.optim.lr_scheduler.StepLR(o, 1), torch.optim.lr_scheduler.StepLR(o, 2))
     assert find_scheduler(o) == (None, [a, b])
     with pytest.warns(UserWarning, match=r"several schedulers step this optimizer \(StepLR, StepLR\)"):
-        enable_resiliency(nn.Linear(2, 2), o, enable_checkpoint=False, enable_detection=False).close()
+        enable_resiliency(m, o, enable_checkpoint=False, enable_detection=False).close()
     del a, b

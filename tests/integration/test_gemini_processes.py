@@ -35,6 +35,7 @@ def _run(
     kill: bool = False,
     fsdp: bool = False,
     env: dict[str, str] | None = None,
+    ok: bool = True,
 ) -> list[dict]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     out = tmp / tag
@@ -80,7 +81,10 @@ def _run(
             p.wait(30)
         return []
     for p in procs:
-        assert p.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, _logs(out)
+        code = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        assert code == 0 or not ok, _logs(out)
+    if not ok:
+        return []
     return [json.loads((out / f"report-g{generation}-rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -402,3 +406,20 @@ def test_d_read_only_disk_keeps_training_and_reports(
     for rep in reports:
         assert rep["disk_errors"] > 0 and rep["disk_writes"] == 0
         assert any(f["kind"] == "io_error" for f in rep["faults"])
+
+
+def test_load_fallback_that_restores_different_steps_on_different_ranks_is_refused(
+    processes,
+    tmp_path: Path,
+    shm_root: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    """A restart finds no copy anywhere; the callers' own checkpoints restore step 4 on ranks 0 and
+    1, step 6 on rank 2 and nothing on rank 3 (a file per rank, one written halfway). Before, each
+    rank resumed at its own step. Now every rank refuses with an error that lists them."""
+    _run(processes, tmp_path, "g1", shm_root, 1, tmp_path / "disk", env={"FALLBACK": "4,4,6,-1"}, ok=False)
+    for r in range(WORLD):
+        log = (tmp_path / "g1" / f"rank{r}.log").read_text()
+        assert (
+            f"rank {r}: load_fallback restored different steps on different ranks "
+            "(ranks [0, 1] step 4; ranks [2] step 6; ranks [3] none)"
+        ) in log, log[-3000:]

@@ -79,6 +79,10 @@ def main() -> int:
             publish_coalesce_s=float(os.environ.get("PUBLISH_COALESCE_S", "0")),
         ),
         recovery_mode=os.environ.get("RECOVERY_MODE") or None,
+        # FALLBACK="s0,s1,...": the step each rank's own checkpoint restores (-1: none).
+        load_fallback=(lambda step: int(os.environ["FALLBACK"].split(",")[rank]))
+        if os.environ.get("FALLBACK")
+        else None,
     )
     start = session.step_count
     # Certificates survive the restart: SCOUT's marks on the captures this rank restored from.
