@@ -336,6 +336,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         self.policy_digest, self.replace_on = policy_digest(self.worker_config)
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or _nproc_from_argv()
         # Who this agent is, for the node id it claims in the run (see _claim_node_id).
+        self.refused_seen = ""  # the last agent refused this node's id that was logged here
         self.claim = json.dumps(
             {
                 "host": socket.gethostname(),
@@ -483,6 +484,9 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
                 why = duplicate_node_id_message(self.node_id, held, self.run_id, "a live agent holds it")
                 raise RendezvousError(f"[duplicate_node_id] {why}")
             held = control.store.compare_set(key, held, self.claim).decode()
+        refused = control.key(f"refused/{self.node_id}")
+        # A refusal some earlier agent of this node was told of is not this one's to repeat.
+        self.refused_seen = control.store.get(refused).decode() if control.store.check([refused]) else ""
 
     def _release_node_id(self) -> None:
         """A clean exit frees the node id: the next agent on this machine need not wait out ours."""
@@ -708,7 +712,7 @@ class _Pulse:
         self._verdicts_read = (-1, 0)  # (generation, verdicts of it already applied)
         self._kept: set[tuple[int, str, tuple[int, ...]]] = set()  # slow-job verdicts logged as kept
         self._unfilled_since: float | None = None  # a restart waits for a lost node, no standby
-        self._told_refused = self._told_taken = False  # another agent has this node's id (logged once)
+        self._told_taken = False  # another agent took this node's id (logged once)
 
     def start(self) -> None:
         self._thread.start()
@@ -765,11 +769,12 @@ class _Pulse:
         (it has the error), or one that took the id over while this agent's beats stalled."""
         h = self.h
         refused = control.key(f"refused/{h.node_id}")
-        if not self._told_refused and control.store.check([refused]):
-            self._told_refused = True
+        if control.store.check([refused]):
             who = control.store.get(refused).decode()
-            what = "another agent asked for it and was refused"
-            log.error("%s", duplicate_node_id_message(h.node_id, who, h.run_id, what))
+            if who != h.refused_seen:
+                h.refused_seen = who
+                what = "another agent asked for it and was refused"
+                log.error("%s", duplicate_node_id_message(h.node_id, who, h.run_id, what))
         holder = control.store.compare_set(control.key(f"owner/{h.node_id}"), h.claim, h.claim).decode()
         if holder != h.claim and not self._told_taken:
             self._told_taken = True

@@ -303,6 +303,11 @@ def test_a_second_live_agent_with_a_node_id_in_use_is_refused_and_the_holder_is_
     told = [r.getMessage() for r in caplog.records if "asked for it and was refused" in r.getMessage()]
     assert len(told) == 1 and f"pid {os.getpid()}" in told[0] and told[0].startswith("node id 'b'")
     clone.shutdown()
+    # b's agent is restarted later: the refusal its predecessor logged is not logged again.
+    agents.handlers["b"]._pulse.stop()
+    again = tr.LmResiliencyRendezvousHandler(_params(store.port, tmp_path, "b2"), node_id="b")
+    again._claim_node_id(again._connect())
+    assert again.refused_seen == clone.claim
     control.update(rs.close)
     agents.threads["c"].join(30)
 
