@@ -1520,9 +1520,9 @@ def _assemble_topology(anns: dict[int, Any], world_size: int, rank: int = 0) -> 
     )
     if shared and rank == 0:
         log.warning(
-            "node ids %s are each this node's id on several machines (hosts cloned from one image "
-            "share /etc/machine-id): told apart by boot id, so replicas still leave the machine. Give "
-            "each machine its own machine id (or each rank LM_RESILIENCY_MACHINE_ID_PATH)",
+            "node ids %s are shared by several machines (hosts cloned from one image share "
+            "/etc/machine-id): told apart by boot id, so replicas still leave the machine. Give each "
+            "machine its own machine id (or each rank LM_RESILIENCY_MACHINE_ID_PATH)",
             shared,
         )
     try:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 __all__ = [
     "LEFT",
     "PEERS_WAIT",
+    "CHECKPOINT_IO_CODE",
     "PHASES",
     "STALL_KINDS",
     "STATE_NAMES",
@@ -47,6 +48,7 @@ __all__ = [
     "desync_verdict",
     "fingerprint_verdict",
     "hang_verdict",
+    "in_checkpoint_io",
 ]
 
 PHASES = ("input", "compute", "communication")
@@ -60,7 +62,6 @@ STALL_KINDS = {
 PEERS_WAIT = "_peers_wait"
 # The reason of a hang whose culprits closed their sessions and left while their peers wait.
 LEFT = f"left_while{PEERS_WAIT}"
-# What a rank's training thread may be inside of while its peers wait (`Progress.phase`).
 # Where a training thread's stack is inside checkpoint I/O it did not mark (session.checkpoint_io):
 # torch.save / torch.load, torch.distributed.checkpoint, safetensors. Rank 0 writing a checkpoint of
 # its own while its peers wait in the next collective is not a hang.
@@ -72,6 +73,7 @@ def in_checkpoint_io(filenames: Iterable[str]) -> bool:
     return any(part in f.replace("\\", "/") for f in filenames for part in CHECKPOINT_IO_CODE)
 
 
+# What a rank's training thread may be inside of while its peers wait (`Progress.phase`).
 PHASE_NAMES = {
     "input": "its data loader",
     "checkpoint_io": "its checkpoint I/O",
