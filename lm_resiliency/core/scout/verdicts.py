@@ -33,9 +33,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "CHECKPOINT_IO_CODE",
     "LEFT",
     "PEERS_WAIT",
-    "CHECKPOINT_IO_CODE",
     "PHASES",
     "STALL_KINDS",
     "STATE_NAMES",
