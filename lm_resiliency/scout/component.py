@@ -64,7 +64,7 @@ from lm_resiliency.core.scout.verdicts import (
     Verdict,
     desync_verdict,
     fingerprint_verdict,
-    in_checkpoint_io,
+    unmarked_phase,
 )
 from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
 from lm_resiliency.core.taxonomy import CLOSED
@@ -315,9 +315,11 @@ class Scout:
         self.interval = config.interval or interval
         self._emit = emit
         self._heartbeat_s = heartbeat_s
-        # Made on the training thread (in enable_resiliency): whose stack tells unmarked checkpoint I/O.
+        # Made on the training thread (in enable_resiliency), whose stack tells a phase the script
+        # did not mark (see _unmarked_phase): the phase and since when, and when it last left one.
         self._training_thread = threading.get_ident()
-        self._io_seen_since: float | None = None
+        self._unmarked: tuple[str, float] | None = None
+        self._unmarked_left = float("-inf")
         self._session_step = step_source
         self._paused = paused
         self.health = health
@@ -1100,35 +1102,42 @@ class Scout:
         count, chain = getattr(a, "collective_state", (0, b""))
         phase = getattr(a, "phase", None)  # (name, since), replaced whole by the training thread
         if phase is None and since is None:
-            phase = self._unmarked_checkpoint_io(now)
+            phase = self._unmarked_phase(now)
+        else:
+            self._unmarked = None
         return Progress(
             self.rank,
             self._session_step(),
             int(count),
             0.0 if since is None else now - since,
-            now - float(getattr(a, "last_progress", now)),
+            now - max(float(getattr(a, "last_progress", now)), self._unmarked_left),
             bytes(chain),
             phase[0] if phase else "",
             now - phase[1] if phase else 0.0,
             tuple(getattr(a, "collective_recent", ())),
         )
 
-    def _unmarked_checkpoint_io(self, now: float) -> tuple[str, float] | None:
-        """("checkpoint_io", since) while the training thread's stack is inside torch.save,
-        torch.load, torch.distributed.checkpoint or safetensors outside session.checkpoint_io (rank
-        0 writing its own checkpoint between steps: before, peers waiting 30 s for it in the next
-        collective named it hung, and the job restarted); since when it was first seen there."""
+    def _unmarked_phase(self, now: float) -> tuple[str, float] | None:
+        """(phase, since) by the training thread's stack when the script marked none (see
+        core.scout.verdicts.unmarked_phase): rank 0 writing its own checkpoint with torch.save, or
+        evaluating an EMA copy of the model, between steps. Before, its peers waiting 30 s for it
+        in the next collective named it hung, and the job restarted. Leaving such a phase counts
+        as progress, as leaving a marked one does: the rank is on its way to the collective."""
         frame = sys._current_frames().get(self._training_thread)
         files: list[str] = []
         while frame is not None and len(files) < 256:
             files.append(frame.f_code.co_filename)
             frame = frame.f_back
-        if not in_checkpoint_io(files):
-            self._io_seen_since = None
-            return None
-        if self._io_seen_since is None:
-            self._io_seen_since = now
-        return ("checkpoint_io", self._io_seen_since)
+        in_step = getattr(self.adapter, "in_step", None)
+        name = unmarked_phase(files, between_steps=in_step is not None and not in_step())
+        current = self._unmarked
+        if name is None:
+            if current is not None:
+                self._unmarked_left = now
+            self._unmarked = None
+        elif current is None or current[0] != name:
+            self._unmarked = (name, now)
+        return self._unmarked
 
     async def _progress_forever(self) -> None:
         while True:

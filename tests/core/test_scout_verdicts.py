@@ -15,6 +15,7 @@ from lm_resiliency.core.scout.verdicts import (
     fingerprint_verdict,
     hang_verdict,
     in_checkpoint_io,
+    unmarked_phase,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -276,3 +277,19 @@ def test_a_stack_inside_torch_save_dcp_or_safetensors_is_checkpoint_io(
     files: list[str], inside: bool
 ) -> None:
     assert in_checkpoint_io(files) is inside
+
+
+def test_a_module_running_between_steps_is_an_evaluation_and_inside_a_step_is_the_step() -> None:
+    """An EMA copy evaluated between steps runs module code no hook of ours sees: an evaluation.
+    Inside a step the same frames are the training forward, whose hang must be named at the hang
+    threshold (a kernel hung in it), not excused for the evaluation's 600 s."""
+    ema = [
+        "/v/site-packages/torch/nn/modules/linear.py",
+        "/v/site-packages/torch/nn/modules/module.py",
+        "/job/t.py",
+    ]
+    assert unmarked_phase(ema, between_steps=True) == "evaluation"
+    assert unmarked_phase(ema, between_steps=False) is None
+    save = ["/v/site-packages/torch/serialization.py", "/job/t.py"]
+    assert unmarked_phase(save, between_steps=False) == unmarked_phase(save, True) == "checkpoint_io"
+    assert unmarked_phase(["/job/t.py"], between_steps=True) is None

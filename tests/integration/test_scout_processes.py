@@ -677,6 +677,15 @@ def test_a_checkpoint_rank_0_saves_without_marking_it_is_checkpoint_io_not_a_han
         assert ("checkpoint_stall", "checkpoint_io_stalled_peers_wait", (0,)) in stalls, stalls
 
 
+def test_a_rank_evaluating_another_model_alone_between_steps_is_not_hung(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Every 5 steps rank 0 alone runs an EMA copy of the model (not the module passed, so no hook
+    of ours sees its forward) for 4 s, twice the 2 s hang threshold, with gradients on. Before, it
+    was named hung; its stack (a module running between steps) now marks an evaluation."""
+    res, _ = _run(processes, tmp_path, "ema", steps=12, culprit=0, at=5)
+    for r in res:
+        assert [f for f in r["faults"] if f["kind"] == "hang"] == [], r["faults"]
+
+
 def test_replicas_the_script_steps_with_different_learning_rates_are_not_an_sdc(
     processes, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]

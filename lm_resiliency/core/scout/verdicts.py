@@ -35,6 +35,7 @@ from dataclasses import dataclass
 __all__ = [
     "CHECKPOINT_IO_CODE",
     "LEFT",
+    "MODULE_CODE",
     "PEERS_WAIT",
     "PHASES",
     "STALL_KINDS",
@@ -49,6 +50,7 @@ __all__ = [
     "fingerprint_verdict",
     "hang_verdict",
     "in_checkpoint_io",
+    "unmarked_phase",
 ]
 
 PHASES = ("input", "compute", "communication")
@@ -66,6 +68,7 @@ LEFT = f"left_while{PEERS_WAIT}"
 # torch.save / torch.load, torch.distributed.checkpoint, safetensors. Rank 0 writing a checkpoint of
 # its own while its peers wait in the next collective is not a hang.
 CHECKPOINT_IO_CODE = ("/torch/serialization.py", "/torch/distributed/checkpoint/", "/safetensors/")
+MODULE_CODE = "/torch/nn/modules/module.py"  # a module's __call__: some model is running
 
 
 def in_checkpoint_io(filenames: Iterable[str]) -> bool:
@@ -73,11 +76,26 @@ def in_checkpoint_io(filenames: Iterable[str]) -> bool:
     return any(part in f.replace("\\", "/") for f in filenames for part in CHECKPOINT_IO_CODE)
 
 
+def unmarked_phase(filenames: Iterable[str], between_steps: bool) -> str | None:
+    """The phase a training thread is in by its stack (`filenames`, innermost first) when nothing
+    marked one: `checkpoint_io` inside torch.save and the like; `evaluation` when, between steps
+    (after the optimizer step, before the model's next training forward), some module runs: an
+    evaluation of a model other than the one passed (an EMA copy, a reward model), whose forward no
+    hook of ours sees. A module running inside a step is the step's own (a kernel hung in the
+    training forward is a hang, named at the hang threshold)."""
+    files = [f.replace("\\", "/") for f in filenames]
+    if in_checkpoint_io(files):
+        return "checkpoint_io"
+    if between_steps and any(MODULE_CODE in f for f in files):
+        return "evaluation"
+    return None
+
+
 # What a rank's training thread may be inside of while its peers wait (`Progress.phase`).
 PHASE_NAMES = {
     "input": "its data loader",
     "checkpoint_io": "its checkpoint I/O",
-    "evaluation": "an evaluation (its model run with gradients off between steps)",
+    "evaluation": "an evaluation (a model run between steps)",
 }
 
 

@@ -33,6 +33,7 @@ fault report and the step at which this rank first saw it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import json
 import os
@@ -345,6 +346,13 @@ def main() -> int:
                 done = time.monotonic() + 4.0
                 while time.monotonic() < done:
                     inner(torch.randn(64, 128))
+        if scenario == "ema" and rank == culprit and step % at == 0:
+            # An evaluation of its own of another model (an EMA copy: no hook of ours sees its
+            # forward) for twice the hang threshold, while its peers wait in the next all-reduce.
+            ema = copy.deepcopy(inner)
+            done = time.monotonic() + 4.0
+            while time.monotonic() < done:
+                ema(torch.randn(64, 128))
         if scenario == "save" and rank == culprit and step % at == 0:
             # A checkpoint of its own written with plain torch.save (not marked) to storage that
             # takes 4 s (twice the hang threshold), while its peers wait in the next all-reduce.
