@@ -437,9 +437,9 @@ class Gemini:
             got = -1
             if self.load_fallback is not None:
                 # The caller's own checkpoint (e.g. DCP on shared storage): it restores and says which step.
-                said = self.load_fallback(exact_step)
-                if isinstance(said, int) and not isinstance(said, bool) and said >= 0:
-                    got = said
+                restored = self.load_fallback(exact_step)
+                if isinstance(restored, int) and not isinstance(restored, bool) and restored >= 0:
+                    got = restored
             # Every rank planned the same (the same inventories): all are here. A step the callers'
             # checkpoints restored on some ranks and not others (a rank's file written halfway, a
             # path per rank) would resume them at different steps: their collectives would pair
@@ -449,11 +449,11 @@ class Gemini:
                 by_step: dict[int, list[int]] = {}
                 for r, st in sorted(steps.items()):
                     by_step.setdefault(st, []).append(r)
-                said_ = "; ".join(
+                said = "; ".join(
                     f"ranks {rs} step {st}" if st >= 0 else f"ranks {rs} none" for st, rs in by_step.items()
                 )
                 raise CheckpointMismatchError(
-                    f"rank {self.rank}: load_fallback restored different steps on different ranks ({said_}): "
+                    f"rank {self.rank}: load_fallback restored different steps on different ranks ({said}): "
                     "they cannot resume together. Make it restore one step every rank has (the newest "
                     "checkpoint every rank wrote completely), or return -1 on every rank to start fresh"
                 )

@@ -73,7 +73,7 @@ MODULE_CODE = "/torch/nn/modules/module.py"  # a module's __call__: some model i
 
 def in_checkpoint_io(filenames: Iterable[str]) -> bool:
     """Whether a stack whose frames run code from `filenames` is inside checkpoint I/O."""
-    return any(part in f.replace("\\", "/") for f in filenames for part in CHECKPOINT_IO_CODE)
+    return unmarked_phase(filenames, between_steps=False) == "checkpoint_io"
 
 
 def unmarked_phase(filenames: Iterable[str], between_steps: bool) -> str | None:
@@ -84,7 +84,7 @@ def unmarked_phase(filenames: Iterable[str], between_steps: bool) -> str | None:
     hook of ours sees. A module running inside a step is the step's own (a kernel hung in the
     training forward is a hang, named at the hang threshold)."""
     files = [f.replace("\\", "/") for f in filenames]
-    if in_checkpoint_io(files):
+    if any(part in f for f in files for part in CHECKPOINT_IO_CODE):
         return "checkpoint_io"
     if between_steps and any(MODULE_CODE in f for f in files):
         return "evaluation"
