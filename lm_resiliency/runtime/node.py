@@ -786,10 +786,10 @@ class RankRuntime:
                 log.exception("rank %d: handler for %s failed", self.rank, msg.TAG)
 
     def _apply_events(self, events: list[MembershipEvent]) -> None:
+        """Tell the listeners, then wake the threads in `wait_for`: one that saw a peer DIED finds
+        the listeners told (before, a test's listener could still be empty when it looked)."""
         if not events:
             return
-        with self._cond:
-            self._cond.notify_all()
         for ev in events:
             if ev.kind in (EventKind.DIED, EventKind.LEFT):
                 # Transfers it has not acknowledged never will be: their senders learn it now (a
@@ -813,6 +813,8 @@ class RankRuntime:
                 except Exception:  # as for handlers: count, log, carry on
                     self._stats.handler_errors += 1
                     log.exception("rank %d: membership listener failed", self.rank)
+        with self._cond:
+            self._cond.notify_all()
 
     def _offer_transfer(
         self, sender: int, transfer_id: str, meta: dict[str, str], chunks: list[Frame]

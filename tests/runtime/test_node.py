@@ -624,6 +624,8 @@ def test_a_same_host_peer_whose_process_ends_is_dead_before_the_timeout() -> Non
         t0 = time.monotonic()
         assert rts[0].wait_for(lambda v: v.peers[1].state is PeerState.DEAD, 2.0)
         assert time.monotonic() - t0 < 1.0  # ticks of 0.05 s; the timeout is 30 s
+        # The listeners are told before wait_for wakes; the state itself may be seen a moment before.
+        assert rts[0].wait_for(lambda v: bool(events), 2.0)
         assert [(e.kind, e.peer) for e in events] == [(EventKind.DIED, 1)]
         assert events[0].reason == f"process_exited: pid {child.pid} on this host ended"
         rts[1].set_progress(3)  # its heartbeats go on: ignored
