@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 
-__all__ = ["host_key", "pid_alive", "pid_exited"]
+__all__ = ["continue_stopped_children", "host_key", "pid_alive", "pid_exited"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -30,6 +31,44 @@ def pid_exited(pid: int) -> bool:
     # "pid (comm) S ...": the state follows the last ')' (comm may hold any byte).
     state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
     return state in (b"Z", b"X")
+
+
+def _stat(pid: str) -> tuple[bytes, int] | None:
+    """(state, parent pid) of process `pid` from /proc; None when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return fields[0], int(fields[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def continue_stopped_children(parent: int | None = None) -> list[int]:
+    """SIGCONT every child of `parent` (default: this process) that a job-control signal stopped
+    (SIGSTOP, SIGTSTP: state T), and return their pids. A stopped process takes no signal but
+    SIGKILL: torchrun's SIGTERM would wait its whole shutdown timeout on it before killing it, and
+    the worker could not flush on the way out. A process stopped by a tracer (state t: a debugger)
+    is left alone. Empty where /proc is unavailable."""
+    parent = os.getpid() if parent is None else parent
+    try:
+        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return []
+    woken = []
+    for pid in pids:
+        got = _stat(pid)
+        if got is None or got[1] != parent or got[0] != b"T":
+            continue
+        try:
+            os.kill(int(pid), signal.SIGCONT)
+        except OSError:  # it ended meanwhile
+            continue
+        woken.append(int(pid))
+    return woken
 
 
 def host_key() -> str:

@@ -45,6 +45,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+from lm_resiliency._proc import continue_stopped_children
 from lm_resiliency.config import REPLACE_ONLY_FAILURES
 from lm_resiliency.core.gemini.recovery import memory_checkpoint_id, plan_recovery, verified_steps
 from lm_resiliency.core.rendezvous import state as rs
@@ -404,13 +405,25 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         s = pulse.state if pulse is not None else None
         if s is None or self._generation < 0:
             return 0
-        if s.generation > self._generation:
+        if (
+            s.generation > self._generation
+            or (s.phase == rs.RESTARTING and s.pending.get("from_generation") == self._generation)
+            or (s.phase == rs.CLOSED and s.pending.get("gave_up"))  # the next rendezvous says why
+        ):
+            self._continue_stopped_workers()
             return 1
-        if s.phase == rs.RESTARTING and s.pending.get("from_generation") == self._generation:
-            return 1
-        if s.phase == rs.CLOSED and s.pending.get("gave_up"):
-            return 1  # stop the workers: the next rendezvous fails with the reason
         return 0
+
+    def _continue_stopped_workers(self) -> None:
+        """torchrun stops the workers next (SIGTERM): a worker someone SIGSTOPped would take it only
+        after torchrun's shutdown timeout, as a SIGKILL, and flush nothing. Continue it first."""
+        for pid in continue_stopped_children():
+            log.warning(
+                "node %s: worker pid %d was stopped (SIGSTOP/SIGTSTP); continued it so that it takes "
+                "the restart's SIGTERM",
+                self.node_id,
+                pid,
+            )
 
     def shutdown(self) -> bool:
         """Close the run when this generation's agents all passed torch's exit barrier (success).

@@ -1150,7 +1150,17 @@ class Scout:
                 for r, p in self._progress.items()
                 if r in live
             }
-            if len(evidence) > 1 and self.config.enable:
+            silent = self.runtime.silent() & self._peer_set
+            # Peers whose scripts closed their sessions (a loop that ended early leaves its peers
+            # waiting in the next collective), with the collectives each had entered when last heard.
+            left = {
+                r: self._progress[r].collectives if r in self._progress else -1
+                for r, why in self.runtime.departed().items()
+                if why == CLOSED and r in self._peer_set
+            }
+            # A lone survivor still judges: in a job of two, the peer it waits for may be the one
+            # that went silent (stopped, frozen, cut off) or left, and no third rank would say so.
+            if (len(evidence) > 1 or silent or left) and self.config.enable:
                 ours = {r: p for r, p in evidence.items() if r in self._peer_set}
                 # Replicas issue the same collectives (each in its own tensor- or expert-parallel
                 # group where it has one); ranks of other groups may legitimately differ.
@@ -1163,14 +1173,7 @@ class Scout:
                 if d is not None:
                     self._desync_step = max(self._desync_step, d.step)
                     self._report(d)
-                # Peers whose scripts closed their sessions (a loop that ended early leaves its peers
-                # waiting in the next collective), with the collectives each had entered when last heard.
-                left = {
-                    r: self._progress[r].collectives if r in self._progress else -1
-                    for r, why in self.runtime.departed().items()
-                    if why == CLOSED and r in self._peer_set
-                }
-                v = self._hangs.observe(own.step, evidence, self.runtime.silent() & self._peer_set, left)
+                v = self._hangs.observe(own.step, evidence, silent, left)
                 # A desync leaves ranks stuck in mismatched collectives right after it: the hang that
                 # follows is its consequence, already named.
                 if v is not None and v.step > self._desync_step + 1:

@@ -68,11 +68,13 @@ def _run(
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in expect], store
 
 
-def _start_workers(processes, tmp: Path, env: dict[str, str]) -> tuple[dist.TCPStore, list]:  # type: ignore[no-untyped-def]
-    """The 4 workers of a scenario that ends them (not waited for here), and the store they use
+def _start_workers(
+    processes, tmp: Path, env: dict[str, str], world: int = WORLD
+) -> tuple[dist.TCPStore, list]:  # type: ignore[no-untyped-def]
+    """The workers of a scenario that ends them (not waited for here), and the store they use
     (keep it while they run)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    base = {"WORLD_SIZE": str(WORLD), "STORE_PORT": str(store.port), "RESULT_DIR": str(tmp)}
+    base = {"WORLD_SIZE": str(world), "STORE_PORT": str(store.port), "RESULT_DIR": str(tmp)}
     base["REPORT_DIR"] = str(tmp / "reports")
     procs = [
         processes.start(
@@ -80,7 +82,7 @@ def _start_workers(processes, tmp: Path, env: dict[str, str]) -> tuple[dist.TCPS
             {**base, **env, "RANK": str(r)},
             tmp / f"rank{r}.log",
         )
-        for r in range(WORLD)
+        for r in range(world)
     ]
     return store, procs
 
@@ -234,18 +236,33 @@ def test_a_data_loader_that_blocks_is_named_a_data_stall(processes, tmp_path: Pa
         assert 2.0 <= res["faults"][1]["stall_duration_s"] < 3.0, res["faults"]
 
 
-def test_a_frozen_rank_is_named_for_the_hang_although_it_fell_silent(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("world", "culprit"), [(4, 2), (2, 1)], ids=["four", "two"])
+def test_a_frozen_rank_is_named_for_the_hang_although_it_fell_silent(
+    processes, tmp_path: Path, world: int, culprit: int
+) -> None:  # type: ignore[no-untyped-def]
     """SIGSTOP freezes the culprit, runtime thread included: its heartbeats stop (process_failure
     after 1 s), and when its peers have waited in the all-reduce for the hang threshold (2 s), the
-    silent rank is the hang's culprit (before: 'every rank is stuck', naming the waiting ones)."""
+    silent rank is the hang's culprit (before: 'every rank is stuck', naming the waiting ones). In a
+    job of two the lone survivor names it too (before: it judged no hang with no live peer left)."""
     results, _ = _run(
-        processes, tmp_path, "sigstop", steps=60, culprit=2, at=6, wait_all=False, extra={"HB_TIMEOUT": "1.0"}
+        processes,
+        tmp_path,
+        "sigstop",
+        steps=60,
+        culprit=culprit,
+        at=6,
+        wait_all=False,
+        world=world,
+        extra={"HB_TIMEOUT": "1.0"},
     )
+    assert len(results) == world - 1
     for res in results:
         hangs = [f for f in res["faults"] if f["kind"] == "hang"]
-        assert [(f["failed_ranks"], f["reason"]) for f in hangs] == [([2], "silent_while_peers_wait")], res
-        assert ("process_failure", [2]) in _kinds(res), res["faults"]
-        assert {tuple(f["failed_ranks"]) for f in res["faults"]} == {(2,)}, res["faults"]
+        assert [(f["failed_ranks"], f["reason"]) for f in hangs] == [
+            ([culprit], "silent_while_peers_wait")
+        ], res
+        assert ("process_failure", [culprit]) in _kinds(res), res["faults"]
+        assert {tuple(f["failed_ranks"]) for f in res["faults"]} == {(culprit,)}, res["faults"]
 
 
 def test_clean_run_of_500_steps_with_jitter_has_no_verdict(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -556,36 +573,40 @@ def _reports(tmp: Path, rank: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
 
 
-@pytest.mark.parametrize("linger", [True, False], ids=["keeps-its-process-group", "ends"])
+@pytest.mark.parametrize(
+    ("linger", "world"), [(True, 4), (False, 4), (True, 2)], ids=["keeps-its-process-group", "ends", "of-two"]
+)
 def test_a_rank_whose_loop_ends_early_is_named_by_the_peers_it_leaves_waiting(
-    processes, tmp_path: Path, linger: bool
+    processes, tmp_path: Path, linger: bool, world: int
 ) -> None:  # type: ignore[no-untyped-def]
-    """Rank 2's loop ends at step 6 (uneven inputs): it closes its session, which is no fault, but its
-    peers wait in step 6's all-reduce. Kept open (as NCCL would wait), its process group leaves them
-    stuck: a hang naming rank 2 after the 2 s threshold (before: a collective stall naming the three
-    waiting ranks). Closed, gloo fails their collective at once: each names rank 2 as it dies (before:
-    nobody was named)."""
+    """The culprit's loop ends at step 6 (uneven inputs): it closes its session, which is no fault,
+    but its peers wait in step 6's all-reduce. Kept open (as NCCL would wait), its process group
+    leaves them stuck: a hang naming it after the 2 s threshold (before: a collective stall naming
+    the waiting ranks; in a job of two, nothing: the lone survivor judged no hang). Closed, gloo
+    fails their collective at once: each names it as it dies (before: nobody was named)."""
+    culprit = 2 if world > 2 else 1
     env = {
         "STEPS": "40",
         "SCENARIO": "leave",
-        "CULPRIT": "2",
+        "CULPRIT": str(culprit),
         "AT_STEP": "6",
         "LINGER": "1" if linger else "0",
     }
-    _store, procs = _start_workers(processes, tmp_path, env)
+    _store, procs = _start_workers(processes, tmp_path, env, world)
+    others = [r for r in range(world) if r != culprit]
     deadline = time.monotonic() + 120
-    while not all(_reports(tmp_path, r) for r in (0, 1, 3)):
-        assert time.monotonic() < deadline, [_reports(tmp_path, r) for r in range(WORLD)]
+    while not all(_reports(tmp_path, r) for r in others):
+        assert time.monotonic() < deadline, [_reports(tmp_path, r) for r in range(world)]
         time.sleep(0.1)  # polling report files the workers append to
     if not linger:
-        assert [p.wait(60) for p in procs][2] == 0
-    for r in (0, 1, 3):
+        assert [p.wait(60) for p in procs][culprit] == 0
+    for r in others:
         reports = _reports(tmp_path, r)
         assert [(f["kind"], f["failed_ranks"], f["reason"], f["steps"]) for f in reports] == [
-            ("hang", [2], "left_while_peers_wait", [6])
+            ("hang", [culprit], "left_while_peers_wait", [6])
         ], reports
         assert reports[0]["sources"] == (["scout"] if linger else ["goodbye"]), reports
-    assert _reports(tmp_path, 2) == []
+    assert _reports(tmp_path, culprit) == []
 
 
 def test_a_worker_terminated_by_sigterm_is_named_by_its_peers(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -325,3 +325,18 @@ def test_a_hang_named_by_scout_is_recovered_and_the_run_completes_bitwise(
     assert len(ctx["culprits"]) == 1 and ctx["admitted"] == [], ctx
     assert ctx["checkpoint_step"] == 9 and gens[1]["start"] == 9, (ctx, gens)
     assert _equal(job.final(), baseline)
+
+
+def test_a_stopped_worker_is_continued_to_take_the_restarts_sigterm(processes, tmp_path, baseline) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1's worker is SIGSTOPped after step 10 (its capture drained). SCOUT names it (it went
+    silent while its peer waits); before torchrun's SIGTERM its agent continues it, so it exits on
+    the SIGTERM like its peers instead of being SIGKILLed after torchrun's 30 s shutdown timeout.
+    The restart is in place, from step 10, bitwise."""
+    job = Job(processes, tmp_path, "stop")
+    gens, ctx = _restarted_once(job, {"FAULT": "stop", "FAULT_RANK": "1", "FAULT_STEP": "10", "HANG_S": "2"})
+    logs = job.logs()
+    assert ctx["failure_kind"] in ("hang", "process_failure") and len(ctx["culprits"]) == 1, ctx
+    assert ctx["admitted"] == [] and ctx["checkpoint_step"] == 10 and gens[1]["start"] == 10, (ctx, gens)
+    assert "was stopped (SIGSTOP/SIGTSTP); continued it" in logs, logs
+    assert "forcefully exiting via 9" not in logs, logs
+    assert _equal(job.final(), baseline)

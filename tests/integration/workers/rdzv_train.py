@@ -2,6 +2,7 @@
 
 FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
   worker  -- rank FAULT_RANK's worker dies (SIGKILL)
+  stop    -- rank FAULT_RANK's worker is stopped (SIGSTOP) for good
   node    -- rank FAULT_RANK's whole node dies: its agent, then (parent-death signal) its worker
   leader  -- the node of the current leader dies the same way
   sdc     -- rank FAULT_RANK flips a bit of a gradient after reduction (SCOUT must name it)
@@ -108,11 +109,14 @@ for step, x in session.instrument_dataloader(batches()):
         kept = [p.grad.clone() for p in model.parameters()]
     opt.step()
     sched.step()
-    if step == fault_step and fault in ("worker", "node") and rank == fault_rank:
+    if step == fault_step and fault in ("worker", "stop", "node") and rank == fault_rank:
         session.gemini.drain(10)
         if fault == "worker":
             os.kill(os.getpid(), signal.SIGKILL)
-        kill_my_node()
+        elif fault == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # continued only by the agent, to be stopped
+        else:
+            kill_my_node()
     if step == fault_step and fault == "leader":
         session.gemini.drain(10)
         if leader_is_me():
