@@ -1016,7 +1016,7 @@ class Scout:
             del self._replays[old]
 
     def _on_times(self, msg: StepTelemetry) -> None:
-        if msg.rank not in self._peer_set or len(self.peers) < 3:
+        if msg.rank not in self._peer_set or len(self.peers) < 2:
             return
         per_step = self._times.setdefault(msg.step, {})
         per_step[msg.rank] = PhaseTimes(msg.input_s, msg.compute_s, msg.comm_s)

@@ -84,15 +84,35 @@ def test_waiting_for_two_stragglers_is_not_a_communication_straggler() -> None:
     assert [(v.ranks, v.straggler_type) for v in d.observe(2, link)] == [((0,), "communication")]
 
 
-def test_jitter_alone_is_never_a_straggler() -> None:
+@pytest.mark.parametrize("world", [8, 2])
+def test_jitter_alone_is_never_a_straggler(world: int) -> None:
     rng = random.Random(3)
     d = StragglerDetector(ratio=1.5, min_s=0.02, confirmations=3)
     for step in range(2000):
         times = {
             r: pt(0.01 * rng.uniform(0.5, 1.6), 0.1 * rng.uniform(0.8, 1.25), 0.02 * rng.uniform(0.5, 2))
-            for r in range(8)
+            for r in range(world)
         }
         assert d.observe(step, times) == []
+
+
+def test_of_two_ranks_the_slow_one_is_named_never_the_one_that_waits_for_it() -> None:
+    """A job of two replicas (two nodes of one GPU each) has its stragglers too (before: never named,
+    'no others to compare against'). The slow rank's compute or input names it; the rank that waits
+    for it in the collective is its victim, so communication is never a type among two: a delay
+    outside the measured phases (rank 1 late for no phase shown) names nobody rather than rank 0."""
+    d = StragglerDetector(ratio=1.5, min_s=0.02, confirmations=2)
+    compute = {0: pt(m=0.2), 1: pt(c=0.3, m=0.001)}
+    assert d.observe(1, compute) == []
+    assert [(v.ranks, v.straggler_type) for v in d.observe(2, compute)] == [((1,), "compute")]
+    d = StragglerDetector(ratio=1.5, min_s=0.02, confirmations=2)
+    loader = {0: pt(m=0.2), 1: pt(i=0.2, m=0.001)}
+    assert d.observe(1, loader) == []
+    assert [(v.ranks, v.straggler_type) for v in d.observe(2, loader)] == [((1,), "input")]
+    d = StragglerDetector(ratio=1.5, min_s=0.02, confirmations=2)
+    unseen = {0: pt(m=0.2), 1: pt(m=0.001)}
+    assert [d.observe(s, unseen) for s in range(5)] == [[]] * 5
+    assert d.observe(1, {0: pt()}) == []  # alone: nobody to compare with
 
 
 def test_hang_names_the_rank_that_never_entered_the_collective() -> None:

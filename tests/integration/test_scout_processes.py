@@ -135,8 +135,14 @@ def test_bit_flip_in_a_gradient_after_reduction_is_named_sdc_and_not_certified(
     assert any(json.loads(line)["kind"] == "sdc" for line in lines)
 
 
-def test_compute_slowdown_is_named_a_compute_straggler_within_3_steps(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    results, _ = _run(processes, tmp_path, "compute", steps=15, culprit=1)
+@pytest.mark.parametrize("world", [4, 2], ids=["four", "two"])
+def test_compute_slowdown_is_named_a_compute_straggler_within_3_steps(
+    processes, tmp_path: Path, world: int
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 computes slowly. In a job of two too (before: never named there, 'no others to
+    compare against'): its peer waits for it, and is not named for that wait."""
+    results, _ = _run(processes, tmp_path, "compute", steps=15, culprit=1, world=world)
+    assert len(results) == world
     for res in results:
         found = [f for f in res["faults"] if f["kind"] == "straggler"]
         assert [(f["failed_ranks"], f["straggler_type"]) for f in found] == [([1], "compute")], res["faults"]
@@ -265,8 +271,11 @@ def test_a_frozen_rank_is_named_for_the_hang_although_it_fell_silent(
         assert {tuple(f["failed_ranks"]) for f in res["faults"]} == {(culprit,)}, res["faults"]
 
 
-def test_clean_run_of_500_steps_with_jitter_has_no_verdict(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    results, _ = _run(processes, tmp_path, "clean", steps=500)
+@pytest.mark.parametrize(("world", "steps"), [(4, 500), (2, 300)], ids=["four", "two"])
+def test_clean_run_of_500_steps_with_jitter_has_no_verdict(
+    processes, tmp_path: Path, world: int, steps: int
+) -> None:  # type: ignore[no-untyped-def]
+    results, _ = _run(processes, tmp_path, "clean", steps=steps, world=world)
     for res in results:
         assert res["faults"] == [], res["faults"]
 

@@ -168,10 +168,14 @@ class StragglerDetector:
         self._reported: set[tuple[int, str]] = set()
 
     def observe(self, step: int, times: Mapping[int, PhaseTimes]) -> list[Verdict]:
-        if len(times) < 3:
-            return []  # with two ranks there is no "the others" to compare against
+        if len(times) < 2:
+            return []
         slow_now: set[tuple[int, str]] = set()
         for phase in PHASES:
+            if phase == "communication" and len(times) == 2:
+                # Of two ranks, the one that waits longer in the collective waits for the other: a
+                # victim, whatever made the other late. Its compute or input time names it instead.
+                continue
             for r, t in times.items():
                 others = [o.get(phase) for q, o in times.items() if q != r]
                 base = _median(others)
