@@ -638,8 +638,7 @@ class Gemini:
         self._count_fetches(step)
         if step % self.interval != 0:
             return
-        trailers = (("scheduler", self.scheduler), ("scaler", self.scaler if self._scaler_trails else None))
-        self._due = {name for name, obj in trailers if obj is not None}
+        self._due = self._trailers()
         if self._due:
             self._pending = step
         else:
@@ -661,11 +660,19 @@ class Gemini:
         else:
             self._capture_from_hook(step)
 
+    def _trailers(self) -> set[str]:
+        """The calls that end a step after the optimizer's: the capture waits for them."""
+        trailers = (("scheduler", self.scheduler), ("scaler", self.scaler if self._scaler_trails else None))
+        return {name for name, obj in trailers if obj is not None}
+
     def will_defer(self, step: int) -> bool:
-        """Whether the capture of `step`, which has just ended, will wait for the next step to
-        begin (see _boundary); SCOUT asks as the step ends, before or after our on_step."""
+        """Whether the capture of `step`, which has just ended, will be taken later: when the
+        scheduler (or the loss scaler) has stepped too, or when the next step begins (see
+        _boundary). SCOUT asks as the step ends, before or after our on_step, and then fingerprints
+        the state right before the capture: what the loop changes in between (a moment of the
+        optimizer written wrongly, a weight it edits) is then judged with what is captured."""
         self._count_fetches(step)
-        return step % self.interval == 0 and self._defers()
+        return step % self.interval == 0 and (self._defers() or bool(self._trailers()))
 
     def _count_fetches(self, step: int) -> None:
         """Count `step` (once, whoever asks first) into the steps in a row that read a loader."""

@@ -282,6 +282,24 @@ def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(p
     assert _equal(job.final(), base.final())
 
 
+def test_optimizer_state_corrupted_before_the_schedulers_step_is_never_recovered(
+    processes, tmp_path, baseline
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 flips a bit of an Adam moment between its optimizer step 10 and the scheduler's, where
+    the capture of step 10 is taken (the loop reads no instrumented loader). The state is judged as
+    captured: two replicas disagree on optimizer state at step 10 and replay names rank 1. Its node
+    is replaced and the job resumes from step 9, bitwise. Before, the fingerprints were taken at the
+    optimizer's step: step 10 was certified with the flip in its capture, every restart resumed it,
+    and the run gave up."""
+    job = Job(processes, tmp_path, "optstate")
+    env = {"FAULT": "optstate", "FAULT_RANK": "1", "FAULT_STEP": "10", "LOADER": "plain"}
+    gens, ctx = _restarted_once(job, env)
+    assert ctx["failure_kind"] == "sdc" and ctx["reason_code"] == "optim_replay_mismatch", ctx
+    assert ctx["recovery_mode"] == "recovery_verified" and len(ctx["admitted"]) == 1, ctx
+    assert ctx["checkpoint_step"] == 9 and gens[1]["start"] == 9, (ctx, gens)
+    assert _equal(job.final(), baseline)
+
+
 def test_a_data_loader_stuck_while_its_peers_wait_is_a_data_stall_the_leader_restarts(
     processes, tmp_path, baseline
 ) -> None:  # type: ignore[no-untyped-def]

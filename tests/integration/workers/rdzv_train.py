@@ -7,10 +7,14 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
   leader  -- the node of the current leader dies the same way
   sdc     -- rank FAULT_RANK flips a bit of a gradient after reduction (SCOUT must name it)
   stale   -- rank FAULT_RANK steps with the previous step's gradients (SCOUT must name stale state)
+  optstate -- rank FAULT_RANK flips a bit of an Adam moment after its optimizer step, before the
+             scheduler's (SCOUT must name it, and no capture holding it may be recovered)
   loader  -- rank FAULT_RANK's data loader blocks for good at step FAULT_STEP (LOADER_S: its threshold)
   hang    -- rank FAULT_RANK never enters step FAULT_STEP's all-reduce (SCOUT must name it; HANG_S is
              the stall threshold)
   repeat  -- in each generation g < FAULT_REPEAT, rank g % world dies two steps after its start
+LOADER=plain: the loop reads its batches without instrument_dataloader (captures are then taken
+at the scheduler's step).
 Rank 0 writes the final parameters to OUT and each generation's start to OUT.gen<g>.json.
 """
 
@@ -91,7 +95,7 @@ def batches():  # type: ignore[no-untyped-def]
         yield step, torch.randn(8, 16, generator=torch.Generator().manual_seed(rank * 1000 + step))
 
 
-for step, x in session.instrument_dataloader(batches()):
+for step, x in batches() if os.environ.get("LOADER") == "plain" else session.instrument_dataloader(batches()):
     if fault == "hang" and rank == fault_rank and step == fault_step:
         session.gemini.drain(10)
         threading.Event().wait()  # stuck for good: the agents must stop it
@@ -108,6 +112,10 @@ for step, x in session.instrument_dataloader(batches()):
                 p.grad.copy_(g)
         kept = [p.grad.clone() for p in model.parameters()]
     opt.step()
+    if fault == "optstate" and rank == fault_rank and step == fault_step:
+        with torch.no_grad():
+            moment = opt.state[next(model.parameters())]["exp_avg_sq"]
+            moment.view(-1).view(torch.int32)[5] ^= 1 << 29
     sched.step()
     if step == fault_step and fault in ("worker", "stop", "node") and rank == fault_rank:
         session.gemini.drain(10)
