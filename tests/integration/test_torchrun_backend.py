@@ -349,12 +349,14 @@ def test_a_stopped_worker_is_continued_to_take_the_restarts_sigterm(processes, t
     """Rank 1's worker is SIGSTOPped after step 10 (its capture drained). SCOUT names it (it went
     silent while its peer waits); before torchrun's SIGTERM its agent continues it, so it exits on
     the SIGTERM like its peers instead of being SIGKILLed after torchrun's 30 s shutdown timeout.
-    The restart is in place, from step 10, bitwise."""
+    The restart is in place, from the newest step both hold, bitwise."""
     job = Job(processes, tmp_path, "stop")
     gens, ctx = _restarted_once(job, {"FAULT": "stop", "FAULT_RANK": "1", "FAULT_STEP": "10", "HANG_S": "2"})
     logs = job.logs()
     assert ctx["failure_kind"] in ("hang", "process_failure") and len(ctx["culprits"]) == 1, ctx
-    assert ctx["admitted"] == [] and ctx["checkpoint_step"] == 10 and gens[1]["start"] == 10, (ctx, gens)
+    # Continued, it may take one more step with its peer before both take the SIGTERM.
+    assert ctx["admitted"] == [] and ctx["checkpoint_step"] in (10, 11), ctx
+    assert gens[1]["start"] == ctx["checkpoint_step"], (ctx, gens)
     assert "was stopped (SIGSTOP/SIGTSTP); continued it" in logs, logs
     assert "forcefully exiting via 9" not in logs, logs
     assert _equal(job.final(), baseline)
