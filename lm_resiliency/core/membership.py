@@ -5,6 +5,13 @@ the last `timeout` seconds, DEAD after that silence, LEFT after it said goodbye.
 a peer (a restarted process) replaces the old one and brings it back to ALIVE; an older incarnation is
 ignored. A peer never heard from is UNKNOWN until `timeout` after the detector started, then DEAD.
 
+An observer that stood still (its `tick` came `pause_s` or more after the one before: the observer
+was SIGSTOPped, its VM paused, its loop blocked) heard nothing meanwhile because it listened to
+nothing: that time does not count against its peers. Their silence is measured from the end of the
+pause, plus what they had been silent before it; the messages that queued up meanwhile then revive
+nothing, and a resumed observer accuses no healthy peer. A peer that died meanwhile is declared at
+most the pause's length later.
+
 Transitions (peer state x event -> state, events emitted):
     UNKNOWN/DEAD/LEFT  + heartbeat        -> ALIVE  (JOINED, or REJOINED if it had been seen before)
     ALIVE              + heartbeat        -> ALIVE  (nothing)
@@ -60,10 +67,16 @@ class _Peer:
 class FailureDetector:
     """Tracks liveness of a fixed set of peers. Every method takes `now`; nothing reads a clock."""
 
-    def __init__(self, peers: Iterable[int], timeout: float, now: float) -> None:
+    def __init__(
+        self, peers: Iterable[int], timeout: float, now: float, pause_s: float | None = None
+    ) -> None:
         if timeout <= 0:
             raise ValueError(f"heartbeat timeout must be > 0, got {timeout}")
+        if pause_s is not None and pause_s <= 0:
+            raise ValueError(f"pause threshold must be > 0, got {pause_s}")
         self.timeout = float(timeout)
+        self.pause_s = pause_s
+        self._last_tick = now
         self._peers = {p: _Peer(PeerState.UNKNOWN, -1, now) for p in peers}
 
     def add_peer(self, peer: int, now: float) -> None:
@@ -105,7 +118,12 @@ class FailureDetector:
         return [MembershipEvent(EventKind.DIED, peer, incarnation, now, reason, now - p.last_heard)]
 
     def tick(self, now: float) -> list[MembershipEvent]:
-        """Declare dead every peer silent for `timeout` or longer."""
+        """Declare dead every peer silent for `timeout` or longer (not counting a pause of ours)."""
+        gap, self._last_tick = now - self._last_tick, max(self._last_tick, now)
+        if self.pause_s is not None and gap >= self.pause_s:
+            for p in self._peers.values():
+                if p.state in (PeerState.ALIVE, PeerState.UNKNOWN):
+                    p.last_heard = min(now, p.last_heard + gap)
         events = []
         for peer, p in sorted(self._peers.items()):
             if p.state in (PeerState.ALIVE, PeerState.UNKNOWN) and now - p.last_heard >= self.timeout:

@@ -168,8 +168,13 @@ class RankRuntime:
         self._signer = Signer(key, rank, incarnation)
         self._verifier = Verifier(key)
         self._loop = LoopThread(name=f"lm-resiliency-rank{rank}", cleanup=self._close_transport)
+        # The timers tick at least every heartbeat interval: a tick half a timeout late (and three
+        # intervals) means this rank stood still (SIGSTOP, a paused VM), not that its peers did.
         self._detector = FailureDetector(
-            (r for r in range(world_size) if r != rank), config.heartbeat_timeout_s, self._clock.monotonic()
+            (r for r in range(world_size) if r != rank),
+            config.heartbeat_timeout_s,
+            self._clock.monotonic(),
+            pause_s=max(3 * config.heartbeat_interval_s, config.heartbeat_timeout_s / 2),
         )
         self._announcement: PeerAnnouncement | None = None
         self._known: dict[int, PeerAnnouncement] = {}

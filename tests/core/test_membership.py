@@ -71,3 +71,25 @@ def test_a_process_seen_ending_is_dead_at_once_and_stays_dead_until_restarted() 
     assert d.state(1) is PeerState.DEAD and kinds(d.tick(now=20.0)) == [(EventKind.DIED, 2)]
     assert kinds(d.heard(1, 4, now=21.0)) == [(EventKind.REJOINED, 1)]  # its restart
     assert d.heard(1, 4, now=21.5) == [] and d.state(1) is PeerState.ALIVE
+
+
+def test_a_pause_of_the_observer_does_not_count_against_its_peers() -> None:
+    """The observer stands still for 10 s (SIGSTOPped, its VM paused): before, its first tick after
+    declared every peer dead, healthy ones included, though their beats were queued for it. Now the
+    pause does not count: silence before it does, and a peer that died meanwhile is declared once
+    its silence outside the pause reaches the timeout."""
+    d = FailureDetector([1, 2], timeout=1.0, now=0.0, pause_s=0.5)
+    d.heard(1, 1, now=0.1)
+    d.heard(2, 1, now=0.1)
+    assert d.tick(now=0.3) == []
+    assert d.tick(now=10.3) == []  # back from the pause; nothing was read meanwhile
+    assert d.heard(1, 1, now=10.31) == []  # a beat queued during the pause: still alive
+    assert d.tick(now=10.7) == []
+    died = d.tick(now=11.1)  # 0.2 s silent before the pause, 0.8 s after it
+    assert kinds(died) == [(EventKind.DIED, 2)] and died[0].silent_s == pytest.approx(1.0)
+    assert d.state(1) is PeerState.ALIVE
+    plain = FailureDetector([1], timeout=1.0, now=0.0)  # no pause threshold: any gap counts
+    plain.heard(1, 1, now=0.1)
+    assert kinds(plain.tick(now=10.3)) == [(EventKind.DIED, 1)]
+    with pytest.raises(ValueError, match="pause"):
+        FailureDetector([1], timeout=1.0, now=0.0, pause_s=0.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -269,6 +270,23 @@ def test_a_frozen_rank_is_named_for_the_hang_although_it_fell_silent(
         ], res
         assert ("process_failure", [culprit]) in _kinds(res), res["faults"]
         assert {tuple(f["failed_ranks"]) for f in res["faults"]} == {(culprit,)}, res["faults"]
+
+
+def test_a_rank_continued_after_a_stop_accuses_none_of_its_peers(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 is SIGSTOPped at step 6 and continued once rank 0 has named it (hang, after 2 s; its
+    heartbeat timeout is 1 s). Resumed, rank 1 had heard nothing for seconds because it listened to
+    nothing: before, its first tick declared rank 0 dead (a process failure naming a healthy rank).
+    Now its own pause does not count; the job then completes."""
+    env = {"STEPS": "12", "SCENARIO": "sigstop", "CULPRIT": "1", "AT_STEP": "6", "HB_TIMEOUT": "1.0"}
+    _store, procs = _start_workers(processes, tmp_path, env, world=2)
+    deadline = time.monotonic() + 120
+    while not any(f["kind"] == "hang" for f in _reports(tmp_path, 0)):
+        assert time.monotonic() < deadline, _reports(tmp_path, 0)
+        time.sleep(0.05)  # polling the report file rank 0 appends to
+    os.kill(procs[1].pid, signal.SIGCONT)
+    assert [p.wait(120) for p in procs] == [0, 0]
+    assert [f for f in _reports(tmp_path, 1) if 0 in f["failed_ranks"]] == [], _reports(tmp_path, 1)
+    assert {tuple(f["failed_ranks"]) for f in _reports(tmp_path, 0)} == {(1,)}, _reports(tmp_path, 0)
 
 
 @pytest.mark.parametrize(("world", "steps"), [(4, 500), (2, 300)], ids=["four", "two"])
