@@ -23,14 +23,10 @@ def pid_exited(pid: int) -> bool:
     """Whether process `pid` of this pid namespace has ended: no such process, or a zombie its
     parent has not reaped yet (a SIGKILLed torchrun worker stays one until the agent polls it).
     Unknown (no /proc) counts as not ended."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:  # gone, or hidden from us (/proc mounted with hidepid): the kernel says which
+    got = _stat(str(pid))
+    if got is None:  # gone, or hidden from us (/proc mounted with hidepid): the kernel says which
         return not pid_alive(pid)
-    # "pid (comm) S ...": the state follows the last ')' (comm may hold any byte).
-    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
-    return state in (b"Z", b"X")
+    return got[0] in (b"Z", b"X")
 
 
 def _stat(pid: str) -> tuple[bytes, int] | None:
@@ -40,6 +36,7 @@ def _stat(pid: str) -> tuple[bytes, int] | None:
             stat = f.read()
     except OSError:
         return None
+    # "pid (comm) S ppid ...": the state follows the last ')' (comm may hold any byte).
     fields = stat[stat.rfind(b")") + 2 :].split()
     try:
         return fields[0], int(fields[1])
