@@ -13,6 +13,7 @@ and restores the chosen step bitwise from local memory or by pulling the replica
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import functools
 import logging
@@ -50,6 +51,7 @@ from lm_resiliency.gemini.state import (
     flatten,
     loader_positions,
     materialize,
+    rng_state,
     unflatten,
 )
 from lm_resiliency.runtime.shm import (
@@ -243,6 +245,11 @@ class Gemini:
         self._pending: int | None = None  # a step whose capture waits for the calls in _due (on_step)
         self._due: set[str] = set()
         self._scaler_trails = True  # scaler.update() follows each step (see _step_begins)
+        # The scheduler does not step every iteration (learned in _step_begins); then a capture that
+        # waits for it keeps what the loop's code changes as the next step begins -- the random
+        # numbers and the caller's state -- as they were when the optimizer stepped (_step_end).
+        self._scheduler_skips = False
+        self._step_end: tuple[int, dict[str, Any]] | None = None
         self._deferred: int | None = None  # a step whose capture waits for the next to begin (_boundary)
         self._waiting: int | None = None  # a step whose capture waits for a verdict (see capture)
         self._fetched = False  # an instrumented loader was read during the current step
@@ -641,6 +648,7 @@ class Gemini:
         self._due = self._trailers()
         if self._due:
             self._pending = step
+            self._step_end = (step, self._volatile_state()) if self._scheduler_skips else None
         else:
             self._boundary(step)
 
@@ -690,7 +698,7 @@ class Gemini:
         self._due.discard(name)
         if self._due:
             return
-        step, self._pending = self._pending, None
+        step, self._pending, self._step_end = self._pending, None, None
         if step is not None and not self._closed:
             self._boundary(step)
 
@@ -706,6 +714,15 @@ class Gemini:
         """The model's forward or the optimizer's step: nothing of the last step may wait longer
         (a scheduler that did not step this iteration: its pending capture is taken now)."""
         step, self._pending = self._pending, None
+        end, self._step_end = self._step_end, None
+        if step is not None and "scheduler" in self._due and not self._scheduler_skips:
+            self._scheduler_skips = True
+            log.info(
+                "rank %d: the scheduler did not step after step %d: captures waiting for it keep the "
+                "random numbers and caller state of the optimizer's step",
+                self.rank,
+                step,
+            )
         if step is not None and "scaler" in self._due:
             # A loss scaler's update() follows every step that uses it: this one is not the loop's.
             self._scaler_trails = False
@@ -716,26 +733,45 @@ class Gemini:
                 step,
             )
         if step is not None and not self._closed:
-            self._capture_from_hook(step)
+            if end is not None and end[0] == step:
+                self._capture_from_hook(step, end=end[1])
+            elif self.before_capture is not None:
+                # The loop's code for the next step already ran (its random draws, its counters):
+                # a capture now would not be this step's. The previous one stays the newest.
+                self.before_capture(step)
         self._take_deferred()
+
+    def _volatile_state(self) -> dict[str, Any]:
+        """What the loop's own code may change before the next forward: the random numbers and
+        the caller's state (a copy: the loop may change it in place)."""
+        out: dict[str, Any] = {"rng": rng_state()}
+        if self.extra_state_fn is not None:
+            out["extra"] = copy.deepcopy(self.extra_state_fn())
+        return out
 
     def on_fetch(self, loaders: Callable[[], dict[str, Any]] | None = None) -> None:
         """Before `next()` on an instrumented loader (training thread). `loaders`: the RNG states the
         instrumented loaders' current iterators were made at, for a capture taken now."""
         self._fetch_loaders = loaders
         try:
+            # The scheduler did not step before the next fetch: the step ended here all the same.
+            step, self._pending, self._step_end = self._pending, None, None
+            if step is not None and not self._closed:
+                self._capture_from_hook(step)
             self._take_deferred()
         finally:
             self._fetch_loaders = None
         self._fetched = True
 
-    def _capture_from_hook(self, step: int, wait_for_verdict: bool = True) -> None:
+    def _capture_from_hook(
+        self, step: int, wait_for_verdict: bool = True, end: dict[str, Any] | None = None
+    ) -> None:
         """Captures run inside the user's optimizer/scheduler calls: a capture that cannot be taken
         (shared memory full, state we cannot serialise) is reported, never raised into training."""
         if self.before_capture is not None:
             self.before_capture(step)
         try:
-            self.capture(step, wait_for_verdict)
+            self.capture(step, wait_for_verdict, end=end)
         except Exception as exc:  # anything: training must not fail because a checkpoint did
             self.stats.capture_failures += 1
             if self.stats.capture_failures in (1, 10, 100) or self.stats.capture_failures % 1000 == 0:
@@ -931,8 +967,9 @@ class Gemini:
             for k, s in self._own_step.items()
         )
 
-    def capture(self, step: int, wait_for_verdict: bool = True) -> bool:
-        """Copy the state at `step` into a free slot; checksum and replication follow off-thread."""
+    def capture(self, step: int, wait_for_verdict: bool = True, end: dict[str, Any] | None = None) -> bool:
+        """Copy the state at `step` into a free slot; checksum and replication follow off-thread.
+        `end`: parts of the state as they were when the step ended, taken earlier (_volatile_state)."""
 
         t0 = time.perf_counter()
         with self._idle:
@@ -967,6 +1004,7 @@ class Gemini:
             state = collect_state(
                 self.model, self.optimizer, self.scheduler, self.extra_state_fn, step, self.scaler
             )
+            state.update(end or {})
             if self._fetch_loaders is not None:
                 state["loaders"] = self._fetch_loaders()
             skeleton, tensors, specs = flatten(state)

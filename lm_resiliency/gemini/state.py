@@ -39,6 +39,7 @@ __all__ = [
     "load_optimizer_state",
     "loader_positions",
     "materialize",
+    "rng_state",
     "unflatten",
 ]
 
@@ -243,6 +244,19 @@ class TensorSpec:
     nbytes: int
 
 
+def rng_state() -> dict[str, Any]:
+    """The process's random number generators' states: torch (CPU, and CUDA once initialised),
+    Python's and NumPy's global ones."""
+    rng: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
 def collect_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -251,17 +265,7 @@ def collect_state(
     step: int,
     scaler: Any = None,
 ) -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "step": step,
-        "model": uncompiled(model).state_dict(),
-        "rng": {
-            "torch": torch.get_rng_state(),
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-        },
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        state["rng"]["cuda"] = torch.cuda.get_rng_state_all()
+    state: dict[str, Any] = {"step": step, "model": uncompiled(model).state_dict(), "rng": rng_state()}
     if optimizer is not None:
         # ZeRO: this rank's partition, which every restart of this rank restores (the partition is a
         # function of the parameters and the world size), and the wrapper's hyperparameters, which a

@@ -360,3 +360,34 @@ def test_a_stopped_worker_is_continued_to_take_the_restarts_sigterm(processes, t
     assert "was stopped (SIGSTOP/SIGTSTP); continued it" in logs, logs
     assert "forcefully exiting via 9" not in logs, logs
     assert _equal(job.final(), baseline)
+
+
+@pytest.fixture(scope="module")
+def augmented_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """An uninterrupted run of the loop that draws noise before each forward, its scheduler
+    stepping after every second step only."""
+    group = ProcessGroup()
+    try:
+        job = Job(group, tmp_path_factory.mktemp("rdzv-aug"), "augbase")
+        job.start({"AUG": "1", "SCHED_EVERY": "2", "LOADER": "plain"})
+        job.wait()
+        return job.final()
+    finally:
+        group.stop_all()
+
+
+@pytest.mark.parametrize("loader", ["plain", "instrumented"])
+def test_a_step_the_scheduler_skips_is_captured_as_it_ended(
+    processes, tmp_path, augmented_baseline, loader: str
+) -> None:  # type: ignore[no-untyped-def]
+    """The scheduler steps after even steps only, and the loop draws augmentation noise before
+    each forward. The capture of step 11 waits for a scheduler step that does not come; it was
+    taken at step 12's forward, after the loop had drawn step 12's noise, so a restart from it
+    drew other noise and ended elsewhere. Now it keeps the random numbers of step 11's end (the
+    optimizer's step; with an instrumented loader, step 12's fetch). Rank 1 dies in step 12: the
+    job resumes from step 11, bitwise."""
+    job = Job(processes, tmp_path, f"skip-{loader}")
+    env = {"AUG": "1", "SCHED_EVERY": "2", "LOADER": loader, "FAULT": "midstep", "FAULT_STEP": "12"}
+    gens, ctx = _restarted_once(job, env)
+    assert ctx["checkpoint_step"] == 11 and gens[1]["start"] == 11, (ctx, gens)
+    assert _equal(job.final(), augmented_baseline)

@@ -13,8 +13,11 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
   hang    -- rank FAULT_RANK never enters step FAULT_STEP's all-reduce (SCOUT must name it; HANG_S is
              the stall threshold)
   repeat  -- in each generation g < FAULT_REPEAT, rank g % world dies two steps after its start
+  midstep -- rank FAULT_RANK's worker dies (SIGKILL) after its backward of step FAULT_STEP, once the
+             capture of the step before is in place
 LOADER=plain: the loop reads its batches without instrument_dataloader (captures are then taken
-at the scheduler's step).
+at the scheduler's step). SCHED_EVERY=n: the scheduler steps after every n-th step only. AUG=1: the
+loop adds noise from the global torch RNG to each batch before the forward.
 Rank 0 writes the final parameters to OUT and each generation's start to OUT.gen<g>.json.
 """
 
@@ -99,9 +102,14 @@ for step, x in batches() if os.environ.get("LOADER") == "plain" else session.ins
     if fault == "hang" and rank == fault_rank and step == fault_step:
         session.gemini.drain(10)
         threading.Event().wait()  # stuck for good: the agents must stop it
+    if os.environ.get("AUG") == "1":
+        x = x + 0.01 * torch.randn(x.shape)  # augmentation: the loop's own random draws
     loss = (model(x) - x).pow(2).mean()
     opt.zero_grad()
     loss.backward()
+    if fault == "midstep" and rank == fault_rank and step == fault_step:
+        session.gemini.drain(10)
+        os.kill(os.getpid(), signal.SIGKILL)
     if fault == "sdc" and rank == fault_rank and step == fault_step:
         with torch.no_grad():
             p = next(model.parameters())
@@ -116,7 +124,8 @@ for step, x in batches() if os.environ.get("LOADER") == "plain" else session.ins
         with torch.no_grad():
             moment = opt.state[next(model.parameters())]["exp_avg_sq"]
             moment.view(-1).view(torch.int32)[5] ^= 1 << 29
-    sched.step()
+    if step % int(os.environ.get("SCHED_EVERY", "1")) == 0:
+        sched.step()
     if step == fault_step and fault in ("worker", "stop", "node") and rank == fault_rank:
         session.gemini.drain(10)
         if fault == "worker":
