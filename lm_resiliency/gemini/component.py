@@ -249,7 +249,7 @@ class Gemini:
         # waits for it keeps what the loop's code changes as the next step begins -- the random
         # numbers and the caller's state -- as they were when the optimizer stepped (_step_end).
         self._scheduler_skips = False
-        self._step_end: tuple[int, dict[str, Any]] | None = None
+        self._step_end: dict[str, Any] | None = None  # set and taken with _pending
         self._deferred: int | None = None  # a step whose capture waits for the next to begin (_boundary)
         self._waiting: int | None = None  # a step whose capture waits for a verdict (see capture)
         self._fetched = False  # an instrumented loader was read during the current step
@@ -648,7 +648,8 @@ class Gemini:
         self._due = self._trailers()
         if self._due:
             self._pending = step
-            self._step_end = (step, self._volatile_state()) if self._scheduler_skips else None
+            # (A loop that reads an instrumented loader ends the step at its next fetch: no copy.)
+            self._step_end = self._volatile_state() if self._scheduler_skips and not self._defers() else None
         else:
             self._boundary(step)
 
@@ -733,8 +734,8 @@ class Gemini:
                 step,
             )
         if step is not None and not self._closed:
-            if end is not None and end[0] == step:
-                self._capture_from_hook(step, end=end[1])
+            if end is not None:
+                self._capture_from_hook(step, end=end)
             elif self.before_capture is not None:
                 # The loop's code for the next step already ran (its random draws, its counters):
                 # a capture now would not be this step's. The previous one stays the newest.
