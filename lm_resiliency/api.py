@@ -774,10 +774,19 @@ class Session:
             self._step_offset = step
             self._recovered_step = step
             self._adapter.set_step(step)
+        # What the restart recovers from: the plan's failure kind (the leader's, under the
+        # torchrun backend), else what the previous generation noted (an SDC it found, its
+        # prepare_recovery), else unknown (a restart nobody explained); none for a fresh start.
+        ctx = self._context or {}
+        planned = ctx.get("failure_kind")
+        if not (isinstance(planned, str) and planned and planned != "none"):
+            planned = gem.noted_kind or ("unknown" if step >= 0 or self.env.generation > 0 else "none")
+        # The plan's leader chose its step among certified ones: it is recovery-verified.
+        by_plan = ctx.get("recovery_mode") == "recovery_verified" and step == ctx.get("checkpoint_step")
         self._last_decision = RecoveryDecision(
-            failure_kind="restart",
+            failure_kind=planned,
             recovery_mode=RecoveryMode.RECOVERY_VERIFIED
-            if gem.restored_verified
+            if gem.restored_verified or (step >= 0 and by_plan)
             else self._recovery_mode or RecoveryMode.LATEST,
             # The tier the restore came from leads the reason: local, peer, disk (GEMINI's durable
             # tier), fallback (the caller's own checkpoint through load_fallback).
@@ -1273,7 +1282,7 @@ class Session:
         newest = self._newest_recoverable(mode)
         gem = self.gemini
         if gem is not None:  # a restart of this job (plain torchrun: no orchestrator) restores as decided
-            gem.note_restart_mode(mode.value)
+            gem.note_restart_mode(mode.value, failure_kind)
         if newest >= 0:
             reason = "recovery_verified_step" if mode is RecoveryMode.RECOVERY_VERIFIED else "latest_step"
         elif gem is None:

@@ -38,6 +38,7 @@ from lm_resiliency.core.auth import frame_digest
 from lm_resiliency.core.gemini.placement import replica_holders
 from lm_resiliency.core.gemini.recovery import RecoveryPlan, plan_recovery, verified_steps
 from lm_resiliency.core.messages import GeminiInventory, ReplicaRequest
+from lm_resiliency.core.taxonomy import VERIFIED_KINDS, kind_of
 from lm_resiliency.core.topology import Topology
 from lm_resiliency.errors import CheckpointMismatchError, DiscoveryError, SharedMemoryError
 from lm_resiliency.gemini.copier import Completion, Copier, SyncCopier, copier_for
@@ -211,6 +212,7 @@ class Gemini:
         # Copies of this run that the scan found taken with another topology: (step, world size).
         self._elsewhere: set[tuple[int, int]] = set()
         self.restored_verified = False  # recover() chose among certified steps, as noted before
+        self.noted_kind: str | None = None  # the failure kind the previous generation noted
         self._busy: set[int] = set()
         self._released = False  # close() unmapped the slots
         self._flushing: set[int] = set()  # slots flush_for_restart is writing to disk (not to overwrite)
@@ -300,6 +302,7 @@ class Gemini:
             "disk": disk,
             "certified": sorted(self.carried_certificates),
             "mode": self.noted_restart_mode() or "",
+            "kind": self.noted_failure_kind() or "",
             "elsewhere": sorted(self._elsewhere),
         }
 
@@ -408,6 +411,7 @@ class Gemini:
         local, replicas, disk = {}, {}, {}
         certs: dict[int, set[int]] = {}
         noted: set[str] = set()
+        kinds: set[str] = set()
         elsewhere: set[tuple[int, int]] = set()
         for r, blob in raw.items():
             doc = msgpack.unpackb(blob)
@@ -417,6 +421,7 @@ class Gemini:
             disk[r] = set(doc.get("disk", ()))
             certs[r] = {int(x) for x in doc.get("certified", ())}
             noted.add(str(doc.get("mode", "")))
+            kinds.add(str(doc.get("kind", "")))
         exact = exact_step if exact_step is not None and exact_step > 0 else None
         # Each replica group certifies its own ranks' state: a step is verified when every group
         # certified it (another group's certificate does not vouch for a corrupted one's copy).
@@ -424,6 +429,11 @@ class Gemini:
         certified = verified_steps(certs, groups)
         if verified_only is None:
             verified_only = "recovery_verified" in noted
+        # Every rank reads the same notes: the same kind, one that may have corrupted state first.
+        known = sorted(
+            (k for k in kinds if kind_of(k) is not None), key=lambda k: (k not in VERIFIED_KINDS, k)
+        )
+        self.noted_kind = known[0] if known else None
         self.restored_verified = verified_only and exact is None
         allowed = {exact} if exact is not None else certified if self.restored_verified else None
         plan: RecoveryPlan = plan_recovery(self.world_size, local, replicas, disk, allowed=allowed)
@@ -843,39 +853,49 @@ class Gemini:
         if held and len(self._groups) > 1:
             self._announce()  # the other replica groups keep what every group certified (_certified)
 
-    def revoke(self, from_step: int) -> None:
-        """SDC found at `from_step`: no capture from it on is recovery-verified any more, and the
-        next restart restores a certified capture (unless told otherwise)."""
+    def revoke(self, from_step: int, kind: str = "sdc") -> None:
+        """SDC (or stale state: `kind`) found at `from_step`: no capture from it on is
+        recovery-verified any more, and the next restart restores a certified capture (unless told
+        otherwise)."""
         with self._lock:
             self.carried_certificates = {s for s in self.carried_certificates if s < from_step}
             for k, s in self._own_step.items():
                 if s >= from_step and not self._closed:
                     self._on_own_slot(k, SlotFile.clear_certificate)
             self._idle.notify_all()  # an SDC: no capture waits for a verdict any more
-        self.note_restart_mode("recovery_verified")
+        self.note_restart_mode("recovery_verified", kind)
 
     # -- the trust level the next restart needs (survives the process, like the slots) -------------
     def _mode_path(self) -> Path:
         return self.dir / f".restart-mode-r{self.rank}"
 
-    def note_restart_mode(self, mode: str) -> None:
-        """Remember on this node which trust level the next restart needs: set by an SDC and by
-        `prepare_recovery` (the caller's decision), read by the restarted rank's `recover`."""
+    def note_restart_mode(self, mode: str, kind: str | None = None) -> None:
+        """Remember on this node which trust level the next restart needs, and for which failure
+        kind: set by an SDC and by `prepare_recovery` (the caller's decision), read by the restarted
+        rank's `recover` (its recovery decision names the kind)."""
         path = self._mode_path()
         tmp = path.with_name(path.name + ".tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(mode)
+            tmp.write_text(f"{mode} {kind}" if kind else mode)
             os.replace(tmp, path)
         except OSError as exc:  # the slots' own folder: a failure here shows up there too
             log.warning("rank %d: cannot note the restart's recovery mode at %s: %s", self.rank, path, exc)
 
-    def noted_restart_mode(self) -> str | None:
+    def _note(self) -> list[str]:
         try:
-            mode = self._mode_path().read_text().strip()
+            return self._mode_path().read_text().split()
         except (OSError, UnicodeDecodeError):
-            return None
-        return mode if mode in ("latest", "recovery_verified") else None
+            return []
+
+    def noted_restart_mode(self) -> str | None:
+        mode = self._note()[:1]
+        return mode[0] if mode and mode[0] in ("latest", "recovery_verified") else None
+
+    def noted_failure_kind(self) -> str | None:
+        """The failure kind noted with the mode (a note of an earlier version has none)."""
+        note = self._note()
+        return note[1] if len(note) == 2 and kind_of(note[1]) is not None else None
 
     def _on_own_slot(self, k: int, fn: Callable[[SlotFile], None]) -> None:
         """Apply `fn` to own slot `k`, mapping it for the call when this process has not yet."""

@@ -472,7 +472,7 @@ class Scout:
         self._history = SdcHistory()
         # GEMINI marks (and unmarks) its captures so certificates survive a restart.
         self.on_certified: Callable[[int], None] | None = None
-        self.on_revoked: Callable[[int], None] | None = None
+        self.on_revoked: Callable[[int, str], None] | None = None
         # Whether GEMINI captures a step only when the next begins (its evidence then waits too).
         self.defer_evidence: Callable[[int], bool] | None = None
         # The step, its gradients' fingerprint.
@@ -664,7 +664,7 @@ class Scout:
             if certified:
                 self._certificate_hook(self.on_certified, step)
         else:
-            self._revoke_from(step)
+            self._revoke_from(step, "sdc")
         if verdict is not None:
             what = verdict.reason.split("_", 1)[0]
             if self._divergence.continuing(verdict):
@@ -753,18 +753,19 @@ class Scout:
             )
         return False
 
-    def _revoke_from(self, step: int) -> None:
-        """An SDC at `step`: no step from it on is recovery-verified, and none will be."""
+    def _revoke_from(self, step: int, kind: str) -> None:
+        """An SDC (`kind`: sdc, stale_state) at `step`: no step from it on is recovery-verified, and
+        none will be."""
         with self._lock:
             self._sdc_from = step if self._sdc_from is None else min(self._sdc_from, step)
             self._agreed = {s for s in self._agreed if s < step}
-        self._certificate_hook(self.on_revoked, step)
+        self._certificate_hook(self.on_revoked, step, kind)
 
-    def _certificate_hook(self, hook: Callable[[int], None] | None, step: int) -> None:
+    def _certificate_hook(self, hook: Callable[..., None] | None, step: int, *args: Any) -> None:
         if hook is None:
             return
         try:
-            hook(step)
+            hook(step, *args)
         except Exception:  # the checkpoint side's bug must not stop detection
             log.exception("rank %d: certificate hook for step %d failed", self.rank, step)
 
@@ -1282,7 +1283,8 @@ class Scout:
             self.verdicts.append(v)
         recurring = self._history.record(v) if v.reason != "recurring_sdc" else None
         if v.kind in ("sdc", "sdc_ambiguous", "stale_state") and v.step >= 0:
-            self._revoke_from(v.step)  # audits find SDC in steps whose fingerprints agreed
+            # audits find SDC in steps whose fingerprints agreed
+            self._revoke_from(v.step, "stale_state" if v.kind == "stale_state" else "sdc")
         kind = {"sdc_ambiguous": "sdc", "collective_stall": "hang"}.get(v.kind, v.kind)
         endpoint_kind, _, endpoint_id = v.endpoint.partition(":")
         report = SCOUTFaultReport(

@@ -1077,3 +1077,32 @@ def test_with_several_replica_groups_the_capture_kept_is_one_every_group_certifi
         assert gem.inventory().certified == (8, 12)
     finally:
         gem.close()
+
+
+def test_the_restart_note_carries_the_failure_kind_to_the_next_generation(tmp_path: Path) -> None:
+    """SCOUT's revoke notes `recovery_verified` with the kind it found (sdc, stale_state); the next
+    generation's recover reads both on any rank: it restores a certified step and names the kind.
+    A note of an earlier version (the mode alone) or a damaged one names no kind, and recover
+    consumes the note."""
+    model = torch.nn.Linear(4, 4)
+    exchange = lambda key, blob, timeout: {0: blob}  # noqa: E731 (one rank: its own inventory)
+    gem = lone_gemini(tmp_path, model, None)
+    try:
+        assert gem.capture(1) and gem.drain(10)
+        gem.certify(1)
+        assert gem.noted_restart_mode() is None and gem.noted_failure_kind() is None
+        gem.revoke(2, "stale_state")
+        assert (gem.noted_restart_mode(), gem.noted_failure_kind()) == ("recovery_verified", "stale_state")
+        assert gem.recover(exchange, None, timeout=10, verified_only=None)[0] == 1
+        assert gem.restored_verified and gem.noted_kind == "stale_state"
+        assert gem.noted_restart_mode() is None  # consumed
+        gem.note_restart_mode("latest", "tensor_corruption")  # prepare_recovery: the caller's word
+        assert gem.recover(exchange, None, timeout=10, verified_only=None)[0] == 1
+        assert not gem.restored_verified and gem.noted_kind == "tensor_corruption"
+        for text in ("recovery_verified", "recovery_verified gremlins", "latest sdc extra", "\xff"):
+            gem._mode_path().write_text(text)
+            assert gem.noted_failure_kind() is None, text
+        assert gem.recover(exchange, None, timeout=10, verified_only=None)[0] == 1
+        assert gem.noted_kind is None
+    finally:
+        gem.close()

@@ -347,6 +347,8 @@ def test_a_restart_after_sdc_skips_the_corrupted_captures_bitwise(
     for rep in reports:
         assert rep["recovered_step"] == certified, rep["decision"]
         assert rep["decision"]["recovery_mode"] == "recovery_verified", rep["decision"]
+        # Without an orchestrator the kind is the one the killed generation noted with the SDC.
+        assert rep["decision"]["failure_kind"] == "sdc", rep["decision"]
         assert rep["restored_certified"], rep
         assert not [f for f in rep["faults"] if f["kind"] == "sdc"], rep["faults"]
 

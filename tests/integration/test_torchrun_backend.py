@@ -223,6 +223,8 @@ def test_ten_consecutive_worker_kills_all_recover_without_extra_generations(
     assert ctx["reason_code"] == "worker_exit" and ctx["admitted"] == []
     # The session's decision names the copy it restored as the restart context does.
     assert ctx["checkpoint_id"] == gens[10]["decision"]["checkpoint_id"] == "gemini-step-20"
+    assert gens[10]["decision"]["failure_kind"] == ctx["failure_kind"] == "process_failure", gens[10]
+    assert gens[10]["decision"]["recovery_mode"] == "latest", gens[10]
     assert ctx["expected_world_size"] == 2 and ctx["logical_node_slot"] in (0, 1)
     assert _equal(job.final(), baseline)
 
@@ -279,6 +281,10 @@ def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(p
     assert ctx["failure_kind"] == "sdc" and ctx["recovery_mode"] == "recovery_verified", ctx
     assert len(ctx["culprits"]) == 1 and len(ctx["admitted"]) == 1, ctx
     assert 0 < ctx["checkpoint_step"] < 10 and gens[1]["start"] == ctx["checkpoint_step"], (ctx, gens)
+    # Each resumed worker's decision says what the plan recovered from, and at which trust level.
+    decision = gens[1]["decision"]
+    assert decision["failure_kind"] == "sdc" and decision["recovery_mode"] == "recovery_verified", decision
+    assert decision["checkpoint_step"] == ctx["checkpoint_step"], decision
     assert _equal(job.final(), base.final())
 
 
