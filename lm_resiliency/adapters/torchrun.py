@@ -349,6 +349,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         )
         self._control: _Control | None = None
         self._pulse: _Pulse | None = None
+        self._held = -1  # the first rank whose in-memory checkpoints of the run this node holds
         self._generation = -1  # the generation this agent's workers belong to
         self._slot: int | None = None
         self._worker_store: TCPStore | None = None
@@ -373,10 +374,11 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         control = self._connect()
         if self._pulse is None:
             self._claim_node_id(control)
+            self._held = self._held_rank()
             try:
                 control.update(
                     lambda s: rs.register(
-                        s, self.node_id, self.addr, self.local_world_size, self.policy_digest
+                        s, self.node_id, self.addr, self.local_world_size, self.policy_digest, self._held
                     )
                 )
             except rs.RendezvousRefused as exc:
@@ -535,7 +537,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             if role == "unknown":  # registered, then dropped (e.g. judged lost while it was slow)
                 s = control.update(
                     lambda cur: rs.register(
-                        cur, self.node_id, self.addr, self.local_world_size, self.policy_digest
+                        cur, self.node_id, self.addr, self.local_world_size, self.policy_digest, self._held
                     )
                 )
                 continue
@@ -635,21 +637,44 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
     def _close_worker_store(self) -> None:
         self._worker_store = None  # dropping the server object stops it
 
+    def _memory_of_run(self) -> tuple[str, str]:
+        """(shm_dir, run id) of the run's in-memory checkpoints on this node, as the workers name
+        them: their run id is our --rdzv-id unless the environment or the policy names one."""
+        from lm_resiliency.config import load_policy, read_environment
+
+        env = read_environment()
+        run = env.run_id if env.explicit_run_id else self.run_id
+        if self.worker_config:
+            run = load_policy(self.worker_config).checkpoint.run_id or run
+        return env.shm_dir, run
+
+    def _held_rank(self) -> int:
+        """The first rank whose in-memory checkpoints of this run this node holds (a relaunch of
+        the run on the same machines), or -1: generation 0 gives the node those ranks again."""
+        try:
+            from lm_resiliency.gemini.durable import path_name
+            from lm_resiliency.gemini.hygiene import held_first_rank
+
+            shm_dir, run = self._memory_of_run()
+            held = held_first_rank(shm_dir, path_name(run), path_name(self.node_id))
+        except Exception:  # a policy unreadable now fails the workers with its own message
+            log.exception("looking for this node's in-memory checkpoints of the run failed")
+            return -1
+        if held >= 0:
+            log.info("node %s holds in-memory checkpoints of run %s from rank %d on", self.node_id, run, held)
+        return held
+
     def _reclaim_memory(self) -> None:
         """The run is over: this node's in-memory checkpoints of it (GEMINI's slots and the replicas
         it holds) go now. Nothing restores from them any more (a new torchrun of the same run id
         starts afresh at generation 0); kept, they held /dev/shm until another job reclaimed them an
         hour later, and a job started on the node before then could find no room for its own."""
         try:
-            from lm_resiliency.config import load_policy, read_environment
             from lm_resiliency.gemini.durable import path_name
             from lm_resiliency.gemini.hygiene import reclaim_node
 
-            env = read_environment()  # as the workers read it; their run id is our --rdzv-id
-            run = env.run_id if env.explicit_run_id else self.run_id
-            if self.worker_config:
-                run = load_policy(self.worker_config).checkpoint.run_id or run
-            freed = reclaim_node(env.shm_dir, path_name(run), path_name(self.node_id))
+            shm_dir, run = self._memory_of_run()
+            freed = reclaim_node(shm_dir, path_name(run), path_name(self.node_id))
             if freed:
                 log.info(
                     "run %s: reclaimed %d bytes of in-memory checkpoints on node %s", run, freed, self.node_id

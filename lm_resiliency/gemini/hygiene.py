@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import stat
 import time
@@ -18,7 +19,15 @@ from pathlib import Path
 
 from lm_resiliency._proc import pid_alive
 
-__all__ = ["RunUsage", "owner_pid", "reclaim_node", "reclaim_stale_runs", "usage", "write_owner"]
+__all__ = [
+    "RunUsage",
+    "held_first_rank",
+    "owner_pid",
+    "reclaim_node",
+    "reclaim_stale_runs",
+    "usage",
+    "write_owner",
+]
 
 
 @dataclass(frozen=True)
@@ -118,3 +127,15 @@ def reclaim_node(shm_dir: str | Path, run: str, node: str) -> int:
     with contextlib.suppress(OSError):  # other nodes' directories are still there
         node_dir.parent.rmdir()
     return got[0].bytes
+
+
+def held_first_rank(shm_dir: str | Path, run: str, node: str) -> int:
+    """The lowest rank whose own slots of `run` are in this node's directory (the node trained
+    those ranks), or -1 when it holds none."""
+    ranks = []
+    with contextlib.suppress(OSError):
+        for f in (Path(shm_dir) / run / node).iterdir():
+            m = re.fullmatch(r"own-r(\d+)-s[01]", f.name)
+            if m:
+                ranks.append(int(m.group(1)))
+    return min(ranks, default=-1)

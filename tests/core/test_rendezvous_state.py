@@ -32,6 +32,36 @@ def test_first_min_nodes_take_slots_the_rest_park_and_generation_zero_forms() ->
     assert s.first_global_rank(1) == 2
 
 
+def test_a_relaunch_gives_each_node_the_slot_of_the_ranks_whose_copies_it_holds() -> None:
+    """Generation 0 of a relaunched run: nodes that hold in-memory copies of ranks (held_rank) take
+    those ranks' slots whatever their arrival; the rest fill the other slots in arrival order. A
+    claim that does not fit (taken first by another, not a slot's first rank, out of range) is no
+    claim. Nodes of different sizes keep arrival order; later generations keep their slots."""
+
+    def formed(held: dict[str, int], size: dict[str, int] | None = None, min_nodes: int = 3) -> rs.RdzvState:
+        s = rs.RdzvState.new("nonce", min_nodes, 4, "pol")
+        for n, h in held.items():
+            s = rs.register(s, n, f"{n}.addr", (size or {}).get(n, 2), "pol", h)
+        s = rs.elect(s, next(iter(held)), set(held))
+        return rs.form(s, set(held))
+
+    assert formed({"a": 4, "b": 2, "c": 0}).slots == ("c", "b", "a")
+    assert formed({"a": -1, "b": 0, "c": -1}).slots == ("b", "a", "c")
+    assert formed({"a": 2, "b": 2, "c": 0}).slots == ("c", "a", "b")  # b's claim is a's: first come
+    assert formed({"a": 3, "b": 6, "c": 2}).slots == ("a", "c", "b")  # rank 3: no slot's first
+    # The fourth node parks as a standby whatever it holds; sizes that differ: arrival order.
+    s = formed({"a": -1, "b": -1, "c": -1, "d": 0})
+    assert s.slots == ("a", "b", "c") and s.standbys == ("d",)
+    assert formed({"a": 2, "b": 0}, {"a": 2, "b": 1}, min_nodes=2).slots == ("a", "b")
+    s = formed({"a": 4, "b": 2, "c": 0})
+    s = rs.form(rs.arrive(rs.arrive(rs.arrive(s, "a", 0), "b", 0), "c", 0), {"a", "b", "c"})
+    assert s.generation == 1 and s.slots == ("c", "b", "a")
+    assert rs.decode(rs.encode(s)) == s and s.nodes["a"].held_rank == 4
+    # A document without held ranks (an agent of the version before) reads as holding none.
+    doc = rs.encode(s).replace('"a.addr",2,4]', '"a.addr",2]')
+    assert rs.decode(doc).nodes["a"].held_rank == -1
+
+
 def test_a_different_policy_is_refused_with_a_reason_code() -> None:
     s = rs.RdzvState.new("nonce", 1, 2, "pol-A")
     with pytest.raises(rs.RendezvousRefused) as info:

@@ -1106,3 +1106,15 @@ def test_the_restart_note_carries_the_failure_kind_to_the_next_generation(tmp_pa
         assert gem.noted_kind is None
     finally:
         gem.close()
+
+
+def test_held_first_rank_is_the_lowest_own_slot_of_the_run_on_the_node(tmp_path: Path) -> None:
+    from lm_resiliency.gemini.hygiene import held_first_rank
+
+    node = tmp_path / "run" / "n0"
+    assert held_first_rank(tmp_path, "run", "n0") == -1  # nothing there
+    node.mkdir(parents=True)
+    for name in ("own-r5-s0", "own-r4-s1", "replica-r0-h4-s0", ".owner-r4", "own-r1-s2", "own-rx-s0"):
+        (node / name).write_bytes(b"")
+    assert held_first_rank(tmp_path, "run", "n0") == 4  # replicas and strays do not count
+    assert held_first_rank(tmp_path, "other", "n0") == -1

@@ -189,6 +189,42 @@ def test_node_sigkill_admits_the_standby_which_restores_from_a_peer(processes, t
     assert _equal(job.final(), baseline)
 
 
+def test_a_killed_job_launched_again_resumes_from_the_memory_of_its_machines(
+    processes, tmp_path, baseline
+) -> None:  # type: ignore[no-untyped-def]
+    """Every node of a job (run id named: a relaunch may resume it) dies at step 10, its agent
+    SIGKILLed (nothing flushed, no durable copy), and the job is launched again on the same
+    machines, its nodes joining in the other order. Each takes the slot of the ranks whose copies it
+    holds, and the job resumes from step 10 in shared memory, bitwise. Before, slots went by
+    arrival: each node ran the other's rank, found no copy of it, and the job started from step 0."""
+    job = Job(processes, tmp_path, "relaunch", nodes=2, nnodes="2:2")
+    named = {"LM_RESILIENCY_RUN_ID": job.run_id}
+
+    def start_in_order(env: dict[str, str], order: list[int]) -> None:
+        job.procs, job.port = [], _free_port()
+        for n in order:  # each registered before the next starts: slots by arrival would follow
+            job.start(env, only=[n])
+            deadline = time.monotonic() + 60
+            while "registered with run" not in job.log(n) and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+    start_in_order({"FAULT": "job", "FAULT_STEP": "10", **named}, [0, 1])
+    for proc in job.procs:
+        assert proc.wait(timeout=120) == -signal.SIGKILL, job.logs()
+    for pid in _procs_tagged(job.run_id):  # the store host (it would wait 120 s for the agents)
+        os.kill(pid, signal.SIGKILL)
+    assert job.generations()[0]["start"] == 0
+    start_in_order(named, [1, 0])
+    job.wait()
+    logs = job.logs()
+    assert "node relaunch-node-1 holds in-memory checkpoints of run" in logs, logs
+    assert "'relaunch-node-0', 'relaunch-node-1'" in logs, logs  # (slots: as the copies lie)
+    gens = job.generations()
+    assert sorted(gens) == [0] and gens[0]["start"] == 10, (gens, logs)
+    assert gens[0]["decision"]["reason"].startswith("local:"), gens
+    assert _equal(job.final(), baseline)
+
+
 def test_leader_agent_killed_new_leader_elected_and_run_completes(processes, tmp_path, baseline) -> None:  # type: ignore[no-untyped-def]
     job = Job(processes, tmp_path, "leader")
     job.start({"FAULT": "leader", "FAULT_STEP": "10"})

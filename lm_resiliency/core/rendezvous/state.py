@@ -70,6 +70,9 @@ class NodeInfo:
     arrival: int  # registration order: the oldest standby is admitted first; the oldest node leads
     addr: str
     local_world_size: int
+    # The first rank whose in-memory checkpoints of this run the node holds (a relaunch of the run
+    # on the same machines): generation 0 gives it the slot of those ranks (see _as_held). -1: none.
+    held_rank: int = -1
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,11 @@ def role_of(s: RdzvState, node: str) -> str:
     return "unknown"
 
 
-def register(s: RdzvState, node: str, addr: str, local_world_size: int, policy_digest: str = "") -> RdzvState:
-    """A node's agent joins (or re-joins after its own restart: same node id, same arrival)."""
+def register(
+    s: RdzvState, node: str, addr: str, local_world_size: int, policy_digest: str = "", held_rank: int = -1
+) -> RdzvState:
+    """A node's agent joins (or re-joins after its own restart: same node id, same arrival).
+    `held_rank`: the first rank whose in-memory checkpoints of this run the node holds, or -1."""
     if s.policy_digest and policy_digest != s.policy_digest:
         raise RendezvousRefused(
             "policy_mismatch",
@@ -135,7 +141,7 @@ def register(s: RdzvState, node: str, addr: str, local_world_size: int, policy_d
     nodes = dict(s.nodes)
     known = nodes.get(node)
     arrival = known.arrival if known is not None else s.next_arrival
-    nodes[node] = NodeInfo(node, arrival, addr, local_world_size)
+    nodes[node] = NodeInfo(node, arrival, addr, local_world_size, held_rank)
     out = replace(s, nodes=nodes, next_arrival=max(s.next_arrival, arrival + 1))
     if node in s.excluded or s.slot_of(node) is not None or node in s.standbys:
         return out
@@ -318,6 +324,8 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
             admitted.append((i, slots[i]))  # type: ignore[arg-type]
     if None in slots:
         return cleared
+    if s.phase == FORMING:
+        slots = _as_held(s, slots)
     if s.phase == RESTARTING:
         newcomers = {n for _, n in admitted}
         if any(n not in s.arrived and n not in newcomers for n in slots):
@@ -352,6 +360,30 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
         plan=dict(plan or {}),
         history=(*s.history, entry)[-64:],
     )
+
+
+def _as_held(s: RdzvState, slots: list[str | None]) -> list[str | None]:
+    """The slots of generation 0 (`slots`: in arrival order), with each node that holds in-memory
+    checkpoints of this run (a relaunch on the same machines: `held_rank`) in the slot of the ranks
+    it held, so that those copies are its ranks' own again; the others fill the rest in arrival
+    order. Arrival order alone gave a relaunch's ranks other nodes than they trained on: each node's
+    copies were of ranks it no longer runs, and the job started afresh with its state in memory.
+    Only where every node runs as many ranks (else a slot's first rank depends on the others)."""
+    nodes = [n for n in slots if n is not None]
+    sizes = {s.nodes[n].local_world_size for n in nodes}
+    if len(nodes) != len(slots) or len(sizes) != 1 or all(s.nodes[n].held_rank < 0 for n in nodes):
+        return slots
+    size = sizes.pop()
+    placed: list[str | None] = [None] * len(slots)
+    rest = []
+    for n in nodes:
+        held = s.nodes[n].held_rank
+        i = held // size if held >= 0 and held % size == 0 else -1
+        if 0 <= i < len(slots) and placed[i] is None:
+            placed[i] = n
+        else:
+            rest.append(n)
+    return [n if n is not None else rest.pop(0) for n in placed]
 
 
 def _keep_without_standby(s: RdzvState, live: Set[str]) -> RdzvState:
@@ -460,7 +492,9 @@ def encode(s: RdzvState) -> str:
         "generation": s.generation,
         "phase": s.phase,
         "slots": list(s.slots),
-        "nodes": {n: [i.arrival, i.addr, i.local_world_size] for n, i in sorted(s.nodes.items())},
+        "nodes": {
+            n: [i.arrival, i.addr, i.local_world_size, i.held_rank] for n, i in sorted(s.nodes.items())
+        },
         "standbys": list(s.standbys),
         "excluded": dict(s.excluded),
         "arrived": list(s.arrived),
@@ -490,7 +524,10 @@ def decode(raw: str | bytes) -> RdzvState:
             generation=int(doc["generation"]),
             phase=doc["phase"],
             slots=tuple(doc["slots"]),
-            nodes={n: NodeInfo(n, int(a), str(addr), int(lws)) for n, (a, addr, lws) in doc["nodes"].items()},
+            nodes={
+                n: NodeInfo(n, int(v[0]), str(v[1]), int(v[2]), int(v[3]) if len(v) > 3 else -1)
+                for n, v in doc["nodes"].items()
+            },
             standbys=tuple(doc["standbys"]),
             excluded=dict(doc["excluded"]),
             arrived=tuple(doc["arrived"]),
@@ -499,7 +536,7 @@ def decode(raw: str | bytes) -> RdzvState:
             next_arrival=int(doc["next_arrival"]),
             history=tuple(doc["history"]),
         )
-    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+    except (KeyError, IndexError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"malformed rendezvous state: {exc!r}") from exc
 
 

@@ -5,6 +5,7 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
   stop    -- rank FAULT_RANK's worker is stopped (SIGSTOP) for good
   node    -- rank FAULT_RANK's whole node dies: its agent, then (parent-death signal) its worker
   leader  -- the node of the current leader dies the same way
+  job     -- every node dies that way, once every rank's capture of FAULT_STEP is in place
   sdc     -- rank FAULT_RANK flips a bit of a gradient after reduction (SCOUT must name it)
   stale   -- rank FAULT_RANK steps with the previous step's gradients (SCOUT must name stale state)
   optstate -- rank FAULT_RANK flips a bit of an Adam moment after its optimizer step, before the
@@ -134,6 +135,10 @@ for step, x in batches() if os.environ.get("LOADER") == "plain" else session.ins
             os.kill(os.getpid(), signal.SIGSTOP)  # continued only by the agent, to be stopped
         else:
             kill_my_node()
+    if step == fault_step and fault == "job":
+        session.gemini.drain(10)
+        dist.barrier()
+        kill_my_node()
     if step == fault_step and fault == "leader":
         session.gemini.drain(10)
         if leader_is_me():
