@@ -406,8 +406,65 @@ class Gemini:
     def _recover(
         self, exchange: Exchange, exact_step: int | None, timeout: float, verified_only: bool | None
     ) -> tuple[int, str]:
+        # Copies a rank could not load when a plan chose them (a durable file whose chunks fail their
+        # checksums: a scan reads only its header; a peer that did not send): (rank, tier, holder,
+        # step). Every rank fetches and verifies its copy before any loads one, and the ranks agree
+        # on the outcome: a copy that fails is left out and the ranks plan again (another tier of
+        # the same step, an older step, the caller's fallback or a fresh start, the same on every
+        # rank). Before, the rank raised: every restart chose the same copy until the run gave up.
+        failed: set[tuple[int, str, int, int]] = set()
+        for attempt in range(self.world_size + 3):  # each attempt rules out a copy of one rank at least
+            plan = self._plan(exchange, exact_step, timeout, verified_only, failed, attempt)
+            if plan.step < 0:
+                return self._nothing_loadable(plan, exchange, exact_step, timeout)
+            src = plan.sources[self.rank]
+            k, why = self._fetch(src, plan.step, timeout)
+            said = exchange(f"gemini/fetched/{attempt}", why.encode(), timeout)
+            bad = {r: v.decode(errors="replace") for r, v in said.items() if v}
+            if not bad:
+                break
+            for r, w in sorted(bad.items()):
+                theirs = plan.sources[r]
+                failed.add((r, theirs.tier, theirs.holder, plan.step))
+                if self.rank == 0:
+                    log.warning(
+                        "GEMINI: rank %d could not load its %s copy of step %d (%s): planning without it",
+                        r,
+                        theirs.tier,
+                        plan.step,
+                        w,
+                    )
+        else:
+            raise CheckpointMismatchError(
+                f"rank {self.rank}: no restore plan held after {attempt + 1} attempts"
+            )
+        try:
+            self._restore_from(self._own[k], plan.step)
+        except CheckpointMismatchError as exc:
+            raise CheckpointMismatchError(
+                f"rank {self.rank}: the {src.tier} copy of step {plan.step} (run id {self.run_id!r}) does "
+                f"not fit this model, nothing was loaded: {exc}. A model changed under the same run id? "
+                "Give the job a new InMemoryCkptConfig.run_id (or LM_RESILIENCY_RUN_ID), or reclaim the "
+                f"old copies (`lm-resiliency shm --clean`, and {self.durable.root})"
+            ) from exc
+        log.info("rank %d restored step %d from %s copy (%s)", self.rank, plan.step, src.tier, plan.reason)
+        self._forget_after(plan.step)
+        return plan.step, f"{src.tier}:{plan.reason}"
+
+    def _plan(
+        self,
+        exchange: Exchange,
+        exact_step: int | None,
+        timeout: float,
+        verified_only: bool | None,
+        failed: set[tuple[int, str, int, int]],
+        attempt: int,
+    ) -> RecoveryPlan:
+        """Every rank's inventory (scanned again after a failed attempt: a disk copy read into an
+        own slot replaced what it held), less the copies that `failed`: the same plan on every rank."""
         inv = self.scan()
-        raw = exchange("gemini/inventory", msgpack.packb(inv), timeout)
+        name = "gemini/inventory" if attempt == 0 else f"gemini/inventory/{attempt}"
+        raw = exchange(name, msgpack.packb(inv), timeout)
         local, replicas, disk = {}, {}, {}
         certs: dict[int, set[int]] = {}
         noted: set[str] = set()
@@ -422,19 +479,27 @@ class Gemini:
             certs[r] = {int(x) for x in doc.get("certified", ())}
             noted.add(str(doc.get("mode", "")))
             kinds.add(str(doc.get("kind", "")))
+        for r, tier, holder, st in failed:
+            if tier == "local":
+                local.get(r, set()).discard(st)
+            elif tier == "disk":
+                disk.get(r, set()).discard(st)
+            else:
+                replicas.get(holder, {}).get(r, set()).discard(st)
         exact = exact_step if exact_step is not None and exact_step > 0 else None
         # Each replica group certifies its own ranks' state: a step is verified when every group
         # certified it (another group's certificate does not vouch for a corrupted one's copy).
         groups = {r: self.topology.replica_group_of(r) for r in certs if 0 <= r < self.world_size}
         certified = verified_steps(certs, groups)
-        if verified_only is None:
-            verified_only = "recovery_verified" in noted
-        # Every rank reads the same notes: the same kind, one that may have corrupted state first.
-        known = sorted(
-            (k for k in kinds if kind_of(k) is not None), key=lambda k: (k not in VERIFIED_KINDS, k)
-        )
-        self.noted_kind = known[0] if known else None
-        self.restored_verified = verified_only and exact is None
+        if attempt == 0:  # (the notes are consumed by the restore: the first inventories hold them)
+            if verified_only is None:
+                verified_only = "recovery_verified" in noted
+            # Every rank reads the same notes: the same kind, one that may have corrupted state first.
+            known = sorted(
+                (k for k in kinds if kind_of(k) is not None), key=lambda k: (k not in VERIFIED_KINDS, k)
+            )
+            self.noted_kind = known[0] if known else None
+            self.restored_verified = bool(verified_only) and exact is None
         allowed = {exact} if exact is not None else certified if self.restored_verified else None
         plan: RecoveryPlan = plan_recovery(self.world_size, local, replicas, disk, allowed=allowed)
         if plan.step < 0 and self.restored_verified:
@@ -450,54 +515,80 @@ class Gemini:
             )
             if self.rank == 0:
                 log.warning("GEMINI: nothing this topology can restore: %s", plan.reason)
-        if plan.step < 0:
-            got = -1
-            if self.load_fallback is not None:
-                # The caller's own checkpoint (e.g. DCP on shared storage): it restores and says which step.
-                restored = self.load_fallback(exact_step)
-                if isinstance(restored, int) and not isinstance(restored, bool) and restored >= 0:
-                    got = restored
-            # Every rank planned the same (the same inventories): all are here. A step the callers'
-            # checkpoints restored on some ranks and not others (a rank's file written halfway, a
-            # path per rank) would resume them at different steps: their collectives would pair
-            # different steps' tensors, or hang.
-            steps = {r: int(v) for r, v in exchange("gemini/fallback", str(got).encode(), timeout).items()}
-            if len(set(steps.values())) > 1:
-                by_step: dict[int, list[int]] = {}
-                for r, st in sorted(steps.items()):
-                    by_step.setdefault(st, []).append(r)
-                said = "; ".join(
-                    f"ranks {rs} step {st}" if st >= 0 else f"ranks {rs} none" for st, rs in by_step.items()
-                )
-                raise CheckpointMismatchError(
-                    f"rank {self.rank}: load_fallback restored different steps on different ranks ({said}): "
-                    "they cannot resume together. Make it restore one step every rank has (the newest "
-                    "checkpoint every rank wrote completely), or return -1 on every rank to start fresh"
-                )
-            if got >= 0:
-                log.info("rank %d: restored step %d through load_fallback (%s)", self.rank, got, plan.reason)
-                return got, f"fallback:{plan.reason}"
-            log.info("rank %d: nothing to recover (%s)", self.rank, plan.reason)
-            return -1, plan.reason
-        src = plan.sources[self.rank]
-        if src.tier == "local":
-            k = next(k for k, s in self._own_step.items() if s == plan.step)
-        elif src.tier == "peer":
-            k = self._pull_from_peer(src.holder, plan.step, timeout)
-        else:
-            k = self._load_from_disk(plan.step)
+        if plan.step < 0 and failed:
+            left_out = ", ".join(f"rank {r} {t} step {st}" for r, t, _, st in sorted(failed))
+            plan = RecoveryPlan(-1, {}, f"{plan.reason} (copies that failed to load: {left_out})")
+        return plan
+
+    def _fetch(self, src: Any, step: int, timeout: float) -> tuple[int, str]:
+        """Bring this rank's copy of `step` from `src` into an own slot and verify it, loading
+        nothing yet: (slot, "") or (-1, why it failed)."""
         try:
-            self._restore_from(self._own[k], plan.step)
-        except CheckpointMismatchError as exc:
+            if src.tier == "local":
+                k = next(k for k, s in self._own_step.items() if s == step)
+            elif src.tier == "peer":
+                k = self._pull_from_peer(src.holder, step, timeout)
+            else:
+                k = self._load_from_disk(step)
+            slot = self._own[k]
+            fresh, close = self._reader_for(slot)
+            try:
+                h = fresh.read_header()
+                if h.step != step:
+                    raise CorruptSlot(f"{slot.path.name}: holds step {h.step}, expected {step}")
+                table = fresh.digest_table(h)
+                if self._verified.get(slot.path) != (h, table):  # (a scanned copy is verified once)
+                    fresh.verify(h, self._verify_pool)
+                    self._verified[slot.path] = (h, table)
+            finally:
+                if close:
+                    fresh.close()
+            return k, ""
+        except CorruptSlot as exc:
+            where = (
+                f"{src.tier} copy ({self.durable.path(step)})" if src.tier == "disk" else f"{src.tier} copy"
+            )
+            self._reject(CorruptSlot(f"{where}: {exc}"), self.rank, step)
+            return -1, str(exc) or type(exc).__name__
+        except (OSError, DiscoveryError) as exc:  # a disk that fails, a holder that did not send
+            log.warning("rank %d: cannot fetch its %s copy of step %d: %s", self.rank, src.tier, step, exc)
+            self._fault(
+                "checkpoint_corruption", "checkpoint_copy_unreadable", str(exc), owner=self.rank, steps=[step]
+            )
+            return -1, str(exc) or type(exc).__name__
+
+    def _nothing_loadable(
+        self, plan: RecoveryPlan, exchange: Exchange, exact_step: int | None, timeout: float
+    ) -> tuple[int, str]:
+        """No step every rank can load: the caller's `load_fallback`, else a fresh start."""
+        got = -1
+        if self.load_fallback is not None:
+            # The caller's own checkpoint (e.g. DCP on shared storage): it restores and says which step.
+            restored = self.load_fallback(exact_step)
+            if isinstance(restored, int) and not isinstance(restored, bool) and restored >= 0:
+                got = restored
+        # Every rank planned the same (the same inventories): all are here. A step the callers'
+        # checkpoints restored on some ranks and not others (a rank's file written halfway, a
+        # path per rank) would resume them at different steps: their collectives would pair
+        # different steps' tensors, or hang.
+        steps = {r: int(v) for r, v in exchange("gemini/fallback", str(got).encode(), timeout).items()}
+        if len(set(steps.values())) > 1:
+            by_step: dict[int, list[int]] = {}
+            for r, st in sorted(steps.items()):
+                by_step.setdefault(st, []).append(r)
+            said = "; ".join(
+                f"ranks {rs} step {st}" if st >= 0 else f"ranks {rs} none" for st, rs in by_step.items()
+            )
             raise CheckpointMismatchError(
-                f"rank {self.rank}: the {src.tier} copy of step {plan.step} (run id {self.run_id!r}) does "
-                f"not fit this model, nothing was loaded: {exc}. A model changed under the same run id? "
-                "Give the job a new InMemoryCkptConfig.run_id (or LM_RESILIENCY_RUN_ID), or reclaim the "
-                f"old copies (`lm-resiliency shm --clean`, and {self.durable.root})"
-            ) from exc
-        log.info("rank %d restored step %d from %s copy (%s)", self.rank, plan.step, src.tier, plan.reason)
-        self._forget_after(plan.step)
-        return plan.step, f"{src.tier}:{plan.reason}"
+                f"rank {self.rank}: load_fallback restored different steps on different ranks ({said}): "
+                "they cannot resume together. Make it restore one step every rank has (the newest "
+                "checkpoint every rank wrote completely), or return -1 on every rank to start fresh"
+            )
+        if got >= 0:
+            log.info("rank %d: restored step %d through load_fallback (%s)", self.rank, got, plan.reason)
+            return got, f"fallback:{plan.reason}"
+        log.info("rank %d: nothing to recover (%s)", self.rank, plan.reason)
+        return -1, plan.reason
 
     def _forget_after(self, step: int) -> None:
         """Every rank restored `step`: this rank's copies of later steps (its own, those it holds

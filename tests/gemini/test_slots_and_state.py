@@ -1118,3 +1118,43 @@ def test_held_first_rank_is_the_lowest_own_slot_of_the_run_on_the_node(tmp_path:
         (node / name).write_bytes(b"")
     assert held_first_rank(tmp_path, "run", "n0") == 4  # replicas and strays do not count
     assert held_first_rank(tmp_path, "other", "n0") == -1
+
+
+def test_a_durable_copy_failing_its_checksums_when_restored_is_left_out_and_an_older_step_restored(
+    tmp_path: Path,
+) -> None:
+    """The node lost its memory, and the newest durable copy (step 8) has a chunk flipped after it
+    was written: the scan reads only headers and checksum tables, so the plan chooses it. Fetched
+    and verified before anything is loaded, it fails; it is reported, left out, and the plan made
+    again restores step 4 from disk, bitwise. Before, the restore raised CorruptSlot: every restart
+    of the job chose the same copy and died, until the run gave up."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    disk = str(tmp_path / "disk")
+    gem = lone_gemini(tmp_path / "a", model, None, disk_interval=4, disk_folder=disk)
+    weights = {}
+    try:
+        for step in range(1, 9):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            weights[step] = model.weight.detach().clone()
+            assert gem.capture(step) and gem.drain(10)
+        assert gem.durable.steps() == [4, 8]
+        path = gem.durable.path(8)
+    finally:
+        gem.close()
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) * 2 // 3] ^= 0x40  # inside the slot's payload, past the header
+    path.write_bytes(bytes(raw))
+    faults: list[dict] = []
+    fresh = torch.nn.Linear(64, 64)
+    gem = lone_gemini(tmp_path / "b", fresh, None, disk_interval=4, disk_folder=disk, on_fault=faults.append)
+    exchange = lambda key, blob, timeout: {0: blob}  # noqa: E731 (one rank: its own inventory)
+    try:
+        step, reason = gem.recover(exchange, None, timeout=10)
+        assert step == 4 and reason.startswith("disk:"), reason
+        assert torch.equal(fresh.weight, weights[4])
+        bad = [f for f in faults if f["kind"] == "checkpoint_corruption" and f.get("steps") == [8]]
+        assert bad and "fails its checksum" in bad[0]["detail"] and str(path) in bad[0]["detail"], faults
+    finally:
+        gem.close()
