@@ -759,6 +759,8 @@ class Session:
         # certified: the latest step.
         asked = self._recovery_mode
         verified: bool | None = None if asked is None else asked is RecoveryMode.RECOVERY_VERIFIED
+        if exact is not None and (self._context or {}).get("recovery_mode") == "recovery_verified":
+            verified = True  # the plan chose the step among certified ones (and so would a retry)
         if not self._detects():
             if verified and exact is None:
                 log.warning(

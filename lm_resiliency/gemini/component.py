@@ -213,6 +213,7 @@ class Gemini:
         self._elsewhere: set[tuple[int, int]] = set()
         self.restored_verified = False  # recover() chose among certified steps, as noted before
         self.noted_kind: str | None = None  # the failure kind the previous generation noted
+        self._plan_verified = False  # the restore was asked for (or noted) at recovery_verified
         self._busy: set[int] = set()
         self._released = False  # close() unmapped the slots
         self._flushing: set[int] = set()  # slots flush_for_restart is writing to disk (not to overwrite)
@@ -499,9 +500,16 @@ class Gemini:
                 (k for k in kinds if kind_of(k) is not None), key=lambda k: (k not in VERIFIED_KINDS, k)
             )
             self.noted_kind = known[0] if known else None
-            self.restored_verified = bool(verified_only) and exact is None
+            self._plan_verified = bool(verified_only)
+            self.restored_verified = self._plan_verified and exact is None
+        at_most = None
+        if exact is not None and failed:
+            # The step the restart asked for cannot be loaded by every rank: an older one, at the
+            # trust level the request had (verified_only: it was chosen among certified steps).
+            at_most, self.restored_verified = exact, self._plan_verified
+            exact = None
         allowed = {exact} if exact is not None else certified if self.restored_verified else None
-        plan: RecoveryPlan = plan_recovery(self.world_size, local, replicas, disk, allowed=allowed)
+        plan: RecoveryPlan = plan_recovery(self.world_size, local, replicas, disk, at_most, allowed)
         if plan.step < 0 and self.restored_verified:
             plan = RecoveryPlan(-1, {}, f"no recovery-verified step: {plan.reason}")
         if plan.step < 0 and elsewhere:

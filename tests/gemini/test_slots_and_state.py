@@ -1120,14 +1120,21 @@ def test_held_first_rank_is_the_lowest_own_slot_of_the_run_on_the_node(tmp_path:
     assert held_first_rank(tmp_path, "other", "n0") == -1
 
 
+@pytest.mark.parametrize(
+    ("exact", "verified", "want"),
+    [(None, False, 4), (8, False, 4), (8, True, -1)],
+    ids=["newest", "asked_for_8", "asked_for_8_among_certified"],
+)
 def test_a_durable_copy_failing_its_checksums_when_restored_is_left_out_and_an_older_step_restored(
-    tmp_path: Path,
+    tmp_path: Path, exact: int | None, verified: bool, want: int
 ) -> None:
     """The node lost its memory, and the newest durable copy (step 8) has a chunk flipped after it
     was written: the scan reads only headers and checksum tables, so the plan chooses it. Fetched
     and verified before anything is loaded, it fails; it is reported, left out, and the plan made
     again restores step 4 from disk, bitwise. Before, the restore raised CorruptSlot: every restart
-    of the job chose the same copy and died, until the run gave up."""
+    of the job chose the same copy and died, until the run gave up. A restart that asked for step 8
+    (the leader's plan) gets the newest older step at the trust level it asked for: none here among
+    certified steps (nothing was certified), so nothing is loaded."""
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     disk = str(tmp_path / "disk")
@@ -1151,8 +1158,13 @@ def test_a_durable_copy_failing_its_checksums_when_restored_is_left_out_and_an_o
     gem = lone_gemini(tmp_path / "b", fresh, None, disk_interval=4, disk_folder=disk, on_fault=faults.append)
     exchange = lambda key, blob, timeout: {0: blob}  # noqa: E731 (one rank: its own inventory)
     try:
-        step, reason = gem.recover(exchange, None, timeout=10)
-        assert step == 4 and reason.startswith("disk:"), reason
+        before = fresh.weight.detach().clone()
+        step, reason = gem.recover(exchange, exact, timeout=10, verified_only=verified)
+        assert step == want, reason
+        if want < 0:
+            assert torch.equal(fresh.weight, before) and "rank 0 disk step 8" in reason, reason
+            return
+        assert reason.startswith("disk:"), reason
         assert torch.equal(fresh.weight, weights[4])
         bad = [f for f in faults if f["kind"] == "checkpoint_corruption" and f.get("steps") == [8]]
         assert bad and "fails its checksum" in bad[0]["detail"] and str(path) in bad[0]["detail"], faults
