@@ -188,6 +188,30 @@ def test_a_node_that_fails_the_same_way_twice_in_a_row_is_replaced_by_a_standby(
     assert rs.role_of(s, "b") == "quarantined"
 
 
+def test_a_peer_whose_workers_exit_first_while_the_culprit_node_dies_is_no_repeat_offender() -> None:
+    """b's worker is SIGKILLed in generation 0 (a restart in place). Early in generation 1 a's node
+    dies: b's workers exit first (their collectives broke), b's agent arrives, and the same failure
+    as before names b again while a's heartbeats are still being waited out. b is not quarantined
+    then; a's loss names a, and the standby takes a's slot. Before, b was quarantined at once, the
+    standby went to b's slot, and a's slot waited for a node that never came back."""
+    live = {"a", "b", "c"}
+    s = _formed(["a", "b", "c"])
+    s = rs.form(
+        rs.arrive(
+            rs.arrive(rs.request_restart(s, 0, "process_failure", "worker_exit", ["b"]), "b", 0), "a", 0
+        ),
+        live,
+    )
+    assert s.generation == 1 and s.slots == ("a", "b")
+    s = rs.arrive(rs.request_restart(s, 1, "process_failure", "worker_exit", ["b"]), "b", 1)
+    assert rs.repeat_offender(s) == "b"  # the same failure of the same node, on its face
+    s = rs.form(s, live)
+    assert s.phase == rs.RESTARTING and not s.excluded and s.slots == ("a", "b")
+    s = rs.form(rs.mark_dead(s, "a"), {"b", "c"})
+    assert s.phase == rs.RUNNING and s.generation == 2 and s.slots == ("c", "b") and not s.excluded
+    assert s.history[-1]["failure_kind"] == "node_lost" and s.history[-1]["culprits"] == ["a"]
+
+
 def test_other_failures_in_a_row_and_no_standby_restart_in_place() -> None:
     live = {"a", "b", "c"}
     for second in (("b", "RuntimeError: loss is nan"), ("a", "OSError: x")):

@@ -301,7 +301,12 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
     if s.phase not in (FORMING, RESTARTING):
         return s
     again = repeat_offender(s)
-    if again is not None and any(n in live and n not in s.excluded for n in s.standbys):
+    # Judged once every slot holder is back: one that is not may be dying, the root cause of the
+    # exits (its peers' collectives broke first); its loss then names it (mark_dead). Before, the
+    # peer whose workers exited first was quarantined as a repeat offender while the dying node's
+    # heartbeats were still being waited out, and two slots needed the one standby.
+    back = all(n in s.arrived for n in s.slots if n is not None)
+    if again is not None and back and any(n in live and n not in s.excluded for n in s.standbys):
         # A node that failed the same way at the start of the generation that replaced it: a
         # fault of the node (a dead disk, its data path gone), which a restart in place repeats.
         s = replace(
