@@ -783,13 +783,15 @@ class Session:
         planned = ctx.get("failure_kind")
         if not (isinstance(planned, str) and planned and planned != "none"):
             planned = gem.noted_kind or ("unknown" if step >= 0 or self.env.generation > 0 else "none")
-        # The plan's leader chose its step among certified ones: it is recovery-verified.
-        by_plan = ctx.get("recovery_mode") == "recovery_verified" and step == ctx.get("checkpoint_step")
+        # A step the plan named is restored at the plan's trust level (its leader chose it among
+        # certified steps, or not), whatever this session asked for; else as asked.
+        named = ctx.get("recovery_mode") if 0 <= step == ctx.get("checkpoint_step") else None
+        by_plan = RecoveryMode(named) if named in ("latest", "recovery_verified") else None
         self._last_decision = RecoveryDecision(
             failure_kind=planned,
             recovery_mode=RecoveryMode.RECOVERY_VERIFIED
-            if gem.restored_verified or (step >= 0 and by_plan)
-            else self._recovery_mode or RecoveryMode.LATEST,
+            if gem.restored_verified
+            else by_plan or self._recovery_mode or RecoveryMode.LATEST,
             # The tier the restore came from leads the reason: local, peer, disk (GEMINI's durable
             # tier), fallback (the caller's own checkpoint through load_fallback).
             checkpoint_source="none"

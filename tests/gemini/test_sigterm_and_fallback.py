@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import random
@@ -73,6 +74,42 @@ def test_load_fallback_is_asked_when_no_copy_exists(monkeypatch: pytest.MonkeyPa
         assert asked == [None]
         assert s.recovered_step == 42 and s.step_count == 42
         assert s.last_recovery_decision["reason"].startswith("fallback")  # type: ignore[index]
+
+
+def test_a_step_a_restart_plan_names_is_reported_at_the_plans_trust_level(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A restart context (the torchrun leader's plan) names step 3, chosen at `latest` after a
+    process failure, while the session asks for recovery-verified steps: step 3 is restored, and
+    the decision says so: `latest`, the plan's failure kind. Before, it said `recovery_verified`
+    (the session's wish) for a step nobody had checked against a certificate."""
+
+    def train(upto: int, **kw: Any) -> Any:
+        torch.manual_seed(0)
+        m = nn.Linear(4, 4)
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        with enable_resiliency(m, o, interval=1, **kw) as s:
+            for _ in range(s.step_count, upto):
+                m(torch.ones(2, 4)).sum().backward()
+                o.step()
+            assert s.gemini.drain(10)
+            return s.last_recovery_decision
+
+    train(3)
+    ctx = tmp_path / "context.json"
+    plan = {
+        "schema_version": 1,
+        "failure_kind": "process_failure",
+        "recovery_mode": "latest",
+        "checkpoint_step": 3,
+    }
+    ctx.write_text(json.dumps(plan))
+    monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
+    monkeypatch.setenv("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT", str(ctx))
+    monkeypatch.setenv("LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", "3")
+    decision = train(5, recovery_mode="recovery_verified")
+    assert decision["checkpoint_step"] == 3 and decision["recovery_mode"] == "latest", decision
+    assert decision["failure_kind"] == "process_failure", decision
 
 
 def test_restart_without_any_copy_starts_fresh(monkeypatch: pytest.MonkeyPatch) -> None:
