@@ -759,7 +759,8 @@ class Session:
         # certified: the latest step.
         asked = self._recovery_mode
         verified: bool | None = None if asked is None else asked is RecoveryMode.RECOVERY_VERIFIED
-        if exact is not None and (self._context or {}).get("recovery_mode") == "recovery_verified":
+        ctx = self._context or {}
+        if exact is not None and ctx.get("recovery_mode") == "recovery_verified":
             verified = True  # the plan chose the step among certified ones (and so would a retry)
         if not self._detects():
             if verified and exact is None:
@@ -779,7 +780,6 @@ class Session:
         # What the restart recovers from: the plan's failure kind (the leader's, under the
         # torchrun backend), else what the previous generation noted (an SDC it found, its
         # prepare_recovery), else unknown (a restart nobody explained); none for a fresh start.
-        ctx = self._context or {}
         planned = ctx.get("failure_kind")
         if not (isinstance(planned, str) and planned and planned != "none"):
             planned = gem.noted_kind or ("unknown" if step >= 0 or self.env.generation > 0 else "none")

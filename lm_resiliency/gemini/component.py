@@ -541,13 +541,7 @@ class Gemini:
             slot = self._own[k]
             fresh, close = self._reader_for(slot)
             try:
-                h = fresh.read_header()
-                if h.step != step:
-                    raise CorruptSlot(f"{slot.path.name}: holds step {h.step}, expected {step}")
-                table = fresh.digest_table(h)
-                if self._verified.get(slot.path) != (h, table):  # (a scanned copy is verified once)
-                    fresh.verify(h, self._verify_pool)
-                    self._verified[slot.path] = (h, table)
+                self._checked(fresh, slot, step)
             finally:
                 if close:
                     fresh.close()
@@ -694,16 +688,24 @@ class Gemini:
         self._copier.register_host(slot.mapping, slot.size)
         self._pinned[k] = slot.mapping
 
+    def _checked(self, fresh: SlotFile, slot: SlotFile, step: int) -> SlotHeader:
+        """The header of `slot` (read through `fresh`), which must hold `step` and pass its
+        checksums; raises CorruptSlot. A commit already verified (by the scan, or by the fetch
+        before its restore) is not hashed again: the same header and checksum table."""
+        h = fresh.read_header()
+        if h.step != step:
+            raise CorruptSlot(f"{slot.path.name}: holds step {h.step}, expected {step}")
+        table = fresh.digest_table(h)
+        if self._verified.get(slot.path) != (h, table):
+            fresh.verify(h, self._verify_pool)
+            self._verified[slot.path] = (h, table)
+        return h
+
     def _restore_from(self, slot: SlotFile, step: int) -> None:
         fresh, close = self._reader_for(slot)
         try:
-            h = fresh.read_header()
-            if h.step != step:
-                raise CorruptSlot(f"{slot.path.name}: holds step {h.step}, expected {step}")
-            if self._verified.pop(slot.path, None) != (h, fresh.digest_table(h)):
-                # Not the commit this recovery's scan verified (a copy pulled from a peer or read
-                # from disk, or a slot written since): verify it now. A scanned one is verified once.
-                fresh.verify(h, self._verify_pool)
+            h = self._checked(fresh, slot, step)
+            self._verified.pop(slot.path, None)  # loaded: the next capture into it rewrites it
             payload = fresh.payload(h)
             skeleton, raw_specs = msgpack.unpackb(bytes(payload[: h.index_len]), raw=False)
             specs = [TensorSpec(d, tuple(s), n) for d, s, n in raw_specs]
