@@ -1144,7 +1144,7 @@ class Session:
         if reason == "collective_error" and self._runtime is not None:
             # A peer's failure broke the collective: name it before this rank goes, if it is known
             # yet (its process ended on this host; it said it was terminated).
-            self._runtime.check_exited_peers(timeout=0.5)
+            self._runtime.check_exited_peers(timeout=0.5, settle_s=1.0)
             self._report_terminated()
             self._report_left(error)
         if reason in EXIT_FAILURES:

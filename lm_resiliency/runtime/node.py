@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -674,18 +675,28 @@ class RankRuntime:
                 self._exit_seen.pop(key, None)
         return events
 
-    def check_exited_peers(self, timeout: float = 1.0) -> frozenset[int]:
+    def check_exited_peers(self, timeout: float = 1.0, settle_s: float = 0.0) -> frozenset[int]:
         """Look now for same-host peers whose process ended (see `_exited_peers`); return the
-        ranks known dead afterwards. Any thread; for a rank about to die of a failed collective."""
-        if not self._loop.alive or self._closed:
-            return self.silent()
+        ranks known dead afterwards. Any thread; for a rank about to die of a failed collective.
 
-        async def probe() -> None:
-            self._apply_events(self._exited_peers(self._clock.monotonic()))
+        With `settle_s`, look again (every 20 ms) until a peer is found ended or says goodbye, for
+        at most that long: a SIGKILLed peer's sockets close while the kernel still tears the
+        process down, so its collective partner can fail before /proc shows it ended."""
+        before, left = self.silent(), len(self.departed())
+        deadline = time.monotonic() + settle_s
+        while True:
+            if not self._loop.alive or self._closed:
+                return self.silent()
 
-        with contextlib.suppress(TimeoutError, RuntimeError, concurrent.futures.CancelledError):
-            self._loop.call(probe, timeout=timeout)
-        return self.silent()
+            async def probe() -> None:
+                self._apply_events(self._exited_peers(self._clock.monotonic()))
+
+            with contextlib.suppress(TimeoutError, RuntimeError, concurrent.futures.CancelledError):
+                self._loop.call(probe, timeout=timeout)
+            now = self.silent()
+            if now != before or len(self.departed()) != left or time.monotonic() >= deadline:
+                return now
+            time.sleep(0.02)  # polling /proc: a process's end raises no event here
 
     async def _receive_forever(self) -> None:
         assert self._transport is not None

@@ -664,3 +664,34 @@ def test_a_transfer_to_a_peer_that_leaves_fails_at_its_goodbye_not_its_deadline(
     finally:
         for rt in rts:
             rt.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_dying_of_a_failed_collective_waits_briefly_to_see_its_peer_end() -> None:
+    """A SIGKILLed worker's sockets close while the kernel still tears it down, so its partner's
+    collective can fail before /proc shows the end: `check_exited_peers(settle_s=...)` looks again
+    until the peer is seen ended (or that time passes). The peer here ends 0.3 s after the check
+    starts; heartbeat ticks (10 s apart) play no part."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    config = RuntimeConfig(heartbeat_interval_s=10.0, heartbeat_timeout_s=60.0)
+    net = InMemoryNetwork()
+    rts = _start(2, lambda: InMemoryTransport(net), config=config)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        assert rts[0].wait_for(lambda v: len(v.live) == 2, 5.0)
+        rts[0].connect_peers([dataclasses.replace(rts[1].announcement, pid=child.pid)])
+        assert rts[0].check_exited_peers() == frozenset()  # alive: one look, no wait
+        timer = threading.Timer(0.3, child.stdin.close)  # type: ignore[union-attr]
+        timer.start()
+        t0 = time.monotonic()
+        assert rts[0].check_exited_peers(settle_s=5.0) == frozenset({1})
+        assert time.monotonic() - t0 < 4.0
+        timer.join()
+    finally:
+        child.kill()
+        child.wait(10)
+        for rt in rts:
+            rt.close()
