@@ -495,6 +495,8 @@ class Session:
         self._start_scout()
         self._connect_backend()
         self._adapter.attach(self._on_step)
+        if self.env.fault_campaign:
+            self._attach_campaign(self.env.fault_campaign, self.env.fault_ground_truth)
         scaler = self.settings.get("grad_scaler")
         if scaler is not None and self._adapter.optimizer is not None:
             self._watch_scaler(scaler)
@@ -518,6 +520,23 @@ class Session:
             node_id,
             self.env.generation,
             list(local.replica_group),
+        )
+
+    def _attach_campaign(self, path: str, ground_truth: str | None) -> None:
+        """Inject this rank's faults of the campaign `LM_RESILIENCY_FAULT_CAMPAIGN` names; the
+        ground truth goes to `LM_RESILIENCY_FAULT_GROUND_TRUTH` (default: `ground-truth/<campaign>`
+        next to the campaign file)."""
+        from lm_resiliency.faults.campaign import load_campaign
+        from lm_resiliency.faults.inject import attach_campaign
+
+        campaign = load_campaign(path)
+        folder = ground_truth or str(Path(path).resolve().parent / "ground-truth" / campaign.name)
+        attach_campaign(self, campaign, folder)
+        log.warning(
+            "lm-resiliency: fault campaign %r armed on rank %d (ground truth in %s)",
+            campaign.name,
+            self.rank,
+            folder,
         )
 
     def _watch_scaler(self, scaler: Any) -> None:

@@ -1,7 +1,8 @@
 """`lm-resiliency`: the command-line entry point.
 
-Subcommands arrive with the capabilities they front (monitor, report, campaign, demo); this version
-offers `--version`, `--help`, `check-policy` and `shm` (GEMINI's shared-memory use and cleanup).
+Subcommands: `check-policy`, `shm` (GEMINI's shared-memory use and cleanup), `campaign` (validate a
+fault campaign, preview its schedule, score a run against its ground truth) and `report` (render a
+job's fault reports). Parsing and rendering only: the work is the library's.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from lm_resiliency._version import __version__
 from lm_resiliency.config import DEFAULT_SHM_DIR
@@ -41,7 +43,157 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="only runs idle for at least S seconds (default 3600)",
     )
+    camp = sub.add_parser("campaign", help="fault campaigns (schema_version 1): validate, schedule, score")
+    csub = camp.add_subparsers(dest="campaign_command", metavar="ACTION")
+    val = csub.add_parser("validate", help="check campaign files (or folders of *.json) and summarize them")
+    val.add_argument("paths", nargs="+", metavar="PATH")
+    sched = csub.add_parser("schedule", help="the occurrences a campaign fires in a run without restarts")
+    sched.add_argument("path", metavar="PATH")
+    sched.add_argument("--iterations", type=int, required=True, metavar="N", help="iterations 1..N")
+    score = csub.add_parser("score", help="score a run: ground truth against the job's fault reports (JSON)")
+    score.add_argument(
+        "--ground-truth", required=True, metavar="DIR", help="the injector's ground-truth folder"
+    )
+    score.add_argument(
+        "--reports", required=True, metavar="DIR", help="the job's report_dir (reports-rank*.jsonl)"
+    )
+    score.add_argument("--clean", nargs="*", default=[], metavar="DIR", help="report dirs of clean runs")
+    score.add_argument("--window-s", type=float, default=120.0, help="a verdict's time after an injection")
+    rep = sub.add_parser("report", help="render a job's fault reports (its report_dir), one line per verdict")
+    rep.add_argument("dir", metavar="DIR", help="the report_dir (reports-rank*.jsonl)")
+    rep.add_argument("--json", action="store_true", help="print the verdicts as JSON lines")
     return parser
+
+
+def _read_reports(folder: str) -> list[dict[str, Any]]:
+    """Every rank's report lines in a report_dir (a torn last line is skipped)."""
+    import json
+    from pathlib import Path
+
+    p = Path(folder)
+    if not p.is_dir():
+        raise FileNotFoundError(f"no report folder {folder}")
+    out = []
+    for f in sorted(p.glob("reports-rank*.jsonl")):
+        for line in f.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(r, dict):
+                out.append(r)
+    return out
+
+
+def _campaign(args: argparse.Namespace) -> int:
+    import json
+
+    from lm_resiliency.faults.campaign import CampaignError, Schedule, load_campaign, load_campaigns
+
+    try:
+        if args.campaign_command == "validate":
+            for path in args.paths:
+                for c in load_campaigns(path):
+                    faults = [f for inc in c.incidents for f in inc.faults]
+                    print(
+                        json.dumps(
+                            {
+                                "name": c.name,
+                                "seed": c.seed,
+                                "digest": c.digest(),
+                                "incidents": len(c.incidents),
+                                "faults": len(faults),
+                                "types": sorted({f.type for f in faults}),
+                                "injectable": _injectable(c),
+                            },
+                            sort_keys=True,
+                        )
+                    )
+            return 0
+        if args.campaign_command == "schedule":
+            if args.iterations < 0:
+                print("lm-resiliency: --iterations must be >= 0", file=sys.stderr)
+                return 2
+            c = load_campaign(args.path)
+            s = Schedule(c)
+            for i in range(1, args.iterations + 1):
+                for occ in s.due(i):
+                    inc = c.incident(occ.incident_id)
+                    for f in inc.faults:
+                        rank = f.target.rank if f.target.rank is not None else 0
+                        print(f"{occ.occurrence_id}\t{f.fault_id}\t{f.type}\trank {rank}\t{f.target.surface}")
+            return 0
+    except CampaignError as exc:
+        print(f"lm-resiliency: invalid campaign: {exc}", file=sys.stderr)
+        return 2
+    if args.campaign_command == "score":
+        from lm_resiliency.faults.inject import read_ground_truth
+        from lm_resiliency.faults.scoring import evaluate, evaluate_clean
+
+        try:
+            truth = read_ground_truth(args.ground_truth)
+            out = evaluate(truth, _read_reports(args.reports), window_s=args.window_s)
+            if args.clean:
+                out["clean"] = evaluate_clean([_read_reports(d) for d in args.clean])
+        except OSError as exc:
+            print(f"lm-resiliency: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return 0
+    print("lm-resiliency campaign: choose validate, schedule or score", file=sys.stderr)
+    return 2
+
+
+def _injectable(c: object) -> str:
+    """'yes', or why this version cannot inject the campaign (the CLI imports no torch for it)."""
+    try:
+        from lm_resiliency.faults.inject import check_injectable
+    except ImportError as exc:  # pragma: no cover - torch missing
+        return f"unknown ({exc})"
+    from lm_resiliency.faults.campaign import CampaignError
+
+    try:
+        check_injectable(c)  # type: ignore[arg-type]
+    except CampaignError as exc:
+        return f"no: {exc}"
+    return "yes"
+
+
+def _report(args: argparse.Namespace) -> int:
+    import datetime
+    import json
+
+    from lm_resiliency.faults.scoring import verdicts
+
+    try:
+        reports = _read_reports(args.dir)
+    except OSError as exc:
+        print(f"lm-resiliency: {exc}", file=sys.stderr)
+        return 2
+    found = verdicts(reports)
+    for v in found:
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "time": v.time,
+                        "kind": v.kind,
+                        "failed_ranks": list(v.failed_ranks),
+                        "scope": v.scope,
+                        "reason": v.reason,
+                        "reported_by": v.reports,
+                        "resources": sorted(v.resources),
+                    },
+                    sort_keys=True,
+                )
+            )
+            continue
+        when = datetime.datetime.fromtimestamp(v.time).strftime("%Y-%m-%d %H:%M:%S")
+        ranks = ",".join(map(str, v.failed_ranks)) or "-"
+        print(f"{when}  {v.kind:<18} ranks {ranks:<10} {v.scope:<10} {v.reason}  ({v.reports} reports)")
+    if not args.json:
+        print(f"{len(found)} verdicts from {len(reports)} reports")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,6 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"live owner pids: {owners}, idle {u.idle_s:.0f}s"
             )
         return 0
+    if args.command == "campaign":
+        return _campaign(args)
+    if args.command == "report":
+        return _report(args)
     parser.print_help()
     return 0
 

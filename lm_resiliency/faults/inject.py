@@ -1,0 +1,432 @@
+"""The campaign injector: this rank's faults of a campaign, injected into the live training job.
+
+Attached by `enable_resiliency` when `LM_RESILIENCY_FAULT_CAMPAIGN` names a campaign file (or by
+`attach_campaign`), so any script becomes a campaign's target with no code change. It counts
+iterations as the session does (iteration i is the optimizer step that makes `step_count` i) and
+acts at the point of the step a fault's surface names:
+
+- the first training forward of iteration i: `delay` on the compute surface;
+- before the optimizer of iteration i (gradients reduced): `tensor_corruption` of a gradient,
+  the parameters' snapshot for `stale_state`;
+- after the optimizer of iteration i (after GEMINI captured it): `hang`, `timeout`, `exception`,
+  `process_termination`, `resource_exhaustion`, `delay` on the input surface, `tensor_corruption`
+  of a weight, bias or optimizer state, and `stale_state` (the step undone on this rank).
+
+Before it injects, it appends the ground truth (`GroundTruth`) to
+`<ground truth dir>/ground-truth-rank<R>.jsonl` and syncs it, so even a SIGKILL it sends itself is on
+record; SCOUT and the leader are never told. A restarted generation reads every rank's record to
+replay the campaign's retrigger rules. A fault this version cannot inject fails at attach with a
+`CampaignError` naming it, on every rank alike.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import resource
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lm_resiliency.faults.campaign import (
+    Campaign,
+    CampaignError,
+    Fault,
+    Incident,
+    Occurrence,
+    Schedule,
+    load_campaign,
+)
+from lm_resiliency.faults.scoring import GroundTruth
+
+__all__ = ["INJECTABLE", "CampaignInjector", "InjectedFault", "attach_campaign", "read_ground_truth"]
+
+log = logging.getLogger(__name__)
+
+# type -> the surfaces this version injects it on (FAILURES.md's other types and surfaces are
+# refused at attach, never skipped silently).
+INJECTABLE: dict[str, tuple[str, ...]] = {
+    "hang": ("process", "compute", "collective"),
+    "timeout": ("process", "compute", "collective"),
+    "exception": ("process", "compute"),
+    "process_termination": ("process",),
+    "resource_exhaustion": ("process", "resource"),
+    "delay": ("compute", "input", "data"),
+    "tensor_corruption": ("weight", "bias", "gradient", "optimizer_state"),
+    "stale_state": ("weight", "bias"),
+}
+
+_PRE_FORWARD, _PRE_OPTIMIZER, _POST = "forward", "pre_optimizer", "post"
+
+# Bits of a float's mantissa and exponent, by dtype.
+_LAYOUT = {
+    torch.float16: (10, 5, torch.int16),
+    torch.bfloat16: (7, 8, torch.int16),
+    torch.float32: (23, 8, torch.int32),
+    torch.float64: (52, 11, torch.int64),
+}
+_SCALE = {"catastrophic": 1e6, "large": 100.0, "medium": 2.0, "subtle": 1.01, "near_invisible": 1.0 + 1e-6}
+_NOISE = {"catastrophic": 1e3, "large": 10.0, "medium": 1.0, "subtle": 1e-2, "near_invisible": 1e-6}
+_VALUE = {"catastrophic": 1e30, "large": 1e3, "medium": 1.0, "subtle": 1e-3, "near_invisible": 0.0}
+
+
+class InjectedFault(RuntimeError):
+    """The `exception` a campaign injected (its text names the occurrence)."""
+
+
+def _point(fault: Fault) -> str:
+    s = fault.target.surface
+    if fault.type == "delay" and s == "compute":
+        return _PRE_FORWARD
+    if fault.type in ("tensor_corruption",) and s == "gradient":
+        return _PRE_OPTIMIZER
+    return _POST
+
+
+def check_injectable(campaign: Campaign) -> None:
+    """Refuse a campaign with a fault this version cannot inject, naming it."""
+    for i, inc in enumerate(campaign.incidents):
+        for j, f in enumerate(inc.faults):
+            key = f"incidents[{i}].faults[{j}]"
+            surfaces = INJECTABLE.get(f.type)
+            if surfaces is None:
+                raise CampaignError(
+                    f"{key}.type",
+                    f"{f.type!r} is not injected by this version (injected: {', '.join(sorted(INJECTABLE))})",
+                )
+            if f.target.surface not in surfaces:
+                raise CampaignError(
+                    f"{key}.target.surface",
+                    f"{f.type} is injected on {list(surfaces)}, not {f.target.surface!r}",
+                )
+            if f.type == "process_termination":
+                sig = f.parameters.get("signal", "SIGKILL")
+                if sig not in ("SIGKILL", "SIGTERM", "SIGINT", "SIGABRT"):
+                    raise CampaignError(
+                        f"{key}.parameters.signal",
+                        f"expected one of SIGKILL, SIGTERM, SIGINT, SIGABRT, got {sig!r}",
+                    )
+            if f.type == "resource_exhaustion":
+                res = f.parameters.get("resource", "file_descriptors")
+                if res not in ("file_descriptors", "memory"):
+                    raise CampaignError(
+                        f"{key}.parameters.resource",
+                        f"expected 'file_descriptors' or 'memory', got {res!r}",
+                    )
+            for name in ("delay_ms", "duration_s", "value"):
+                v = f.parameters.get(name)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+                    raise CampaignError(f"{key}.parameters.{name}", f"expected a number >= 0, got {v!r}")
+
+
+def read_ground_truth(folder: str | os.PathLike[str]) -> list[GroundTruth]:
+    """Every rank's ground-truth records in a folder (a torn last line, from a kill, is skipped)."""
+    out = []
+    for path in sorted(Path(folder).glob("ground-truth-rank*.jsonl")):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                out.append(GroundTruth.from_dict(json.loads(line)))
+            except (ValueError, TypeError):
+                continue
+    return out
+
+
+@dataclass
+class _Active:
+    occurrence: Occurrence
+    incident: Incident
+    fault: Fault
+    point: str
+    calls: int = 0
+    recorded: bool = False
+    snapshot: list[torch.Tensor] = field(default_factory=list)
+
+
+class CampaignInjector:
+    """Injects one rank's faults of a campaign at the points of the training step."""
+
+    name = "campaign"
+
+    def __init__(
+        self,
+        campaign: Campaign,
+        rank: int,
+        ground_truth_dir: str | os.PathLike[str],
+        model: Any,
+        optimizer: Any,
+        *,
+        node: str | None = None,
+        generation: int | None = None,
+        step: int = 0,
+    ) -> None:
+        check_injectable(campaign)
+        self.campaign = campaign
+        self.rank = rank
+        self.node = node
+        self.generation = generation
+        self.folder = Path(ground_truth_dir)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._file = self.folder / f"ground-truth-rank{rank}.jsonl"
+        fired = {Occurrence(g.incident_id, g.iteration, g.attempt) for g in read_ground_truth(self.folder)}
+        self._schedule = Schedule(campaign, fired)
+        self._mine = {inc.incident_id: inc.faults_for(rank) for inc in campaign.incidents}
+        self._model = model
+        self._optimizer = optimizer
+        self._step = step  # completed steps (the session's step_count)
+        self._iteration = -1  # the iteration whose schedule was read
+        self._active: list[_Active] = []
+        self._handles: list[Any] = []
+        self._seed = random.Random(f"{campaign.seed}/{rank}")
+        names = {n for n, _ in _named_parameters(model)} | {
+            n.removeprefix("module.") for n, _ in _named_parameters(model)
+        }
+        for i, inc in enumerate(campaign.incidents):
+            for j, f in enumerate(inc.faults):
+                path = f.target.module_path
+                if path is not None and f in self._mine[inc.incident_id] and path not in names:
+                    raise CampaignError(
+                        f"incidents[{i}].faults[{j}].target.module_path",
+                        f"the model has no parameter named {path!r} (it has {sorted(names)[:8]}...)",
+                    )
+        if model is not None and hasattr(model, "register_forward_pre_hook"):
+            self._handles.append(model.register_forward_pre_hook(self._on_forward))
+        if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
+            self._handles.append(optimizer.register_step_pre_hook(self._on_pre_optimizer))
+
+    # -- the session's component protocol ----------------------------------------------------------
+    def on_step(self, session: Any, times: Any) -> None:
+        self._step = int(getattr(session, "step_count", self._step + 1))
+        self._run(self._step, _POST)
+
+    def newest_recoverable_step(self, mode: Any) -> int:
+        return -1
+
+    def flush_for_restart(self) -> int:
+        return -1
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def _on_forward(self, module: Any, args: Any) -> None:
+        if torch.is_grad_enabled():
+            self._run(self._step + 1, _PRE_FORWARD)
+
+    def _on_pre_optimizer(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self._run(self._step + 1, _PRE_OPTIMIZER)
+
+    def _run(self, iteration: int, point: str) -> None:
+        if iteration != self._iteration:
+            self._iteration = iteration
+            for occ in self._schedule.due(iteration):
+                inc = self.campaign.incident(occ.incident_id)
+                for f in self._mine.get(occ.incident_id, ()):
+                    self._active.append(_Active(occ, inc, f, _point(f)))
+        for a in list(self._active):
+            if not a.incident.lifetime.active(a.occurrence.iteration, iteration, a.calls):
+                self._active.remove(a)
+                continue
+            if a.fault.type == "stale_state" and point == _PRE_OPTIMIZER and not a.snapshot:
+                a.snapshot = [t.detach().clone() for t in self._tensors(a.fault)]
+                continue
+            if a.point != point:
+                continue
+            a.calls += 1
+            if not a.recorded:
+                a.recorded = True
+                self._record(a)
+            self._apply(a, iteration)
+
+    # -- ground truth ----------------------------------------------------------------------------
+    def _record(self, a: _Active) -> None:
+        occ, f = a.occurrence, a.fault
+        g = GroundTruth(
+            occurrence_id=occ.occurrence_id,
+            incident_id=occ.incident_id,
+            fault_id=f.fault_id,
+            type=f.type,
+            iteration=occ.iteration,
+            attempt=occ.attempt,
+            rank=self.rank,
+            injected_at=time.time(),
+            surface=f.target.surface,
+            node=self.node,
+            generation=self.generation,
+            expected_ranks=(self.rank,),
+            detail=json.dumps(dict(f.parameters), sort_keys=True, default=str),
+        )
+        with open(self._file, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(g.to_dict(), sort_keys=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        log.warning(
+            "campaign %s: injecting %s (%s) on rank %d",
+            self.campaign.name,
+            occ.occurrence_id,
+            f.type,
+            self.rank,
+        )
+
+    # -- the faults --------------------------------------------------------------------------------
+    def _apply(self, a: _Active, iteration: int) -> None:
+        f, p = a.fault, a.fault.parameters
+        what = f"campaign {self.campaign.name!r} occurrence {a.occurrence.occurrence_id} ({f.fault_id})"
+        if f.type == "hang":
+            threading.Event().wait()  # the training thread never returns to the loop
+        elif f.type == "timeout":
+            time.sleep(float(p.get("duration_s", 3600.0)))
+        elif f.type == "exception":
+            raise InjectedFault(f"injected exception: {what}")
+        elif f.type == "process_termination":
+            os.kill(os.getpid(), getattr(signal, str(p.get("signal", "SIGKILL"))))
+            if p.get("signal", "SIGKILL") == "SIGKILL":
+                threading.Event().wait()
+        elif f.type == "resource_exhaustion":
+            self._exhaust(str(p.get("resource", "file_descriptors")))
+        elif f.type == "delay":
+            time.sleep(float(p.get("delay_ms", 200)) / 1000.0)
+        elif f.type == "tensor_corruption":
+            tensors = self._tensors(f)
+            if not tensors:
+                log.warning("%s: no tensor on surface %s to corrupt", what, f.target.surface)
+                return
+            with torch.no_grad():
+                corrupt(tensors[0], p, random.Random(f"{self.campaign.seed}/{a.occurrence.occurrence_id}"))
+        elif f.type == "stale_state":
+            with torch.no_grad():
+                for t, old in zip(self._tensors(f), a.snapshot, strict=False):
+                    t.copy_(old)
+            a.snapshot = []  # the next iteration of its lifetime reuses that one's start
+
+    def _exhaust(self, what: str) -> None:
+        """Run out of a resource under a limit set on this process only (never the host's)."""
+        if what == "memory":
+            _, hard = resource.getrlimit(resource.RLIMIT_AS)
+            resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + (64 << 20), hard))
+            hog = []
+            while True:
+                hog.append(bytearray(16 << 20))
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(len(os.listdir("/proc/self/fd")) + 16, hard), hard))
+        held = []
+        while True:  # until EMFILE ("Too many open files") ends the worker
+            held.append(open(os.devnull))  # noqa: SIM115 - held open on purpose
+
+    def _tensors(self, f: Fault) -> list[torch.Tensor]:
+        """The tensors a fault's target names: a parameter (or its gradient, or its optimizer
+        state) by `module_path` (a parameter name; DDP's `module.` prefix optional) or `index`."""
+        named = list(_named_parameters(self._model))
+        if f.target.module_path is not None:
+            want = f.target.module_path
+            picked = [p for n, p in named if n == want or n.removeprefix("module.") == want]
+        elif f.target.surface == "bias":
+            picked = [p for n, p in named if n.endswith("bias")][f.target.index or 0 :][:1]
+        else:
+            picked = [p for _, p in named if p.is_floating_point()][f.target.index or 0 :][:1]
+        if f.target.surface == "gradient":
+            return [p.grad for p in picked if p.grad is not None]
+        if f.target.surface == "optimizer_state":
+            state = getattr(self._optimizer, "state", {})
+            return [
+                v
+                for p in picked
+                for v in state.get(p, {}).values()
+                if isinstance(v, torch.Tensor) and v.numel() > 1
+            ]
+        return [p.data for p in picked]
+
+
+def _vm_size() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 1 << 30
+
+
+def _named_parameters(model: Any) -> Iterable[tuple[str, torch.Tensor]]:
+    if isinstance(model, (list, tuple)):
+        for i, m in enumerate(model):
+            for n, p in m.named_parameters():
+                yield f"{i}.{n}", p
+    elif hasattr(model, "named_parameters"):
+        yield from model.named_parameters()
+
+
+def corrupt(t: torch.Tensor, params: Any, rng: random.Random) -> None:
+    """Corrupt a floating-point tensor in place as `params` says (operation, scope, magnitude)."""
+    op = params.get("operation", "single_bitflip")
+    scope = params.get("scope", "single")
+    magnitude = params.get("magnitude", "large")
+    flat = t.view(-1)
+    n = flat.numel()
+    if scope == "single":
+        idx = torch.tensor([rng.randrange(n)])
+    elif scope == "row":
+        rows = t.shape[0] if t.dim() > 1 else 1
+        width = n // rows
+        r = rng.randrange(rows)
+        idx = torch.arange(r * width, (r + 1) * width)
+    else:
+        k = max(1, round(n * float(scope.rstrip("%")) / 100.0))
+        idx = torch.tensor(sorted(rng.sample(range(n), k)))
+    idx = idx.to(flat.device)
+    if op in ("single_bitflip", "multi_bitflip"):
+        mant, exp, itype = _LAYOUT.get(t.dtype, _LAYOUT[torch.float32])
+        bit = {
+            "catastrophic": mant + exp - 1,
+            "large": mant + 2,
+            "medium": mant - 1,
+            "subtle": max(0, mant - 8),
+            "near_invisible": 0,
+        }[magnitude]
+        bits = [bit] if op == "single_bitflip" else sorted({bit, max(0, bit - 1), max(0, bit - 3)})
+        mask = 0
+        for b in bits:
+            mask |= 1 << b
+        if mask >= 1 << (torch.iinfo(itype).bits - 1):
+            mask -= 1 << torch.iinfo(itype).bits  # as a signed integer of the same width
+        ints = flat.view(itype)
+        ints[idx] = ints[idx] ^ torch.tensor(mask, dtype=itype, device=flat.device)
+    elif op == "sign_flip":
+        flat[idx] = -flat[idx]
+    elif op == "scale":
+        flat[idx] = flat[idx] * float(params.get("factor", _SCALE[magnitude]))
+    elif op == "set_value":
+        flat[idx] = float(params.get("value", _VALUE[magnitude]))
+    elif op == "noise":
+        std = float(params.get("std", _NOISE[magnitude])) * max(float(flat.abs().mean()), 1e-6)
+        g = torch.Generator().manual_seed(rng.randrange(1 << 62))
+        flat[idx] = flat[idx] + torch.randn(idx.numel(), generator=g, dtype=flat.dtype).to(flat.device) * std
+
+
+def attach_campaign(
+    session: Any, campaign: Campaign | str | os.PathLike[str], ground_truth_dir: str | os.PathLike[str]
+) -> CampaignInjector:
+    """Inject a campaign's faults for this rank into a session's job (what the
+    `LM_RESILIENCY_FAULT_CAMPAIGN` variable does at `enable_resiliency`)."""
+    c = campaign if isinstance(campaign, Campaign) else load_campaign(campaign)
+    adapter = getattr(session, "_adapter", None)
+    env = getattr(session, "env", None)
+    inj = CampaignInjector(
+        c,
+        session.rank,
+        ground_truth_dir,
+        getattr(adapter, "model", None),
+        getattr(adapter, "optimizer", None),
+        node=env.node_id() if env is not None else None,
+        generation=env.generation if env is not None else None,
+        step=session.step_count,
+    )
+    session.add_component(inj)
+    return inj

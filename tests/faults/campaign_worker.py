@@ -1,0 +1,62 @@
+"""A plain DDP job that knows nothing of faults: a campaign reaches it through
+LM_RESILIENCY_FAULT_CAMPAIGN. Env: RANK, WORLD_SIZE, STORE_PORT, STEPS, RESULT_DIR, REPORT_DIR.
+Writes rank<R>.json (steps done, fault reports) when its loop ends."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lm_resiliency import ReplayHarnessConfig, enable_resiliency
+
+
+def main() -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["STORE_PORT"]), is_master=False, timeout=datetime.timedelta(seconds=60)
+    )
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    session = enable_resiliency(
+        model,
+        opt,
+        interval=1,
+        enable_checkpoint=False,
+        replay=ReplayHarnessConfig(report_dir=os.environ["REPORT_DIR"]),
+    )
+    gen = torch.Generator().manual_seed(1000 + rank)
+    for _ in range(session.step_count, int(os.environ["STEPS"])):
+        x = torch.randn(16, 32, generator=gen)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    # Every rank's last step is in before any rank reads what was found.
+    dist.barrier()
+    deadline = time.monotonic() + float(os.environ.get("AWAIT_REPORT_S", "0"))
+    while not session.fault_reports and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling for SCOUT's verdict, which arrives on its own thread
+    result = {"steps": session.step_count, "reports": session.fault_reports}
+    session.close()
+    out = os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json")
+    with open(out + ".tmp", "w") as fh:
+        json.dump(result, fh)
+    os.replace(out + ".tmp", out)
+    del model
+    gc.collect()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

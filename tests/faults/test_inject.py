@@ -1,0 +1,261 @@
+"""The campaign injector: each fault it supports, injected into a real job, recorded as ground truth."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lm_resiliency.faults.campaign import CampaignError, parse_campaign
+from lm_resiliency.faults.inject import CampaignInjector, corrupt, read_ground_truth
+from lm_resiliency.faults.scoring import evaluate
+
+pytestmark = pytest.mark.timeout(120)
+WORKER = "tests/faults/campaign_worker.py"
+
+
+def _campaign(*faults: dict[str, Any], at: int = 3, **incident: Any) -> dict[str, Any]:
+    return {
+        "schema_version": 1,
+        "name": "t",
+        "seed": 3,
+        "incidents": [
+            {
+                "incident_id": "i",
+                "trigger": {"at": [at]},
+                "faults": [{"fault_id": f"f{n}", **f} for n, f in enumerate(faults)],
+                **incident,
+            }
+        ],
+    }
+
+
+class _Session:
+    """What the injector reads of a session: the completed steps."""
+
+    step_count = 0
+
+
+def _train(
+    campaign: dict[str, Any] | None, steps: int, folder: Path
+) -> tuple[list[dict[str, torch.Tensor]], Any]:
+    """`steps` steps of a small model, the injector (if any) driven as the session drives it; the
+    state after each step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    inj = None
+    if campaign is not None:
+        inj = CampaignInjector(parse_campaign(campaign), 0, folder, model, opt, node="n0", generation=2)
+    s = _Session()
+    states = []
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 6, generator=gen)).square().mean().backward()
+        opt.step()
+        s.step_count += 1
+        if inj is not None:
+            inj.on_step(s, None)
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    return states, inj
+
+
+def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {k: int((a[k] != b[k]).sum()) for k in a if not torch.equal(a[k], b[k])}
+
+
+def test_a_weight_bit_flip_hits_one_element_after_the_step_it_names(tmp_path: Path) -> None:
+    ref, _ = _train(None, 5, tmp_path)
+    c = _campaign(
+        {
+            "type": "tensor_corruption",
+            "target": {"surface": "weight", "rank": 0, "module_path": "1.weight"},
+            "parameters": {"operation": "single_bitflip", "magnitude": "catastrophic"},
+        }
+    )
+    got, _ = _train(c, 5, tmp_path / "gt")
+    assert all(torch.equal(got[i][k], ref[i][k]) for i in range(2) for k in ref[i])
+    assert _differing(got[2], ref[2]) == {"1.weight": 1}
+    assert float(got[2]["1.weight"].abs().max()) > 1e30
+    (g,) = read_ground_truth(tmp_path / "gt")
+    assert (g.occurrence_id, g.type, g.iteration, g.rank, g.node, g.generation) == (
+        "i@3",
+        "tensor_corruption",
+        3,
+        0,
+        "n0",
+        2,
+    )
+    assert g.expected_kind == "sdc" and g.expected_ranks == (0,)
+
+
+def test_a_gradient_corruption_lands_before_the_optimizer_of_its_iteration(tmp_path: Path) -> None:
+    ref, _ = _train(None, 4, tmp_path)
+    c = _campaign(
+        {
+            "type": "tensor_corruption",
+            "target": {"surface": "gradient", "index": 2},
+            "parameters": {"operation": "sign_flip", "scope": "row"},
+        }
+    )
+    got, _ = _train(c, 4, tmp_path / "gt")
+    assert not _differing(got[1], ref[1])
+    assert set(_differing(got[2], ref[2])) == {"1.weight"}  # the third parameter, iteration 3's update
+
+
+def test_stale_state_undoes_its_iteration_on_this_rank(tmp_path: Path) -> None:
+    ref, _ = _train(None, 4, tmp_path)
+    got, _ = _train(
+        _campaign({"type": "stale_state", "target": {"surface": "weight", "index": 0}}), 4, tmp_path / "gt"
+    )
+    assert torch.equal(got[2]["0.weight"], ref[1]["0.weight"])
+    assert torch.equal(got[2]["0.bias"], ref[2]["0.bias"])
+
+
+def test_an_optimizer_state_corruption_and_its_lifetime_in_iterations(tmp_path: Path) -> None:
+    c = _campaign(
+        {
+            "type": "tensor_corruption",
+            "target": {"surface": "optimizer_state", "index": 0},
+            "parameters": {"operation": "set_value", "value": 7.0},
+        },
+        lifetime={"iterations": 2},
+    )
+    _, inj = _train(c, 4, tmp_path / "a")
+    assert len(read_ground_truth(tmp_path / "a")) == 1  # one injection on record, applied twice
+    assert [a.calls for a in inj._active] == [2]
+    _, inj = _train(c, 6, tmp_path / "b")
+    assert inj._active == []  # its lifetime ended at iteration 5
+
+
+@pytest.mark.parametrize(
+    ("fault", "problem"),
+    [
+        ({"type": "network_partition", "target": {"surface": "process"}}, "incidents[0].faults[0].type"),
+        ({"type": "hang", "target": {"surface": "weight"}}, "incidents[0].faults[0].target.surface"),
+        (
+            {
+                "type": "process_termination",
+                "target": {"surface": "process"},
+                "parameters": {"signal": "SIGHUP"},
+            },
+            "incidents[0].faults[0].parameters.signal",
+        ),
+        (
+            {"type": "delay", "target": {"surface": "compute"}, "parameters": {"delay_ms": -1}},
+            "incidents[0].faults[0].parameters.delay_ms",
+        ),
+        (
+            {"type": "tensor_corruption", "target": {"surface": "weight", "module_path": "nope"}},
+            "incidents[0].faults[0].target.module_path",
+        ),
+    ],
+)
+def test_a_fault_this_version_cannot_inject_is_refused_at_attach(
+    tmp_path: Path, fault: dict[str, Any], problem: str
+) -> None:
+    with pytest.raises(CampaignError) as info:
+        _train(_campaign(fault), 1, tmp_path)
+    assert info.value.path == problem
+
+
+@pytest.mark.parametrize(
+    ("fault", "exit_code", "text"),
+    [
+        (
+            {"type": "exception", "target": {"surface": "process", "rank": 1}},
+            1,
+            "injected exception: campaign 't' occurrence i@3 (f0)",
+        ),
+        ({"type": "process_termination", "target": {"surface": "process", "rank": 1}}, -signal.SIGKILL, ""),
+        (
+            {"type": "resource_exhaustion", "target": {"surface": "resource", "rank": 1}},
+            1,
+            "Too many open files",
+        ),
+    ],
+)
+def test_process_faults_end_the_rank_they_name_after_its_step(
+    processes, tmp_path: Path, fault: dict[str, Any], exit_code: int, text: str
+) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "c.json").write_text(json.dumps(_campaign(fault)))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {
+        "WORLD_SIZE": "2",
+        "STORE_PORT": str(store.port),
+        "STEPS": "50",
+        "RESULT_DIR": str(tmp_path),
+        "REPORT_DIR": str(tmp_path / "reports"),
+        "LM_RESILIENCY_FAULT_CAMPAIGN": str(tmp_path / "c.json"),
+        "LM_RESILIENCY_FAULT_GROUND_TRUTH": str(tmp_path / "gt"),
+    }
+    procs = [processes.start([WORKER], {**env, "RANK": str(r)}, tmp_path / f"rank{r}.log") for r in range(2)]
+    assert procs[1].wait(90) == exit_code, (tmp_path / "rank1.log").read_text()[-3000:]
+    assert text in (tmp_path / "rank1.log").read_text()
+    (g,) = read_ground_truth(tmp_path / "gt")
+    assert (g.rank, g.iteration, g.type) == (1, 3, fault["type"])
+    # Rank 0 (never named) names rank 1 as the failed process.
+    deadline = time.monotonic() + 60
+    reports: list[dict[str, Any]] = []
+    while not any(r.get("failed_ranks") == [1] for r in reports):
+        assert time.monotonic() < deadline, reports
+        time.sleep(0.1)  # polling the report file rank 0 appends to
+        path = tmp_path / "reports" / "reports-rank0.jsonl"
+        reports = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    ev = evaluate([g], reports)
+    assert ev["occurrences"][0]["localized"] and ev["occurrences"][0]["kind_match"], ev
+
+
+def test_a_gradient_bit_flip_from_a_campaign_is_localized_by_scout(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    c = _campaign(
+        {
+            "type": "tensor_corruption",
+            "target": {"surface": "gradient", "rank": 1, "index": 0},
+            "parameters": {"magnitude": "medium"},
+        },
+        at=4,
+    )
+    (tmp_path / "c.json").write_text(json.dumps(c))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {
+        "WORLD_SIZE": "2",
+        "STORE_PORT": str(store.port),
+        "STEPS": "8",
+        "RESULT_DIR": str(tmp_path),
+        "REPORT_DIR": str(tmp_path / "reports"),
+        "AWAIT_REPORT_S": "30",
+        "LM_RESILIENCY_FAULT_CAMPAIGN": str(tmp_path / "c.json"),
+    }
+    procs = [processes.start([WORKER], {**env, "RANK": str(r)}, tmp_path / f"rank{r}.log") for r in range(2)]
+    for r, p in enumerate(procs):
+        assert p.wait(90) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
+    truth = read_ground_truth(tmp_path / "ground-truth" / "t")  # the default: next to the campaign
+    assert [(g.rank, g.iteration) for g in truth] == [(1, 4)]
+    reports = [
+        json.loads(x)
+        for f in sorted((tmp_path / "reports").glob("*.jsonl"))
+        for x in f.read_text().splitlines()
+    ]
+    ev = evaluate(truth, reports)
+    assert ev["localized"] == 1 and ev["kind_matched"] == 1 and ev["false_positives"] == 0, ev
+
+
+def test_corrupt_covers_each_operation_and_scope() -> None:
+    import random
+
+    for op in ("single_bitflip", "multi_bitflip", "set_value", "scale", "noise", "sign_flip"):
+        for scope, n in (("single", 1), ("row", 10), ("10%", 10), ("100%", 100)):
+            for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.float16):
+                t = torch.rand(10, 10, dtype=dtype) + 1.0
+                before = t.clone()
+                corrupt(t, {"operation": op, "scope": scope, "magnitude": "large"}, random.Random(1))
+                changed = int((t != before).sum())
+                assert 1 <= changed <= n, (op, scope, dtype, changed)
