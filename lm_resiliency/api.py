@@ -824,7 +824,7 @@ class Session:
             else str(gem.durable.path(step))
             if reason.startswith("disk:")
             else memory_checkpoint_id(step),
-            topology_digest=self._topology.digest(),
+            topology_digest=self._topology.shape_digest(),
             available=step >= 0,
             reason=reason,
         )
@@ -1320,7 +1320,7 @@ class Session:
             checkpoint_source="gemini" if newest >= 0 else "none",
             checkpoint_step=newest,
             checkpoint_id=memory_checkpoint_id(newest) if newest >= 0 else None,
-            topology_digest=self.topology.digest() if self._topology else "",
+            topology_digest=self.topology.shape_digest() if self._topology else "",
             all_ranks_accessible=all_ranks_accessible,
             available=newest >= 0,
             reason=reason,

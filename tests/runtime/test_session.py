@@ -69,6 +69,8 @@ def test_single_process_session_surface() -> None:
         assert decision is not None and decision["checkpoint_step"] == 4 and decision["available"]
         assert decision["recovery_mode"] == "latest" and decision["checkpoint_source"] == "gemini"
         assert decision["checkpoint_id"] == "gemini-step-4"
+        # The digest a restart context names (the layout, not the machines): the two compare.
+        assert decision["topology_digest"] == session.topology.shape_digest()
         with pytest.raises(ValueError, match=r"unknown failure kind 'gremlins'.*tensor_corruption"):
             session.prepare_recovery("gremlins")
         # FAILURES.md's canonical types too, recovered as the kind that catches each.
