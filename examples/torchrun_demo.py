@@ -18,112 +18,18 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-POLICY = ROOT / "examples" / "production_loops" / "policies" / "resiliency.toml"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        raw = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(x) for x in raw.split()]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
+from examples.torchrun.resiliency_cycle import cluster
+from examples.torchrun.resiliency_cycle.cluster import children, cmdline, finish, wait_for
 
 
 def launch(work: Path, name: str, nodes: int, steps: int) -> tuple[list[subprocess.Popen[bytes]], Path]:
-    port, run_id = _port(), f"demo-{name}-{os.getpid()}"
-    val = work / name / "validation"
-    procs = []
-    for n in range(nodes):
-        mid = work / name / f"machine-id-{n}"
-        mid.parent.mkdir(parents=True, exist_ok=True)
-        mid.write_text(f"demo-{name}-node-{n}\n")
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "OMP_NUM_THREADS": "1",
-            "LM_RESILIENCY_MACHINE_ID_PATH": str(mid),
-            "LM_RESILIENCY_SHM_DIR": str(work / name / "shm"),
-        }
-        conf = ",".join(
-            [
-                f"lm_resiliency_restart_context_path={work / name / f'context-{n}.json'}",
-                f"lm_resiliency_worker_config={POLICY}",
-                "lm_resiliency_poll_interval_ms=100",
-                "lm_resiliency_heartbeat_timeout_ms=2000",
-            ]
-        )
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=2:3",
-            "--nproc-per-node=1",
-            "--rdzv-backend=lm_resiliency",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id={run_id}",
-            "--local-addr=127.0.0.1",
-            f"--rdzv-conf={conf}",
-            "--max-restarts=10",
-            "--monitor-interval=0.1",
-            "-m",
-            "examples.production_loops.pytorch",
-            "--validation-output-dir",
-            str(val),
-            "--steps",
-            str(steps),
-        ]
-        log = open(work / name / f"agent-{n}.log", "wb")  # noqa: SIM115 - closed by the OS at exit
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        )
-        time.sleep(0.3)  # arrival order: the last node parks as the standby
-    return procs, val
-
-
-def wait_for(path: Path, procs: list[subprocess.Popen[bytes]], timeout: float = 180.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            return True
-        if all(p.poll() is not None for p in procs):
-            return False
-        time.sleep(0.1)
-    return False
-
-
-def finish(procs: list[subprocess.Popen[bytes]], timeout: float = 240.0) -> list[int | None]:
-    deadline = time.monotonic() + timeout
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            codes.append(None)
-    return codes
+    return cluster.launch(work, name, nodes, steps, min_nodes=2)
 
 
 def main() -> int:
@@ -145,7 +51,7 @@ def main() -> int:
         injected = []
         if wait_for(val / "generation-0.json", procs):
             time.sleep(1.5)
-            victims = [c for c in _children(procs[1].pid) if b"production_loops" in _cmdline(c)]
+            victims = [c for c in children(procs[1].pid) if b"production_loops" in cmdline(c)]
             for pid in victims:
                 os.kill(pid, signal.SIGKILL)
             injected.append({"fault": "worker SIGKILL", "node": "demo-faulted-node-1", "pids": victims})

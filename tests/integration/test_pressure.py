@@ -1,0 +1,130 @@
+"""`python -m examples.torchrun.resiliency_cycle.pressure orchestrate` (INTERFACE.md §5) on CPU nodes:
+a campaign against a real torchrun job, judged by the job's own detection and recovery."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from examples.torchrun.resiliency_cycle.pressure import main as pressure
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(300)
+
+
+def _campaign(incidents: list[dict[str, Any]], **meta: Any) -> dict[str, Any]:
+    return {"schema_version": 1, "name": "cycle", "seed": 1, "metadata": meta, "incidents": incidents}
+
+
+CRASH = {
+    "incident_id": "01-exception",
+    "trigger": {"at": [4]},
+    "faults": [{"fault_id": "raise", "type": "exception", "target": {"surface": "process", "rank": 1}}],
+}
+SDC = {
+    "incident_id": "02-sdc",
+    "trigger": {"at": [8]},
+    "faults": [
+        {
+            "fault_id": "flip",
+            "type": "tensor_corruption",
+            "target": {"surface": "gradient", "rank": 0, "module_path": "head.weight"},
+            "parameters": {"operation": "single_bitflip", "magnitude": "large"},
+        }
+    ],
+}
+
+
+@pytest.mark.multiprocess
+def test_a_campaign_restarts_in_place_then_swaps_a_standby_and_ends_bitwise(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A worker raises at iteration 4 (its node restarts in place), then a gradient bit flip at 8
+    (the culprit's node is quarantined and the standby takes its slot). Both are found by the job
+    itself, each generation restores the step its context selected, and the final model equals the
+    uninterrupted run's bit for bit."""
+    camps = tmp_path / "campaigns"
+    camps.mkdir()
+    (camps / "cycle.json").write_text(json.dumps(_campaign([CRASH, SDC], total_steps=12)))
+    out = tmp_path / "out"
+    args = ["-m", "examples.torchrun.resiliency_cycle.pressure", "orchestrate", "--framework", "pytorch"]
+    args += [
+        "--fault-campaign-dir",
+        str(camps),
+        "--cpu-nodes",
+        "3",
+        "--output-dir",
+        str(out),
+        "--timeout-s",
+        "200",
+    ]
+    proc = processes.start(args, {}, tmp_path / "pressure.log")
+    code = proc.wait(timeout=280)
+    log = (tmp_path / "pressure.log").read_text()
+    assert code == 0, log[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    (c,) = summary["campaigns"]
+    assert summary["passed"] and c["final_state_bitwise_equal_to_baseline"]
+    gens = c["generations"]
+    assert [g["failure_kind"] for g in gens] == ["none", "process_failure", "sdc"], gens
+    assert gens[1]["admitted"] == [] and len(gens[2]["admitted"]) == 1  # restart in place, then a swap
+    assert all(g["restored_as_selected"] for g in gens)
+    assert [(i["occurrence"], i["completed"], i["localized"]) for i in c["incidents"]] == [
+        ("01-exception@4", True, True),
+        ("02-sdc@8", True, True),
+    ]
+    assert c["evaluation"]["false_positives"] == 0 and c["evaluation"]["recall"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("campaign", "extra", "message"),
+    [
+        ({"schema_version": 1, "name": "x"}, [], "incidents: missing"),
+        (_campaign([CRASH], active_nodes=5), [], "5 active + 1 standby nodes, but only 3"),
+        (
+            _campaign(
+                [{**CRASH, "faults": [{**CRASH["faults"][0], "target": {"surface": "process", "rank": 7}}]}]
+            ),
+            [],
+            "targets rank 7",
+        ),  # type: ignore[dict-item]
+        (
+            _campaign(
+                [
+                    {
+                        **CRASH,
+                        "faults": [
+                            {"fault_id": "p", "type": "network_partition", "target": {"surface": "process"}}
+                        ],
+                    }
+                ]
+            ),
+            [],
+            "not injected by this version",
+        ),
+        (_campaign([CRASH]), ["--framework", "deepspeed"], "not shipped by this version"),
+    ],
+)
+def test_a_campaign_or_option_that_does_not_fit_is_refused_before_any_run(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    campaign: dict[str, Any],
+    extra: list[str],
+    message: str,
+) -> None:
+    (tmp_path / "c.json").write_text(json.dumps(campaign))
+    argv = [
+        "orchestrate",
+        "--fault-campaign-dir",
+        str(tmp_path),
+        "--cpu-nodes",
+        "3",
+        "--output-dir",
+        str(tmp_path / "o"),
+    ]
+    assert pressure(argv + extra) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
