@@ -10,7 +10,8 @@ acts at the point of the step a fault's surface names:
   the parameters' snapshot for `stale_state`;
 - after the optimizer of iteration i (after GEMINI captured it): `hang`, `timeout`, `exception`,
   `process_termination`, `resource_exhaustion`, `delay` on the input surface, `tensor_corruption`
-  of a weight, bias or optimizer state, and `stale_state` (the step undone on this rank).
+  of a weight, bias or optimizer state, `stale_state` (the step undone on this rank), and the
+  checkpoint faults on this rank's newest committed in-memory copy (once its capture committed).
 
 Before it injects, it appends the ground truth (`GroundTruth`) to
 `<ground truth dir>/ground-truth-rank<R>.jsonl` and syncs it, so even a SIGKILL it sends itself is on
@@ -62,7 +63,11 @@ INJECTABLE: dict[str, tuple[str, ...]] = {
     "delay": ("compute", "input", "data"),
     "tensor_corruption": ("weight", "bias", "gradient", "optimizer_state"),
     "stale_state": ("weight", "bias"),
+    "checkpoint_corruption": ("checkpoint",),
+    "checkpoint_truncation": ("checkpoint",),
+    "checkpoint_missing": ("checkpoint",),
 }
+_CHECKPOINT_TYPES = ("checkpoint_corruption", "checkpoint_truncation", "checkpoint_missing")
 
 _PRE_FORWARD, _PRE_OPTIMIZER, _POST = "forward", "pre_optimizer", "post"
 
@@ -166,6 +171,7 @@ class CampaignInjector:
         node: str | None = None,
         generation: int | None = None,
         step: int = 0,
+        gemini: Any = None,
     ) -> None:
         check_injectable(campaign)
         self.campaign = campaign
@@ -180,6 +186,7 @@ class CampaignInjector:
         self._mine = {inc.incident_id: inc.faults_for(rank) for inc in campaign.incidents}
         self._model = model
         self._optimizer = optimizer
+        self._gemini = gemini
         self._step = step  # completed steps (the session's step_count)
         self._iteration = -1  # the iteration whose schedule was read
         self._active: list[_Active] = []
@@ -302,11 +309,56 @@ class CampaignInjector:
                 return
             with torch.no_grad():
                 corrupt(tensors[0], p, random.Random(f"{self.campaign.seed}/{a.occurrence.occurrence_id}"))
+        elif f.type in _CHECKPOINT_TYPES:
+            self._damage_checkpoint(
+                f.type, what, random.Random(f"{self.campaign.seed}/{a.occurrence.occurrence_id}")
+            )
         elif f.type == "stale_state":
             with torch.no_grad():
                 for t, old in zip(self._tensors(f), a.snapshot, strict=False):
                     t.copy_(old)
             a.snapshot = []  # the next iteration of its lifetime reuses that one's start
+
+    def _damage_checkpoint(self, kind: str, what: str, rng: random.Random) -> None:
+        """Damage this rank's newest committed in-memory copy: a flipped payload byte, the file cut
+        to half its payload, or the file deleted. GEMINI finds it by its checksums (at once with
+        `verify_integrity`, else at the restore that needs it) and uses another copy."""
+        from lm_resiliency.runtime.shm import HEADER_SIZE, CorruptSlot, SlotFile
+
+        gem = self._gemini
+        if gem is None:
+            log.warning("%s: no GEMINI in this job (enable_checkpoint=False): nothing to damage", what)
+            return
+        gem.drain(30.0)  # the iteration's capture committed: the newest copy is the one it made
+        newest: tuple[int, Path, int] | None = None
+        for path in sorted(Path(gem.dir).glob(f"own-r{self.rank}-s*")):
+            try:
+                slot = SlotFile.open_existing(path)
+            except CorruptSlot:
+                continue
+            try:
+                h = slot.read_header()
+            except CorruptSlot:
+                continue
+            finally:
+                slot.close()
+            if newest is None or h.step > newest[0]:
+                newest = (h.step, path, h.payload_len)
+        if newest is None:
+            log.warning("%s: rank %d holds no committed copy yet: nothing to damage", what, self.rank)
+            return
+        step, path, size = newest
+        if kind == "checkpoint_missing":
+            path.unlink()
+        elif kind == "checkpoint_truncation":
+            os.truncate(path, HEADER_SIZE + size // 2)
+        else:
+            with open(path, "r+b") as fh:
+                fh.seek(HEADER_SIZE + rng.randrange(max(1, size)))
+                byte = fh.read(1)
+                fh.seek(-1, os.SEEK_CUR)
+                fh.write(bytes([byte[0] ^ 0x10]) if byte else b"\x10")
+        log.warning("%s: %s of rank %d's copy of step %d (%s)", what, kind, self.rank, step, path.name)
 
     def _exhaust(self, what: str) -> None:
         """Run out of a resource under a limit set on this process only (never the host's)."""
@@ -427,6 +479,7 @@ def attach_campaign(
         node=env.node_id() if env is not None else None,
         generation=env.generation if env is not None else None,
         step=session.step_count,
+        gemini=getattr(session, "gemini", None),
     )
     session.add_component(inj)
     return inj

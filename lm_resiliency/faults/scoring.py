@@ -33,6 +33,10 @@ _ALSO: dict[str, frozenset[str]] = {
     "process_termination": frozenset({"process_failure", "node_lost"}),
     "network_partition": frozenset({"network_partition", "node_lost"}),
     "timeout": frozenset({"hang"}),
+    # GEMINI names a damaged copy by the type itself.
+    "checkpoint_corruption": frozenset({"checkpoint_corruption"}),
+    "checkpoint_truncation": frozenset({"checkpoint_corruption"}),
+    "checkpoint_missing": frozenset({"checkpoint_corruption"}),
 }
 
 

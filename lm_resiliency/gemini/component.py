@@ -350,7 +350,8 @@ class Gemini:
                 self.carried_certificates.add(h.step)
             return h
         except CorruptSlot as exc:
-            self._reject(exc, owner, None if h is None else h.step)
+            claimed = h or exc.header  # a truncated copy's header still says whose step it was
+            self._reject(exc, owner, None if claimed is None else claimed.step)
             return None
         finally:
             slot.close()

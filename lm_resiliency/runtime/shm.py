@@ -53,7 +53,12 @@ CERT_MAGIC = b"LMRCERT1"
 
 
 class CorruptSlot(Exception):
-    """A slot that must not be loaded: missing, truncated, torn or failing its checksums."""
+    """A slot that must not be loaded: missing, truncated, torn or failing its checksums.
+    `header`: what its header claimed, when it parsed (a truncated copy's step and owner)."""
+
+    def __init__(self, message: str, header: SlotHeader | None = None) -> None:
+        super().__init__(message)
+        self.header = header
 
 
 class NotACopy(CorruptSlot):
@@ -134,7 +139,7 @@ def parse_header(name: str, image: bytes | memoryview | mmap.mmap, size: int) ->
         topo.rstrip(b"\0").decode(errors="replace"),
     )
     if chunk <= 0 or n != n_chunks(payload, chunk) or h.file_size > size:
-        raise CorruptSlot(f"{name}: truncated ({size} bytes, header needs {h.file_size})")
+        raise CorruptSlot(f"{name}: truncated ({size} bytes, header needs {h.file_size})", h)
     table = bytes(image[HEADER_SIZE + payload : HEADER_SIZE + payload + n * _DIGEST])
     if xxhash.xxh3_128_digest(raw[: _FMT.size] + table) != raw[_FMT.size :]:
         raise CorruptSlot(f"{name}: header checksum mismatch")

@@ -259,3 +259,48 @@ def test_corrupt_covers_each_operation_and_scope() -> None:
                 corrupt(t, {"operation": op, "scope": scope, "magnitude": "large"}, random.Random(1))
                 changed = int((t != before).sum())
                 assert 1 <= changed <= n, (op, scope, dtype, changed)
+
+
+@pytest.mark.parametrize("kind", ["checkpoint_corruption", "checkpoint_truncation", "checkpoint_missing"])
+def test_a_damaged_newest_copy_is_never_restored(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: str
+) -> None:
+    """The newest in-memory copy damaged after its commit: the restart restores the copy before it,
+    bitwise, and reports the damage it found (a deleted copy is simply not there)."""
+    from lm_resiliency import enable_resiliency
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 4))
+        return m, torch.optim.AdamW(m.parameters(), lr=0.01)
+
+    def train(s: Any, m: nn.Module, o: torch.optim.Optimizer, upto: int) -> list[list[torch.Tensor]]:
+        seen = []
+        for step in range(s.step_count + 1, upto + 1):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            (m(x) - x).pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+            seen.append([p.detach().clone() for p in m.parameters()])
+        return seen
+
+    (tmp_path / "c.json").write_text(
+        json.dumps(_campaign({"type": kind, "target": {"surface": "checkpoint"}}))
+    )
+    monkeypatch.setenv("LM_RESILIENCY_FAULT_CAMPAIGN", str(tmp_path / "c.json"))
+    m, o = make()
+    with enable_resiliency(m, o, interval=1) as s:
+        states = train(s, m, o, 3)
+        assert s.gemini.drain(10)
+    assert [g.type for g in read_ground_truth(tmp_path / "ground-truth" / "t")] == [kind]
+    monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
+    m, o = make()
+    with enable_resiliency(m, o, interval=1) as s:
+        got = s.recovered_step
+        assert 1 <= got < 3
+        assert all(torch.equal(a, b) for a, b in zip(states[got - 1], m.parameters(), strict=True))
+        damaged = [r for r in s.fault_reports if r["kind"] == "checkpoint_corruption"]
+        if kind != "checkpoint_missing":
+            assert damaged and damaged[0]["failed_ranks"] == [0] and damaged[0]["steps"] == [got + 1], (
+                s.fault_reports
+            )
