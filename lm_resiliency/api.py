@@ -505,11 +505,16 @@ class Session:
                 self._look_for_late_state, prepend=True
             )
         if self.env.checkpoint_step > 0 and self._recovered_step != self.env.checkpoint_step:
-            log.warning(
-                "restart context asks for step %d but it was not restored (recovered %d)",
+            # A script that reads its data position from the variable after this call reads the
+            # step restored; one that read it before resumes its data at the planned step.
+            log.error(
+                "restart context asks for step %d but step %d was restored: the session's step_count "
+                "(and LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP from now on) say %d",
                 self.env.checkpoint_step,
                 self._recovered_step,
+                max(self._recovered_step, 0),
             )
+            os.environ["LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"] = str(max(self._recovered_step, 0))
         atexit.register(self.close)
         self._install_excepthook()
         self._install_sigterm()

@@ -11,7 +11,8 @@ acts at the point of the step a fault's surface names:
 - after the optimizer of iteration i (after GEMINI captured it): `hang`, `timeout`, `exception`,
   `process_termination`, `resource_exhaustion`, `delay` on the input surface, `tensor_corruption`
   of a weight, bias or optimizer state, `stale_state` (the step undone on this rank), and the
-  checkpoint faults on this rank's newest committed in-memory copy (once its capture committed).
+  checkpoint faults on this rank's newest committed in-memory copy (captures in flight committed
+  first).
 
 Before it injects, it appends the ground truth (`GroundTruth`) to
 `<ground truth dir>/ground-truth-rank<R>.jsonl` and syncs it, so even a SIGKILL it sends itself is on
@@ -329,7 +330,11 @@ class CampaignInjector:
         if gem is None:
             log.warning("%s: no GEMINI in this job (enable_checkpoint=False): nothing to damage", what)
             return
-        gem.drain(30.0)  # the iteration's capture committed: the newest copy is the one it made
+        # Captures in flight committed first (damage to one being written would be checksummed
+        # with it: a silent corruption, restored). A capture still waiting for the loop's
+        # post-step work is not taken early (that would change what it holds): the newest
+        # committed copy may be the step before.
+        gem.settle(30.0)
         newest: tuple[int, Path, int] | None = None
         for path in sorted(Path(gem.dir).glob(f"own-r{self.rank}-s*")):
             try:

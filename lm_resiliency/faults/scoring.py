@@ -146,43 +146,50 @@ def evaluate(
     by_occ: dict[str, list[GroundTruth]] = {}
     for g in ground_truth:
         by_occ.setdefault(g.occurrence_id, []).append(g)
-    order = sorted(by_occ, key=lambda o: min(g.injected_at for g in by_occ[o]))
-    starts = [min(g.injected_at for g in by_occ[o]) for o in order]
-    used: set[int] = set()
-    occurrences: list[dict[str, Any]] = []
-    for n, occ in enumerate(order):
+    occs = []
+    for occ in sorted(by_occ, key=lambda o: min(g.injected_at for g in by_occ[o])):
         gts = by_occ[occ]
-        at = starts[n]
-        # A verdict belongs to the newest injection before it (within the window).
-        until = min(
-            at + window_s, starts[n + 1] if n + 1 < len(order) and starts[n + 1] > at else at + window_s
-        )
-        ranks = frozenset(r for g in gts for r in (g.expected_ranks or (g.rank,)))
-        resources = frozenset(x for g in gts for x in g.expected_resources)
         kinds: set[str] = set()
         for g in gts:
             kinds |= _ALSO.get(g.type, frozenset()) | {g.expected_kind}
-        window = [(i, v) for i, v in enumerate(found) if at <= v.time <= until]
-        localized = [(i, v) for i, v in window if _localizes(v, ranks, resources)]
-        matched = [(i, v) for i, v in localized if v.kind in kinds]
-        pick = matched or localized or window
-        best = pick[0] if pick else None
-        used.update(i for i, _ in (matched or localized))
+        ranks = frozenset(r for g in gts for r in (g.expected_ranks or (g.rank,)))
+        resources = frozenset(x for g in gts for x in g.expected_resources)
+        occs.append((occ, gts, min(g.injected_at for g in gts), ranks, resources, frozenset(kinds)))
+    # Each verdict goes to the one injection before it (within the window) that it explains best:
+    # one it localizes with the expected kind, else one it localizes, else the newest. (Faults
+    # overlap: a delay may begin while the SDC of the step before is being found.)
+    mine: dict[int, list[tuple[int, Verdict, int]]] = {n: [] for n in range(len(occs))}
+    for i, v in enumerate(found):
+        best: tuple[int, float, int] | None = None
+        for n, (_, _, at, who, where, want) in enumerate(occs):
+            if not at <= v.time <= at + window_s:
+                continue
+            fit = int(_localizes(v, who, where)) * (2 if v.kind in want else 1)
+            if best is None or (fit, at) > (best[0], best[1]):
+                best = (fit, at, n)
+        if best is not None:
+            mine[best[2]].append((i, v, best[0]))
+    used: set[int] = set()
+    occurrences: list[dict[str, Any]] = []
+    for n, (occ, gts, at, who, where, want) in enumerate(occs):
+        got = sorted(mine[n], key=lambda x: (-x[2], x[1].time))
+        pick = got[0] if got else None
+        used.update(i for i, _, fit in got if fit)
         occurrences.append(
             {
                 "occurrence_id": occ,
                 "incident_id": gts[0].incident_id,
                 "types": sorted({g.type for g in gts}),
-                "expected_ranks": sorted(ranks),
-                "expected_resources": sorted(resources),
-                "expected_kinds": sorted(kinds),
+                "expected_ranks": sorted(who),
+                "expected_resources": sorted(where),
+                "expected_kinds": sorted(want),
                 "injected_at": at,
-                "detected": bool(window),
-                "localized": bool(localized),
-                "kind_match": bool(matched),
-                "reported_kind": best[1].kind if best else None,
-                "reported_ranks": list(best[1].failed_ranks) if best else None,
-                "detection_latency_s": round(best[1].time - at, 3) if best else None,
+                "detected": bool(got),
+                "localized": any(fit for _, _, fit in got),
+                "kind_match": any(fit == 2 for _, _, fit in got),
+                "reported_kind": pick[1].kind if pick else None,
+                "reported_ranks": list(pick[1].failed_ranks) if pick else None,
+                "detection_latency_s": round(pick[1].time - at, 3) if pick else None,
             }
         )
     n_occ = len(occurrences)

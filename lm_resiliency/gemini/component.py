@@ -511,6 +511,23 @@ class Gemini:
             exact = None
         allowed = {exact} if exact is not None else certified if self.restored_verified else None
         plan: RecoveryPlan = plan_recovery(self.world_size, local, replicas, disk, at_most, allowed)
+        if plan.step < 0 and exact is not None:
+            # The step the restart asked for is not held for every rank here (a copy gone since
+            # the plan was made): the newest older one at the plan's trust level, not a fresh start.
+            self.restored_verified = self._plan_verified
+            older = plan_recovery(
+                self.world_size, local, replicas, disk, exact, certified if self._plan_verified else None
+            )
+            if older.step >= 0:
+                if self.rank == 0:
+                    log.warning(
+                        "GEMINI: the restart asked for step %d, which not every rank holds (%s): "
+                        "restoring step %d",
+                        exact,
+                        plan.reason,
+                        older.step,
+                    )
+                plan = older
         if plan.step < 0 and self.restored_verified:
             plan = RecoveryPlan(-1, {}, f"no recovery-verified step: {plan.reason}")
         if plan.step < 0 and elsewhere:
@@ -1743,15 +1760,21 @@ class Gemini:
                 self._flushing.difference_update(k for k, _ in held)
                 self._idle.notify_all()
 
+    def settle(self, timeout: float = 60.0) -> bool:
+        """Wait until the captures already taken are committed and replicated (and checked again,
+        with `verify_integrity`); unlike `drain`, a capture still waiting for the loop's post-step
+        work (its scheduler, the next fetch) is left waiting, so the step's content is unchanged."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._busy and not self._scrubbing, timeout)
+
     def drain(self, timeout: float = 60.0) -> bool:
         """Wait until every capture handed to the worker is committed, replicated and published
         (the inventory sent on, where a sink such as the torchrun backend's control store takes it),
         and the held copies checked again after it (`verify_integrity`)."""
         self._take_deferred()
         deadline = time.monotonic() + timeout
-        with self._idle:
-            if not self._idle.wait_for(lambda: not self._busy and not self._scrubbing, timeout):
-                return False
+        if not self.settle(timeout):
+            return False
         flush = self.flush_inventory
         return flush is None or flush(max(0.0, deadline - time.monotonic()))
 

@@ -330,3 +330,19 @@ def test_cli_validates_previews_and_scores(tmp_path: Path, capsys: pytest.Captur
     out = capsys.readouterr().out
     assert "sdc" in out and "ranks 1" in out and "1 verdicts from 2 reports" in out
     assert cli(["report", str(tmp_path / "nothing")]) == 2
+
+
+def test_a_verdict_goes_to_the_injection_it_explains_not_the_newest() -> None:
+    """A delay on rank 1 begins while the SDC rank 0 got a moment before is being found: the SDC
+    verdict is the SDC's, and the delay's own straggler verdict the delay's."""
+    truth = [_gt("sdc@8", 100.0, rank=0), _gt("slow@9", 100.5, rank=1, ftype="delay")]
+    reports = [
+        {"time": 100.6, "kind": "sdc", "failed_ranks": [0]},
+        {"time": 102.0, "kind": "straggler", "failed_ranks": [1]},
+    ]
+    ev = evaluate(truth, reports)
+    by = {
+        o["occurrence_id"]: (o["localized"], o["kind_match"], o["reported_kind"]) for o in ev["occurrences"]
+    }
+    assert by == {"sdc@8": (True, True, "sdc"), "slow@9": (True, True, "straggler")}
+    assert ev["false_positives"] == 0 and ev["precision"] == 1.0

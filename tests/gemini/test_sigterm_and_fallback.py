@@ -575,3 +575,27 @@ def test_a_scheduler_not_passed_is_found_and_restored(
     with pytest.warns(UserWarning, match=r"several schedulers step this optimizer \(StepLR, StepLR\)"):
         enable_resiliency(m, o, enable_checkpoint=False, enable_detection=False).close()
     del a, b
+
+
+def test_a_planned_step_that_cannot_be_restored_is_corrected_in_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The plan names step 9 but only steps up to 3 exist here: step 3 is restored, and
+    LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP says 3 from then on, so a script that reads its data
+    position from it after enable_resiliency resumes its data where its state resumed."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 4)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    with enable_resiliency(m, o, interval=1) as s:
+        for _ in range(3):
+            m(torch.ones(2, 4)).sum().backward()
+            o.step()
+        assert s.gemini.drain(10)
+    ctx = tmp_path / "context.json"
+    ctx.write_text(json.dumps({"schema_version": 1, "recovery_mode": "latest", "checkpoint_step": 9}))
+    monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
+    monkeypatch.setenv("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT", str(ctx))
+    monkeypatch.setenv("LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", "9")
+    with enable_resiliency(m, o, interval=1) as s:
+        assert s.step_count == 3
+        assert os.environ["LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"] == "3"

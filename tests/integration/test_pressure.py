@@ -26,7 +26,7 @@ CRASH = {
 }
 SDC = {
     "incident_id": "02-sdc",
-    "trigger": {"at": [8]},
+    "trigger": {"at": [10]},
     "faults": [
         {
             "fault_id": "flip",
@@ -38,17 +38,33 @@ SDC = {
 }
 
 
+SLOW = {
+    "incident_id": "03-slow",
+    "trigger": {"at": [5]},
+    "lifetime": {"iterations": 4},
+    "faults": [
+        {
+            "fault_id": "slow",
+            "type": "delay",
+            "target": {"surface": "compute", "rank": 1},
+            "parameters": {"delay_ms": 300},
+        }
+    ],
+}
+
+
 @pytest.mark.multiprocess
 def test_a_campaign_restarts_in_place_then_swaps_a_standby_and_ends_bitwise(
     processes, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    """A worker raises at iteration 4 (its node restarts in place), then a gradient bit flip at 8
-    (the culprit's node is quarantined and the standby takes its slot). Both are found by the job
-    itself, each generation restores the step its context selected, and the final model equals the
-    uninterrupted run's bit for bit."""
+    """A worker raises at iteration 4 (its node restarts in place); then it computes 300 ms slower
+    for 4 steps (named a compute straggler, and the job goes on: a straggler is acted on only where
+    the policy says so); then a gradient bit flip at 10 (the culprit's node is quarantined and the
+    standby takes its slot). Each is found by the job itself, each generation restores the step its
+    context selected, and the final model equals the uninterrupted run's bit for bit."""
     camps = tmp_path / "campaigns"
     camps.mkdir()
-    (camps / "cycle.json").write_text(json.dumps(_campaign([CRASH, SDC], total_steps=12)))
+    (camps / "cycle.json").write_text(json.dumps(_campaign([CRASH, SDC, SLOW], total_steps=14)))
     out = tmp_path / "out"
     args = ["-m", "examples.torchrun.resiliency_cycle.pressure", "orchestrate", "--framework", "pytorch"]
     args += [
@@ -74,8 +90,10 @@ def test_a_campaign_restarts_in_place_then_swaps_a_standby_and_ends_bitwise(
     assert all(g["restored_as_selected"] for g in gens)
     assert [(i["occurrence"], i["completed"], i["localized"]) for i in c["incidents"]] == [
         ("01-exception@4", True, True),
-        ("02-sdc@8", True, True),
+        ("03-slow@5", True, True),
+        ("02-sdc@10", True, True),
     ]
+    assert [i["reported_kind"] for i in c["incidents"]] == ["process_failure", "straggler", "sdc"]
     assert c["evaluation"]["false_positives"] == 0 and c["evaluation"]["recall"] == 1.0
 
 

@@ -300,7 +300,7 @@ def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, t
     ctx = json.loads(Path(gens[1]["context"]).read_text())
     assert ctx["failure_kind"] == "process_failure" and ctx["reason_code"] == "uncaught_exception", ctx
     assert ctx["error"] == "RuntimeError: injected: the loss diverged at step 10", ctx
-    assert _equal(job.final(), base.final())
+    assert _equal(job.final(), base.final()), job.logs()[-6000:]
 
 
 def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -321,7 +321,7 @@ def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(p
     decision = gens[1]["decision"]
     assert decision["failure_kind"] == "sdc" and decision["recovery_mode"] == "recovery_verified", decision
     assert decision["checkpoint_step"] == ctx["checkpoint_step"], decision
-    assert _equal(job.final(), base.final())
+    assert _equal(job.final(), base.final()), job.logs()[-6000:]
 
 
 def test_optimizer_state_corrupted_before_the_schedulers_step_is_never_recovered(
