@@ -167,6 +167,7 @@ def test_a_fault_this_version_cannot_inject_is_refused_at_attach(
     assert info.value.path == problem
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("fault", "exit_code", "text"),
     [
@@ -214,6 +215,7 @@ def test_process_faults_end_the_rank_they_name_after_its_step(
     assert ev["occurrences"][0]["localized"] and ev["occurrences"][0]["kind_match"], ev
 
 
+@pytest.mark.multiprocess
 def test_a_gradient_bit_flip_from_a_campaign_is_localized_by_scout(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     c = _campaign(
         {
