@@ -437,7 +437,7 @@ class Session:
         # (`iter(DataLoader)` draws from it), captured with a step taken as a batch is fetched.
         self._loader_positions: dict[str, Any] = {}
         replay_cfg = settings.get("replay")
-        report_dir = getattr(replay_cfg, "report_dir", None)
+        report_dir = getattr(replay_cfg, "report_dir", None) or self.env.report_dir
         self._report_dir = Path(report_dir) if report_dir else None
         self.rank = 0
         self.world_size = 1

@@ -50,6 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     sched = csub.add_parser("schedule", help="the occurrences a campaign fires in a run without restarts")
     sched.add_argument("path", metavar="PATH")
     sched.add_argument("--iterations", type=int, required=True, metavar="N", help="iterations 1..N")
+    run = csub.add_parser(
+        "run",
+        help="run a command (a torchrun job, a script) with a campaign armed, then score it",
+        description="Runs COMMAND with LM_RESILIENCY_FAULT_CAMPAIGN, LM_RESILIENCY_FAULT_GROUND_TRUTH and "
+        "LM_RESILIENCY_REPORT_DIR set (ground truth and reports under --output-dir), then scores the "
+        "job's reports against the ground truth: evaluation.json, printed too. Exit status: the "
+        "command's when it failed, else 0.",
+    )
+    run.add_argument("path", metavar="CAMPAIGN")
+    run.add_argument("--output-dir", required=True, metavar="DIR")
+    run.add_argument("--window-s", type=float, default=120.0, help="a verdict's time after an injection")
+    run.epilog = "usage: lm-resiliency campaign run CAMPAIGN --output-dir DIR -- COMMAND [ARG ...]"
     score = csub.add_parser("score", help="score a run: ground truth against the job's fault reports (JSON)")
     score.add_argument(
         "--ground-truth", required=True, metavar="DIR", help="the injector's ground-truth folder"
@@ -59,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     score.add_argument("--clean", nargs="*", default=[], metavar="DIR", help="report dirs of clean runs")
     score.add_argument("--window-s", type=float, default=120.0, help="a verdict's time after an injection")
+    sub.add_parser(
+        "demo",
+        help="train, checkpoint, SIGKILL and resume one process; print JSON (lm-resiliency-quickstart)",
+    )
     rep = sub.add_parser("report", help="render a job's fault reports (its report_dir), one line per verdict")
     rep.add_argument("dir", metavar="DIR", help="the report_dir (reports-rank*.jsonl)")
     rep.add_argument("--json", action="store_true", help="print the verdicts as JSON lines")
@@ -126,6 +142,8 @@ def _campaign(args: argparse.Namespace) -> int:
     except CampaignError as exc:
         print(f"lm-resiliency: invalid campaign: {exc}", file=sys.stderr)
         return 2
+    if args.campaign_command == "run":
+        return _campaign_run(args)
     if args.campaign_command == "score":
         from lm_resiliency.faults.inject import read_ground_truth
         from lm_resiliency.faults.scoring import evaluate, evaluate_clean
@@ -142,6 +160,48 @@ def _campaign(args: argparse.Namespace) -> int:
         return 0
     print("lm-resiliency campaign: choose validate, schedule or score", file=sys.stderr)
     return 2
+
+
+def _campaign_run(args: argparse.Namespace) -> int:
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from lm_resiliency.faults.campaign import CampaignError, load_campaign
+    from lm_resiliency.faults.inject import check_injectable, read_ground_truth
+    from lm_resiliency.faults.scoring import evaluate
+
+    cmd = args.cmd
+    if not cmd:
+        print("lm-resiliency campaign run: give the command after --", file=sys.stderr)
+        return 2
+    try:
+        campaign = load_campaign(args.path)
+        check_injectable(campaign)
+    except CampaignError as exc:
+        print(f"lm-resiliency: invalid campaign: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.output_dir).resolve()
+    truth, reports = out / "ground-truth", out / "reports"
+    env = {
+        **os.environ,
+        "LM_RESILIENCY_FAULT_CAMPAIGN": str(Path(args.path).resolve()),
+        "LM_RESILIENCY_FAULT_GROUND_TRUTH": str(truth),
+        "LM_RESILIENCY_REPORT_DIR": str(reports),
+    }
+    reports.mkdir(parents=True, exist_ok=True)
+    try:
+        code = subprocess.call(cmd, env=env)
+    except OSError as exc:
+        print(f"lm-resiliency: cannot run {cmd[0]!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    ev = evaluate(
+        read_ground_truth(truth) if truth.is_dir() else [], _read_reports(str(reports)), args.window_s
+    )
+    ev["campaign"], ev["command_exit_code"] = campaign.name, code
+    (out / "evaluation.json").write_text(json.dumps(ev, indent=2, sort_keys=True))
+    print(json.dumps(ev, indent=2, sort_keys=True))
+    return code if code >= 0 else 128 - code  # a signal, as a shell reports it
 
 
 def _injectable(c: object) -> str:
@@ -198,7 +258,11 @@ def _report(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # What follows `--` is a command to run (`campaign run`), never our options.
+    cmd = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    args.cmd = cmd
     if args.command == "check-policy":
         import dataclasses
         import json
@@ -235,6 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _campaign(args)
     if args.command == "report":
         return _report(args)
+    if args.command == "demo":
+        from lm_resiliency.cli.quickstart import main as quickstart
+
+        return quickstart([])
     parser.print_help()
     return 0
 

@@ -306,3 +306,66 @@ def test_a_damaged_newest_copy_is_never_restored(
             assert damaged and damaged[0]["failed_ranks"] == [0] and damaged[0]["steps"] == [got + 1], (
                 s.fault_reports
             )
+
+
+SCRIPT = """
+import torch
+from torch import nn
+from lm_resiliency import enable_resiliency
+torch.manual_seed(0)
+m = nn.Linear(4, 4)
+o = torch.optim.SGD(m.parameters(), lr=0.1)
+s = enable_resiliency(m, o, interval=1)
+for _ in range(6):
+    m(torch.ones(2, 4)).sum().backward()
+    o.step()
+s.close()
+"""
+
+
+def test_campaign_run_arms_any_command_and_scores_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lm-resiliency campaign run C -- python script.py`: a script that knows nothing of faults
+    raises at iteration 3; its own report names it; the evaluation says so."""
+    import sys
+
+    from lm_resiliency.cli.main import main as cli
+
+    (tmp_path / "c.json").write_text(
+        json.dumps(_campaign({"type": "exception", "target": {"surface": "process"}}))
+    )
+    (tmp_path / "script.py").write_text(SCRIPT)
+    out = tmp_path / "out"
+    code = cli(
+        [
+            "campaign",
+            "run",
+            str(tmp_path / "c.json"),
+            "--output-dir",
+            str(out),
+            "--",
+            sys.executable,
+            str(tmp_path / "script.py"),
+        ]
+    )
+    assert code == 1  # the script's own exit status
+    ev = json.loads((out / "evaluation.json").read_text())
+    assert ev["command_exit_code"] == 1 and ev["injected"] == 1 and ev["localized"] == 1, ev
+    assert ev["occurrences"][0]["reported_kind"] == "process_failure"
+    assert json.loads(capsys.readouterr().out)["campaign"] == "t"
+    assert cli(["campaign", "run", str(tmp_path / "c.json"), "--output-dir", str(out)]) == 2
+    assert (
+        cli(
+            [
+                "campaign",
+                "run",
+                str(tmp_path / "c.json"),
+                "--output-dir",
+                str(out),
+                "--",
+                str(tmp_path / "nope"),
+            ]
+        )
+        == 2
+    )
