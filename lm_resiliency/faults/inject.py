@@ -62,7 +62,10 @@ INJECTABLE: dict[str, tuple[str, ...]] = {
     "process_termination": ("process",),
     "resource_exhaustion": ("process", "resource"),
     "delay": ("compute", "input", "data"),
-    "tensor_corruption": ("weight", "bias", "gradient", "optimizer_state"),
+    "tensor_corruption": ("weight", "bias", "gradient", "optimizer_state", "output"),
+    "drop": ("gradient", "output"),
+    "duplicate": ("gradient", "output"),
+    "reorder": ("gradient", "output"),
     "stale_state": ("weight", "bias"),
     "checkpoint_corruption": ("checkpoint",),
     "checkpoint_truncation": ("checkpoint",),
@@ -70,7 +73,8 @@ INJECTABLE: dict[str, tuple[str, ...]] = {
 }
 _CHECKPOINT_TYPES = ("checkpoint_corruption", "checkpoint_truncation", "checkpoint_missing")
 
-_PRE_FORWARD, _PRE_OPTIMIZER, _POST = "forward", "pre_optimizer", "post"
+_PRE_FORWARD, _OUTPUT, _PRE_OPTIMIZER, _POST = "forward", "output", "pre_optimizer", "post"
+_TENSOR_TYPES = ("tensor_corruption", "drop", "duplicate", "reorder")
 
 # Bits of a float's mantissa and exponent, by dtype.
 _LAYOUT = {
@@ -92,7 +96,9 @@ def _point(fault: Fault) -> str:
     s = fault.target.surface
     if fault.type == "delay" and s == "compute":
         return _PRE_FORWARD
-    if fault.type in ("tensor_corruption",) and s == "gradient":
+    if s == "output":
+        return _OUTPUT
+    if fault.type in _TENSOR_TYPES and s == "gradient":
         return _PRE_OPTIMIZER
     return _POST
 
@@ -188,6 +194,7 @@ class CampaignInjector:
         self._model = model
         self._optimizer = optimizer
         self._gemini = gemini
+        self._output: torch.Tensor | None = None  # a watched module's output, while its hook runs
         self._step = step  # completed steps (the session's step_count)
         self._iteration = -1  # the iteration whose schedule was read
         self._active: list[_Active] = []
@@ -196,14 +203,25 @@ class CampaignInjector:
         names = {n for n, _ in _named_parameters(model)} | {
             n.removeprefix("module.") for n, _ in _named_parameters(model)
         }
+        modules = dict(_named_modules(model))
+        watched: dict[str, Any] = {}
         for i, inc in enumerate(campaign.incidents):
             for j, f in enumerate(inc.faults):
+                if f not in self._mine[inc.incident_id]:
+                    continue
                 path = f.target.module_path
-                if path is not None and f in self._mine[inc.incident_id] and path not in names:
+                key = f"incidents[{i}].faults[{j}].target.module_path"
+                if f.target.surface == "output":
+                    name = path or ""
+                    if name not in modules and f"module.{name}" not in modules:
+                        raise CampaignError(key, f"the model has no module named {name!r}")
+                    watched[name] = modules.get(name, modules.get(f"module.{name}"))
+                elif path is not None and path not in names:
                     raise CampaignError(
-                        f"incidents[{i}].faults[{j}].target.module_path",
-                        f"the model has no parameter named {path!r} (it has {sorted(names)[:8]}...)",
+                        key, f"the model has no parameter named {path!r} (it has {sorted(names)[:8]}...)"
                     )
+        for name, module in watched.items():
+            self._handles.append(module.register_forward_hook(self._output_hook(name)))
         if model is not None and hasattr(model, "register_forward_pre_hook"):
             self._handles.append(model.register_forward_pre_hook(self._on_forward))
         if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
@@ -230,10 +248,23 @@ class CampaignInjector:
         if torch.is_grad_enabled():
             self._run(self._step + 1, _PRE_FORWARD)
 
+    def _output_hook(self, name: str) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> Any:
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+                return None
+            self._output = output
+            try:
+                self._run(self._step + 1, _OUTPUT, name)
+                return self._output if self._output is not output else None
+            finally:
+                self._output = None
+
+        return hook
+
     def _on_pre_optimizer(self, opt: Any, args: Any, kwargs: Any) -> None:
         self._run(self._step + 1, _PRE_OPTIMIZER)
 
-    def _run(self, iteration: int, point: str) -> None:
+    def _run(self, iteration: int, point: str, module: str | None = None) -> None:
         if iteration != self._iteration:
             self._iteration = iteration
             for occ in self._schedule.due(iteration):
@@ -247,7 +278,7 @@ class CampaignInjector:
             if a.fault.type == "stale_state" and point == _PRE_OPTIMIZER and not a.snapshot:
                 a.snapshot = [t.detach().clone() for t in self._tensors(a.fault)]
                 continue
-            if a.point != point:
+            if a.point != point or (point == _OUTPUT and (a.fault.target.module_path or "") != module):
                 continue
             a.calls += 1
             if not a.recorded:
@@ -303,13 +334,22 @@ class CampaignInjector:
             self._exhaust(str(p.get("resource", "file_descriptors")))
         elif f.type == "delay":
             time.sleep(float(p.get("delay_ms", 200)) / 1000.0)
-        elif f.type == "tensor_corruption":
+        elif f.type in _TENSOR_TYPES:
+            rng = random.Random(f"{self.campaign.seed}/{a.occurrence.occurrence_id}")
+            if f.target.surface == "output":
+                out = self._output
+                assert out is not None
+                bad = out.detach().clone()
+                _tamper(f.type, bad, p, rng, rows=True)
+                # The forward sees the damaged values; the backward is the undamaged one's.
+                self._output = out + (bad - out.detach())
+                return
             tensors = self._tensors(f)
             if not tensors:
                 log.warning("%s: no tensor on surface %s to corrupt", what, f.target.surface)
                 return
             with torch.no_grad():
-                corrupt(tensors[0], p, random.Random(f"{self.campaign.seed}/{a.occurrence.occurrence_id}"))
+                _tamper(f.type, tensors[0], p, rng)
         elif f.type in _CHECKPOINT_TYPES:
             self._damage_checkpoint(
                 f.type, what, random.Random(f"{self.campaign.seed}/{a.occurrence.occurrence_id}")
@@ -418,6 +458,35 @@ def _named_parameters(model: Any) -> Iterable[tuple[str, torch.Tensor]]:
                 yield f"{i}.{n}", p
     elif hasattr(model, "named_parameters"):
         yield from model.named_parameters()
+
+
+def _named_modules(model: Any) -> Iterable[tuple[str, Any]]:
+    if isinstance(model, (list, tuple)):
+        for i, m in enumerate(model):
+            for n, sub in m.named_modules():
+                yield (f"{i}.{n}" if n else str(i)), sub
+    elif hasattr(model, "named_modules"):
+        yield from model.named_modules()
+
+
+def _tamper(kind: str, t: torch.Tensor, params: Any, rng: random.Random, rows: bool = False) -> None:
+    """In place: `drop` zeroes the tensor (a skipped bucket or output), `duplicate` repeats it (a
+    gradient counted twice; an output's first row over its second, a repeated sample), `reorder`
+    rolls it by one along its leading dimension; `tensor_corruption` as `corrupt` says."""
+    if kind == "drop":
+        t.zero_()
+    elif kind == "duplicate":
+        if rows and t.dim() > 0 and t.shape[0] > 1:
+            t[1] = t[0].clone()
+        else:
+            t.mul_(2)
+    elif kind == "reorder":
+        if t.dim() > 0 and t.shape[0] > 1:
+            t.copy_(t.roll(1, 0))
+        else:
+            t.neg_()  # one element: nothing to permute; the order's sign, as a swapped operand
+    else:
+        corrupt(t, params, rng)
 
 
 def corrupt(t: torch.Tensor, params: Any, rng: random.Random) -> None:

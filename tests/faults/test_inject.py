@@ -369,3 +369,23 @@ def test_campaign_run_arms_any_command_and_scores_it(
         )
         == 2
     )
+
+
+@pytest.mark.parametrize("kind", ["drop", "duplicate", "reorder", "tensor_corruption"])
+def test_gradient_and_output_tampering(tmp_path: Path, kind: str) -> None:
+    """drop/duplicate/reorder (and corruption) of a gradient before the optimizer, or of a module's
+    output in the forward of the iteration named: only that iteration's update differs."""
+    ref, _ = _train(None, 4, tmp_path)
+    grad = _campaign({"type": kind, "target": {"surface": "gradient", "module_path": "0.weight"}})
+    got, _ = _train(grad, 4, tmp_path / "g")
+    assert not _differing(got[1], ref[1]) and "0.weight" in _differing(got[2], ref[2])
+    out = _campaign({"type": kind, "target": {"surface": "output", "module_path": "0"}})
+    got, _ = _train(out, 4, tmp_path / "o")
+    assert not _differing(got[1], ref[1]) and _differing(got[2], ref[2])
+    assert read_ground_truth(tmp_path / "o")[0].surface == "output"
+    with pytest.raises(CampaignError, match="no module named 'nope'"):
+        _train(
+            _campaign({"type": kind, "target": {"surface": "output", "module_path": "nope"}}),
+            1,
+            tmp_path / "x",
+        )
