@@ -67,6 +67,8 @@ INJECTABLE: dict[str, tuple[str, ...]] = {
     "duplicate": ("gradient", "output"),
     "reorder": ("gradient", "output"),
     "stale_state": ("weight", "bias"),
+    "message_drop": ("process", "collective"),
+    "network_partition": ("process", "collective"),
     "checkpoint_corruption": ("checkpoint",),
     "checkpoint_truncation": ("checkpoint",),
     "checkpoint_missing": ("checkpoint",),
@@ -179,6 +181,8 @@ class CampaignInjector:
         generation: int | None = None,
         step: int = 0,
         gemini: Any = None,
+        runtime: Any = None,
+        node_of: Any = None,
     ) -> None:
         check_injectable(campaign)
         self.campaign = campaign
@@ -190,7 +194,18 @@ class CampaignInjector:
         self._file = self.folder / f"ground-truth-rank{rank}.jsonl"
         fired = {Occurrence(g.incident_id, g.iteration, g.attempt) for g in read_ground_truth(self.folder)}
         self._schedule = Schedule(campaign, fired)
-        self._mine = {inc.incident_id: inc.faults_for(rank) for inc in campaign.incidents}
+        # A partition cuts off the target rank's whole node: every rank there injects it.
+        self._node_of = node_of
+        self._runtime = runtime
+        self._mine = {
+            inc.incident_id: tuple(
+                f
+                for f in inc.faults
+                if f in inc.faults_for(rank)
+                or (f.type == "network_partition" and self._same_node(f.target.rank))
+            )
+            for inc in campaign.incidents
+        }
         self._model = model
         self._optimizer = optimizer
         self._gemini = gemini
@@ -226,6 +241,14 @@ class CampaignInjector:
             self._handles.append(model.register_forward_pre_hook(self._on_forward))
         if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
             self._handles.append(optimizer.register_step_pre_hook(self._on_pre_optimizer))
+
+    def _same_node(self, rank: int | None) -> bool:
+        if self._node_of is None:
+            return False
+        try:
+            return bool(self._node_of(rank or 0) == self._node_of(self.rank))
+        except (IndexError, KeyError, ValueError):
+            return False
 
     # -- the session's component protocol ----------------------------------------------------------
     def on_step(self, session: Any, times: Any) -> None:
@@ -350,6 +373,11 @@ class CampaignInjector:
                 return
             with torch.no_grad():
                 _tamper(f.type, tensors[0], p, rng)
+        elif f.type in ("message_drop", "network_partition"):
+            if self._runtime is None:
+                log.warning("%s: no runtime to silence (a single-process session)", what)
+                return
+            self._runtime.mute(float(p.get("duration_s", 60.0)))
         elif f.type in _CHECKPOINT_TYPES:
             self._damage_checkpoint(
                 f.type, what, random.Random(f"{self.campaign.seed}/{a.occurrence.occurrence_id}")
@@ -536,6 +564,11 @@ def corrupt(t: torch.Tensor, params: Any, rng: random.Random) -> None:
         flat[idx] = flat[idx] + torch.randn(idx.numel(), generator=g, dtype=flat.dtype).to(flat.device) * std
 
 
+def _node_of(session: Any) -> Any:
+    topo = getattr(session, "_topology", None)
+    return None if topo is None else topo.node_of
+
+
 def attach_campaign(
     session: Any, campaign: Campaign | str | os.PathLike[str], ground_truth_dir: str | os.PathLike[str]
 ) -> CampaignInjector:
@@ -554,6 +587,8 @@ def attach_campaign(
         generation=env.generation if env is not None else None,
         step=session.step_count,
         gemini=getattr(session, "gemini", None),
+        runtime=getattr(session, "_runtime", None),
+        node_of=_node_of(session),
     )
     session.add_component(inj)
     return inj

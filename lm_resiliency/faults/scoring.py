@@ -31,7 +31,9 @@ __all__ = ["GroundTruth", "Verdict", "evaluate", "evaluate_clean", "verdicts"]
 # agents stop hearing from is lost; both end in the same restart or replacement).
 _ALSO: dict[str, frozenset[str]] = {
     "process_termination": frozenset({"process_failure", "node_lost"}),
-    "network_partition": frozenset({"network_partition", "node_lost"}),
+    # From inside the job, a rank or node that falls silent while it lives looks lost.
+    "network_partition": frozenset({"network_partition", "node_lost", "process_failure"}),
+    "message_drop": frozenset({"network_partition", "node_lost", "process_failure"}),
     "timeout": frozenset({"hang"}),
     # GEMINI names a damaged copy by the type itself.
     "checkpoint_corruption": frozenset({"checkpoint_corruption"}),

@@ -164,6 +164,7 @@ class RankRuntime:
         self.dims = {k: tuple(v) for k, v in (dims or {}).items()}
         self.settings = dict(settings or {})  # announced: the settings every rank must share
         self._clock = clock or SystemClock()
+        self._muted_until = float("-inf")  # see mute()
         self._transport_factory = transport_factory
         self._transport: Transport | None = None
         self._signer = Signer(key, rank, incarnation)
@@ -528,8 +529,22 @@ class RankRuntime:
     async def _publish(self, msg: Message, topic: bytes = ALL) -> None:
         await self._publish_encoded(codec.encode(msg), topic)
 
+    def mute(self, seconds: float) -> None:
+        """Drop everything this rank sends for `seconds` (gossip, heartbeats, direct messages,
+        bulk chunks): a fault campaign's message drop or network partition, confined to our
+        transport. The process, its training and its collectives go on. Any thread."""
+        self._muted_until = self._clock.monotonic() + max(0.0, seconds)
+
+    def _muted(self) -> bool:
+        if self._clock.monotonic() < self._muted_until:
+            self._stats.extra["muted_drops"] = self._stats.extra.get("muted_drops", 0) + 1
+            return True
+        return False
+
     async def _publish_encoded(self, frames: list[Frame], topic: bytes = ALL) -> None:
         assert self._transport is not None
+        if self._muted():
+            return
         await self._transport.publish(self._signer.seal(frames), topic)
         self._stats.gossip_sent += 1
 
@@ -542,6 +557,8 @@ class RankRuntime:
         self, peer: int, msg: Message, raise_errors: bool = False, digests: Sequence[bytes] | None = None
     ) -> None:
         assert self._transport is not None
+        if self._muted():
+            return
         try:
             await self._transport.send(peer, self._signer.seal(codec.encode(msg), digests))
             self._stats.direct_sent += 1

@@ -1,6 +1,7 @@
 """A plain DDP job that knows nothing of faults: a campaign reaches it through
-LM_RESILIENCY_FAULT_CAMPAIGN. Env: RANK, WORLD_SIZE, STORE_PORT, STEPS, RESULT_DIR, REPORT_DIR.
-Writes rank<R>.json (steps done, fault reports) when its loop ends."""
+LM_RESILIENCY_FAULT_CAMPAIGN. Env: RANK, WORLD_SIZE, STORE_PORT, STEPS, RESULT_DIR, REPORT_DIR;
+AWAIT_REPORT_S (wait that long for a report after the loop), WAIT_FOR_RANK0=1 (stay until rank 0
+wrote its result). Writes rank<R>.json (steps done, fault reports) when its loop ends."""
 
 from __future__ import annotations
 
@@ -47,6 +48,12 @@ def main() -> None:
     deadline = time.monotonic() + float(os.environ.get("AWAIT_REPORT_S", "0"))
     while not session.fault_reports and time.monotonic() < deadline:
         time.sleep(0.05)  # polling for SCOUT's verdict, which arrives on its own thread
+    if os.environ.get("WAIT_FOR_RANK0") == "1":  # alive (not closed) until rank 0 has reported
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(os.environ["RESULT_DIR"], "rank0.json")):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)  # polling a file rank 0 writes atomically
     result = {"steps": session.step_count, "reports": session.fault_reports}
     session.close()
     out = os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json")

@@ -389,3 +389,42 @@ def test_gradient_and_output_tampering(tmp_path: Path, kind: str) -> None:
             1,
             tmp_path / "x",
         )
+
+
+@pytest.mark.multiprocess
+def test_a_rank_whose_messages_are_dropped_is_named_while_it_lives(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """message_drop: rank 1's runtime sends nothing for 20 s from iteration 3 on (its training and
+    collectives go on); rank 0 names it for its missing heartbeats while its process still runs."""
+    c = _campaign(
+        {
+            "type": "message_drop",
+            "target": {"surface": "process", "rank": 1},
+            "parameters": {"duration_s": 20},
+        }
+    )
+    (tmp_path / "c.json").write_text(json.dumps(c))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {
+        "WORLD_SIZE": "2",
+        "STORE_PORT": str(store.port),
+        "STEPS": "20",
+        "RESULT_DIR": str(tmp_path),
+        "REPORT_DIR": str(tmp_path / "reports"),
+        "LM_RESILIENCY_FAULT_CAMPAIGN": str(tmp_path / "c.json"),
+    }
+    procs = [
+        processes.start([WORKER], {**env, "RANK": "0", "AWAIT_REPORT_S": "30"}, tmp_path / "rank0.log"),
+        processes.start([WORKER], {**env, "RANK": "1", "WAIT_FOR_RANK0": "1"}, tmp_path / "rank1.log"),
+    ]
+    for r, p in enumerate(procs):
+        assert p.wait(90) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
+    reports = json.loads((tmp_path / "rank0.json").read_text())["reports"]
+    assert [(x["kind"], x["failed_ranks"], x["reason"]) for x in reports][:1] == [
+        ("process_failure", [1], "heartbeat_timeout")
+    ]
+    truth = read_ground_truth(tmp_path / "ground-truth" / "t")
+    ev = evaluate(
+        truth,
+        [json.loads(x) for x in (tmp_path / "reports" / "reports-rank0.jsonl").read_text().splitlines()],
+    )
+    assert ev["localized"] == 1 and ev["kind_matched"] == 1, ev
