@@ -67,6 +67,7 @@ INJECTABLE: dict[str, tuple[str, ...]] = {
     "duplicate": ("gradient", "output"),
     "reorder": ("gradient", "output"),
     "stale_state": ("weight", "bias"),
+    "resource_unavailable": ("resource", "compute"),
     "message_drop": ("process", "collective"),
     "network_partition": ("process", "collective"),
     "checkpoint_corruption": ("checkpoint",),
@@ -183,6 +184,7 @@ class CampaignInjector:
         gemini: Any = None,
         runtime: Any = None,
         node_of: Any = None,
+        scout: Any = None,
     ) -> None:
         check_injectable(campaign)
         self.campaign = campaign
@@ -197,6 +199,7 @@ class CampaignInjector:
         # A partition cuts off the target rank's whole node: every rank there injects it.
         self._node_of = node_of
         self._runtime = runtime
+        self._scout = scout
         self._mine = {
             inc.incident_id: tuple(
                 f
@@ -373,6 +376,16 @@ class CampaignInjector:
                 return
             with torch.no_grad():
                 _tamper(f.type, tensors[0], p, rng)
+        elif f.type == "resource_unavailable":
+            # The device reported lost by hardware telemetry (what NVML says of a GPU that fell
+            # off the bus), through the path a real health event takes.
+            from lm_resiliency.scout.health import HealthEvent
+
+            if self._scout is None:
+                log.warning("%s: no SCOUT in this job (enable_detection=False): nobody reads telemetry", what)
+                return
+            device = f.target.resource or f"gpu{f.target.index or 0}"
+            self._scout.telemetry(HealthEvent("device_lost", device, True, f"injected: {what}"))
         elif f.type in ("message_drop", "network_partition"):
             if self._runtime is None:
                 log.warning("%s: no runtime to silence (a single-process session)", what)
@@ -589,6 +602,7 @@ def attach_campaign(
         gemini=getattr(session, "gemini", None),
         runtime=getattr(session, "_runtime", None),
         node_of=_node_of(session),
+        scout=getattr(session, "scout", None),
     )
     session.add_component(inj)
     return inj

@@ -1197,6 +1197,11 @@ class Scout:
                 except RuntimeError:  # the runtime closed under us
                     return
 
+    def telemetry(self, ev: HealthEvent) -> None:
+        """A health event from outside the polled source (a fault campaign's device loss on a
+        machine without NVML), handled as one the source returned. Any thread."""
+        self.runtime.loop.submit(self._report_health, ev)
+
     def _report_health(self, ev: HealthEvent) -> None:
         key = (ev.kind, ev.device, ev.detail if ev.fatal else "")
         if key in self._health_reported:

@@ -428,3 +428,45 @@ def test_a_rank_whose_messages_are_dropped_is_named_while_it_lives(processes, tm
         [json.loads(x) for x in (tmp_path / "reports" / "reports-rank0.jsonl").read_text().splitlines()],
     )
     assert ev["localized"] == 1 and ev["kind_matched"] == 1, ev
+
+
+@pytest.mark.multiprocess
+def test_a_device_reported_lost_by_telemetry_is_a_hardware_fault_of_its_rank(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """resource_unavailable: at iteration 3 rank 1's telemetry reports its device lost (as NVML
+    would); SCOUT names rank 1 and the device, a fatal hardware fault."""
+    fault = {
+        "type": "resource_unavailable",
+        "target": {"surface": "resource", "rank": 1, "resource": "gpu-1234"},
+    }
+    (tmp_path / "c.json").write_text(json.dumps(_campaign(fault)))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {
+        "WORLD_SIZE": "2",
+        "STORE_PORT": str(store.port),
+        "STEPS": "8",
+        "RESULT_DIR": str(tmp_path),
+        "REPORT_DIR": str(tmp_path / "reports"),
+        "LM_RESILIENCY_FAULT_CAMPAIGN": str(tmp_path / "c.json"),
+    }
+    procs = [  # rank 1 reports its own device: rank 0 waits for nothing
+        processes.start(
+            [WORKER], {**env, "RANK": str(r), "AWAIT_REPORT_S": str(20 * r)}, tmp_path / f"rank{r}.log"
+        )
+        for r in range(2)
+    ]
+    for r, p in enumerate(procs):
+        assert p.wait(90) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
+    (report,) = json.loads((tmp_path / "rank1.json").read_text())["reports"]
+    assert (report["kind"], report["failed_ranks"], report["device"], report["fatal"]) == (
+        "hardware",
+        [1],
+        "gpu-1234",
+        True,
+    )
+    reports = [
+        json.loads(x) for f in (tmp_path / "reports").glob("*.jsonl") for x in f.read_text().splitlines()
+    ]
+    ev = evaluate(read_ground_truth(tmp_path / "ground-truth" / "t"), reports)
+    assert ev["localized"] == 1 and ev["kind_matched"] == 1 and ev["false_positives"] == 0, ev
