@@ -426,6 +426,7 @@ class Session:
         self._previous_sigterm: Any = None  # (our handler, the one before it)
         self._stopping = False  # SIGTERM received, and the process ends after our handler
         self._sigterm_seen = False  # SIGTERM received (a handler of the script's own may go on)
+        self._payload_reported: dict[int, float] = {}  # sender -> when its damaged chunk was reported
         self._components_closed = False  # close() got past GEMINI and SCOUT (see _terminating)
         self._close_reason = CLOSED  # what close() tells the peers
         self._terminated: dict[int, tuple[float, str]] = {}  # peers that said SIGTERM ended them
@@ -481,6 +482,7 @@ class Session:
             settings=self._shared_settings(),
         )
         self._runtime.add_membership_listener(self._on_membership)
+        self._runtime.add_corruption_listener(self._on_payload_corruption)
         ann = self._runtime.start()
         if discovery is not None:
             discovery.publish(ann)
@@ -983,6 +985,30 @@ class Session:
                 timer = threading.Timer(TERMINATION_REPORT_DELAY_S, self._report_terminated)
                 timer.daemon = True
                 timer.start()
+
+    def _on_payload_corruption(self, sender: int, detail: str) -> None:
+        """A chunk from `sender` failed its checksum in flight (it is asked for again): one report
+        per sender per 10 s, naming the sending rank and the endpoint (a link or a NIC flipping bits)."""
+        now = time.monotonic()
+        with self._reports_lock:
+            if now - self._payload_reported.get(sender, -1e9) < 10.0:
+                return
+            self._payload_reported[sender] = now
+        topo = self._topology
+        report = SCOUTFaultReport(
+            kind="payload_corruption",
+            failed_ranks=(sender,),
+            scope="rank",
+            sources=("transport",),
+            endpoint_kind="bulk",
+            endpoint_rank=sender,
+            endpoint_id=topo.node_of(sender) if topo is not None else None,
+            reason="payload_checksum_mismatch",
+            confidence=0.5,
+            node=topo.node_of(sender) if topo is not None else None,
+        ).to_dict()
+        report["detail"] = detail[:MAX_ERROR_TEXT]
+        self._emit_fault(report)
 
     def _report_terminated(self) -> None:
         """Report the peers that said they were terminated (each once) unless that explains itself:

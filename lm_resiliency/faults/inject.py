@@ -68,6 +68,7 @@ INJECTABLE: dict[str, tuple[str, ...]] = {
     "reorder": ("gradient", "output"),
     "stale_state": ("weight", "bias"),
     "resource_unavailable": ("resource", "compute"),
+    "payload_corruption": ("checkpoint", "collective"),
     "message_drop": ("process", "collective"),
     "network_partition": ("process", "collective"),
     "checkpoint_corruption": ("checkpoint",),
@@ -136,6 +137,9 @@ def check_injectable(campaign: Campaign) -> None:
                         f"{key}.parameters.resource",
                         f"expected 'file_descriptors' or 'memory', got {res!r}",
                     )
+            chunks = f.parameters.get("chunks", 1)
+            if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+                raise CampaignError(f"{key}.parameters.chunks", f"expected a JSON int >= 1, got {chunks!r}")
             for name in ("delay_ms", "duration_s", "value"):
                 v = f.parameters.get(name)
                 if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
@@ -386,6 +390,11 @@ class CampaignInjector:
                 return
             device = f.target.resource or f"gpu{f.target.index or 0}"
             self._scout.telemetry(HealthEvent("device_lost", device, True, f"injected: {what}"))
+        elif f.type == "payload_corruption":
+            if self._runtime is None:
+                log.warning("%s: no runtime whose payloads to damage (a single-process session)", what)
+                return
+            self._runtime.damage_outgoing(int(p.get("chunks", 1)))
         elif f.type in ("message_drop", "network_partition"):
             if self._runtime is None:
                 log.warning("%s: no runtime to silence (a single-process session)", what)

@@ -183,6 +183,8 @@ class RankRuntime:
         self._exit_seen: dict[tuple[int, int], float] = {}  # (rank, incarnation) -> first seen ended
         self._handlers: dict[str, list[Handler]] = {}
         self._listeners: list[MembershipListener] = []
+        self._corruption_listeners: list[Callable[[int, str], None]] = []
+        self._damage_sends = 0  # see damage_outgoing()
         self._transfer_listeners: list[TransferListener] = []
         self._chunk_sinks: list[ChunkSink] = []
         self._cond = threading.Condition()
@@ -450,6 +452,17 @@ class RankRuntime:
     def add_membership_listener(self, listener: MembershipListener) -> None:
         self._listeners.append(listener)
 
+    def add_corruption_listener(self, listener: Callable[[int, str], None]) -> None:
+        """`listener(sender, detail)` for each authentic bulk chunk that arrived damaged (its
+        checksum failed in flight; the chunk is asked for again). On the loop thread."""
+        self._corruption_listeners.append(listener)
+
+    def damage_outgoing(self, chunks: int = 1) -> None:
+        """Flip one byte in the payload of the next `chunks` bulk chunks this rank sends, after
+        they are sealed (a fault campaign's payload corruption in flight; the receiver's checksum
+        rejects each and asks again, and the resent copy goes out intact). Any thread."""
+        self._damage_sends += max(0, chunks)
+
     def add_transfer_listener(self, listener: TransferListener) -> None:
         self._transfer_listeners.append(listener)
 
@@ -559,8 +572,14 @@ class RankRuntime:
         assert self._transport is not None
         if self._muted():
             return
+        frames = self._signer.seal(codec.encode(msg), digests)
+        if self._damage_sends > 0 and isinstance(msg, BulkChunk) and len(frames) > 2 and len(frames[-1]):
+            self._damage_sends -= 1
+            bad = bytearray(frames[-1])  # a copy: the payload is a view of the sender's own slot
+            bad[len(bad) // 2] ^= 0x01
+            frames = [*frames[:-1], bytes(bad)]
         try:
-            await self._transport.send(peer, self._signer.seal(codec.encode(msg), digests))
+            await self._transport.send(peer, frames)
             self._stats.direct_sent += 1
         except PeerUnavailable:
             self._stats.send_failures += 1
@@ -785,6 +804,13 @@ class RankRuntime:
         if isinstance(msg, BulkChunk) and msg.rank == exc.sealed.sender:
             reason = "checksum mismatch in flight"
             await self._send_direct(msg.rank, BulkAck(self.rank, msg.transfer_id, msg.index, False, reason))
+            detail = f"chunk {msg.index} of {msg.transfer_id} from rank {msg.rank}: {exc}"
+            for listener in self._corruption_listeners:
+                try:
+                    listener(msg.rank, detail)
+                except Exception:
+                    self._stats.handler_errors += 1
+                    log.exception("rank %d: corruption listener failed", self.rank)
 
     async def _dispatch(self, sealed: Sealed, msg: Message, channel: str) -> None:
         now = self._clock.monotonic()

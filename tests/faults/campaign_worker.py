@@ -1,7 +1,8 @@
 """A plain DDP job that knows nothing of faults: a campaign reaches it through
 LM_RESILIENCY_FAULT_CAMPAIGN. Env: RANK, WORLD_SIZE, STORE_PORT, STEPS, RESULT_DIR, REPORT_DIR;
-AWAIT_REPORT_S (wait that long for a report after the loop), WAIT_FOR_RANK0=1 (stay until rank 0
-wrote its result). Writes rank<R>.json (steps done, fault reports) when its loop ends."""
+CHECKPOINT=1 (GEMINI on), AWAIT_REPORT_S (wait that long for a report after the loop),
+WAIT_FOR_RANK0=1 (stay until rank 0 wrote its result). Writes rank<R>.json (steps done, fault
+reports) when its loop ends."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def main() -> None:
         model,
         opt,
         interval=1,
-        enable_checkpoint=False,
+        enable_checkpoint=os.environ.get("CHECKPOINT") == "1",
         replay=ReplayHarnessConfig(report_dir=os.environ["REPORT_DIR"]),
     )
     gen = torch.Generator().manual_seed(1000 + rank)

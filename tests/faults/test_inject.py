@@ -470,3 +470,42 @@ def test_a_device_reported_lost_by_telemetry_is_a_hardware_fault_of_its_rank(
     ]
     ev = evaluate(read_ground_truth(tmp_path / "ground-truth" / "t"), reports)
     assert ev["localized"] == 1 and ev["kind_matched"] == 1 and ev["false_positives"] == 0, ev
+
+
+@pytest.mark.multiprocess
+def test_a_replica_chunk_damaged_in_flight_is_sent_again_and_its_sender_named(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """payload_corruption: 2 ranks on 2 synthetic nodes replicate every capture to each other; at
+    iteration 3 a byte of rank 1's next outgoing chunk is flipped after it was sealed. Rank 0's
+    checksum rejects it, the chunk is sent again, and rank 0 names rank 1 (the sending endpoint)."""
+    fault = {"type": "payload_corruption", "target": {"surface": "checkpoint", "rank": 1}}
+    (tmp_path / "c.json").write_text(json.dumps(_campaign(fault)))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {
+        "WORLD_SIZE": "2",
+        "STORE_PORT": str(store.port),
+        "STEPS": "8",
+        "CHECKPOINT": "1",
+        "RESULT_DIR": str(tmp_path),
+        "REPORT_DIR": str(tmp_path / "reports"),
+        "LM_RESILIENCY_FAULT_CAMPAIGN": str(tmp_path / "c.json"),
+    }
+    procs = []
+    for r in range(2):
+        (tmp_path / f"machine-{r}").write_text(f"node-{r}\n")
+        node = {"RANK": str(r), "LM_RESILIENCY_MACHINE_ID_PATH": str(tmp_path / f"machine-{r}")}
+        procs.append(
+            processes.start(
+                [WORKER], {**env, **node, "AWAIT_REPORT_S": str(20 * (1 - r))}, tmp_path / f"rank{r}.log"
+            )
+        )
+    for r, p in enumerate(procs):
+        assert p.wait(90) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
+    (report,) = json.loads((tmp_path / "rank0.json").read_text())["reports"]
+    assert (report["kind"], report["failed_ranks"], report["endpoint_rank"]) == ("payload_corruption", [1], 1)
+    reports = [
+        json.loads(x) for f in (tmp_path / "reports").glob("*.jsonl") for x in f.read_text().splitlines()
+    ]
+    ev = evaluate(read_ground_truth(tmp_path / "ground-truth" / "t"), reports)
+    assert ev["localized"] == 1 and ev["kind_matched"] == 1 and ev["false_positives"] == 0, ev

@@ -321,6 +321,27 @@ def test_bulk_chunk_corrupted_in_flight_is_resent() -> None:
             rt.close()
 
 
+def test_a_sender_told_to_damage_its_next_chunk_has_it_resent_and_is_named() -> None:
+    """damage_outgoing (a campaign's payload corruption): the next chunk leaves with a byte flipped
+    after sealing; the receiver's checksum rejects it, its corruption listeners hear the sender,
+    and the resent chunk arrives intact."""
+    net = InMemoryNetwork()
+    rts = _start(2, lambda: InMemoryTransport(net))
+    heard: list[tuple[int, str]] = []
+    rts[1].add_corruption_listener(lambda sender, detail: heard.append((sender, detail)))
+    try:
+        data = [os.urandom(1 << 16) for _ in range(3)]
+        rts[0].damage_outgoing(1)
+        assert rts[0].send_bulk(1, "t", data).result(10).ok
+        got = rts[1].take_transfer(0, "t")
+        assert got is not None and [bytes(g) for g in got] == data
+        assert [s for s, _ in heard] == [0] and "chunk 0 of t from rank 0" in heard[0][1]
+        assert rts[0].view().stats["bulk_resent"] == 1
+    finally:
+        for rt in rts:
+            rt.close()
+
+
 def test_chunk_sink_streams_a_transfer_and_sees_a_resent_chunk() -> None:
     """A sink takes each verified chunk as it arrives (GEMINI writes replicas this way); the runtime
     keeps only lengths, and a chunk damaged in flight reaches the sink once, after its resend."""
