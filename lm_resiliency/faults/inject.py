@@ -23,6 +23,7 @@ replay the campaign's retrigger rules. A fault this version cannot inject fails 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -69,6 +70,7 @@ INJECTABLE: dict[str, tuple[str, ...]] = {
     "stale_state": ("weight", "bias"),
     "resource_unavailable": ("resource", "compute"),
     "payload_corruption": ("checkpoint", "collective"),
+    "io_error": ("checkpoint", "resource"),
     "message_drop": ("process", "collective"),
     "network_partition": ("process", "collective"),
     "checkpoint_corruption": ("checkpoint",),
@@ -137,9 +139,15 @@ def check_injectable(campaign: Campaign) -> None:
                         f"{key}.parameters.resource",
                         f"expected 'file_descriptors' or 'memory', got {res!r}",
                     )
-            chunks = f.parameters.get("chunks", 1)
-            if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-                raise CampaignError(f"{key}.parameters.chunks", f"expected a JSON int >= 1, got {chunks!r}")
+            if f.parameters.get("errno", "EIO") not in ("EIO", "ENOSPC", "EROFS"):
+                raise CampaignError(
+                    f"{key}.parameters.errno",
+                    f"expected 'EIO', 'ENOSPC' or 'EROFS', got {f.parameters.get('errno')!r}",
+                )
+            for name in ("chunks", "writes"):
+                n = f.parameters.get(name, 1)
+                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                    raise CampaignError(f"{key}.parameters.{name}", f"expected a JSON int >= 1, got {n!r}")
             for name in ("delay_ms", "duration_s", "value"):
                 v = f.parameters.get(name)
                 if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
@@ -390,6 +398,15 @@ class CampaignInjector:
                 return
             device = f.target.resource or f"gpu{f.target.index or 0}"
             self._scout.telemetry(HealthEvent("device_lost", device, True, f"injected: {what}"))
+        elif f.type == "io_error":
+            gem = self._gemini
+            if gem is None:
+                log.warning("%s: no GEMINI in this job (enable_checkpoint=False): no disk tier", what)
+                return
+            code = {"EIO": errno.EIO, "ENOSPC": errno.ENOSPC, "EROFS": errno.EROFS}[
+                str(p.get("errno", "EIO"))
+            ]
+            gem.durable.fail_writes(int(p.get("writes", 1)), code)
         elif f.type == "payload_corruption":
             if self._runtime is None:
                 log.warning("%s: no runtime whose payloads to damage (a single-process session)", what)

@@ -39,6 +39,7 @@ _ALSO: dict[str, frozenset[str]] = {
     "checkpoint_corruption": frozenset({"checkpoint_corruption"}),
     "checkpoint_truncation": frozenset({"checkpoint_corruption"}),
     "checkpoint_missing": frozenset({"checkpoint_corruption"}),
+    "io_error": frozenset({"io_error"}),
 }
 
 

@@ -11,6 +11,7 @@ reports it and training goes on with the memory tiers.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import warnings
@@ -55,14 +56,23 @@ class DurableStore:
         self.keep_last = keep_last
         self.regular = regular if regular is not None else (lambda step: True)
         self.pruned: list[int] = []  # the steps the last write removed
+        self._failing: list[int] = []  # errnos the next writes fail with (see fail_writes)
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step:010d}" / f"rank-{self.rank:05d}.pt"
+
+    def fail_writes(self, count: int = 1, code: int = errno.EIO) -> None:
+        """The next `count` writes fail with `code` before touching the disk: a fault campaign's
+        I/O error, confined to this rank's writer (the folder and its files stay as they are)."""
+        self._failing += [code] * max(0, count)
 
     def write(self, step: int, slot_bytes: memoryview) -> Path:
         final = self.path(step)
         tmp = final.with_name(final.name + f".tmp{os.getpid()}")
         try:
+            if self._failing:
+                code = self._failing.pop(0)
+                raise OSError(code, f"{os.strerror(code)} (injected)")
             with warnings.catch_warnings():
                 # torch.save only reads the tensor; a read-only source buffer is fine here.
                 warnings.simplefilter("ignore", UserWarning)

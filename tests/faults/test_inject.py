@@ -509,3 +509,28 @@ def test_a_replica_chunk_damaged_in_flight_is_sent_again_and_its_sender_named(
     ]
     ev = evaluate(read_ground_truth(tmp_path / "ground-truth" / "t"), reports)
     assert ev["localized"] == 1 and ev["kind_matched"] == 1 and ev["false_positives"] == 0, ev
+
+
+def test_an_io_error_fails_the_next_durable_write_and_training_goes_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """io_error at iteration 1: the next durable write (step 2) fails with ENOSPC, reported as an
+    io_error; the memory tiers and the later writes (step 4) carry on."""
+    from lm_resiliency import InMemoryCkptConfig, enable_resiliency
+
+    fault = {"type": "io_error", "target": {"surface": "checkpoint"}, "parameters": {"errno": "ENOSPC"}}
+    (tmp_path / "c.json").write_text(json.dumps(_campaign(fault, at=1)))
+    monkeypatch.setenv("LM_RESILIENCY_FAULT_CAMPAIGN", str(tmp_path / "c.json"))
+    m = nn.Linear(4, 4)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    cfg = InMemoryCkptConfig(disk_flush_interval=2, disk_folder=str(tmp_path / "disk"), run_id="io")
+    with enable_resiliency(m, o, interval=1, checkpoint=cfg) as s:
+        for _ in range(5):
+            m(torch.ones(2, 4)).sum().backward()
+            o.step()
+        assert s.gemini.drain(10)
+        errors = [r for r in s.fault_reports if r["kind"] == "io_error"]
+        assert len(errors) == 1 and "step 2" in errors[0]["detail"] and "No space left" in errors[0]["detail"]
+        assert s.step_count == 5 and s.gemini.newest_recoverable_step("latest") >= 4
+    assert (tmp_path / "disk" / "io" / "step-0000000004" / "rank-00000.pt").exists()
+    assert not (tmp_path / "disk" / "io" / "step-0000000002").exists()
