@@ -131,8 +131,10 @@ class Lifetime:
 
     def active(self, fired_at: int, iteration: int, calls: int) -> bool:
         """Whether a fault that fired at `fired_at` is still active at `iteration` after `calls`
-        matching calls. `until` lifetimes last for the process that fired them (recovery ends the
-        process; a replacement or the campaign's end outlives it, and the injector re-arms)."""
+        matching calls. An `until` lifetime is active for the rest of the process that fired it;
+        the injector re-arms `replacement` in later generations on the same node and
+        `campaign_end` in every later generation. Other lifetimes end with the process: a recovery
+        ends them."""
         if self.matching_calls is not None:
             return calls < self.matching_calls
         if self.iterations is not None:

@@ -206,8 +206,11 @@ class CampaignInjector:
         self.folder = Path(ground_truth_dir)
         self.folder.mkdir(parents=True, exist_ok=True)
         self._file = self.folder / f"ground-truth-rank{rank}.jsonl"
-        fired = {Occurrence(g.incident_id, g.iteration, g.attempt) for g in read_ground_truth(self.folder)}
-        self._schedule = Schedule(campaign, fired)
+        history = read_ground_truth(self.folder)
+        self._schedule = Schedule(
+            campaign, {Occurrence(g.incident_id, g.iteration, g.attempt) for g in history}
+        )
+        self._active: list[_Active] = []
         # A partition cuts off the target rank's whole node: every rank there injects it.
         self._node_of = node_of
         self._runtime = runtime
@@ -227,9 +230,18 @@ class CampaignInjector:
         self._output: torch.Tensor | None = None  # a watched module's output, while its hook runs
         self._step = step  # completed steps (the session's step_count)
         self._iteration = -1  # the iteration whose schedule was read
-        self._active: list[_Active] = []
         self._handles: list[Any] = []
-        self._seed = random.Random(f"{campaign.seed}/{rank}")
+        # Faults that outlive their process: on again in this generation (already on record).
+        for g in history:
+            if g.rank != rank or g.incident_id not in self._mine:
+                continue
+            inc = campaign.incident(g.incident_id)
+            until = inc.lifetime.until
+            if until == "campaign_end" or (until == "replacement" and g.node == node):
+                for f in self._mine[g.incident_id]:
+                    if f.fault_id == g.fault_id:
+                        occ = Occurrence(g.incident_id, g.iteration, g.attempt)
+                        self._active.append(_Active(occ, inc, f, _point(f), recorded=True))
         names = {n for n, _ in _named_parameters(model)} | {
             n.removeprefix("module.") for n, _ in _named_parameters(model)
         }

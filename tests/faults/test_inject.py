@@ -534,3 +534,25 @@ def test_an_io_error_fails_the_next_durable_write_and_training_goes_on(
         assert s.step_count == 5 and s.gemini.newest_recoverable_step("latest") >= 4
     assert (tmp_path / "disk" / "io" / "step-0000000004" / "rank-00000.pt").exists()
     assert not (tmp_path / "disk" / "io" / "step-0000000002").exists()
+
+
+@pytest.mark.parametrize(
+    ("until", "again"), [("recovery", False), ("replacement", True), ("campaign_end", True)]
+)
+def test_a_fault_that_outlives_its_process_is_on_again_in_the_next_generation(
+    tmp_path: Path, until: str, again: bool
+) -> None:
+    """A weight set to 7 from iteration 2 on: `recovery` ends with the process; `replacement`
+    (same node) and `campaign_end` are on again from the next generation's first step, with no
+    second record."""
+    ref, _ = _train(None, 2, tmp_path)
+    fault = {
+        "type": "tensor_corruption",
+        "target": {"surface": "weight"},
+        "parameters": {"operation": "set_value", "value": 7.0},
+    }
+    c = _campaign(fault, at=2, lifetime={"until": until})
+    _train(c, 3, tmp_path / "gt")
+    got, _ = _train(c, 1, tmp_path / "gt")  # the next generation (here: from step 0 again)
+    assert bool(_differing(got[0], ref[0])) == again
+    assert len(read_ground_truth(tmp_path / "gt")) == 1
