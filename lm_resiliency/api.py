@@ -1194,7 +1194,11 @@ class Session:
         if reason == "collective_error" and self._runtime is not None:
             # A peer's failure broke the collective: name it before this rank goes, if it is known
             # yet (its process ended on this host; it said it was terminated).
-            self._runtime.check_exited_peers(timeout=0.5, settle_s=1.0)
+            # A peer that said goodbye (its loop ended, it was terminated, it died of its own
+            # exception) explains it at once; otherwise its process may still be ending: look
+            # again for up to 1 s.
+            explained = bool(self._runtime.departed())
+            self._runtime.check_exited_peers(timeout=0.5, settle_s=0.0 if explained else 1.0)
             self._report_terminated()
             self._report_left(error)
         if reason in EXIT_FAILURES:
