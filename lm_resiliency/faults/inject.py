@@ -452,8 +452,10 @@ class CampaignInjector:
         # Captures in flight committed first (damage to one being written would be checksummed
         # with it: a silent corruption, restored). A capture still waiting for the loop's
         # post-step work is not taken early (that would change what it holds): the newest
-        # committed copy may be the step before.
-        gem.settle(30.0)
+        # committed copy may be the step before. Bounded: a replication stuck on an unreachable
+        # holder keeps GEMINI busy for minutes, and a committed copy is what gets damaged anyway
+        # (one being sent then fails its checksums at the holder, as a damaged copy should).
+        gem.settle(5.0)
         newest: tuple[int, Path, int] | None = None
         for path in sorted(Path(gem.dir).glob(f"own-r{self.rank}-s*")):
             try:
