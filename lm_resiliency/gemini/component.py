@@ -72,6 +72,16 @@ __all__ = ["Gemini", "GeminiStats"]
 log = logging.getLogger(__name__)
 ALIGN = 64
 CAPTURE_WAIT_S = 2.0  # the longest a capture waits for a free slot before it is skipped
+# A replica's transfer pins its slot until the holder acknowledges it. Its deadline: 120 s while no
+# transfer has completed (the first may be a large state over a slow link), then 8x the last
+# completed one's time (at least 10 s). After one that failed (a holder unreachable, or one that
+# declared this rank dead and no longer answers it), replicas pause for a back-off (5 s, doubling
+# to 60 s) while local captures go on; before, every capture for 120 s waited CAPTURE_WAIT_S for a
+# slot and was skipped: the job crawled at 2 s a step and this rank's newest copy fell behind its
+# peers' until no step was held by every rank.
+REPLICA_TIMEOUT_S = 120.0
+REPLICA_MIN_TIMEOUT_S = 10.0
+REPLICA_BACKOFF_S = (5.0, 60.0)
 # The longest a capture waits for SCOUT's verdict on the previous one (see Gemini._judging). Verdicts
 # come within milliseconds; one that has not come by then is late for a reason (evidence lost while
 # a restarted job's connections form, a peer gone) and training should not wait for it.
@@ -118,6 +128,7 @@ class GeminiStats:
     capture_failures: int = 0
     commit_s_last: float = 0.0  # checksumming + committing the last capture (worker thread)
     replication_s_last: float = 0.0  # sending the last capture to its holder, until acknowledged
+    replication_paused: int = 0  # captures not replicated during a back-off after a failed replica
     disk_writes: int = 0
     disk_errors: int = 0
     last_disk_error: str = ""
@@ -197,6 +208,8 @@ class Gemini:
         self._own_group = topology.replica_group_of(rank)
         self.shape = topology.shape_digest()
         self.stats = GeminiStats()
+        self._replica_backoff = 0.0  # seconds replicas pause after a failed one (0: none failed)
+        self._replicate_after = float("-inf")  # monotonic time the pause ends
         self.disk_interval = disk_interval or config.disk_flush_interval
         self.durable = DurableStore(
             disk_folder or config.disk_folder, run_id, rank, keep_last, self._disk_due
@@ -1342,6 +1355,9 @@ class Gemini:
             self._idle.notify_all()  # a flush on SIGTERM waits for this much only
         if self.holder is None or self._closed or not self.runtime.alive:
             return
+        if time.monotonic() < self._replicate_after:
+            self.stats.replication_paused += 1
+            return
         buffers, frame_digests = self._file_chunks(slot, header, digests)
         meta = {
             "kind": "gemini-replica",
@@ -1354,15 +1370,19 @@ class Gemini:
             "keeps": str(keeps),
         }
         t0 = time.perf_counter()
+        last = self.stats.replication_s_last
+        deadline = (
+            min(REPLICA_TIMEOUT_S, max(REPLICA_MIN_TIMEOUT_S, 8 * last)) if last > 0 else REPLICA_TIMEOUT_S
+        )
         try:
             ack = self.runtime.send_bulk(
                 self.holder,
                 f"gem-r{self.rank}-s{header.step}",
                 buffers,
                 meta,
-                timeout=120.0,
+                timeout=deadline,
                 digests=frame_digests,
-            ).result(125.0)
+            ).result(deadline + 5.0)
         except Exception as exc:  # peer gone, timeout: the local copy still stands
             self.stats.replication_failures += 1
             if self._closed or not self.runtime.alive:  # the job's end: the transfer was cut off
@@ -1371,10 +1391,19 @@ class Gemini:
             if isinstance(exc, PeerLeft):  # the holder's session closed first (the job's end)
                 log.info("rank %d: replica of step %d not sent: %s", self.rank, header.step, exc)
                 return
+            low, high = REPLICA_BACKOFF_S
+            self._replica_backoff = min(high, max(low, 2 * self._replica_backoff))
+            self._replicate_after = time.monotonic() + self._replica_backoff
             log.warning(
-                "rank %d: replica of step %d to rank %s failed: %r", self.rank, header.step, self.holder, exc
+                "rank %d: replica of step %d to rank %s failed: %r; replicas pause for %.0f s",
+                self.rank,
+                header.step,
+                self.holder,
+                exc,
+                self._replica_backoff,
             )
             return
+        self._replica_backoff = 0.0
         self.stats.replication_s_last = time.perf_counter() - t0
         if ack.ok:
             self.stats.replicated += 1

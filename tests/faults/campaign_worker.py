@@ -56,6 +56,14 @@ def main() -> None:
                 break
             time.sleep(0.05)  # polling a file rank 0 writes atomically
     result = {"steps": session.step_count, "reports": session.fault_reports}
+    gem = session.gemini
+    if gem is not None:
+        result["gemini"] = {
+            "captures": gem.stats.captures,
+            "skipped_busy": gem.stats.skipped_busy,
+            "replication_failures": gem.stats.replication_failures,
+            "newest": gem.newest_recoverable_step("latest"),
+        }
     session.close()
     out = os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json")
     with open(out + ".tmp", "w") as fh:

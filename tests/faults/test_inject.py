@@ -556,3 +556,41 @@ def test_a_fault_that_outlives_its_process_is_on_again_in_the_next_generation(
     got, _ = _train(c, 1, tmp_path / "gt")  # the next generation (here: from step 0 again)
     assert bool(_differing(got[0], ref[0])) == again
     assert len(read_ground_truth(tmp_path / "gt")) == 1
+
+
+@pytest.mark.multiprocess
+def test_replicas_that_get_no_answer_pause_instead_of_stalling_every_capture(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """2 ranks on 2 synthetic nodes replicate every capture to each other; rank 1's runtime sends
+    nothing for 8 s from iteration 3 (message_drop), so rank 0 declares it dead and neither
+    replica is acknowledged. Each transfer now gives up at its adaptive deadline and replicas
+    pause while local captures go on: a handful of captures skipped. Before, each pinned its slot
+    for 120 s, every capture meanwhile waited 2 s for a slot and was skipped: the job crawled."""
+    fault = {
+        "type": "message_drop",
+        "target": {"surface": "process", "rank": 1},
+        "parameters": {"duration_s": 8},
+    }
+    (tmp_path / "c.json").write_text(json.dumps(_campaign(fault)))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {
+        "WORLD_SIZE": "2",
+        "STORE_PORT": str(store.port),
+        "STEPS": "600",
+        "CHECKPOINT": "1",
+        "RESULT_DIR": str(tmp_path),
+        "REPORT_DIR": str(tmp_path / "reports"),
+        "LM_RESILIENCY_FAULT_CAMPAIGN": str(tmp_path / "c.json"),
+    }
+    procs = []
+    for r in range(2):
+        (tmp_path / f"machine-{r}").write_text(f"node-{r}\n")
+        node = {"RANK": str(r), "LM_RESILIENCY_MACHINE_ID_PATH": str(tmp_path / f"machine-{r}")}
+        procs.append(processes.start([WORKER], {**env, **node}, tmp_path / f"rank{r}.log"))
+    for r, p in enumerate(procs):
+        assert p.wait(100) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
+    for r in range(2):
+        gem = json.loads((tmp_path / f"rank{r}.json").read_text())["gemini"]
+        assert gem["skipped_busy"] <= 12 and gem["newest"] >= 590, (r, gem)
+    assert "replicas pause" in (tmp_path / "rank1.log").read_text()
