@@ -720,13 +720,13 @@ class RankRuntime:
         process down, so its collective partner can fail before /proc shows it ended."""
         before, left = self.silent(), len(self.departed())
         deadline = time.monotonic() + settle_s
+
+        async def probe() -> None:
+            self._apply_events(self._exited_peers(self._clock.monotonic()))
+
         while True:
             if not self._loop.alive or self._closed:
                 return self.silent()
-
-            async def probe() -> None:
-                self._apply_events(self._exited_peers(self._clock.monotonic()))
-
             with contextlib.suppress(TimeoutError, RuntimeError, concurrent.futures.CancelledError):
                 self._loop.call(probe, timeout=timeout)
             now = self.silent()
