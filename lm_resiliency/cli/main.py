@@ -1,8 +1,9 @@
 """`lm-resiliency`: the command-line entry point.
 
 Subcommands: `check-policy`, `shm` (GEMINI's shared-memory use and cleanup), `campaign` (validate a
-fault campaign, preview its schedule, score a run against its ground truth) and `report` (render a
-job's fault reports). Parsing and rendering only: the work is the library's.
+fault campaign, preview its schedule, run a command with it armed, score a run against its ground
+truth), `report` (render a job's fault reports) and `demo` (the quickstart). Parsing and rendering
+only: the work is the library's.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from lm_resiliency._version import __version__
 from lm_resiliency.config import DEFAULT_SHM_DIR
@@ -81,30 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_reports(folder: str) -> list[dict[str, Any]]:
-    """Every rank's report lines in a report_dir (a torn last line is skipped)."""
-    import json
-    from pathlib import Path
-
-    p = Path(folder)
-    if not p.is_dir():
-        raise FileNotFoundError(f"no report folder {folder}")
-    out = []
-    for f in sorted(p.glob("reports-rank*.jsonl")):
-        for line in f.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(r, dict):
-                out.append(r)
-    return out
-
-
 def _campaign(args: argparse.Namespace) -> int:
     import json
 
     from lm_resiliency.faults.campaign import CampaignError, Schedule, load_campaign, load_campaigns
+    from lm_resiliency.faults.scoring import read_reports
 
     try:
         if args.campaign_command == "validate":
@@ -150,9 +131,9 @@ def _campaign(args: argparse.Namespace) -> int:
 
         try:
             truth = read_ground_truth(args.ground_truth)
-            out = evaluate(truth, _read_reports(args.reports), window_s=args.window_s)
+            out = evaluate(truth, read_reports(args.reports), window_s=args.window_s)
             if args.clean:
-                out["clean"] = evaluate_clean([_read_reports(d) for d in args.clean])
+                out["clean"] = evaluate_clean([read_reports(d) for d in args.clean])
         except OSError as exc:
             print(f"lm-resiliency: {exc}", file=sys.stderr)
             return 2
@@ -169,7 +150,7 @@ def _campaign_run(args: argparse.Namespace) -> int:
 
     from lm_resiliency.faults.campaign import CampaignError, load_campaign
     from lm_resiliency.faults.inject import check_injectable, read_ground_truth
-    from lm_resiliency.faults.scoring import evaluate
+    from lm_resiliency.faults.scoring import evaluate, read_reports
 
     cmd = args.cmd
     if not cmd:
@@ -196,7 +177,7 @@ def _campaign_run(args: argparse.Namespace) -> int:
         print(f"lm-resiliency: cannot run {cmd[0]!r}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     ev = evaluate(
-        read_ground_truth(truth) if truth.is_dir() else [], _read_reports(str(reports)), args.window_s
+        read_ground_truth(truth) if truth.is_dir() else [], read_reports(str(reports)), args.window_s
     )
     ev["campaign"], ev["command_exit_code"] = campaign.name, code
     (out / "evaluation.json").write_text(json.dumps(ev, indent=2, sort_keys=True))
@@ -223,10 +204,10 @@ def _report(args: argparse.Namespace) -> int:
     import datetime
     import json
 
-    from lm_resiliency.faults.scoring import verdicts
+    from lm_resiliency.faults.scoring import read_reports, verdicts
 
     try:
-        reports = _read_reports(args.dir)
+        reports = read_reports(args.dir)
     except OSError as exc:
         print(f"lm-resiliency: {exc}", file=sys.stderr)
         return 2

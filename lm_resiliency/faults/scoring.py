@@ -19,13 +19,16 @@ Every rank writes each verdict it hears; reports with the same kind, culprits an
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from lm_resiliency.core.taxonomy import CANONICAL_TYPES
 
-__all__ = ["GroundTruth", "Verdict", "evaluate", "evaluate_clean", "verdicts"]
+__all__ = ["GroundTruth", "Verdict", "evaluate", "evaluate_clean", "read_reports", "verdicts"]
 
 # Kinds that also localize a type (a worker killed by a signal is a process failure, and a node the
 # agents stop hearing from is lost; both end in the same restart or replacement).
@@ -93,6 +96,24 @@ class Verdict:
     resources: frozenset[str] = field(default_factory=frozenset)
     reason: str = ""
     reports: int = 1
+
+
+def read_reports(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every rank's fault reports in a report_dir (`reports-rank<R>.jsonl`; a torn line, from a
+    kill, is skipped). A folder that does not exist: FileNotFoundError."""
+    p = Path(folder)
+    if not p.is_dir():
+        raise FileNotFoundError(f"no report folder {folder}")
+    out = []
+    for f in sorted(p.glob("reports-rank*.jsonl")):
+        for line in f.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(r, dict):
+                out.append(r)
+    return out
 
 
 def _resources(report: Mapping[str, Any]) -> set[str]:

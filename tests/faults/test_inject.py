@@ -139,7 +139,7 @@ def test_an_optimizer_state_corruption_and_its_lifetime_in_iterations(tmp_path: 
 @pytest.mark.parametrize(
     ("fault", "problem"),
     [
-        ({"type": "network_partition", "target": {"surface": "process"}}, "incidents[0].faults[0].type"),
+        ({"type": "collective_desync", "target": {"surface": "process"}}, "incidents[0].faults[0].type"),
         ({"type": "hang", "target": {"surface": "weight"}}, "incidents[0].faults[0].target.surface"),
         (
             {

@@ -115,7 +115,7 @@ def test_a_campaign_restarts_in_place_then_swaps_a_standby_and_ends_bitwise(
                     {
                         **CRASH,
                         "faults": [
-                            {"fault_id": "p", "type": "network_partition", "target": {"surface": "process"}}
+                            {"fault_id": "p", "type": "collective_desync", "target": {"surface": "process"}}
                         ],
                     }
                 ]

@@ -37,7 +37,7 @@ from typing import Any
 from examples.torchrun.resiliency_cycle import cluster
 from lm_resiliency.faults.campaign import Campaign, CampaignError, Schedule, load_campaigns
 from lm_resiliency.faults.inject import check_injectable, read_ground_truth
-from lm_resiliency.faults.scoring import evaluate
+from lm_resiliency.faults.scoring import evaluate, read_reports
 
 FRAMEWORKS = ("pytorch", "deepspeed", "megatron", "torchtitan")
 SHIPPED = ("pytorch",)
@@ -172,12 +172,7 @@ def run_campaign(
     codes = cluster.finish(procs, timeout)
     wall = time.monotonic() - t0
     truth = read_ground_truth(truth_dir)
-    reports = [
-        json.loads(line)
-        for f in sorted(report_dir.glob("reports-rank*.jsonl"))
-        for line in f.read_text().splitlines()
-        if line.strip().startswith("{")
-    ]
+    reports = read_reports(report_dir) if report_dir.is_dir() else []
     score = evaluate(truth, reports)
     injected = {(g.incident_id, g.iteration, g.fault_id) for g in truth}
     incidents = []
