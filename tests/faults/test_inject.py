@@ -68,6 +68,47 @@ def _train(
     return states, inj
 
 
+def _start_pair(
+    processes: Any,
+    tmp_path: Path,
+    campaign: dict[str, Any],
+    steps: int,
+    per_rank: tuple[dict[str, str], dict[str, str]] = ({}, {}),
+    nodes: bool = False,
+    **env: str,
+) -> tuple[list[Any], dist.TCPStore]:
+    """Two campaign workers with the campaign armed (on two synthetic nodes with `nodes`); the
+    processes and the store they meet through (keep it while they run)."""
+    (tmp_path / "c.json").write_text(json.dumps(campaign))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    base = {
+        "WORLD_SIZE": "2",
+        "STORE_PORT": str(store.port),
+        "STEPS": str(steps),
+        "RESULT_DIR": str(tmp_path),
+        "REPORT_DIR": str(tmp_path / "reports"),
+        "LM_RESILIENCY_FAULT_CAMPAIGN": str(tmp_path / "c.json"),
+        **env,
+    }
+    procs = []
+    for r in range(2):
+        node = {}
+        if nodes:
+            (tmp_path / f"machine-{r}").write_text(f"node-{r}\n")
+            node = {"LM_RESILIENCY_MACHINE_ID_PATH": str(tmp_path / f"machine-{r}")}
+        rank_env = {**base, **node, "RANK": str(r), **per_rank[r]}
+        procs.append(processes.start([WORKER], rank_env, tmp_path / f"rank{r}.log"))
+    return procs, store
+
+
+def _all_reports(tmp_path: Path) -> list[dict[str, Any]]:
+    return [
+        json.loads(x)
+        for f in sorted((tmp_path / "reports").glob("*.jsonl"))
+        for x in f.read_text().splitlines()
+    ]
+
+
 def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, int]:
     return {k: int((a[k] != b[k]).sum()) for k in a if not torch.equal(a[k], b[k])}
 
@@ -187,18 +228,9 @@ def test_a_fault_this_version_cannot_inject_is_refused_at_attach(
 def test_process_faults_end_the_rank_they_name_after_its_step(
     processes, tmp_path: Path, fault: dict[str, Any], exit_code: int, text: str
 ) -> None:  # type: ignore[no-untyped-def]
-    (tmp_path / "c.json").write_text(json.dumps(_campaign(fault)))
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {
-        "WORLD_SIZE": "2",
-        "STORE_PORT": str(store.port),
-        "STEPS": "50",
-        "RESULT_DIR": str(tmp_path),
-        "REPORT_DIR": str(tmp_path / "reports"),
-        "LM_RESILIENCY_FAULT_CAMPAIGN": str(tmp_path / "c.json"),
-        "LM_RESILIENCY_FAULT_GROUND_TRUTH": str(tmp_path / "gt"),
-    }
-    procs = [processes.start([WORKER], {**env, "RANK": str(r)}, tmp_path / f"rank{r}.log") for r in range(2)]
+    procs, _store = _start_pair(
+        processes, tmp_path, _campaign(fault), 50, LM_RESILIENCY_FAULT_GROUND_TRUTH=str(tmp_path / "gt")
+    )
     assert procs[1].wait(90) == exit_code, (tmp_path / "rank1.log").read_text()[-3000:]
     assert text in (tmp_path / "rank1.log").read_text()
     (g,) = read_ground_truth(tmp_path / "gt")
@@ -225,28 +257,12 @@ def test_a_gradient_bit_flip_from_a_campaign_is_localized_by_scout(processes, tm
         },
         at=4,
     )
-    (tmp_path / "c.json").write_text(json.dumps(c))
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {
-        "WORLD_SIZE": "2",
-        "STORE_PORT": str(store.port),
-        "STEPS": "8",
-        "RESULT_DIR": str(tmp_path),
-        "REPORT_DIR": str(tmp_path / "reports"),
-        "AWAIT_REPORT_S": "30",
-        "LM_RESILIENCY_FAULT_CAMPAIGN": str(tmp_path / "c.json"),
-    }
-    procs = [processes.start([WORKER], {**env, "RANK": str(r)}, tmp_path / f"rank{r}.log") for r in range(2)]
+    procs, _store = _start_pair(processes, tmp_path, c, 8, AWAIT_REPORT_S="30")
     for r, p in enumerate(procs):
         assert p.wait(90) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
     truth = read_ground_truth(tmp_path / "ground-truth" / "t")  # the default: next to the campaign
     assert [(g.rank, g.iteration) for g in truth] == [(1, 4)]
-    reports = [
-        json.loads(x)
-        for f in sorted((tmp_path / "reports").glob("*.jsonl"))
-        for x in f.read_text().splitlines()
-    ]
-    ev = evaluate(truth, reports)
+    ev = evaluate(truth, _all_reports(tmp_path))
     assert ev["localized"] == 1 and ev["kind_matched"] == 1 and ev["false_positives"] == 0, ev
 
 
@@ -402,20 +418,8 @@ def test_a_rank_whose_messages_are_dropped_is_named_while_it_lives(processes, tm
             "parameters": {"duration_s": 20},
         }
     )
-    (tmp_path / "c.json").write_text(json.dumps(c))
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {
-        "WORLD_SIZE": "2",
-        "STORE_PORT": str(store.port),
-        "STEPS": "20",
-        "RESULT_DIR": str(tmp_path),
-        "REPORT_DIR": str(tmp_path / "reports"),
-        "LM_RESILIENCY_FAULT_CAMPAIGN": str(tmp_path / "c.json"),
-    }
-    procs = [
-        processes.start([WORKER], {**env, "RANK": "0", "AWAIT_REPORT_S": "30"}, tmp_path / "rank0.log"),
-        processes.start([WORKER], {**env, "RANK": "1", "WAIT_FOR_RANK0": "1"}, tmp_path / "rank1.log"),
-    ]
+    per_rank = ({"AWAIT_REPORT_S": "30"}, {"WAIT_FOR_RANK0": "1"})
+    procs, _store = _start_pair(processes, tmp_path, c, 20, per_rank)
     for r, p in enumerate(procs):
         assert p.wait(90) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
     reports = json.loads((tmp_path / "rank0.json").read_text())["reports"]
@@ -423,10 +427,7 @@ def test_a_rank_whose_messages_are_dropped_is_named_while_it_lives(processes, tm
         ("process_failure", [1], "heartbeat_timeout")
     ]
     truth = read_ground_truth(tmp_path / "ground-truth" / "t")
-    ev = evaluate(
-        truth,
-        [json.loads(x) for x in (tmp_path / "reports" / "reports-rank0.jsonl").read_text().splitlines()],
-    )
+    ev = evaluate(truth, _all_reports(tmp_path))
     assert ev["localized"] == 1 and ev["kind_matched"] == 1, ev
 
 
@@ -440,22 +441,9 @@ def test_a_device_reported_lost_by_telemetry_is_a_hardware_fault_of_its_rank(
         "type": "resource_unavailable",
         "target": {"surface": "resource", "rank": 1, "resource": "gpu-1234"},
     }
-    (tmp_path / "c.json").write_text(json.dumps(_campaign(fault)))
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {
-        "WORLD_SIZE": "2",
-        "STORE_PORT": str(store.port),
-        "STEPS": "8",
-        "RESULT_DIR": str(tmp_path),
-        "REPORT_DIR": str(tmp_path / "reports"),
-        "LM_RESILIENCY_FAULT_CAMPAIGN": str(tmp_path / "c.json"),
-    }
-    procs = [  # rank 1 reports its own device: rank 0 waits for nothing
-        processes.start(
-            [WORKER], {**env, "RANK": str(r), "AWAIT_REPORT_S": str(20 * r)}, tmp_path / f"rank{r}.log"
-        )
-        for r in range(2)
-    ]
+    # Rank 1 reports its own device: rank 0 waits for nothing.
+    per_rank = ({"AWAIT_REPORT_S": "0"}, {"AWAIT_REPORT_S": "20"})
+    procs, _store = _start_pair(processes, tmp_path, _campaign(fault), 8, per_rank)
     for r, p in enumerate(procs):
         assert p.wait(90) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
     (report,) = json.loads((tmp_path / "rank1.json").read_text())["reports"]
@@ -465,10 +453,7 @@ def test_a_device_reported_lost_by_telemetry_is_a_hardware_fault_of_its_rank(
         "gpu-1234",
         True,
     )
-    reports = [
-        json.loads(x) for f in (tmp_path / "reports").glob("*.jsonl") for x in f.read_text().splitlines()
-    ]
-    ev = evaluate(read_ground_truth(tmp_path / "ground-truth" / "t"), reports)
+    ev = evaluate(read_ground_truth(tmp_path / "ground-truth" / "t"), _all_reports(tmp_path))
     assert ev["localized"] == 1 and ev["kind_matched"] == 1 and ev["false_positives"] == 0, ev
 
 
@@ -480,34 +465,15 @@ def test_a_replica_chunk_damaged_in_flight_is_sent_again_and_its_sender_named(
     iteration 3 a byte of rank 1's next outgoing chunk is flipped after it was sealed. Rank 0's
     checksum rejects it, the chunk is sent again, and rank 0 names rank 1 (the sending endpoint)."""
     fault = {"type": "payload_corruption", "target": {"surface": "checkpoint", "rank": 1}}
-    (tmp_path / "c.json").write_text(json.dumps(_campaign(fault)))
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {
-        "WORLD_SIZE": "2",
-        "STORE_PORT": str(store.port),
-        "STEPS": "8",
-        "CHECKPOINT": "1",
-        "RESULT_DIR": str(tmp_path),
-        "REPORT_DIR": str(tmp_path / "reports"),
-        "LM_RESILIENCY_FAULT_CAMPAIGN": str(tmp_path / "c.json"),
-    }
-    procs = []
-    for r in range(2):
-        (tmp_path / f"machine-{r}").write_text(f"node-{r}\n")
-        node = {"RANK": str(r), "LM_RESILIENCY_MACHINE_ID_PATH": str(tmp_path / f"machine-{r}")}
-        procs.append(
-            processes.start(
-                [WORKER], {**env, **node, "AWAIT_REPORT_S": str(20 * (1 - r))}, tmp_path / f"rank{r}.log"
-            )
-        )
+    per_rank = ({"AWAIT_REPORT_S": "20"}, {"AWAIT_REPORT_S": "0"})
+    procs, _store = _start_pair(
+        processes, tmp_path, _campaign(fault), 8, per_rank, nodes=True, CHECKPOINT="1"
+    )
     for r, p in enumerate(procs):
         assert p.wait(90) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
     (report,) = json.loads((tmp_path / "rank0.json").read_text())["reports"]
     assert (report["kind"], report["failed_ranks"], report["endpoint_rank"]) == ("payload_corruption", [1], 1)
-    reports = [
-        json.loads(x) for f in (tmp_path / "reports").glob("*.jsonl") for x in f.read_text().splitlines()
-    ]
-    ev = evaluate(read_ground_truth(tmp_path / "ground-truth" / "t"), reports)
+    ev = evaluate(read_ground_truth(tmp_path / "ground-truth" / "t"), _all_reports(tmp_path))
     assert ev["localized"] == 1 and ev["kind_matched"] == 1 and ev["false_positives"] == 0, ev
 
 
@@ -572,22 +538,7 @@ def test_replicas_that_get_no_answer_pause_instead_of_stalling_every_capture(
         "target": {"surface": "process", "rank": 1},
         "parameters": {"duration_s": 8},
     }
-    (tmp_path / "c.json").write_text(json.dumps(_campaign(fault)))
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {
-        "WORLD_SIZE": "2",
-        "STORE_PORT": str(store.port),
-        "STEPS": "600",
-        "CHECKPOINT": "1",
-        "RESULT_DIR": str(tmp_path),
-        "REPORT_DIR": str(tmp_path / "reports"),
-        "LM_RESILIENCY_FAULT_CAMPAIGN": str(tmp_path / "c.json"),
-    }
-    procs = []
-    for r in range(2):
-        (tmp_path / f"machine-{r}").write_text(f"node-{r}\n")
-        node = {"RANK": str(r), "LM_RESILIENCY_MACHINE_ID_PATH": str(tmp_path / f"machine-{r}")}
-        procs.append(processes.start([WORKER], {**env, **node}, tmp_path / f"rank{r}.log"))
+    procs, _store = _start_pair(processes, tmp_path, _campaign(fault), 600, nodes=True, CHECKPOINT="1")
     for r, p in enumerate(procs):
         assert p.wait(100) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
     for r in range(2):
