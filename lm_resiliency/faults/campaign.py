@@ -235,22 +235,19 @@ class _Reader:
         return value
 
 
+_JSON_KINDS = (
+    (type(None), "null"),
+    (bool, "bool"),
+    (int, "int"),
+    (float, "float"),
+    (str, "string"),
+    (list, "array"),
+    (dict, "object"),
+)  # bool before int: a bool is an int in Python
+
+
 def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, float):
-        return "float"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
+    return next((name for tp, name in _JSON_KINDS if isinstance(value, tp)), type(value).__name__)
 
 
 def _join(key: str, k: str) -> str:

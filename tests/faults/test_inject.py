@@ -353,38 +353,15 @@ def test_campaign_run_arms_any_command_and_scores_it(
     )
     (tmp_path / "script.py").write_text(SCRIPT)
     out = tmp_path / "out"
-    code = cli(
-        [
-            "campaign",
-            "run",
-            str(tmp_path / "c.json"),
-            "--output-dir",
-            str(out),
-            "--",
-            sys.executable,
-            str(tmp_path / "script.py"),
-        ]
-    )
+    run = ["campaign", "run", str(tmp_path / "c.json"), "--output-dir", str(out)]
+    code = cli([*run, "--", sys.executable, str(tmp_path / "script.py")])
     assert code == 1  # the script's own exit status
     ev = json.loads((out / "evaluation.json").read_text())
     assert ev["command_exit_code"] == 1 and ev["injected"] == 1 and ev["localized"] == 1, ev
     assert ev["occurrences"][0]["reported_kind"] == "process_failure"
     assert json.loads(capsys.readouterr().out)["campaign"] == "t"
-    assert cli(["campaign", "run", str(tmp_path / "c.json"), "--output-dir", str(out)]) == 2
-    assert (
-        cli(
-            [
-                "campaign",
-                "run",
-                str(tmp_path / "c.json"),
-                "--output-dir",
-                str(out),
-                "--",
-                str(tmp_path / "nope"),
-            ]
-        )
-        == 2
-    )
+    assert cli(run) == 2
+    assert cli([*run, "--", str(tmp_path / "nope")]) == 2
 
 
 @pytest.mark.parametrize("kind", ["drop", "duplicate", "reorder", "tensor_corruption"])
