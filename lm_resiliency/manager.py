@@ -3,6 +3,7 @@
     from lm_resiliency.manager import RunManager
     m = RunManager("head-node:29500", "my-run")
     m.state()["generation"], m.decisions()[-1], m.incidents()
+    m.inventories()[0]["local"], m.heartbeats()          # what `lm-resiliency monitor` shows
     m.publish_plan("replace", culprits=["node-7"], failure_kind="hardware", reason="ecc_storm")
 
 A published plan goes through the same state machine as the leader's own decisions: it starts a
@@ -32,6 +33,10 @@ class RunManager:
 
         store: _Store
         if store_type == "file":
+            import os
+
+            if not os.path.isfile(endpoint):  # (a FileStore would create it: an empty store)
+                raise LookupError(f"no control store file at {endpoint}")
             store = dist.FileStore(endpoint, -1)  # type: ignore[attr-defined]
         elif store_type == "tcp":
             host, _, port = endpoint.rpartition(":")
@@ -77,6 +82,23 @@ class RunManager:
                 out.append({"generation": s.generation, "source": "scout", **v})
         if s.phase == rs.RESTARTING:
             out.append({"generation": s.generation, "source": "backend", **dict(s.pending)})
+        return out
+
+    def heartbeats(self) -> dict[str, int]:
+        """Each registered node's agent heartbeat counter: it moves while the agent lives."""
+        s = self._state()
+        return {n: int(self._control.store.add(self._control.key(f"hb/{n}"), 0)) for n in sorted(s.nodes)}
+
+    def inventories(self) -> dict[int, dict[str, Any]]:
+        """Each rank's newest GEMINI inventory (rank -> {"local", "replicas", "disk", "certified",
+        "generation", ...}): the steps it holds in memory, of other ranks, on disk. Ranks that
+        posted none yet are missing."""
+        s = self._state()
+        out: dict[int, dict[str, Any]] = {}
+        for r in range(s.world_size()):
+            inv = self._control.json_get(f"inv/{r}")
+            if isinstance(inv, dict):
+                out[r] = inv
         return out
 
     def publish_plan(

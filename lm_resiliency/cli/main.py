@@ -2,7 +2,8 @@
 
 Subcommands: `check-policy`, `shm` (GEMINI's shared-memory use and cleanup), `campaign` (validate a
 fault campaign, preview its schedule, run a command with it armed, score a run against its ground
-truth), `report` (render a job's fault reports) and `demo` (the quickstart). Parsing and rendering
+truth), `report` (render a job's fault reports), `monitor` (the live view of a torchrun job) and
+`demo` (the quickstart). Parsing and rendering
 only: the work is the library's.
 """
 
@@ -78,6 +79,29 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="render a job's fault reports (its report_dir), one line per verdict")
     rep.add_argument("dir", metavar="DIR", help="the report_dir (reports-rank*.jsonl)")
     rep.add_argument("--json", action="store_true", help="print the verdicts as JSON lines")
+    mon = sub.add_parser(
+        "monitor",
+        help="the live view of a torchrun job (--rdzv-backend=lm_resiliency): nodes, copies, incidents",
+        description="Reads the job's control store (the rendezvous endpoint) and shows its phase and "
+        "generation, each node's role and agent liveness, each rank's GEMINI copies (in memory, held "
+        "by peers, on disk, certified by SCOUT), the SCOUT verdicts of the current generation and the "
+        "generations published so far. It only reads. Exit status: 0 when the run closed or the watch "
+        "ended, 1 when the run gave up or its store went away, 2 when the store or the run is not found.",
+    )
+    mon.add_argument(
+        "endpoint", metavar="ENDPOINT", help="the --rdzv-endpoint HOST:PORT (a path with --store-type file)"
+    )
+    mon.add_argument("--run-id", required=True, help="the job's --rdzv-id")
+    mon.add_argument("--store-type", choices=("tcp", "file"), default="tcp", help="the rdzv-conf store_type")
+    mon.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between views (> 0)")
+    mon.add_argument(
+        "--once", action="store_true", help="one view (liveness judged over one interval), then exit"
+    )
+    mon.add_argument(
+        "--count", type=int, default=0, metavar="N", help="stop after N views (0: until the run closes)"
+    )
+    mon.add_argument("--json", action="store_true", help="one JSON object per view")
+    mon.add_argument("--timeout", type=float, default=10.0, metavar="S", help="store connection timeout")
     return parser
 
 
@@ -280,6 +304,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _campaign(args)
     if args.command == "report":
         return _report(args)
+    if args.command == "monitor":
+        from lm_resiliency.cli.monitor import run_monitor
+
+        if not args.interval > 0 or not args.timeout > 0 or args.count < 0:
+            print(
+                "lm-resiliency monitor: --interval and --timeout must be > 0, --count >= 0", file=sys.stderr
+            )
+            return 2
+        return run_monitor(
+            args.endpoint,
+            args.run_id,
+            store_type=args.store_type,
+            interval_s=args.interval,
+            once=args.once,
+            as_json=args.json,
+            timeout_s=args.timeout,
+            count=args.count,
+        )
     if args.command == "demo":
         from lm_resiliency.cli.quickstart import main as quickstart
 

@@ -551,3 +551,120 @@ def test_a_worker_reads_whether_the_leader_is_restarting_its_generation(store: A
     dead = ControlChannel("tcp://127.0.0.1:1", "unit-run")
     assert dead.restart_culprits(0) is None  # nothing listens: not known to restart
     dead.close()
+
+
+def test_monitor_shows_the_runs_nodes_copies_incidents_and_generations(
+    tmp_path: Path, store: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lm-resiliency monitor` reads a live run's control store: roles and agent liveness, each
+    rank's copies from the inventories its workers posted, the verdicts posted in this generation,
+    the generations published; it stops by itself when the run closes."""
+    from lm_resiliency.cli.main import main
+    from lm_resiliency.runtime.control import ControlChannel
+
+    monkeypatch.setitem(os.environ, "LOCAL_WORLD_SIZE", "2")
+    group = _Agents(store, tmp_path)
+    ch = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
+    endpoint = f"127.0.0.1:{store.port}"
+    try:
+        inv = {"local": [3, 4], "replicas": {"2": [4]}, "disk": [2], "certified": [3], "generation": 0}
+        for r, doc in (  # (a channel sends a rank's newest inventory only: one at a time)
+            (0, inv),
+            (2, {**inv, "local": [4, 5], "replicas": {"0": [3, 4]}, "disk": []}),
+            (3, {"local": "garbage", "replicas": [1]}),  # malformed: shown empty
+        ):
+            ch.publish_inventory(r, doc)
+            assert ch.flush(10)
+        ch.post_verdict(0, {"kind": "straggler", "failed_ranks": [3], "reason": "slow_compute"})
+        assert ch.flush(10)
+        assert (
+            main(["monitor", endpoint, "--run-id", "unit-run", "--once", "--json", "--interval", "0.3"]) == 0
+        )
+        snap = json.loads(capsys.readouterr().out)
+        assert (snap["phase"], snap["generation"], snap["leader"], snap["world_size"]) == (
+            "running",
+            0,
+            "a",
+            4,
+        )
+        roles = {n["node"]: (n["role"], n["ranks"], n["live"]) for n in snap["nodes"]}
+        assert roles == {
+            "a": ("slot 0", [0, 1], True),
+            "b": ("slot 1", [2, 3], True),
+            "c": ("standby", [], True),
+        }
+        ranks = {r["rank"]: r for r in snap["ranks"]}
+        assert ranks[0]["local"] == [3, 4] and ranks[0]["replicated"] == [3, 4] and ranks[0]["disk"] == [2]
+        assert ranks[0]["newest"] == 4 and ranks[0]["certified"] == [3] and ranks[0]["node"] == "a"
+        assert ranks[2]["newest"] == 5 and ranks[2]["replicated"] == [4] and ranks[2]["node"] == "b"
+        assert ranks[1] == {"rank": 1, "node": "a", "inventory": False}
+        assert ranks[3]["inventory"] and ranks[3]["local"] == [] and ranks[3]["newest"] == -1
+        assert [(v["kind"], v["failed_ranks"]) for v in snap["incidents"]] == [("straggler", [3])]
+        assert [(d["generation"], d["reason"], d["slots"]) for d in snap["decisions"]] == [
+            (0, "startup", ["a", "b"])
+        ]
+
+        # c's agent stops heart-beating: the next view shows it silent (or gone, once the leader
+        # judged it dead); the text view lays out the same facts.
+        group.handlers["c"].shutdown()
+        assert main(["monitor", endpoint, "--run-id", "unit-run", "--once", "--interval", "2.0"]) == 0
+        text = capsys.readouterr().out
+        assert "phase running  generation 0  leader a (term" in text
+        c_line = [ln for ln in text.splitlines() if ln.startswith("c ")]
+        assert not c_line or " SILENT " in c_line[0], text
+        assert [ln.split()[:3] for ln in text.splitlines() if ln.startswith("a ")] == [["a", "slot", "0*"]]
+        assert "straggler          ranks 3" in text and "g0: none (startup)" in text
+    finally:
+        ch.close()
+        tr._Control(store, "unit-run").update(rs.close)
+        group.threads["c"].join(30)
+        group.shutdown()
+    # A closed run: the watch ends by itself, exit 0.
+    assert main(["monitor", endpoint, "--run-id", "unit-run", "--interval", "0.1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["phase"] == "closed"
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--run-id", "no-such-run"], "no rendezvous state for run 'no-such-run'"),
+        (["--run-id", "r", "--interval", "0"], "--interval and --timeout must be > 0"),
+        (["--run-id", "r", "--store-type", "file"], "no control store file at "),
+    ],
+)
+def test_monitor_says_what_it_cannot_find(
+    tmp_path: Path, store: Any, args: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lm_resiliency.cli.main import main
+
+    endpoint = str(tmp_path / "filestore") if "file" in args else f"127.0.0.1:{store.port}"
+    assert main(["monitor", endpoint, *args]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_monitor_names_an_endpoint_it_cannot_reach(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    from lm_resiliency.cli.main import main
+
+    with socket.socket() as s:  # a port nobody listens on (bound, never listening)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        assert main(["monitor", f"127.0.0.1:{port}", "--run-id", "r", "--timeout", "1"]) == 2
+    assert f"cannot reach the control store at 127.0.0.1:{port}" in capsys.readouterr().err
+    assert main(["monitor", "no-port", "--run-id", "r"]) == 2
+    assert "expected HOST:PORT" in capsys.readouterr().err
+
+
+def test_monitor_exits_1_on_a_run_that_gave_up(store: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from lm_resiliency.cli.main import main
+
+    control = tr._Control(store, "given-up")
+    control.init(rs.RdzvState.new("n0", 1, 2))
+    control.update(lambda s: rs.give_up(s, "slots [0] had no node"))
+    assert (
+        main(["monitor", f"127.0.0.1:{store.port}", "--run-id", "given-up", "--once", "--interval", "0.1"])
+        == 1
+    )
+    out = capsys.readouterr().out
+    assert "phase closed" in out and "gave up: slots [0] had no node" in out
