@@ -318,13 +318,23 @@ def enable_resiliency(
     bad = [k for k in _FORBIDDEN_OPTIONS[fw] if given.get(k) is not None]
     if bad:
         raise TypeError(f"framework {fw!r} cannot take {', '.join(bad)}: the {fw} object owns them")
-    if fw != "pytorch":
+    if fw not in ("pytorch", "megatron"):
         raise UnsupportedFrameworkError(
             f"framework {fw!r} was recognised but this version has no {fw} adapter yet; "
             "wrap the underlying torch modules and optimizer with framework='pytorch'"
         )
     from lm_resiliency.adapters.pytorch import PyTorchAdapter
 
+    if fw == "megatron":  # model chunks: one module whose hooks fan out to every chunk
+        from lm_resiliency.adapters.megatron import model_chunks, refuse_megatron_optimizer
+
+        model = model_chunks(model)
+        refuse_megatron_optimizer(optimizer)
+    elif isinstance(model, (list, tuple)):
+        raise TypeError(
+            "framework 'pytorch' takes one nn.Module; a list of model chunks is framework 'megatron' "
+            "(or 'auto')"
+        )
     if optimizer is not None and not hasattr(optimizer, "register_step_post_hook"):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if optimizer is None:

@@ -33,9 +33,7 @@ def detect_framework(model: Any) -> str:
     import torch.nn as nn
 
     if isinstance(model, (list, tuple)):
-        if model and all(isinstance(m, nn.Module) for m in model):
-            return "megatron"
-        raise TypeError("a list/tuple model must hold nn.Module chunks (Megatron model chunks)")
+        return "megatron"  # its chunks are checked by the adapter, which names a bad one
     if isinstance(model, nn.Module):
         return "pytorch"
     raise TypeError(

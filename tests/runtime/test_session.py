@@ -139,7 +139,7 @@ def test_configured_recovery_mode_wins() -> None:
         ({"recovery_mode": "newest"}, ConfigError, "recovery_mode"),
         ({"fault_callback": 3}, TypeError, "fault_callback"),
         ({"framework": "deepspeed"}, TypeError, "optimizer"),
-        ({"framework": "megatron"}, UnsupportedFrameworkError, "megatron"),
+        ({"framework": "torchtitan"}, TypeError, "optimizer"),
     ],
 )
 def test_argument_errors(kwargs: dict, error: type[Exception], needle: str) -> None:
@@ -148,6 +148,11 @@ def test_argument_errors(kwargs: dict, error: type[Exception], needle: str) -> N
     with pytest.raises(error, match=needle):
         enable_resiliency(model, opt, **kwargs)
     assert not [t for t in threading.enumerate() if t.name.startswith("lm-resiliency")]
+
+
+def test_a_framework_without_an_adapter_is_named() -> None:
+    with pytest.raises(UnsupportedFrameworkError, match="no torchtitan adapter"):
+        enable_resiliency(nn.Linear(2, 2), framework="torchtitan")
 
 
 def test_checkpoint_config_is_accepted() -> None:
@@ -170,8 +175,9 @@ def test_framework_detection() -> None:
     assert detect_framework(nn.Linear(1, 1)) == "pytorch"
     with pytest.raises(TypeError, match="cannot detect"):
         detect_framework(object())
-    with pytest.raises(TypeError, match="Megatron"):
-        detect_framework([1, 2])
+    assert detect_framework([1, 2]) == "megatron"  # enable_resiliency names the chunk that is no module
+    with pytest.raises(TypeError, match=r"model chunk 0 is not an nn.Module \(got int\)"):
+        enable_resiliency([1, 2])
     with pytest.raises(UnsupportedFrameworkError, match="deepspeed"):
         enable_resiliency(DeepSpeedEngine())
 
