@@ -36,20 +36,33 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
-from torch.distributed.elastic.rendezvous import (
+
+def rendezvous_handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The `torchrun.handlers` entry point: called with no arguments, returns the creator.
+
+    Defined before torch's rendezvous package is imported: that import loads every
+    `torchrun.handlers` entry point, this one too, and when this module is the first to import it
+    (a script's `import lm_resiliency.adapters.torchrun`, a `RunManager`, `lm-resiliency monitor`)
+    it finds this module half-initialized. So the entry point exists by then, and the creator it
+    returns looks `create_handler` up when torchrun calls it."""
+    return lambda params: create_handler(params)
+
+
+# (After the entry point, on purpose: see rendezvous_handler_creator.)
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # noqa: E402
+from torch.distributed.elastic.rendezvous import (  # noqa: E402
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
     RendezvousStoreInfo,
 )
-from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.rendezvous.api import RendezvousError  # noqa: E402
 
-from lm_resiliency._proc import continue_stopped_children
-from lm_resiliency.config import REPLACE_ONLY_FAILURES
-from lm_resiliency.core.gemini.recovery import memory_checkpoint_id, plan_recovery, verified_steps
-from lm_resiliency.core.rendezvous import state as rs
-from lm_resiliency.core.scout.verdicts import PEERS_WAIT
+from lm_resiliency._proc import continue_stopped_children  # noqa: E402
+from lm_resiliency.config import REPLACE_ONLY_FAILURES  # noqa: E402
+from lm_resiliency.core.gemini.recovery import memory_checkpoint_id, plan_recovery, verified_steps  # noqa: E402
+from lm_resiliency.core.rendezvous import state as rs  # noqa: E402
+from lm_resiliency.core.scout.verdicts import PEERS_WAIT  # noqa: E402
 
 __all__ = ["BACKEND", "LmResiliencyRendezvousHandler", "create_handler", "rendezvous_handler_creator"]
 
@@ -81,11 +94,6 @@ _DEFAULTS = {
 DEFAULT_REPLACE_ON = ("sdc", "hardware", "node_lost")
 CONTROL_ENV = "LM_RESILIENCY_CONTROL_STORE"
 _TERMINAL_KEY = "torchelastic/agent/terminal_state/num_members"
-
-
-def rendezvous_handler_creator() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The `torchrun.handlers` entry point: called with no arguments, returns the creator."""
-    return create_handler
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:

@@ -104,7 +104,26 @@ def test_entry_point_is_registered_and_returns_a_creator() -> None:
     from torch.distributed.elastic.rendezvous.registry import handler_registry
 
     assert "lm_resiliency" in handler_registry._registry
-    assert tr.rendezvous_handler_creator() is tr.create_handler
+    creator = tr.rendezvous_handler_creator()
+    with pytest.raises(ValueError, match="lm_resiliency_restart_context_path is required"):
+        creator(RendezvousParameters("lm_resiliency", "127.0.0.1:1", "r", 1, 1))  # reaches create_handler
+
+
+def test_importing_the_backend_first_loads_its_entry_point_without_a_warning() -> None:
+    """Torch's rendezvous package loads every torchrun.handlers entry point when first imported:
+    from our module, half-initialized, it logged a traceback (a `RunManager`, `lm-resiliency
+    monitor`) and left the backend unregistered in that process."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import lm_resiliency.adapters.torchrun\n"
+        "from torch.distributed.elastic.rendezvous.registry import handler_registry\n"
+        "print('lm_resiliency' in handler_registry._registry)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+    assert "Exception while registering" not in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize(
