@@ -2,12 +2,68 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["AdapterTopology", "FrameworkAdapter", "StepTimes", "is_dtensor", "live_instances"]
+__all__ = [
+    "AdapterTopology",
+    "FrameworkAdapter",
+    "StepTimes",
+    "collector_paused",
+    "is_dtensor",
+    "live_instances",
+    "thread_stack_files",
+]
+
+_gc_lock = threading.Lock()
+_gc_pauses = 0  # threads inside collector_paused()
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The garbage collector off for the block, in any number of threads at once: back on (if it
+    was on) when the last one leaves. Our calls into the interpreter that must not run a collection
+    (finalizers, which run Python code and tensor deallocations that release the GIL) go through it;
+    another thread's `gc.disable()` meanwhile is undone by the last one out."""
+    global _gc_pauses, _gc_was_enabled
+    import gc
+
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+def thread_stack_files(ident: int | None, limit: int = 256) -> list[str]:
+    """The source files of thread `ident`'s stack, innermost first (empty for no such thread).
+
+    `sys._current_frames()` holds the interpreter's thread-list lock while it makes frame
+    objects (CPython 3.11), and making one may start a collection. A finalizer that releases the
+    GIL inside it (a tensor's deallocation may) lets a thread that is ending take the GIL and wait
+    for that lock, while this thread waits for the GIL: both stop for good. A session's close()
+    hung once so under heavy load: its worker thread ending, stuck on that lock with the GIL, and
+    the runtime thread in a tensor's deallocation, waiting for the GIL. With the collector paused,
+    no collection starts inside the call."""
+    with collector_paused():
+        frame = sys._current_frames().get(ident) if ident is not None else None
+    files: list[str] = []
+    while frame is not None and len(files) < limit:
+        files.append(frame.f_code.co_filename)
+        frame = frame.f_back
+    return files
 
 
 def live_instances(*classes: type) -> list[Any]:
@@ -20,7 +76,6 @@ def live_instances(*classes: type) -> list[Any]:
     reaches Python code: `_scan` is a lazy pipeline of C iterators that fetches, filters and drops
     it inside the one `list()` call that runs it, with the collector off (a collection would run
     finalizers and weakref callbacks meanwhile)."""
-    import gc
 
     kinds: set[type] = set()
     todo = list(classes)
@@ -30,13 +85,8 @@ def live_instances(*classes: type) -> list[Any]:
             kinds.add(cls)
             todo += cls.__subclasses__()
     scan = _scan({id(k) for k in kinds})
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         return list(scan)
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _scan(type_ids: set[int]) -> Iterator[Any]:

@@ -18,7 +18,6 @@ import functools
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from array import array
@@ -32,7 +31,7 @@ import torch.distributed as dist
 import xxhash
 
 from lm_resiliency.adapters.amp import mark_ours
-from lm_resiliency.adapters.base import is_compiled, is_dtensor, zero_partition
+from lm_resiliency.adapters.base import is_compiled, is_dtensor, thread_stack_files, zero_partition
 from lm_resiliency.adapters.canonical import ddp_parameters
 from lm_resiliency.config import ReplayHarnessConfig, SCOUTFaultReport
 from lm_resiliency.core.messages import (
@@ -1124,11 +1123,7 @@ class Scout:
         evaluating an EMA copy of the model, between steps. Before, its peers waiting 30 s for it
         in the next collective named it hung, and the job restarted. Leaving such a phase counts
         as progress, as leaving a marked one does: the rank is on its way to the collective."""
-        frame = sys._current_frames().get(self._training_thread)
-        files: list[str] = []
-        while frame is not None and len(files) < 256:
-            files.append(frame.f_code.co_filename)
-            frame = frame.f_back
+        files = thread_stack_files(self._training_thread)
         in_step = getattr(self.adapter, "in_step", None)
         name = unmarked_phase(files, between_steps=in_step is not None and not in_step())
         current = self._unmarked
