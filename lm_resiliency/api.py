@@ -226,6 +226,11 @@ def _check_device(device: Any, model: Any) -> None:
         )
 
 
+def open_session() -> Session | None:
+    """This process's open session, if any (one per process; no reference to a closed one kept)."""
+    return next((o for o in list(_OPEN) if not o._closed), None)
+
+
 def enable_resiliency(
     model: Any,
     optimizer: Any = None,
@@ -303,7 +308,7 @@ def enable_resiliency(
             raise TypeError(f"{name} must be callable")
     mode = RecoveryMode.parse(recovery_mode)
     _check_device(device, model)
-    other = next((o for o in list(_OPEN) if not o._closed), None)  # no reference to a closed one kept
+    other = open_session()
     if other is not None:
         raise RuntimeError(
             f"enable_resiliency: this process already has an open session (rank {other.rank}, "

@@ -136,8 +136,12 @@ def auto_instrument(policy_path: str) -> None:
         # The hook lists were copied for this call: removing ours now is safe.
         for handle in state["handles"]:
             handle.remove()
-        if getattr(module, "_lm_resiliency_session", None) is not None:
-            return  # the script enabled it itself
+        from lm_resiliency.api import open_session
+
+        if getattr(module, "_lm_resiliency_session", None) is not None or open_session() is not None:
+            # The script enabled it itself: on this model, or on an object holding it (a
+            # ModuleDict of a GAN's pair, Megatron-style chunks), whose own modules are unmarked.
+            return
         ids = {id(p) for p in module.parameters()}
         opt = next(
             (o for o in optimizers if ids & {id(p) for g in o.param_groups for p in g["params"]}), None

@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,7 +55,20 @@ def batch(rank: int, step: int, device: torch.device) -> torch.Tensor:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    def build(device: torch.device) -> tuple[Any, Callable[[torch.Tensor], torch.Tensor], nn.Module]:
+        model = nn.parallel.DistributedDataParallel(TinyCausalLM().to(device))
+        return model, model, model.module
+
+    return run(__doc__ or "", build)
+
+
+def run(
+    doc: str, build: Callable[[torch.device], tuple[Any, Callable[[torch.Tensor], torch.Tensor], nn.Module]]
+) -> int:
+    """The loop of every production example. `build(device)`, called after the seed is set,
+    returns what `enable_resiliency` takes as the model, the forward (tokens -> logits) and the
+    module whose state is saved as `final.pt`."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--validation-output-dir", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=40)
     args = ap.parse_args()
@@ -64,8 +79,8 @@ def main() -> int:
     if cuda:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(TinyCausalLM().to(device))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, forward, saved = build(device)
+    opt = torch.optim.AdamW([p for p in saved.parameters()], lr=3e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     policy_path = os.environ.get("LM_RESILIENCY_WORKER_CONFIG")
     settings = policy_kwargs(load_policy(policy_path)) if policy_path else {"interval": 1}
@@ -90,14 +105,14 @@ def main() -> int:
     loss = torch.tensor(0.0)
     for step in range(start + 1, args.steps + 1):
         tokens = batch(rank, step, device)
-        logits = model(tokens[:, :-1])
+        logits = forward(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         sched.step()
     if rank == 0:
-        torch.save({k: v.detach().cpu() for k, v in model.module.state_dict().items()}, out / "final.pt")
+        torch.save({k: v.detach().cpu() for k, v in saved.state_dict().items()}, out / "final.pt")
         print(f"rank 0: finished {args.steps} steps, last loss {float(loss.detach()):.4f}", flush=True)
     session.close()
     dist.destroy_process_group()

@@ -97,6 +97,47 @@ def test_a_campaign_restarts_in_place_then_swaps_a_standby_and_ends_bitwise(
     assert c["evaluation"]["false_positives"] == 0 and c["evaluation"]["recall"] == 1.0
 
 
+@pytest.mark.multiprocess
+def test_the_megatron_loop_survives_a_campaign_bitwise(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`--framework megatron`: the model as two DDP chunks passed as a list. An exception restarts
+    in place; a bit flip in the second chunk's gradient (`1.module.head.weight`, the chunks'
+    parameter names) replaces the node; the end is bitwise the uninterrupted run's."""
+    sdc = {
+        **SDC,
+        "faults": [
+            {
+                **SDC["faults"][0],
+                "target": {**SDC["faults"][0]["target"], "module_path": "1.module.head.weight"},
+            }
+        ],
+    }  # type: ignore[dict-item]
+    camps = tmp_path / "campaigns"
+    camps.mkdir()
+    (camps / "chunks.json").write_text(json.dumps(_campaign([CRASH, sdc], total_steps=14)))
+    out = tmp_path / "out"
+    args = ["-m", "examples.torchrun.resiliency_cycle.pressure", "orchestrate", "--framework", "megatron"]
+    args += [
+        "--fault-campaign-dir",
+        str(camps),
+        "--cpu-nodes",
+        "3",
+        "--output-dir",
+        str(out),
+        "--timeout-s",
+        "200",
+    ]
+    proc = processes.start(args, {}, tmp_path / "pressure.log")
+    code = proc.wait(timeout=280)
+    assert code == 0, (tmp_path / "pressure.log").read_text()[-4000:]
+    (c,) = json.loads((out / "summary.json").read_text())["campaigns"]
+    assert c["passed"] and c["final_state_bitwise_equal_to_baseline"]
+    assert [g["failure_kind"] for g in c["generations"]] == ["none", "process_failure", "sdc"]
+    assert [(i["occurrence"], i["localized"], i["reported_kind"]) for i in c["incidents"]] == [
+        ("01-exception@4", True, "process_failure"),
+        ("02-sdc@10", True, "sdc"),
+    ]
+
+
 @pytest.mark.parametrize(
     ("campaign", "extra", "message"),
     [
@@ -123,7 +164,11 @@ def test_a_campaign_restarts_in_place_then_swaps_a_standby_and_ends_bitwise(
             [],
             "not injected by this version",
         ),
-        (_campaign([CRASH]), ["--framework", "deepspeed"], "not shipped by this version"),
+        (
+            _campaign([CRASH]),
+            ["--framework", "deepspeed"],
+            "not shipped by this version (shipped: pytorch, megatron)",
+        ),
     ],
 )
 def test_a_campaign_or_option_that_does_not_fit_is_refused_before_any_run(

@@ -33,6 +33,13 @@ SCRIPT = textwrap.dedent(
     if os.environ.get("SECOND"):  # a GAN's other network, which the session cannot hold
         other = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
         other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    own = None
+    if os.environ.get("OWN") == "dict":  # the script's own session, on a module holding the DDP
+        from lm_resiliency import enable_resiliency
+        own = enable_resiliency(torch.nn.ModuleDict({"net": model}), opt, interval=1)
+    elif os.environ.get("OWN") == "chunks":  # ... or on Megatron-style chunks
+        from lm_resiliency import enable_resiliency
+        own = enable_resiliency([model], opt, interval=1)
     seen = []
     for step in range(2):
         loss = model(torch.randn(4, 8)).square().mean()
@@ -41,7 +48,7 @@ SCRIPT = textwrap.dedent(
         opt.zero_grad()
         loss.backward()
         opt.step()
-    session = model._lm_resiliency_session()
+    session = own or model._lm_resiliency_session()
     print(json.dumps({"hooks": seen, "step_count": session.step_count}))
     session.close()
     dist.destroy_process_group()
@@ -85,3 +92,15 @@ def test_the_session_enabled_at_the_first_forward_takes_part_in_that_step(tmp_pa
     result, stderr = _run(tmp_path)
     assert result == {"hooks": [1, 1], "step_count": 2}, (result, stderr)
     assert "other DDP model" not in stderr, stderr  # the session holds all there is
+
+
+@pytest.mark.parametrize("own", ["dict", "chunks"])
+def test_a_script_that_enabled_its_own_session_on_another_object_is_left_alone(
+    tmp_path: Path, own: str
+) -> None:
+    """The script's own session holds the DDP inside a ModuleDict (a GAN's pair) or a list of
+    chunks: the DDP's first forward found it unmarked and enabled a second session, which failed
+    the worker ("this process already has an open session") in every generation."""
+    result, stderr = _run(tmp_path, OWN=own)
+    assert result == {"hooks": [1, 1], "step_count": 2}, (result, stderr)
+    assert "instrumented automatically" not in stderr, stderr

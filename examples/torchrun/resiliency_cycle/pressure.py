@@ -40,7 +40,7 @@ from lm_resiliency.faults.inject import check_injectable, read_ground_truth
 from lm_resiliency.faults.scoring import evaluate, read_reports
 
 FRAMEWORKS = ("pytorch", "deepspeed", "megatron", "torchtitan")
-SHIPPED = ("pytorch",)
+SHIPPED = ("pytorch", "megatron")
 
 
 class UsageError(Exception):
