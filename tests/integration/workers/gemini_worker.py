@@ -1,8 +1,7 @@
 """One rank of a 4-rank DDP job with GEMINI capturing every step.
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, PAUSE_RANK, PAUSE_AT, DISK_FOLDER, DISK_INTERVAL,
-FSDP (1: the model is FSDP2-sharded over all ranks, DTensor state, instead of DDP), CHUNKS (1: the
-model is two Megatron-style chunks, each DDP, passed to enable_resiliency as a list), FLIP_RANK and
+FSDP (1: the model is FSDP2-sharded over all ranks, DTensor state, instead of DDP), FLIP_RANK and
 FLIP_AT (generation 0: that rank flips a weight bit after that step, or an AdamW moment's with
 FLIP_WHAT=moment; every rank waits for SCOUT's SDC verdict after the next step, then for the kill),
 LOADER (1: batches come through `session.instrument_dataloader`), RECOVERY_MODE (enable_resiliency's),
@@ -54,9 +53,6 @@ def main() -> int:
         for layer in (net[0], net[3]):
             fully_shard(layer, mesh=mesh)
         model: nn.Module = fully_shard(net, mesh=mesh)
-    elif os.environ.get("CHUNKS") == "1":  # Megatron-style: two chunks, each DDP, called in turn
-        chunks = [nn.parallel.DistributedDataParallel(net[:3]), nn.parallel.DistributedDataParallel(net[3])]
-        model = nn.ModuleList(chunks)  # their state and parameters, for the checks below
     else:
         model = nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -64,7 +60,7 @@ def main() -> int:
     seen = {"batches": 0}
     faults: list[dict[str, object]] = []
     session = enable_resiliency(
-        chunks if os.environ.get("CHUNKS") == "1" else model,
+        model,
         opt,
         opt_param_scheduler=sched,
         interval=1,
@@ -122,8 +118,7 @@ def main() -> int:
     loader = session.instrument_dataloader(batches()) if os.environ.get("LOADER") == "1" else batches()
     for step, x in loader:
         seen["batches"] += 1
-        out = chunks[1](chunks[0](x)) if os.environ.get("CHUNKS") == "1" else model(x)
-        loss = (out - x).pow(2).mean()
+        loss = (model(x) - x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
