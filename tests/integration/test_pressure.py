@@ -136,6 +136,9 @@ def test_the_megatron_loop_survives_a_campaign_bitwise(processes, tmp_path: Path
         ("01-exception@4", True, "process_failure"),
         ("02-sdc@10", True, "sdc"),
     ]
+    # Rank 0, on the admitted standby, restored its chunks from a peer's replica.
+    swapped = json.loads((out / "campaign-cycle" / "validation" / "generation-2.json").read_text())
+    assert swapped["recovery_decision"]["reason"].startswith("peer:"), swapped
 
 
 @pytest.mark.parametrize(
