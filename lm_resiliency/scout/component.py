@@ -341,6 +341,10 @@ class Scout:
         self._desync_step = -(1 << 62)  # the step of the last collective desync reported
         self._reported: set[tuple[str, tuple[int, ...], int]] = set()
         self._agreed: set[int] = set()
+        # Steps judged without every replica's evidence (a rank whose messages stopped while its
+        # process trains on): not certified, and not awaited (see _judge_fingerprints).
+        self._partial: set[int] = set()
+        self._partial_named: frozenset[int] = frozenset()  # the absent ranks last logged
         self._sdc_from: int | None = None
         self._lock = threading.Lock()
         self.verdicts: list[Verdict] = []
@@ -656,12 +660,30 @@ class Scout:
             if plain and self._settings_diverged(step, per_step):
                 return
         if verdict is None:
+            # Certified only with every replica's evidence. A replica whose messages stopped (its
+            # process and the collectives go on) was judged without: its state is unknown, and a
+            # certificate would let the others keep only their newer captures (GEMINI keeps the
+            # newest certified one) while it kept its last certified one, so that after its node
+            # failed no step was held by every rank and the restart began again from step 0.
+            absent = frozenset(self.group) - set(per_step)
             with self._lock:
-                certified = self._sdc_from is None
+                certified = self._sdc_from is None and not absent
                 if certified:
                     self._agreed.add(step)
+                elif absent:
+                    self._partial.add(step)
+                    self._partial = {s for s in self._partial if s > step - KEEP_STEPS}
             if certified:
                 self._certificate_hook(self.on_certified, step)
+            elif absent and absent != self._partial_named:
+                log.warning(
+                    "rank %d: step %d judged without ranks %s (silent): no step is recovery-verified "
+                    "until every replica's evidence comes again",
+                    self.rank,
+                    step,
+                    sorted(absent),
+                )
+            self._partial_named = absent
         else:
             self._revoke_from(step, "sdc")
         if verdict is not None:
@@ -1348,7 +1370,12 @@ class Scout:
         if not self._due(step) or self._paused() or self._closed:
             return False
         with self._lock:
-            return self._sdc_from is None and self._diverged_at is None and step not in self._agreed
+            return (
+                self._sdc_from is None
+                and self._diverged_at is None
+                and step not in self._agreed
+                and step not in self._partial
+            )
 
     def seed(self, steps: set[int]) -> None:
         """Certificates carried over from the previous generation (steps at or before the restored one)."""

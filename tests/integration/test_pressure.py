@@ -53,6 +53,35 @@ SLOW = {
 }
 
 
+def _orchestrate(
+    processes, tmp_path: Path, campaign: dict[str, Any], framework: str = "pytorch", nodes: int = 3
+) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """`pressure orchestrate` on `nodes` CPU nodes with `campaign` (named "cycle"): its summary's
+    one campaign, with the tool's exit code and output folder added."""
+    camps = tmp_path / "campaigns"
+    camps.mkdir()
+    (camps / "c.json").write_text(json.dumps(campaign))
+    out = tmp_path / "out"
+    args = ["-m", "examples.torchrun.resiliency_cycle.pressure", "orchestrate", "--framework", framework]
+    args += [
+        "--fault-campaign-dir",
+        str(camps),
+        "--cpu-nodes",
+        str(nodes),
+        "--output-dir",
+        str(out),
+        "--timeout-s",
+        "200",
+    ]
+    proc = processes.start(args, {}, tmp_path / "pressure.log")
+    code = proc.wait(timeout=280)
+    log = (tmp_path / "pressure.log").read_text()
+    assert (out / "summary.json").exists(), log[-4000:]
+    (c,) = json.loads((out / "summary.json").read_text())["campaigns"]
+    c["exit_code"], c["out"], c["log"] = code, out, log[-4000:]
+    return c  # type: ignore[no-any-return]
+
+
 @pytest.mark.multiprocess
 def test_a_campaign_restarts_in_place_then_swaps_a_standby_and_ends_bitwise(
     processes, tmp_path: Path
@@ -111,34 +140,55 @@ def test_the_megatron_loop_survives_a_campaign_bitwise(processes, tmp_path: Path
             }
         ],
     }  # type: ignore[dict-item]
-    camps = tmp_path / "campaigns"
-    camps.mkdir()
-    (camps / "chunks.json").write_text(json.dumps(_campaign([CRASH, sdc], total_steps=14)))
-    out = tmp_path / "out"
-    args = ["-m", "examples.torchrun.resiliency_cycle.pressure", "orchestrate", "--framework", "megatron"]
-    args += [
-        "--fault-campaign-dir",
-        str(camps),
-        "--cpu-nodes",
-        "3",
-        "--output-dir",
-        str(out),
-        "--timeout-s",
-        "200",
-    ]
-    proc = processes.start(args, {}, tmp_path / "pressure.log")
-    code = proc.wait(timeout=280)
-    assert code == 0, (tmp_path / "pressure.log").read_text()[-4000:]
-    (c,) = json.loads((out / "summary.json").read_text())["campaigns"]
-    assert c["passed"] and c["final_state_bitwise_equal_to_baseline"]
+    c = _orchestrate(processes, tmp_path, _campaign([CRASH, sdc], total_steps=14), framework="megatron")
+    assert c["exit_code"] == 0 and c["passed"] and c["final_state_bitwise_equal_to_baseline"]
     assert [g["failure_kind"] for g in c["generations"]] == ["none", "process_failure", "sdc"]
     assert [(i["occurrence"], i["localized"], i["reported_kind"]) for i in c["incidents"]] == [
         ("01-exception@4", True, "process_failure"),
         ("02-sdc@10", True, "sdc"),
     ]
     # Rank 0, on the admitted standby, restored its chunks from a peer's replica.
-    swapped = json.loads((out / "campaign-cycle" / "validation" / "generation-2.json").read_text())
+    swapped = json.loads((c["out"] / "campaign-cycle" / "validation" / "generation-2.json").read_text())
     assert swapped["recovery_decision"]["reason"].startswith("peer:"), swapped
+
+
+@pytest.mark.multiprocess
+def test_a_rank_silent_then_lost_resumes_from_a_step_every_rank_kept(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0's messages stop at iteration 3 (its training goes on). Its peer, once it declared it
+    dead, judged the later steps without it and certified them: it then kept only its newest two
+    captures, while rank 0, which certified nothing more, kept its last certified one. Rank 0's
+    newest copy damaged and its process killed at iteration 26, no step was held by both and the
+    job started again from step 0. Uncertified while a replica is silent, both keep the last step
+    certified by both, and the job resumes there."""
+    mute = {
+        "incident_id": "01-silent",
+        "trigger": {"at": [3]},
+        "faults": [
+            {
+                "fault_id": "mute",
+                "type": "message_drop",
+                "target": {"surface": "process", "rank": 0},
+                "parameters": {"duration_s": 60},
+            }
+        ],
+    }
+    lost = {
+        "incident_id": "02-damaged-then-killed",
+        "trigger": {"at": [26]},
+        "faults": [
+            {
+                "fault_id": "trunc",
+                "type": "checkpoint_truncation",
+                "target": {"surface": "checkpoint", "rank": 0},
+            },
+            {"fault_id": "kill", "type": "process_termination", "target": {"surface": "process", "rank": 0}},
+        ],
+    }
+    c = _orchestrate(processes, tmp_path, _campaign([mute, lost], total_steps=30, standby_nodes=1), nodes=4)
+    assert c["finished"] and c["final_state_bitwise_equal_to_baseline"], c["log"]
+    gens = c["generations"]
+    assert [g["failure_kind"] for g in gens] == ["none", "process_failure"], gens
+    assert 1 <= gens[1]["resumed_at_step"] <= 3, gens  # the last step both certified
 
 
 @pytest.mark.parametrize(
