@@ -216,8 +216,10 @@ def _check_device(device: Any, model: Any) -> None:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise ValueError(f"device: {device!r} names no torch device ({exc})") from None
-    params = getattr(model, "parameters", None)
-    kinds = {p.device.type for p in params()} if callable(params) else set()
+    chunks = model if isinstance(model, (list, tuple)) else [model]  # Megatron-style chunks too
+    kinds = {
+        p.device.type for m in chunks if callable(getattr(m, "parameters", None)) for p in m.parameters()
+    }
     if kinds and dev.type not in kinds:
         warnings.warn(
             f"enable_resiliency: device={device!r}, but the model's parameters are on "

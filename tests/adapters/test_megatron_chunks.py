@@ -130,3 +130,11 @@ def test_chunk_errors_name_the_problem(
     with pytest.raises(error, match=match):
         enable_resiliency(model, optimizer, **kwargs)
     assert not [t for t in threading.enumerate() if t.name.startswith("lm-resiliency")]
+
+
+def test_a_device_of_another_type_than_the_chunks_warns() -> None:
+    """`device` names where the model is: for chunks, where their parameters are."""
+    from lm_resiliency.api import _check_device
+
+    with pytest.warns(UserWarning, match="parameters are on cpu"):
+        _check_device("meta", [nn.Linear(1, 1), nn.Linear(1, 1)])
