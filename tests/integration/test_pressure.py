@@ -91,28 +91,9 @@ def test_a_campaign_restarts_in_place_then_swaps_a_standby_and_ends_bitwise(
     the policy says so); then a gradient bit flip at 10 (the culprit's node is quarantined and the
     standby takes its slot). Each is found by the job itself, each generation restores the step its
     context selected, and the final model equals the uninterrupted run's bit for bit."""
-    camps = tmp_path / "campaigns"
-    camps.mkdir()
-    (camps / "cycle.json").write_text(json.dumps(_campaign([CRASH, SDC, SLOW], total_steps=14)))
-    out = tmp_path / "out"
-    args = ["-m", "examples.torchrun.resiliency_cycle.pressure", "orchestrate", "--framework", "pytorch"]
-    args += [
-        "--fault-campaign-dir",
-        str(camps),
-        "--cpu-nodes",
-        "3",
-        "--output-dir",
-        str(out),
-        "--timeout-s",
-        "200",
-    ]
-    proc = processes.start(args, {}, tmp_path / "pressure.log")
-    code = proc.wait(timeout=280)
-    log = (tmp_path / "pressure.log").read_text()
-    assert code == 0, log[-4000:]
-    summary = json.loads((out / "summary.json").read_text())
-    (c,) = summary["campaigns"]
-    assert summary["passed"] and c["final_state_bitwise_equal_to_baseline"]
+    c = _orchestrate(processes, tmp_path, _campaign([CRASH, SDC, SLOW], total_steps=14))
+    assert c["exit_code"] == 0, c["log"]
+    assert c["passed"] and c["final_state_bitwise_equal_to_baseline"]
     gens = c["generations"]
     assert [g["failure_kind"] for g in gens] == ["none", "process_failure", "sdc"], gens
     assert gens[1]["admitted"] == [] and len(gens[2]["admitted"]) == 1  # restart in place, then a swap
