@@ -56,24 +56,29 @@ class RunManager:
             raise LookupError(f"no rendezvous state for run {self.run_id!r} in this store")
         return got[1]
 
-    def state(self) -> dict[str, Any]:
+    def read(self) -> rs.RdzvState:
+        """The rendezvous document, read once: pass it to the methods below for one consistent
+        view (each reads it again otherwise)."""
+        return self._state()
+
+    def state(self, at: rs.RdzvState | None = None) -> dict[str, Any]:
         """The whole rendezvous document (JSON-ready)."""
-        s = self._state()
+        s = at or self._state()
         doc = dataclasses.asdict(s)
         doc["nodes"] = {n: dataclasses.asdict(i) for n, i in s.nodes.items()}
         return doc
 
-    def decisions(self) -> list[dict[str, Any]]:
+    def decisions(self, at: rs.RdzvState | None = None) -> list[dict[str, Any]]:
         """One entry per published generation: slots, admitted standbys, failure kind, culprits."""
-        s = self._state()
+        s = at or self._state()
         out = [dict(h) for h in s.history]
         if out:
             out[-1]["plan"] = dict(s.plan)
         return out
 
-    def incidents(self) -> list[dict[str, Any]]:
+    def incidents(self, at: rs.RdzvState | None = None) -> list[dict[str, Any]]:
         """SCOUT verdicts the workers posted in the current generation, and the restart under way."""
-        s = self._state()
+        s = at or self._state()
         out: list[dict[str, Any]] = []
         n = int(self._control.store.add(self._control.key(f"verdicts/g{s.generation}/n"), 0))
         for i in range(n):
@@ -84,16 +89,16 @@ class RunManager:
             out.append({"generation": s.generation, "source": "backend", **dict(s.pending)})
         return out
 
-    def heartbeats(self) -> dict[str, int]:
+    def heartbeats(self, at: rs.RdzvState | None = None) -> dict[str, int]:
         """Each registered node's agent heartbeat counter: it moves while the agent lives."""
-        s = self._state()
+        s = at or self._state()
         return {n: int(self._control.store.add(self._control.key(f"hb/{n}"), 0)) for n in sorted(s.nodes)}
 
-    def inventories(self) -> dict[int, dict[str, Any]]:
+    def inventories(self, at: rs.RdzvState | None = None) -> dict[int, dict[str, Any]]:
         """Each rank's newest GEMINI inventory (rank -> {"local", "replicas", "disk", "certified",
         "generation", ...}): the steps it holds in memory, of other ranks, on disk. Ranks that
         posted none yet are missing."""
-        s = self._state()
+        s = at or self._state()
         out: dict[int, dict[str, Any]] = {}
         for r in range(s.world_size()):
             inv = self._control.json_get(f"inv/{r}")

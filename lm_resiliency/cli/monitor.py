@@ -27,9 +27,10 @@ def snapshot(
     """One view of the run behind `manager` (a `RunManager`). A node's agent is `live` when its
     heartbeat counter moved since `beats_before` (counters read `window_s` seconds earlier); with
     no earlier reading, `live` is None (unknown)."""
-    state = manager.state()
-    beats = manager.heartbeats()
-    inventories = manager.inventories()
+    at = manager.read()  # one read of the document: every part below describes the same moment
+    state = manager.state(at)
+    beats = manager.heartbeats(at)
+    inventories = manager.inventories(at)
     slots: list[str | None] = list(state["slots"])
     nodes_info: dict[str, Any] = state["nodes"]
     first: dict[str, int] = {}
@@ -106,7 +107,7 @@ def snapshot(
             )
             if k in h
         }
-        for h in manager.decisions()
+        for h in manager.decisions(at)
     ]
     plan = state.get("plan") or {}
     return {
@@ -128,7 +129,7 @@ def snapshot(
         "window_s": window_s,
         "nodes": nodes,
         "ranks": ranks,
-        "incidents": manager.incidents(),
+        "incidents": manager.incidents(at),
         "decisions": decisions,
     }
 
