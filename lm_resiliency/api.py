@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 # Verdicts the torchrun backend's leader acts on (restart in place, or replace the culprit's node),
 # and a data-loader or checkpoint-I/O stall once its peers wait on it (the job stopped).
-BACKEND_ACTIONABLE = frozenset({"sdc", "stale_state", "hardware", "hang"})
+BACKEND_ACTIONABLE = frozenset({"sdc", "stale_state", "hardware", "hang", "network_partition"})
 
 
 def _actionable(report: dict[str, Any], replace_on: frozenset[str] = frozenset()) -> bool:
@@ -899,6 +899,7 @@ class Session:
             interval=self.interval,
             emit=self._emit_fault,
             heartbeat_s=self._runtime_config.heartbeat_interval_s,
+            heartbeat_timeout_s=self._runtime_config.heartbeat_timeout_s,
         )
         self._components.append(scout)
         gem = self.gemini

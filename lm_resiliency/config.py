@@ -316,6 +316,7 @@ FAILURE_ACTIONS = (
     "node_lost",
     "process_failure",
     "hang",
+    "network_partition",
     "straggler",
     "data_stall",
     "checkpoint_stall",
@@ -333,7 +334,7 @@ class RecoveryPolicyConfig:
     the slow-job kinds (REPLACE_ONLY_FAILURES: straggler, data_stall, checkpoint_stall), which are
     only reported unless listed here, and even then only when a standby is parked."""
 
-    replace_node_on: tuple[str, ...] = ("sdc", "hardware", "node_lost")
+    replace_node_on: tuple[str, ...] = ("sdc", "hardware", "node_lost", "network_partition")
 
     def __post_init__(self) -> None:
         for kind in self.replace_node_on:

@@ -917,6 +917,13 @@ class _Pulse:
             ranks = [int(r) for r in v.get("failed_ranks", []) if isinstance(r, int)]
             culprits = {n for n in (_node_of_rank(s, r) for r in ranks) if n is not None}
             quarantine = _quarantines(v, h.replace_on) and bool(culprits)
+            if quarantine and kind == "network_partition" and len(s.standbys) < len(culprits):
+                # A node cut off from its peers' messages may be reachable again after a restart
+                # (a link that flapped); without a standby to take its slot, it keeps the slot.
+                log.warning(
+                    "run %s: node %s unreachable and no standby: restarting in place", h.run_id, culprits
+                )
+                quarantine = False
             fn: Callable[..., rs.RdzvState] = rs.request_restart
             if kind in REPLACE_ONLY_FAILURES and not str(v.get("reason", "")).endswith(PEERS_WAIT):
                 # The job still trains: a restart in place would not make the node faster. (A
@@ -1014,7 +1021,12 @@ def _quarantines(verdict: dict[str, Any], replace_on: Iterable[str]) -> bool:
     rolls back to a recovery-verified step and a recurrence will name the device."""
     confidence = verdict.get("confidence", 1.0)
     sure = not isinstance(confidence, (int, float)) or confidence >= 1.0
-    return str(verdict.get("kind", "")) in set(replace_on) and sure
+    kind = str(verdict.get("kind", ""))
+    # Some of a node's ranks cut off from our transport while the rest are heard: their messages
+    # were dropped (a restart renews their endpoints); the node's network works.
+    if kind == "network_partition" and verdict.get("scope") != "node":
+        return False
+    return kind in set(replace_on) and sure
 
 
 def _node_of_rank(s: rs.RdzvState, rank: int) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "CANONICAL_TYPES",
     "CLOSED",
+    "CYCLE_ACTIONS",
     "EXIT_FAILURES",
     "FAILURE_KINDS",
     "VERIFIED_KINDS",
@@ -65,6 +66,16 @@ CANONICAL_TYPES: dict[str, str] = {
     "message_drop": "network_partition",
     "network_partition": "network_partition",
     "config_drift": "config_drift",
+}
+
+
+# The recovery action each canonical type ends in (FAILURES.md): "replace" quarantines the node and
+# a standby takes its slot; every other type restarts on the same nodes.
+CYCLE_ACTIONS: dict[str, str] = {
+    t: "replace"
+    if t in ("tensor_corruption", "resource_unavailable", "collective_desync", "network_partition")
+    else "restart"
+    for t in CANONICAL_TYPES
 }
 
 

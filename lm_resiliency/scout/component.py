@@ -58,6 +58,7 @@ from lm_resiliency.core.scout.verdicts import (
     PEERS_WAIT,
     HangDetector,
     PhaseTimes,
+    SilenceDetector,
     StallDetector,
     StragglerDetector,
     Verdict,
@@ -274,7 +275,7 @@ class EvidenceResolver:
 
 # Verdicts each rank reaches at its own step (out of band, while training is stuck): voted on
 # without the step, so that ranks at different steps agree on one key.
-UNSTEPPED = frozenset({"hang", "collective_stall", "data_stall", "checkpoint_stall"})
+UNSTEPPED = frozenset({"hang", "collective_stall", "data_stall", "checkpoint_stall", "network_partition"})
 ENDED_STEPS = 1024  # step end times kept for detection latencies
 PEERS_SCOPE = "peers/"  # vote keys of verdicts the peer group decides (not only the replica group)
 DENSE_ROUNDS = 8  # audits over which every dense layer of an expert-parallel model is re-executed
@@ -296,6 +297,7 @@ class Scout:
         emit: Callable[[dict[str, Any]], None],
         heartbeat_s: float,
         health: HealthSource | None = None,
+        heartbeat_timeout_s: float = 5.0,
         health_interval_s: float = 1.0,
         step_source: Callable[[], int] = lambda: 0,
         paused: Callable[[], bool] = lambda: False,
@@ -335,6 +337,9 @@ class Scout:
             config.hang_stall_threshold_s, {**phases, "evaluation": config.evaluation_latency_threshold_s}
         )
         self._stalls = StallDetector(phases)
+        # A peer declared dead stays silent one more heartbeat timeout before it is named cut off.
+        self._silences = SilenceDetector(heartbeat_timeout_s)
+        self._node_of = {r: topology.node_of(r) for r in range(topology.world_size)}
         self._evidence: dict[int, dict[int, Evidence]] = {}
         self._times: dict[int, dict[int, PhaseTimes]] = {}
         self._progress: dict[int, Progress] = {}
@@ -1198,6 +1203,12 @@ class Scout:
                     self._report(v, among_peers=True)
                 for stall in self._stalls.observe(own.step, ours):
                     self._report(stall, among_peers=True)
+            if self.config.enable:
+                everyone = self.runtime.silent()
+                for cut in self._silences.observe(
+                    time.monotonic(), own.step, everyone, self._peer_set, self._node_of, self.rank
+                ):
+                    self._report(cut, among_peers=True)
             await anyio.sleep(self._heartbeat_s)
 
     def _health_forever(self) -> None:
@@ -1321,7 +1332,9 @@ class Scout:
             confirmations=v.confirmations,
             steps=(v.step,) if v.step >= 0 else (),
             stall_duration_s=v.stall_duration_s,
-            confidence=0.5 if v.kind in ("sdc_ambiguous", "collective_stall") else 1.0,
+            confidence=0.5
+            if v.kind in ("sdc_ambiguous", "collective_stall") or v.reason == "unreachable_ambiguous"
+            else 1.0,
             reason=v.reason,
             node=self.topology.node_of(v.ranks[0]) if v.ranks else None,
             detection_latency_s=self._latency(v),

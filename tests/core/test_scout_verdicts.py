@@ -9,6 +9,7 @@ from lm_resiliency.core.scout.verdicts import (
     HangDetector,
     PhaseTimes,
     Progress,
+    SilenceDetector,
     StallDetector,
     StragglerDetector,
     desync_verdict,
@@ -313,3 +314,65 @@ def test_a_module_running_between_steps_is_an_evaluation_and_inside_a_step_is_th
     save = ["/v/site-packages/torch/serialization.py", "/job/t.py"]
     assert unmarked_phase(save, between_steps=False) == unmarked_phase(save, True) == "checkpoint_io"
     assert unmarked_phase(["/job/t.py"], between_steps=True) is None
+
+
+# Three nodes of two ranks each: a = {0, 1}, b = {2, 3}, c = {4, 5}.
+NODES = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
+
+
+def test_a_peer_silent_while_steps_complete_with_it_is_named_cut_off_once() -> None:
+    """Rank 2 declared dead at t=0 (step 10). Not yet named: 4.9 s later, or after only 2 more
+    steps (a dead peer would have stopped them). Named at 5 s and 3 steps, once; heard again, its
+    next silence is news again."""
+    d = SilenceDetector(hold_s=5.0)
+    peers = range(6)
+    assert d.observe(0.0, 10, {2}, peers, NODES, 0) == []
+    assert d.observe(4.9, 20, {2}, peers, NODES, 0) == []
+    assert d.observe(9.0, 12, {2}, peers, NODES, 0) == []  # steps stalled: it may be dead
+    (v,) = d.observe(9.0, 13, {2}, peers, NODES, 0)
+    assert (v.kind, v.ranks, v.reason, v.endpoint) == (
+        "network_partition",
+        (2,),
+        "rank_unreachable",
+        "rank:2",
+    )
+    assert v.stall_duration_s == 9.0 and "rest of node b is heard" in v.detail
+    assert d.observe(20.0, 30, {2}, peers, NODES, 0) == []
+    assert d.observe(21.0, 31, set(), peers, NODES, 0) == []
+    assert d.observe(22.0, 32, {2}, peers, NODES, 0) == []
+    assert [x.ranks for x in d.observe(27.0, 35, {2}, peers, NODES, 0)] == [(2,)]
+
+
+def test_every_rank_of_a_node_silent_is_that_node_cut_off() -> None:
+    d = SilenceDetector(hold_s=1.0, min_steps=1)
+    d.observe(0.0, 0, {2, 3}, range(6), NODES, 0)
+    (v,) = d.observe(1.0, 1, {2, 3}, range(6), NODES, 0)
+    assert (v.ranks, v.reason, v.endpoint) == ((2, 3), "node_unreachable", "node:b")
+    # A node mate of the silent rank names it by its endpoint only: its own node is not cut off.
+    d = SilenceDetector(hold_s=1.0, min_steps=1)
+    d.observe(0.0, 0, {0}, range(6), NODES, 1)
+    assert [(v.ranks, v.reason) for v in d.observe(1.0, 1, {0}, range(6), NODES, 1)] == [
+        ((0,), "rank_unreachable")
+    ]
+
+
+def test_a_rank_that_hears_too_few_peers_cannot_tell_who_is_cut_off() -> None:
+    """Rank 0 hears nobody on nodes b and c (4 of its 5 others): it may be the one cut off. It says
+    so (a restart, no node named). In a job of two, each side of a split is in that place."""
+    d = SilenceDetector(hold_s=1.0, min_steps=1)
+    d.observe(0.0, 0, {2, 3, 4, 5}, range(6), NODES, 0)
+    (v,) = d.observe(1.0, 1, {2, 3, 4, 5}, range(6), NODES, 0)
+    assert (v.ranks, v.reason) == ((2, 3, 4, 5), "unreachable_ambiguous") and "may be the one" in v.detail
+    d = SilenceDetector(hold_s=1.0, min_steps=1)
+    d.observe(0.0, 0, {1}, range(2), {0: "a", 1: "b"}, 0)
+    assert [v.reason for v in d.observe(1.0, 1, {1}, range(2), {0: "a", 1: "b"}, 0)] == [
+        "unreachable_ambiguous"
+    ]
+
+
+def test_only_peers_whose_collectives_this_rank_shares_are_judged_alive() -> None:
+    """Rank 4 is not in rank 0's peer group (another pipeline stage): steps completing here say
+    nothing of it; it is not named."""
+    d = SilenceDetector(hold_s=1.0, min_steps=1)
+    d.observe(0.0, 0, {4}, (0, 1, 2, 3), NODES, 0)
+    assert d.observe(5.0, 9, {4}, (0, 1, 2, 3), NODES, 0) == []

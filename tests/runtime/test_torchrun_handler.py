@@ -501,6 +501,10 @@ def test_only_verdicts_sure_of_their_culprit_quarantine_a_node() -> None:
     # Two replicas that replay could not settle: roll back, keep both nodes.
     assert not _quarantines({"kind": "sdc", "failed_ranks": [0, 1], "confidence": 0.5}, replace_on)
     assert not _quarantines({"kind": "hang", "failed_ranks": [0], "confidence": 1.0}, replace_on)
+    # A node cut off is replaced; ranks cut off while their node mates are heard only restart.
+    replace_on = ("network_partition",)
+    assert _quarantines({"kind": "network_partition", "failed_ranks": [2, 3], "scope": "node"}, replace_on)
+    assert not _quarantines({"kind": "network_partition", "failed_ranks": [2], "scope": "rank"}, replace_on)
 
 
 def test_the_leader_restores_only_a_step_every_replica_group_certified() -> None:

@@ -19,8 +19,9 @@ only when:
 - every successor generation restored the step and topology its restart context selected;
 - the job finished and its final parameters equal the baseline's bit for bit.
 
-It writes `summary.json` (per campaign: generations, incidents, the scoring of detection against the
-ground truth, the verdict) to the output folder and exits 0 only when every campaign passed.
+It writes `summary.json` (per campaign: generations, incidents with the action the job took and the
+one FAILURES.md names, the scoring of detection against the ground truth, the verdict) to the
+output folder and exits 0 only when every campaign passed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from examples.torchrun.resiliency_cycle import cluster
+from lm_resiliency.core.taxonomy import CYCLE_ACTIONS
 from lm_resiliency.faults.campaign import Campaign, CampaignError, Schedule, load_campaigns
 from lm_resiliency.faults.inject import check_injectable, read_ground_truth
 from lm_resiliency.faults.scoring import evaluate, read_reports
@@ -131,6 +133,22 @@ def _generations(val: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _action(
+    truth: list[Any], incident_id: str, iteration: int, kinds: set[str], gens: list[dict[str, Any]]
+) -> str:
+    """What the job did about an occurrence: the generation after the one it was injected in, when
+    a failure of one of `kinds` (what its verdicts said) started it, admitted a standby ("replace")
+    or restarted on the same nodes ("restart"); "none" when the job went on without one for it (a
+    damaged copy skipped, a slow rank only reported)."""
+    when = [g.generation for g in truth if (g.incident_id, g.iteration) == (incident_id, iteration)]
+    if not when or when[0] is None:
+        return "none"
+    after = [g for g in gens if g["generation"] == when[0] + 1 and g["failure_kind"] in kinds]
+    if not after:
+        return "none"
+    return "replace" if after[0]["admitted"] else "restart"
+
+
 def _final_equal(a: Path, b: Path) -> bool:
     import torch
 
@@ -175,6 +193,7 @@ def run_campaign(
     reports = read_reports(report_dir) if report_dir.is_dir() else []
     score = evaluate(truth, reports)
     injected = {(g.incident_id, g.iteration, g.fault_id) for g in truth}
+    gens = _generations(val)
     incidents = []
     for incident_id, iteration in expected_occurrences(c, steps):
         inc = c.incident(incident_id)
@@ -184,6 +203,7 @@ def run_campaign(
             for o in score["occurrences"]
             if o["occurrence_id"].split("#")[0] == f"{incident_id}@{iteration}"
         ]
+        types = {f.type for f in inc.faults}
         incidents.append(
             {
                 "occurrence": f"{incident_id}@{iteration}",
@@ -193,9 +213,18 @@ def run_campaign(
                 "kind_match": any(o["kind_match"] for o in occ),
                 "reported_kind": occ[0]["reported_kind"] if occ else None,
                 "detection_latency_s": occ[0]["detection_latency_s"] if occ else None,
+                "action": _action(
+                    truth,
+                    incident_id,
+                    iteration,
+                    {o["reported_kind"] for o in occ} | {k for o in occ for k in o["expected_kinds"]},
+                    gens,
+                ),
+                "expected_action": "replace"
+                if "replace" in {CYCLE_ACTIONS.get(t) for t in types}
+                else "restart",
             }
         )
-    gens = _generations(val)
     finished = (val / "final.pt").exists()
     equal = _final_equal(baseline / "final.pt", val / "final.pt")
     passed = (
@@ -301,7 +330,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         for i in r["incidents"]:
             print(
                 f"   {i['occurrence']}: completed={i['completed']} localized={i['localized']} "
-                f"kind={i['reported_kind']}",
+                f"kind={i['reported_kind']} action={i['action']} (FAILURES.md: {i['expected_action']})",
                 flush=True,
             )
         print(f"   passed={r['passed']} (bitwise={r['final_state_bitwise_equal_to_baseline']})", flush=True)

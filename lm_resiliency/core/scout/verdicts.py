@@ -23,6 +23,11 @@ that reports and tests rely on.
 - Stalls (`StallDetector`): a rank whose training thread has been inside its data loader, or inside
   the framework's checkpoint I/O, for longer than that phase's threshold (`data_stall`,
   `checkpoint_stall`).
+- Silence (`SilenceDetector`): a peer whose heartbeats stopped while this rank kept completing steps
+  with it (their collectives complete: it lives) is cut off from our transport (`network_partition`).
+  Every rank of a node silent is the node's partition (`node_unreachable`: replaced); some of them,
+  the ranks' endpoints (`rank_unreachable`, a message drop: restarted). A rank that stopped hearing
+  half its peers or more may be the one cut off itself (`unreachable_ambiguous`: restarted).
 """
 
 from __future__ import annotations
@@ -40,9 +45,11 @@ __all__ = [
     "PHASES",
     "STALL_KINDS",
     "STATE_NAMES",
+    "UNREACHABLE",
     "HangDetector",
     "PhaseTimes",
     "Progress",
+    "SilenceDetector",
     "StallDetector",
     "StragglerDetector",
     "Verdict",
@@ -69,6 +76,9 @@ LEFT = f"left_while{PEERS_WAIT}"
 # its own while its peers wait in the next collective is not a hang.
 CHECKPOINT_IO_CODE = ("/torch/serialization.py", "/torch/distributed/checkpoint/", "/safetensors/")
 MODULE_CODE = "/torch/nn/modules/module.py"  # a module's __call__: some model is running
+# Reasons of a `network_partition` verdict: the node's endpoints, some ranks' endpoints, or a
+# reporter that hears too few peers to tell whether it is the one cut off.
+UNREACHABLE = ("node_unreachable", "rank_unreachable", "unreachable_ambiguous")
 
 
 def in_checkpoint_io(filenames: Iterable[str]) -> bool:
@@ -414,4 +424,80 @@ class StallDetector:
             )
         # Ranks we no longer hear from keep their open stall: silence is not recovery.
         self._open = stalled | {(r, ph) for r, ph in self._open if r not in progress}
+        return out
+
+
+class SilenceDetector:
+    """Names peers cut off from our transport while they live: declared dead (their heartbeats
+    stopped for the heartbeat timeout), silent `hold_s` longer, and meanwhile this rank completed
+    `min_steps` steps, whose collectives they took part in. A dead or frozen peer stops those
+    collectives (a hang, or an exit its agent sees); one that only lost its messages does not.
+
+    Each rank is named once per silence: heard again, its next silence is news again."""
+
+    def __init__(self, hold_s: float, min_steps: int = 3) -> None:
+        self.hold_s = hold_s
+        self.min_steps = min_steps
+        self._since: dict[int, tuple[float, int]] = {}  # rank -> (first seen silent, own step then)
+        self._named: set[int] = set()
+
+    def observe(
+        self,
+        now: float,
+        step: int,
+        silent: Iterable[int],
+        peers: Iterable[int],
+        node_of: Mapping[int, str],
+        me: int,
+    ) -> list[Verdict]:
+        """`silent`: the ranks declared dead (any in the world); `peers`: those whose collectives
+        this rank shares (its steps complete only with them); `node_of`: every rank's node."""
+        silent = frozenset(silent) - {me}
+        peer_set = frozenset(peers) - {me}
+        for r in [r for r in self._since if r not in silent]:
+            del self._since[r]
+            self._named.discard(r)
+        for r in silent:
+            self._since.setdefault(r, (now, step))
+        cut = {
+            r
+            for r in silent & peer_set
+            if r not in self._named
+            and now - self._since[r][0] >= self.hold_s
+            and step - self._since[r][1] >= self.min_steps
+        }
+        if not cut:
+            return []
+        self._named |= cut
+        quiet = max(now - self._since[r][0] for r in cut)
+        steps = min(step - self._since[r][1] for r in cut)
+        said = f"sent nothing on our transport for {quiet:.1f}s while this rank completed {steps} steps with"
+
+        def verdict(ranks: Iterable[int], reason: str, endpoint: str, detail: str) -> Verdict:
+            rs = tuple(sorted(ranks))
+            return Verdict(
+                "network_partition", rs, step, reason, detail, stall_duration_s=quiet, endpoint=endpoint
+            )
+
+        # Hearing fewer than half of the others, this rank may be the one cut off: a restart, no node named.
+        if 2 * len(silent) > len(node_of) - 1:
+            return [
+                verdict(
+                    cut,
+                    "unreachable_ambiguous",
+                    f"rank:{min(cut)}",
+                    f"ranks {sorted(cut)} {said} them; this rank hears only {len(node_of) - 1 - len(silent)} "
+                    f"of {len(node_of) - 1} others, so it may be the one cut off",
+                )
+            ]
+        out = []
+        for node in sorted({node_of[r] for r in cut}):
+            on_node = {r for r, n in node_of.items() if n == node}
+            here = sorted(cut & on_node)
+            if on_node <= silent:
+                detail = f"every rank of node {node} ({sorted(on_node)}) {said} them: the node is cut off"
+                out.append(verdict(on_node, "node_unreachable", f"node:{node}", detail))
+            else:
+                detail = f"ranks {here} {said} them while the rest of node {node} is heard: messages dropped"
+                out.append(verdict(here, "rank_unreachable", f"rank:{here[0]}", detail))
         return out
