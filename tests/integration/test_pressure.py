@@ -134,13 +134,15 @@ def test_the_megatron_loop_survives_a_campaign_bitwise(processes, tmp_path: Path
 
 
 @pytest.mark.multiprocess
-def test_a_rank_silent_then_lost_resumes_from_a_step_every_rank_kept(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Rank 0's messages stop at iteration 3 (its training goes on). Its peer, once it declared it
-    dead, judged the later steps without it and certified them: it then kept only its newest two
-    captures, while rank 0, which certified nothing more, kept its last certified one. Rank 0's
-    newest copy damaged and its process killed at iteration 26, no step was held by both and the
-    job started again from step 0. Uncertified while a replica is silent, both keep the last step
-    certified by both, and the job resumes there."""
+def test_a_node_cut_off_while_it_trains_is_replaced_then_a_lost_rank_resumes_from_a_common_step(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0's messages stop at iteration 3 while its training goes on (its node's only rank: the
+    node is cut off). Before, it was reported and never acted on, and its peers certified the later
+    steps without it; with rank 0's newest copy damaged and its process killed at iteration 26, no
+    step was held by every rank and the job started again from step 0. Now its peers, training on
+    with it, name the node cut off (`network_partition`), the standby takes its slot and restores
+    rank 0 from a peer's replica; the later loss restarts in place from a step every rank kept."""
     mute = {
         "incident_id": "01-silent",
         "trigger": {"at": [3]},
@@ -166,10 +168,15 @@ def test_a_rank_silent_then_lost_resumes_from_a_step_every_rank_kept(processes, 
         ],
     }
     c = _orchestrate(processes, tmp_path, _campaign([mute, lost], total_steps=30, standby_nodes=1), nodes=4)
-    assert c["finished"] and c["final_state_bitwise_equal_to_baseline"], c["log"]
+    assert c["finished"] and c["final_state_bitwise_equal_to_baseline"] and c["passed"], c["log"]
     gens = c["generations"]
-    assert [g["failure_kind"] for g in gens] == ["none", "process_failure"], gens
-    assert 1 <= gens[1]["resumed_at_step"] <= 3, gens  # the last step both certified
+    assert [g["failure_kind"] for g in gens] == ["none", "network_partition", "process_failure"], gens
+    assert gens[1]["admitted"] and gens[1]["restored_from"].startswith("peer:"), gens[1]
+    # (The silence is first reported as a process failure, at the heartbeat timeout.)
+    assert [(i["localized"], i["kind_match"], i["action"]) for i in c["incidents"]] == [
+        (True, True, "replace"),
+        (True, True, "restart"),
+    ], c["incidents"]
 
 
 @pytest.mark.parametrize(

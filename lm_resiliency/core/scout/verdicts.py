@@ -469,9 +469,11 @@ class SilenceDetector:
         if not cut:
             return []
         self._named |= cut
-        quiet = max(now - self._since[r][0] for r in cut)
+        # Silent since about a heartbeat timeout before they were declared dead.
+        quiet = max(now - self._since[r][0] for r in cut) + self.hold_s
         steps = min(step - self._since[r][1] for r in cut)
-        said = f"sent nothing on our transport for {quiet:.1f}s while this rank completed {steps} steps with"
+        said = f"sent nothing on our transport for about {quiet:.1f}s, while this rank completed {steps} "
+        said += "steps with"
 
         def verdict(ranks: Iterable[int], reason: str, endpoint: str, detail: str) -> Verdict:
             rs = tuple(sorted(ranks))
