@@ -576,6 +576,45 @@ def test_a_worker_reads_whether_the_leader_is_restarting_its_generation(store: A
     dead.close()
 
 
+@pytest.mark.parametrize(
+    ("names", "scope", "confidence", "excluded"),
+    [
+        ("abc", "node", 1.0, {"b": "network_partition"}),  # a node cut off, a standby parked: replaced
+        ("ab", "node", 1.0, {}),  # no standby: restarted in place (a link that flapped may work again)
+        ("abc", "rank", 1.0, {}),  # a rank's messages dropped while its node mate is heard: restarted
+        ("abc", "node", 0.5, {}),  # a reporter that may be the one cut off: restarted, nobody out
+    ],
+)
+def test_a_node_cut_off_is_replaced_only_when_sure_and_a_standby_can_take_its_slot(
+    tmp_path: Path, store: Any, names: str, scope: str, confidence: float, excluded: dict[str, str]
+) -> None:
+    from lm_resiliency.config import RecoveryPolicyConfig
+    from lm_resiliency.runtime.control import ControlChannel
+
+    # No worker policy: the backend's default is the policy's.
+    assert RecoveryPolicyConfig().replace_node_on == tr.DEFAULT_REPLACE_ON
+    group = _Agents(store, tmp_path, names)
+    ch = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
+    try:
+        cut = {"kind": "network_partition", "scope": scope, "failed_ranks": [1], "confidence": confidence}
+        ch.post_verdict(0, {**cut, "reason": "node_unreachable"})
+        assert ch.flush(10)
+        for _ in range(200):
+            if group.handlers["a"].num_nodes_waiting() == 1:
+                break
+            threading.Event().wait(0.05)
+        s = tr._Control(store, "unit-run").read()[1]  # type: ignore[index]
+        assert s.phase == rs.RESTARTING, s
+        assert s.pending["failure_kind"] == "network_partition" and s.pending["culprits"] == ["b"], s.pending
+        assert s.excluded == excluded
+    finally:
+        ch.close()
+        tr._Control(store, "unit-run").update(rs.close)
+        if "c" in names:
+            group.threads["c"].join(30)  # the parked standby leaves when the run closes
+        group.shutdown()
+
+
 def test_monitor_shows_the_runs_nodes_copies_incidents_and_generations(
     tmp_path: Path, store: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
