@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from lm_resiliency.adapters.base import AdapterTopology, StepTimes
+from lm_resiliency.adapters.base import AdapterTopology, StepTimes, numerics_settings
 from lm_resiliency.adapters.detect import FRAMEWORKS, detect_framework
 from lm_resiliency.config import (
     REPLACE_ONLY_FAILURES,
@@ -75,8 +75,14 @@ def _actionable(report: dict[str, Any], replace_on: frozenset[str] = frozenset()
     peers waiting on a rank, or a slow-job kind (REPLACE_ONLY_FAILURES) the run's policy replaces
     nodes for (`replace_on`)."""
     kind = report.get("kind")
+    reason = str(report.get("reason", ""))
     return (
-        kind in BACKEND_ACTIONABLE or kind in replace_on or str(report.get("reason", "")).endswith(PEERS_WAIT)
+        kind in BACKEND_ACTIONABLE
+        or kind in replace_on
+        or reason.endswith(PEERS_WAIT)
+        # Torch settings drifted on some ranks (a restart starts them as the job's others); not
+        # optimizer settings stepped differently by the script, which a restart would repeat.
+        or (kind == "config_drift" and reason == "settings_differ")
     )
 
 
@@ -613,6 +619,9 @@ class Session:
             "enable_checkpoint": repr(bool(self.settings["enable_checkpoint"])),
             "enable_detection": repr(bool(self.settings["enable_detection"])),
             "recovery_mode": repr(self._recovery_mode.value if self._recovery_mode else None),
+            # Torch's process-wide numerics (TF32, determinism, ...): a node started with another
+            # environment computes otherwise; SCOUT's gossip names one that changes them later.
+            "torch.numerics": numerics_settings(),
         }
         for prefix, cfg in (
             ("checkpoint", self.settings["checkpoint"]),

@@ -16,6 +16,7 @@ __all__ = [
     "collector_paused",
     "is_dtensor",
     "live_instances",
+    "numerics_settings",
     "thread_stack_files",
 ]
 
@@ -197,3 +198,25 @@ def is_compiled(module: Any) -> bool:
 def is_dtensor(t: object) -> bool:
     """True for a DTensor (FSDP2, TP, HSDP): it has a local shard (`to_local`)."""
     return callable(getattr(t, "to_local", None))
+
+
+def numerics_settings() -> str:
+    """The process-wide torch settings that change what a replica computes ("key=value,..."):
+    TF32 in matmuls and convolutions, float32 matmul precision, deterministic algorithms, cuDNN's
+    determinism and autotuning, the default dtype. Replicas must share them to agree bit for bit;
+    one set differently (a node started with another environment, a script that flips one on
+    some ranks) is a config drift."""
+    import torch
+
+    b = torch.backends
+    return ",".join(
+        (
+            f"tf32_matmul={int(b.cuda.matmul.allow_tf32)}",
+            f"tf32_cudnn={int(b.cudnn.allow_tf32)}",
+            f"matmul_precision={torch.get_float32_matmul_precision()}",
+            f"deterministic={int(torch.are_deterministic_algorithms_enabled())}",
+            f"cudnn_deterministic={int(b.cudnn.deterministic)}",
+            f"cudnn_benchmark={int(b.cudnn.benchmark)}",
+            f"default_dtype={str(torch.get_default_dtype()).removeprefix('torch.')}",
+        )
+    )

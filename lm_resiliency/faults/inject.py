@@ -73,11 +73,15 @@ INJECTABLE: dict[str, tuple[str, ...]] = {
     "io_error": ("checkpoint", "resource"),
     "message_drop": ("process", "collective"),
     "network_partition": ("process", "collective"),
+    "config_drift": ("config", "process"),
     "checkpoint_corruption": ("checkpoint",),
     "checkpoint_truncation": ("checkpoint",),
     "checkpoint_missing": ("checkpoint",),
 }
 _CHECKPOINT_TYPES = ("checkpoint_corruption", "checkpoint_truncation", "checkpoint_missing")
+_NODE_TYPES = ("network_partition", "config_drift")  # injected on every rank of the target's node
+# config_drift's `setting`: a process-wide torch setting replicas must share, set the other way.
+_DRIFTS = ("cudnn_benchmark", "matmul_precision", "deterministic")
 
 _PRE_FORWARD, _OUTPUT, _PRE_OPTIMIZER, _POST = "forward", "output", "pre_optimizer", "post"
 _TENSOR_TYPES = ("tensor_corruption", "drop", "duplicate", "reorder")
@@ -109,6 +113,19 @@ def _point(fault: Fault) -> str:
     return _POST
 
 
+def _drift(setting: str) -> None:
+    """Set a process-wide torch setting the other way (config_drift): what a node started with
+    another environment, or a script that flips it on some ranks, runs with. It lasts as long as
+    the process."""
+    if setting == "cudnn_benchmark":
+        torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
+    elif setting == "matmul_precision":
+        now = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high" if now == "highest" else "highest")
+    else:
+        torch.use_deterministic_algorithms(not torch.are_deterministic_algorithms_enabled(), warn_only=True)
+
+
 def check_injectable(campaign: Campaign) -> None:
     """Refuse a campaign with a fault this version cannot inject, naming it."""
     for i, inc in enumerate(campaign.incidents):
@@ -132,6 +149,11 @@ def check_injectable(campaign: Campaign) -> None:
                         f"{key}.parameters.signal",
                         f"expected one of SIGKILL, SIGTERM, SIGINT, SIGABRT, got {sig!r}",
                     )
+            if f.type == "config_drift" and f.parameters.get("setting", "cudnn_benchmark") not in _DRIFTS:
+                raise CampaignError(
+                    f"{key}.parameters.setting",
+                    f"expected one of {', '.join(_DRIFTS)}, got {f.parameters.get('setting')!r}",
+                )
             if f.type == "resource_exhaustion":
                 res = f.parameters.get("resource", "file_descriptors")
                 if res not in ("file_descriptors", "memory"):
@@ -211,7 +233,8 @@ class CampaignInjector:
             campaign, {Occurrence(g.incident_id, g.iteration, g.attempt) for g in history}
         )
         self._active: list[_Active] = []
-        # A partition cuts off the target rank's whole node: every rank there injects it.
+        # A partition cuts off the target rank's whole node, and a config drift is the node's
+        # environment: every rank there injects it.
         self._node_of = node_of
         self._runtime = runtime
         self._scout = scout
@@ -219,8 +242,7 @@ class CampaignInjector:
             inc.incident_id: tuple(
                 f
                 for f in inc.faults
-                if f in inc.faults_for(rank)
-                or (f.type == "network_partition" and self._same_node(f.target.rank))
+                if f in inc.faults_for(rank) or (f.type in _NODE_TYPES and self._same_node(f.target.rank))
             )
             for inc in campaign.incidents
         }
@@ -429,6 +451,8 @@ class CampaignInjector:
                 log.warning("%s: no runtime to silence (a single-process session)", what)
                 return
             self._runtime.mute(float(p.get("duration_s", 60.0)))
+        elif f.type == "config_drift":
+            _drift(str(p.get("setting", "cudnn_benchmark")))
         elif f.type in _CHECKPOINT_TYPES:
             self._damage_checkpoint(
                 f.type, what, random.Random(f"{self.campaign.seed}/{a.occurrence.occurrence_id}")

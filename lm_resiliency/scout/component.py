@@ -31,7 +31,13 @@ import torch.distributed as dist
 import xxhash
 
 from lm_resiliency.adapters.amp import mark_ours
-from lm_resiliency.adapters.base import is_compiled, is_dtensor, thread_stack_files, zero_partition
+from lm_resiliency.adapters.base import (
+    is_compiled,
+    is_dtensor,
+    numerics_settings,
+    thread_stack_files,
+    zero_partition,
+)
 from lm_resiliency.adapters.canonical import ddp_parameters
 from lm_resiliency.config import ReplayHarnessConfig, SCOUTFaultReport
 from lm_resiliency.core.messages import (
@@ -64,6 +70,7 @@ from lm_resiliency.core.scout.verdicts import (
     Verdict,
     desync_verdict,
     fingerprint_verdict,
+    settings_verdict,
     unmarked_phase,
 )
 from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
@@ -275,7 +282,9 @@ class EvidenceResolver:
 
 # Verdicts each rank reaches at its own step (out of band, while training is stuck): voted on
 # without the step, so that ranks at different steps agree on one key.
-UNSTEPPED = frozenset({"hang", "collective_stall", "data_stall", "checkpoint_stall", "network_partition"})
+UNSTEPPED = frozenset(
+    {"hang", "collective_stall", "data_stall", "checkpoint_stall", "network_partition", "config_drift"}
+)
 ENDED_STEPS = 1024  # step end times kept for detection latencies
 PEERS_SCOPE = "peers/"  # vote keys of verdicts the peer group decides (not only the replica group)
 DENSE_ROUNDS = 8  # audits over which every dense layer of an expert-parallel model is re-executed
@@ -339,6 +348,8 @@ class Scout:
         self._stalls = StallDetector(phases)
         # A peer declared dead stays silent one more heartbeat timeout before it is named cut off.
         self._silences = SilenceDetector(heartbeat_timeout_s)
+        # The numerics settings drifts named so far (once each).
+        self._drifts: set[tuple[tuple[int, ...], str]] = set()
         self._node_of = {r: topology.node_of(r) for r in range(topology.world_size)}
         self._evidence: dict[int, dict[int, Evidence]] = {}
         self._times: dict[int, dict[int, PhaseTimes]] = {}
@@ -1142,6 +1153,7 @@ class Scout:
             phase[0] if phase else "",
             now - phase[1] if phase else 0.0,
             tuple(getattr(a, "collective_recent", ())),
+            numerics_settings(),
         )
 
     def _unmarked_phase(self, now: float) -> tuple[str, float] | None:
@@ -1203,6 +1215,11 @@ class Scout:
                     self._report(v, among_peers=True)
                 for stall in self._stalls.observe(own.step, ours):
                     self._report(stall, among_peers=True)
+                said = {r: self._progress[r].settings for r in live if r in self._progress}
+                drift = settings_verdict(own.step, said)
+                if drift is not None and (drift.ranks, drift.detail) not in self._drifts:
+                    self._drifts.add((drift.ranks, drift.detail))
+                    self._report(drift, among_peers=True)
             if self.config.enable:
                 everyone = self.runtime.silent()
                 for cut in self._silences.observe(

@@ -16,6 +16,7 @@ from lm_resiliency.core.scout.verdicts import (
     fingerprint_verdict,
     hang_verdict,
     in_checkpoint_io,
+    settings_verdict,
     unmarked_phase,
 )
 
@@ -376,3 +377,16 @@ def test_only_peers_whose_collectives_this_rank_shares_are_judged_alive() -> Non
     d = SilenceDetector(hold_s=1.0, min_steps=1)
     d.observe(0.0, 0, {4}, (0, 1, 2, 3), NODES, 0)
     assert d.observe(5.0, 9, {4}, (0, 1, 2, 3), NODES, 0) == []
+
+
+def test_ranks_whose_torch_settings_differ_from_the_majority_drifted() -> None:
+    base = "tf32_matmul=0,matmul_precision=highest,deterministic=0"
+    odd = "tf32_matmul=1,matmul_precision=high,deterministic=0"
+    assert settings_verdict(4, {0: base, 1: base, 2: base}) is None
+    assert settings_verdict(4, {0: base, 1: ""}) is None  # a rank that sent none (an older version)
+    v = settings_verdict(4, {0: base, 1: base, 2: odd, 3: base})
+    assert v is not None and (v.kind, v.ranks, v.reason) == ("config_drift", (2,), "settings_differ")
+    assert v.detail == "ranks [2] have matmul_precision=high (others highest), tf32_matmul=1 (others 0)"
+    # Two ranks: no majority; the lowest rank's settings count as the job's.
+    v = settings_verdict(9, {0: base, 1: odd})
+    assert v is not None and v.ranks == (1,)

@@ -183,6 +183,10 @@ def test_an_optimizer_state_corruption_and_its_lifetime_in_iterations(tmp_path: 
         ({"type": "collective_desync", "target": {"surface": "process"}}, "incidents[0].faults[0].type"),
         ({"type": "hang", "target": {"surface": "weight"}}, "incidents[0].faults[0].target.surface"),
         (
+            {"type": "config_drift", "target": {"surface": "config"}, "parameters": {"setting": "tf33"}},
+            "incidents[0].faults[0].parameters.setting",
+        ),
+        (
             {
                 "type": "process_termination",
                 "target": {"surface": "process"},
@@ -406,6 +410,31 @@ def test_a_rank_whose_messages_are_dropped_is_named_while_it_lives(processes, tm
     truth = read_ground_truth(tmp_path / "ground-truth" / "t")
     ev = evaluate(truth, _all_reports(tmp_path))
     assert ev["localized"] == 1 and ev["kind_matched"] == 1, ev
+
+
+@pytest.mark.multiprocess
+def test_a_node_whose_torch_settings_drift_is_named_by_the_gossip(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """config_drift: at iteration 3 every rank of rank 1's node (here, rank 1) turns cuDNN's
+    autotuning on, as a node started with another environment runs. Its progress gossip carries
+    its torch settings; both ranks name rank 1 `config_drift` (`settings_differ`), saying which
+    setting differs."""
+    c = _campaign({"type": "config_drift", "target": {"surface": "config", "rank": 1}})
+    per_rank = ({"AWAIT_REPORT_S": "30"}, {"AWAIT_REPORT_S": "30"})
+    procs, _store = _start_pair(processes, tmp_path, c, 12, per_rank, nodes=True)
+    for r, p in enumerate(procs):
+        assert p.wait(90) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
+    for r in range(2):
+        drifts = [
+            x
+            for x in json.loads((tmp_path / f"rank{r}.json").read_text())["reports"]
+            if x["kind"] != "process_failure"
+        ]
+        assert [(x["kind"], x["failed_ranks"], x["reason"]) for x in drifts] == [
+            ("config_drift", [1], "settings_differ")
+        ], drifts
+        assert drifts[0]["detail"] == "ranks [1] have cudnn_benchmark=1 (others 0)", drifts
+    ev = evaluate(read_ground_truth(tmp_path / "ground-truth" / "t"), _all_reports(tmp_path))
+    assert ev["localized"] == 1 and ev["kind_matched"] == 1 and ev["false_positives"] == 0, ev
 
 
 @pytest.mark.multiprocess

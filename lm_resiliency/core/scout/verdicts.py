@@ -23,6 +23,9 @@ that reports and tests rely on.
 - Stalls (`StallDetector`): a rank whose training thread has been inside its data loader, or inside
   the framework's checkpoint I/O, for longer than that phase's threshold (`data_stall`,
   `checkpoint_stall`).
+- Settings (`settings_verdict`): every rank gossips the torch settings its numerics depend on (TF32,
+  matmul precision, determinism, cuDNN, default dtype); ranks whose values differ from the
+  majority's drifted (`config_drift`, `settings_differ`): replicas set up differently disagree.
 - Silence (`SilenceDetector`): a peer whose heartbeats stopped while this rank kept completing steps
   with it (their collectives complete: it lives) is cut off from our transport (`network_partition`).
   Every rank of a node silent is the node's partition (`node_unreachable`: replaced); some of them,
@@ -57,6 +60,7 @@ __all__ = [
     "fingerprint_verdict",
     "hang_verdict",
     "in_checkpoint_io",
+    "settings_verdict",
     "unmarked_phase",
 ]
 
@@ -503,3 +507,31 @@ class SilenceDetector:
                 detail = f"ranks {here} {said} them while the rest of node {node} is heard: messages dropped"
                 out.append(verdict(here, "rank_unreachable", f"rank:{here[0]}", detail))
         return out
+
+
+def settings_verdict(step: int, settings: Mapping[int, str]) -> Verdict | None:
+    """`settings`: each rank's "key=value,..." (ranks that sent none are left out). The ranks whose
+    settings differ from the most common (ties: the one the lowest rank holds) drifted; None when
+    all agree."""
+    by_value: dict[str, list[int]] = {}
+    for r, v in sorted(settings.items()):
+        if v:
+            by_value.setdefault(v, []).append(r)
+    if len(by_value) < 2:
+        return None
+    common = max(by_value.items(), key=lambda kv: (len(kv[1]), -kv[1][0]))[0]
+    odd = tuple(sorted(r for v, ranks in by_value.items() if v != common for r in ranks))
+
+    def parse(v: str) -> dict[str, str]:
+        return dict(kv.partition("=")[::2] for kv in v.split(",") if kv)
+
+    want = parse(common)
+    parts = []
+    for v, ranks in sorted(by_value.items(), key=lambda kv: kv[1][0]):
+        if v == common:
+            continue
+        have = parse(v)
+        keys = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+        diff = ", ".join(f"{k}={have.get(k, '<unset>')} (others {want.get(k, '<unset>')})" for k in keys)
+        parts.append(f"ranks {ranks} have {diff}")
+    return Verdict("config_drift", odd, step, "settings_differ", "; ".join(parts))
