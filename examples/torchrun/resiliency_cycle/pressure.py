@@ -203,7 +203,10 @@ def run_campaign(
             for o in score["occurrences"]
             if o["occurrence_id"].split("#")[0] == f"{incident_id}@{iteration}"
         ]
-        types = {f.type for f in inc.faults}
+        # The campaign's own word (a fault's `target.metadata.recovery_action`), else FAILURES.md's.
+        wanted = {
+            str(f.target.metadata.get("recovery_action") or CYCLE_ACTIONS.get(f.type)) for f in inc.faults
+        }
         incidents.append(
             {
                 "occurrence": f"{incident_id}@{iteration}",
@@ -220,9 +223,7 @@ def run_campaign(
                     {o["reported_kind"] for o in occ} | {k for o in occ for k in o["expected_kinds"]},
                     gens,
                 ),
-                "expected_action": "replace"
-                if "replace" in {CYCLE_ACTIONS.get(t) for t in types}
-                else "restart",
+                "expected_action": "replace" if "replace" in wanted else "restart",
             }
         )
     finished = (val / "final.pt").exists()
@@ -330,7 +331,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         for i in r["incidents"]:
             print(
                 f"   {i['occurrence']}: completed={i['completed']} localized={i['localized']} "
-                f"kind={i['reported_kind']} action={i['action']} (FAILURES.md: {i['expected_action']})",
+                f"kind={i['reported_kind']} action={i['action']} (expected: {i['expected_action']})",
                 flush=True,
             )
         print(f"   passed={r['passed']} (bitwise={r['final_state_bitwise_equal_to_baseline']})", flush=True)
