@@ -463,11 +463,15 @@ class SilenceDetector:
             self._named.discard(r)
         for r in silent:
             self._since.setdefault(r, (now, step))
+        # Hearing fewer than half of the others, this rank may be the one cut off: it waits twice
+        # as long, so that in a real split the ranks that can tell (who name the node) speak first.
+        ambiguous = 2 * len(silent) > len(node_of) - 1
+        hold = self.hold_s * (2 if ambiguous else 1)
         cut = {
             r
             for r in silent & peer_set
             if r not in self._named
-            and now - self._since[r][0] >= self.hold_s
+            and now - self._since[r][0] >= hold
             and step - self._since[r][1] >= self.min_steps
         }
         if not cut:
@@ -485,8 +489,7 @@ class SilenceDetector:
                 "network_partition", rs, step, reason, detail, stall_duration_s=quiet, endpoint=endpoint
             )
 
-        # Hearing fewer than half of the others, this rank may be the one cut off: a restart, no node named.
-        if 2 * len(silent) > len(node_of) - 1:
+        if ambiguous:  # a restart, no node named
             return [
                 verdict(
                     cut,
