@@ -62,6 +62,7 @@ from lm_resiliency.core.scout.replay import (
 )
 from lm_resiliency.core.scout.verdicts import (
     PEERS_WAIT,
+    DriftDetector,
     HangDetector,
     PhaseTimes,
     SilenceDetector,
@@ -70,7 +71,6 @@ from lm_resiliency.core.scout.verdicts import (
     Verdict,
     desync_verdict,
     fingerprint_verdict,
-    settings_verdict,
     unmarked_phase,
 )
 from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
@@ -348,8 +348,7 @@ class Scout:
         self._stalls = StallDetector(phases)
         # A peer declared dead stays silent one more heartbeat timeout before it is named cut off.
         self._silences = SilenceDetector(heartbeat_timeout_s)
-        # The numerics settings drifts named so far (once each).
-        self._drifts: set[tuple[tuple[int, ...], str]] = set()
+        self._drifts = DriftDetector(4 * heartbeat_s)
         self._node_of = {r: topology.node_of(r) for r in range(topology.world_size)}
         self._evidence: dict[int, dict[int, Evidence]] = {}
         self._times: dict[int, dict[int, PhaseTimes]] = {}
@@ -1216,9 +1215,8 @@ class Scout:
                 for stall in self._stalls.observe(own.step, ours):
                     self._report(stall, among_peers=True)
                 said = {r: self._progress[r].settings for r in live if r in self._progress}
-                drift = settings_verdict(own.step, said)
-                if drift is not None and (drift.ranks, drift.detail) not in self._drifts:
-                    self._drifts.add((drift.ranks, drift.detail))
+                drift = self._drifts.observe(time.monotonic(), own.step, said)
+                if drift is not None:
                     self._report(drift, among_peers=True)
             if self.config.enable:
                 everyone = self.runtime.silent()

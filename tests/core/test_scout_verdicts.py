@@ -6,6 +6,7 @@ import pytest
 
 from lm_resiliency.core.scout.verdicts import (
     PEERS_WAIT,
+    DriftDetector,
     HangDetector,
     PhaseTimes,
     Progress,
@@ -392,3 +393,18 @@ def test_ranks_whose_torch_settings_differ_from_the_majority_drifted() -> None:
     # Two ranks: no majority; the lowest rank's settings count as the job's.
     v = settings_verdict(9, {0: base, 1: odd})
     assert v is not None and v.ranks == (1,)
+
+
+def test_a_drift_is_named_once_when_it_lasts_past_the_hold() -> None:
+    """Every rank turning TF32 on at one step is seen half-flipped for up to a heartbeat (each
+    gossips its own every 0.5 s): not named. Rank 2 alone from t=10 on: named at 12, once."""
+    off, on = "tf32_matmul=0", "tf32_matmul=1"
+    d = DriftDetector(hold_s=2.0)
+    assert d.observe(0.0, 5, {0: on, 1: off, 2: off}) is None
+    assert d.observe(0.5, 5, {0: on, 1: on, 2: off}) is None
+    assert d.observe(1.0, 5, {0: on, 1: on, 2: on}) is None
+    assert d.observe(10.0, 9, {0: on, 1: on, 2: off}) is None
+    assert d.observe(11.9, 9, {0: on, 1: on, 2: off}) is None
+    v = d.observe(12.0, 9, {0: on, 1: on, 2: off})  # the job may have stopped stepping meanwhile
+    assert v is not None and v.ranks == (2,) and v.detail == "ranks [2] have tf32_matmul=0 (others 1)"
+    assert d.observe(30.0, 9, {0: on, 1: on, 2: off}) is None

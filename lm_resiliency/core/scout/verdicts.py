@@ -23,9 +23,11 @@ that reports and tests rely on.
 - Stalls (`StallDetector`): a rank whose training thread has been inside its data loader, or inside
   the framework's checkpoint I/O, for longer than that phase's threshold (`data_stall`,
   `checkpoint_stall`).
-- Settings (`settings_verdict`): every rank gossips the torch settings its numerics depend on (TF32,
-  matmul precision, determinism, cuDNN, default dtype); ranks whose values differ from the
-  majority's drifted (`config_drift`, `settings_differ`): replicas set up differently disagree.
+- Settings (`settings_verdict`, `DriftDetector`): every rank gossips the torch settings its
+  numerics depend on (TF32, matmul precision, determinism, cuDNN, default dtype); ranks whose values
+  differ from the majority's for a few heartbeats drifted (`config_drift`, `settings_differ`):
+  replicas set up differently disagree. (A script that flips a setting on every rank at one step
+  is seen half-flipped for up to a heartbeat: not a drift.)
 - Silence (`SilenceDetector`): a peer whose heartbeats stopped while this rank kept completing steps
   with it (their collectives complete: it lives) is cut off from our transport (`network_partition`).
   Every rank of a node silent is the node's partition (`node_unreachable`: replaced); some of them,
@@ -48,7 +50,7 @@ __all__ = [
     "PHASES",
     "STALL_KINDS",
     "STATE_NAMES",
-    "UNREACHABLE",
+    "DriftDetector",
     "HangDetector",
     "PhaseTimes",
     "Progress",
@@ -80,9 +82,6 @@ LEFT = f"left_while{PEERS_WAIT}"
 # its own while its peers wait in the next collective is not a hang.
 CHECKPOINT_IO_CODE = ("/torch/serialization.py", "/torch/distributed/checkpoint/", "/safetensors/")
 MODULE_CODE = "/torch/nn/modules/module.py"  # a module's __call__: some model is running
-# Reasons of a `network_partition` verdict: the node's endpoints, some ranks' endpoints, or a
-# reporter that hears too few peers to tell whether it is the one cut off.
-UNREACHABLE = ("node_unreachable", "rank_unreachable", "unreachable_ambiguous")
 
 
 def in_checkpoint_io(filenames: Iterable[str]) -> bool:
@@ -538,3 +537,27 @@ def settings_verdict(step: int, settings: Mapping[int, str]) -> Verdict | None:
         diff = ", ".join(f"{k}={have.get(k, '<unset>')} (others {want.get(k, '<unset>')})" for k in keys)
         parts.append(f"ranks {ranks} have {diff}")
     return Verdict("config_drift", odd, step, "settings_differ", "; ".join(parts))
+
+
+class DriftDetector:
+    """Names each settings drift (`settings_verdict`) once, when it has lasted `hold_s`. Each
+    rank gossips its settings every heartbeat, so every rank flipping one at the same step is seen
+    half-flipped for up to a heartbeat; a hold of a few heartbeats passes over that."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self._open: tuple[tuple[int, ...], str, float] | None = None  # (ranks, detail, first seen)
+        self._named: set[tuple[tuple[int, ...], str]] = set()
+
+    def observe(self, now: float, step: int, settings: Mapping[int, str]) -> Verdict | None:
+        v = settings_verdict(step, settings)
+        if v is None:
+            self._open = None
+            return None
+        key = (v.ranks, v.detail)
+        if self._open is None or self._open[:2] != key:
+            self._open = (*key, now)
+        if key in self._named or now - self._open[2] < self.hold_s:
+            return None
+        self._named.add(key)
+        return v
