@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from lm_resiliency.adapters.base import AdapterTopology, StepTimes, numerics_settings
+from lm_resiliency.adapters.base import NUMERICS_KEYS, AdapterTopology, StepTimes, numerics_settings
 from lm_resiliency.adapters.detect import FRAMEWORKS, detect_framework
 from lm_resiliency.config import (
     REPLACE_ONLY_FAILURES,
@@ -621,7 +621,9 @@ class Session:
             "recovery_mode": repr(self._recovery_mode.value if self._recovery_mode else None),
             # Torch's process-wide numerics (TF32, determinism, ...): a node started with another
             # environment computes otherwise; SCOUT's gossip names one that changes them later.
-            "torch.numerics": numerics_settings(),
+            "torch.numerics": ",".join(
+                f"{k}={v}" for k, v in zip(NUMERICS_KEYS, numerics_settings().split(","), strict=True)
+            ),
         }
         for prefix, cfg in (
             ("checkpoint", self.settings["checkpoint"]),

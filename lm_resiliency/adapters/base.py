@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 __all__ = [
+    "NUMERICS_KEYS",
     "AdapterTopology",
     "FrameworkAdapter",
     "StepTimes",
@@ -200,9 +201,22 @@ def is_dtensor(t: object) -> bool:
     return callable(getattr(t, "to_local", None))
 
 
+# The torch settings of `numerics_settings`, in the order their values are gossiped.
+NUMERICS_KEYS = (
+    "tf32_matmul",
+    "tf32_cudnn",
+    "matmul_precision",
+    "deterministic",
+    "cudnn_deterministic",
+    "cudnn_benchmark",
+    "default_dtype",
+)
+
+
 def numerics_settings() -> str:
-    """The process-wide torch settings that change what a replica computes ("key=value,..."):
-    TF32 in matmuls and convolutions, float32 matmul precision, deterministic algorithms, cuDNN's
+    """The process-wide torch settings that change what a replica computes, as their values
+    joined by "," in the order of NUMERICS_KEYS (some 30 bytes, gossiped every heartbeat): TF32 in
+    matmuls and convolutions, float32 matmul precision, deterministic algorithms, cuDNN's
     determinism and autotuning, the default dtype. Replicas must share them to agree bit for bit;
     one set differently (a node started with another environment, a script that flips one on
     some ranks) is a config drift."""
@@ -211,12 +225,12 @@ def numerics_settings() -> str:
     b = torch.backends
     return ",".join(
         (
-            f"tf32_matmul={int(b.cuda.matmul.allow_tf32)}",
-            f"tf32_cudnn={int(b.cudnn.allow_tf32)}",
-            f"matmul_precision={torch.get_float32_matmul_precision()}",
-            f"deterministic={int(torch.are_deterministic_algorithms_enabled())}",
-            f"cudnn_deterministic={int(b.cudnn.deterministic)}",
-            f"cudnn_benchmark={int(b.cudnn.benchmark)}",
-            f"default_dtype={str(torch.get_default_dtype()).removeprefix('torch.')}",
+            str(int(b.cuda.matmul.allow_tf32)),
+            str(int(b.cudnn.allow_tf32)),
+            torch.get_float32_matmul_precision(),
+            str(int(torch.are_deterministic_algorithms_enabled())),
+            str(int(b.cudnn.deterministic)),
+            str(int(b.cudnn.benchmark)),
+            str(torch.get_default_dtype()).removeprefix("torch."),
         )
     )

@@ -216,7 +216,7 @@ class Progress(Message):
     # (collectives entered, chain) before the current ones, newest last: peers sampled a collective
     # or two apart still share a count to compare chains at.
     recent: tuple[tuple[int, bytes], ...] = ()
-    # "key=value,..." of the torch settings its numerics depend on (adapters.base.numerics_settings)
+    # the torch settings its numerics depend on, their values joined by "," (adapters.base.numerics_settings)
     settings: str = ""
 
 

@@ -32,6 +32,7 @@ import xxhash
 
 from lm_resiliency.adapters.amp import mark_ours
 from lm_resiliency.adapters.base import (
+    NUMERICS_KEYS,
     is_compiled,
     is_dtensor,
     numerics_settings,
@@ -348,7 +349,7 @@ class Scout:
         self._stalls = StallDetector(phases)
         # A peer declared dead stays silent one more heartbeat timeout before it is named cut off.
         self._silences = SilenceDetector(heartbeat_timeout_s)
-        self._drifts = DriftDetector(4 * heartbeat_s)
+        self._drifts = DriftDetector(4 * heartbeat_s, NUMERICS_KEYS)
         self._node_of = {r: topology.node_of(r) for r in range(topology.world_size)}
         self._evidence: dict[int, dict[int, Evidence]] = {}
         self._times: dict[int, dict[int, PhaseTimes]] = {}

@@ -383,23 +383,26 @@ def test_only_peers_whose_collectives_this_rank_shares_are_judged_alive() -> Non
 
 
 def test_ranks_whose_torch_settings_differ_from_the_majority_drifted() -> None:
-    base = "tf32_matmul=0,matmul_precision=highest,deterministic=0"
-    odd = "tf32_matmul=1,matmul_precision=high,deterministic=0"
-    assert settings_verdict(4, {0: base, 1: base, 2: base}) is None
-    assert settings_verdict(4, {0: base, 1: ""}) is None  # a rank that sent none (an older version)
-    v = settings_verdict(4, {0: base, 1: base, 2: odd, 3: base})
+    keys = ("tf32_matmul", "matmul_precision", "deterministic")
+    base, odd = "0,highest,0", "1,high,0"
+    assert settings_verdict(4, {0: base, 1: base, 2: base}, keys) is None
+    assert settings_verdict(4, {0: base, 1: ""}, keys) is None  # a rank that sent none (an older version)
+    v = settings_verdict(4, {0: base, 1: base, 2: odd, 3: base}, keys)
     assert v is not None and (v.kind, v.ranks, v.reason) == ("config_drift", (2,), "settings_differ")
-    assert v.detail == "ranks [2] have matmul_precision=high (others highest), tf32_matmul=1 (others 0)"
+    assert v.detail == "ranks [2] have tf32_matmul=1 (others 0), matmul_precision=high (others highest)"
     # Two ranks: no majority; the lowest rank's settings count as the job's.
-    v = settings_verdict(9, {0: base, 1: odd})
+    v = settings_verdict(9, {0: base, 1: odd}, keys)
     assert v is not None and v.ranks == (1,)
+    # A newer peer's extra value (no key for it here) is named by its position.
+    v = settings_verdict(9, {0: base, 1: base + ",x"}, keys)
+    assert v is not None and v.detail == "ranks [1] have #3=x (others <unset>)"
 
 
 def test_a_drift_is_named_once_when_it_lasts_past_the_hold() -> None:
     """Every rank turning TF32 on at one step is seen half-flipped for up to a heartbeat (each
     gossips its own every 0.5 s): not named. Rank 2 alone from t=10 on: named at 12, once."""
-    off, on = "tf32_matmul=0", "tf32_matmul=1"
-    d = DriftDetector(hold_s=2.0)
+    off, on = "0", "1"
+    d = DriftDetector(hold_s=2.0, keys=("tf32_matmul",))
     assert d.observe(0.0, 5, {0: on, 1: off, 2: off}) is None
     assert d.observe(0.5, 5, {0: on, 1: on, 2: off}) is None
     assert d.observe(1.0, 5, {0: on, 1: on, 2: on}) is None

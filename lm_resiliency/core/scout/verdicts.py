@@ -511,10 +511,10 @@ class SilenceDetector:
         return out
 
 
-def settings_verdict(step: int, settings: Mapping[int, str]) -> Verdict | None:
-    """`settings`: each rank's "key=value,..." (ranks that sent none are left out). The ranks whose
-    settings differ from the most common (ties: the one the lowest rank holds) drifted; None when
-    all agree."""
+def settings_verdict(step: int, settings: Mapping[int, str], keys: Sequence[str] = ()) -> Verdict | None:
+    """`settings`: each rank's values joined by "," (ranks that sent none are left out), named by
+    `keys` in order. The ranks whose settings differ from the most common (ties: the one the lowest
+    rank holds) drifted; None when all agree."""
     by_value: dict[str, list[int]] = {}
     for r, v in sorted(settings.items()):
         if v:
@@ -525,7 +525,7 @@ def settings_verdict(step: int, settings: Mapping[int, str]) -> Verdict | None:
     odd = tuple(sorted(r for v, ranks in by_value.items() if v != common for r in ranks))
 
     def parse(v: str) -> dict[str, str]:
-        return dict(kv.partition("=")[::2] for kv in v.split(",") if kv)
+        return {keys[i] if i < len(keys) else f"#{i}": x for i, x in enumerate(v.split(","))}
 
     want = parse(common)
     parts = []
@@ -533,8 +533,8 @@ def settings_verdict(step: int, settings: Mapping[int, str]) -> Verdict | None:
         if v == common:
             continue
         have = parse(v)
-        keys = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
-        diff = ", ".join(f"{k}={have.get(k, '<unset>')} (others {want.get(k, '<unset>')})" for k in keys)
+        names = [k for k in dict.fromkeys([*want, *have]) if want.get(k) != have.get(k)]
+        diff = ", ".join(f"{k}={have.get(k, '<unset>')} (others {want.get(k, '<unset>')})" for k in names)
         parts.append(f"ranks {ranks} have {diff}")
     return Verdict("config_drift", odd, step, "settings_differ", "; ".join(parts))
 
@@ -544,13 +544,14 @@ class DriftDetector:
     rank gossips its settings every heartbeat, so every rank flipping one at the same step is seen
     half-flipped for up to a heartbeat; a hold of a few heartbeats passes over that."""
 
-    def __init__(self, hold_s: float) -> None:
+    def __init__(self, hold_s: float, keys: Sequence[str] = ()) -> None:
         self.hold_s = hold_s
+        self.keys = tuple(keys)
         self._open: tuple[tuple[int, ...], str, float] | None = None  # (ranks, detail, first seen)
         self._named: set[tuple[tuple[int, ...], str]] = set()
 
     def observe(self, now: float, step: int, settings: Mapping[int, str]) -> Verdict | None:
-        v = settings_verdict(step, settings)
+        v = settings_verdict(step, settings, self.keys)
         if v is None:
             self._open = None
             return None
