@@ -20,8 +20,9 @@ only when:
 - the job finished and its final parameters equal the baseline's bit for bit.
 
 It writes `summary.json` (per campaign: generations, incidents with the action the job took and the
-one FAILURES.md names, the scoring of detection against the ground truth, the verdict) to the
-output folder and exits 0 only when every campaign passed.
+one expected (the fault's `target.metadata.recovery_action`, else FAILURES.md's), the scoring of
+detection against the ground truth, the verdict) to the output folder and exits 0 only when every
+campaign passed.
 """
 
 from __future__ import annotations
