@@ -380,6 +380,17 @@ def test_manager_reads_decisions_and_publishes_a_replacement(tmp_path: Path, sto
         h.shutdown()
 
 
+def _restarting(group: _Agents, store: Any) -> rs.RdzvState:
+    """The run's state once agent a was told to restart its workers (a verdict was acted on)."""
+    for _ in range(200):
+        if group.handlers["a"].num_nodes_waiting() == 1:
+            break
+        threading.Event().wait(0.05)
+    s = tr._Control(store, "unit-run").read()[1]  # type: ignore[index]
+    assert s.phase == rs.RESTARTING, s
+    return s  # type: ignore[no-any-return]
+
+
 @pytest.mark.parametrize("listed", [True, False])
 def test_a_slow_node_is_replaced_only_when_the_policy_lists_its_kind(
     tmp_path: Path, store: Any, listed: bool
@@ -402,12 +413,7 @@ def test_a_slow_node_is_replaced_only_when_the_policy_lists_its_kind(
         stopped = {"kind": "data_stall", "reason": "dataloader_stalled_peers_wait", "failed_ranks": [0]}
         ch.post_verdict(0, stopped)
         assert ch.flush(10)
-        for _ in range(200):
-            if group.handlers["a"].num_nodes_waiting() == 1:
-                break
-            threading.Event().wait(0.05)
-        s = tr._Control(store, "unit-run").read()[1]  # type: ignore[index]
-        assert s.phase == rs.RESTARTING, s
+        s = _restarting(group, store)
         if listed:
             assert s.pending["failure_kind"] == "straggler" and s.pending["culprits"] == ["b"], s.pending
             assert s.excluded == {"b": "straggler"}
@@ -502,9 +508,9 @@ def test_only_verdicts_sure_of_their_culprit_quarantine_a_node() -> None:
     assert not _quarantines({"kind": "sdc", "failed_ranks": [0, 1], "confidence": 0.5}, replace_on)
     assert not _quarantines({"kind": "hang", "failed_ranks": [0], "confidence": 1.0}, replace_on)
     # A node cut off is replaced; ranks cut off while their node mates are heard only restart.
-    replace_on = ("network_partition",)
-    assert _quarantines({"kind": "network_partition", "failed_ranks": [2, 3], "scope": "node"}, replace_on)
-    assert not _quarantines({"kind": "network_partition", "failed_ranks": [2], "scope": "rank"}, replace_on)
+    cut_on = ("network_partition",)
+    assert _quarantines({"kind": "network_partition", "failed_ranks": [2, 3], "scope": "node"}, cut_on)
+    assert not _quarantines({"kind": "network_partition", "failed_ranks": [2], "scope": "rank"}, cut_on)
 
 
 def test_the_leader_restores_only_a_step_every_replica_group_certified() -> None:
@@ -595,16 +601,16 @@ def test_a_node_cut_off_is_replaced_only_when_sure_and_a_standby_can_take_its_sl
     assert RecoveryPolicyConfig().replace_node_on == tr.DEFAULT_REPLACE_ON
     group = _Agents(store, tmp_path, names)
     ch = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
+    control = tr._Control(store, "unit-run")
+    for _ in range(400):  # c parked (its registration may lag a and b's under load)
+        if "c" not in names or "c" in control.read()[1].standbys:  # type: ignore[index]
+            break
+        threading.Event().wait(0.02)
     try:
         cut = {"kind": "network_partition", "scope": scope, "failed_ranks": [1], "confidence": confidence}
         ch.post_verdict(0, {**cut, "reason": "node_unreachable"})
         assert ch.flush(10)
-        for _ in range(200):
-            if group.handlers["a"].num_nodes_waiting() == 1:
-                break
-            threading.Event().wait(0.05)
-        s = tr._Control(store, "unit-run").read()[1]  # type: ignore[index]
-        assert s.phase == rs.RESTARTING, s
+        s = _restarting(group, store)
         assert s.pending["failure_kind"] == "network_partition" and s.pending["culprits"] == ["b"], s.pending
         assert s.excluded == excluded
     finally:
