@@ -1185,7 +1185,9 @@ class Scout:
                 for r, p in self._progress.items()
                 if r in live
             }
-            silent = self.runtime.silent() & self._peer_set
+            now = time.monotonic()
+            everyone = self.runtime.silent()  # any rank declared dead
+            silent = everyone & self._peer_set
             # Peers whose scripts closed their sessions (a loop that ended early leaves its peers
             # waiting in the next collective), with the collectives each had entered when last heard.
             left = {
@@ -1216,13 +1218,12 @@ class Scout:
                 for stall in self._stalls.observe(own.step, ours):
                     self._report(stall, among_peers=True)
                 said = {r: self._progress[r].settings for r in live if r in self._progress}
-                drift = self._drifts.observe(time.monotonic(), own.step, said)
+                drift = self._drifts.observe(now, own.step, said)
                 if drift is not None:
                     self._report(drift, among_peers=True)
             if self.config.enable:
-                everyone = self.runtime.silent()
                 for cut in self._silences.observe(
-                    time.monotonic(), own.step, everyone, self._peer_set, self._node_of, self.rank
+                    now, own.step, everyone, self._peer_set, self._node_of, self.rank
                 ):
                     self._report(cut, among_peers=True)
             await anyio.sleep(self._heartbeat_s)
