@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from lm_resiliency._sigwatch import SigtermWatch
 from lm_resiliency.adapters.base import NUMERICS_KEYS, AdapterTopology, StepTimes, numerics_settings
 from lm_resiliency.adapters.detect import FRAMEWORKS, detect_framework
 from lm_resiliency.config import (
@@ -67,7 +68,9 @@ log = logging.getLogger(__name__)
 
 # Verdicts the torchrun backend's leader acts on (restart in place, or replace the culprit's node),
 # and a data-loader or checkpoint-I/O stall once its peers wait on it (the job stopped).
-BACKEND_ACTIONABLE = frozenset({"sdc", "stale_state", "hardware", "hang", "network_partition"})
+BACKEND_ACTIONABLE = frozenset(
+    {"sdc", "stale_state", "hardware", "hang", "network_partition", "collective_desync"}
+)
 
 
 def _actionable(report: dict[str, Any], replace_on: frozenset[str] = frozenset()) -> bool:
@@ -447,6 +450,7 @@ class Session:
         self._detection_paused = False
         self._previous_excepthook: Any = None
         self._previous_sigterm: Any = None  # (our handler, the one before it)
+        self._sigterm_watch: SigtermWatch | None = None  # a SIGTERM the main thread cannot take
         self._stopping = False  # SIGTERM received, and the process ends after our handler
         self._sigterm_seen = False  # SIGTERM received (a handler of the script's own may go on)
         self._payload_reported: dict[int, float] = {}  # sender -> when its damaged chunk was reported
@@ -1172,6 +1176,11 @@ class Session:
         ends = previous in (signal.SIG_DFL, None)
 
         def on_sigterm(signum: int, frame: Any) -> None:
+            watch = self._sigterm_watch
+            if watch is not None and not watch.claim():
+                # This thread came back from native code after the watcher took the signal over:
+                # it ends the process once it has done the work.
+                threading.Event().wait()
             try:
                 self._terminating(ends)
             except Exception:  # stopping must go on whatever we failed to do first
@@ -1185,6 +1194,8 @@ class Session:
 
         signal.signal(signal.SIGTERM, on_sigterm)
         self._previous_sigterm = (on_sigterm, previous)
+        if ends:  # (a handler of the script's own decides what SIGTERM does: it runs on this thread)
+            self._sigterm_watch = SigtermWatch.install(on_sigterm, lambda: self._terminating(True))
 
     def _terminating(self, ends: bool) -> None:
         # A SIGTERM may come while close() runs (a worker dying of an exception is stopped by
@@ -1440,6 +1451,8 @@ class Session:
             with contextlib.suppress(ValueError, TypeError):
                 if signal.getsignal(signal.SIGTERM) is self._previous_sigterm[0]:
                     signal.signal(signal.SIGTERM, self._previous_sigterm[1])
+        if self._sigterm_watch is not None:
+            self._sigterm_watch.close()
         if self._runtime is not None:
             self._runtime.close(reason=reason)
         if self._control is not None:

@@ -317,6 +317,7 @@ FAILURE_ACTIONS = (
     "process_failure",
     "hang",
     "network_partition",
+    "collective_desync",
     "straggler",
     "data_stall",
     "checkpoint_stall",
@@ -334,7 +335,13 @@ class RecoveryPolicyConfig:
     the slow-job kinds (REPLACE_ONLY_FAILURES: straggler, data_stall, checkpoint_stall), which are
     only reported unless listed here, and even then only when a standby is parked."""
 
-    replace_node_on: tuple[str, ...] = ("sdc", "hardware", "node_lost", "network_partition")
+    replace_node_on: tuple[str, ...] = (
+        "sdc",
+        "hardware",
+        "node_lost",
+        "network_partition",
+        "collective_desync",
+    )
 
     def __post_init__(self) -> None:
         for kind in self.replace_node_on:

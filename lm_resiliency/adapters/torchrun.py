@@ -91,7 +91,8 @@ _DEFAULTS = {
     "lm_resiliency_heartbeat_timeout_ms": 10_000,
 }
 # Failure kinds whose culprit node is quarantined and replaced by a standby (the rest restart in place).
-DEFAULT_REPLACE_ON = ("sdc", "hardware", "node_lost", "network_partition")  # RecoveryPolicyConfig's
+# RecoveryPolicyConfig's
+DEFAULT_REPLACE_ON = ("sdc", "hardware", "node_lost", "network_partition", "collective_desync")
 CONTROL_ENV = "LM_RESILIENCY_CONTROL_STORE"
 _TERMINAL_KEY = "torchelastic/agent/terminal_state/num_members"
 

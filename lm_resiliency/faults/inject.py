@@ -10,9 +10,9 @@ acts at the point of the step a fault's surface names:
   the parameters' snapshot for `stale_state`;
 - after the optimizer of iteration i (after GEMINI captured it): `hang`, `timeout`, `exception`,
   `process_termination`, `resource_exhaustion`, `delay` on the input surface, `tensor_corruption`
-  of a weight, bias or optimizer state, `stale_state` (the step undone on this rank), and the
-  checkpoint faults on this rank's newest committed in-memory copy (captures in flight committed
-  first).
+  of a weight, bias or optimizer state, `stale_state` (the step undone on this rank),
+  `collective_desync` (a collective its peers do not issue), and the checkpoint faults on this
+  rank's newest committed in-memory copy (captures in flight committed first).
 
 Before it injects, it appends the ground truth (`GroundTruth`) to
 `<ground truth dir>/ground-truth-rank<R>.jsonl` and syncs it, so even a SIGKILL it sends itself is on
@@ -74,6 +74,7 @@ INJECTABLE: dict[str, tuple[str, ...]] = {
     "message_drop": ("process", "collective"),
     "network_partition": ("process", "collective"),
     "config_drift": ("config", "process"),
+    "collective_desync": ("collective", "process"),
     "checkpoint_corruption": ("checkpoint",),
     "checkpoint_truncation": ("checkpoint",),
     "checkpoint_missing": ("checkpoint",),
@@ -166,7 +167,7 @@ def check_injectable(campaign: Campaign) -> None:
                     f"{key}.parameters.errno",
                     f"expected 'EIO', 'ENOSPC' or 'EROFS', got {f.parameters.get('errno')!r}",
                 )
-            for name in ("chunks", "writes"):
+            for name in ("chunks", "writes", "elements"):
                 n = f.parameters.get(name, 1)
                 if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                     raise CampaignError(f"{key}.parameters.{name}", f"expected a JSON int >= 1, got {n!r}")
@@ -453,6 +454,8 @@ class CampaignInjector:
             self._runtime.mute(float(p.get("duration_s", 60.0)))
         elif f.type == "config_drift":
             _drift(str(p.get("setting", "cudnn_benchmark")))
+        elif f.type == "collective_desync":
+            self._desync(int(p.get("elements", 1)), what)
         elif f.type in _CHECKPOINT_TYPES:
             self._damage_checkpoint(
                 f.type, what, random.Random(f"{self.campaign.seed}/{a.occurrence.occurrence_id}")
@@ -462,6 +465,23 @@ class CampaignInjector:
                 for t, old in zip(self._tensors(f), a.snapshot, strict=False):
                     t.copy_(old)
             a.snapshot = []  # the next iteration of its lifetime reuses that one's start
+
+    def _desync(self, elements: int, what: str) -> None:
+        """Issue one collective the peers do not: a broadcast of `elements` from this rank on the
+        default group, between steps, as a branch taken on some ranks only does (`if rank == 0:
+        dist.broadcast(...)`). It goes through `torch.distributed` as the script's own call would.
+        The peers' next collective is another op (their next step's all-reduce), so the ranks wait
+        in different collectives (gloo pairs collectives of different ops with nothing; one of
+        another size, it aborts on) until the process group's timeout, as an NCCL job waits for its
+        watchdog."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            log.warning("%s: no process group to issue a collective in", what)
+            return
+        first = next(iter(_named_parameters(self._model)), None)
+        device = first[1].device if first is not None else torch.device("cpu")
+        dist.broadcast(torch.zeros(elements, device=device), src=dist.get_rank())
 
     def _damage_checkpoint(self, kind: str, what: str, rng: random.Random) -> None:
         """Damage this rank's newest committed in-memory copy: a flipped payload byte, the file cut

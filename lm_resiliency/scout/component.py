@@ -1206,7 +1206,10 @@ class Scout:
                     for r, p in self._progress.items()
                     if r in ours and r in self._group_set
                 }
-                d = desync_verdict(own.step, chains) if len(self.group) >= 3 else None
+                # Of two replicas, neither is the majority: both are named, with confidence 0.5 (a
+                # restart in place; before, nothing was said and the ranks waited in their
+                # mismatched collectives for the process group's timeout).
+                d = desync_verdict(own.step, chains)
                 if d is not None:
                     self._desync_step = max(self._desync_step, d.step)
                     self._report(d)
@@ -1335,7 +1338,11 @@ class Scout:
         if v.kind in ("sdc", "sdc_ambiguous", "stale_state") and v.step >= 0:
             # audits find SDC in steps whose fingerprints agreed
             self._revoke_from(v.step, "stale_state" if v.kind == "stale_state" else "sdc")
-        kind = {"sdc_ambiguous": "sdc", "collective_stall": "hang"}.get(v.kind, v.kind)
+        kind = {
+            "sdc_ambiguous": "sdc",
+            "collective_desync_ambiguous": "collective_desync",
+            "collective_stall": "hang",
+        }.get(v.kind, v.kind)
         endpoint_kind, _, endpoint_id = v.endpoint.partition(":")
         report = SCOUTFaultReport(
             kind=kind,
@@ -1350,7 +1357,8 @@ class Scout:
             steps=(v.step,) if v.step >= 0 else (),
             stall_duration_s=v.stall_duration_s,
             confidence=0.5
-            if v.kind in ("sdc_ambiguous", "collective_stall") or v.reason == "unreachable_ambiguous"
+            if v.kind in ("sdc_ambiguous", "collective_desync_ambiguous", "collective_stall")
+            or v.reason == "unreachable_ambiguous"
             else 1.0,
             reason=v.reason,
             node=self.topology.node_of(v.ranks[0]) if v.ranks else None,

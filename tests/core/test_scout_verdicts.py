@@ -279,9 +279,17 @@ def test_a_desync_is_found_among_ranks_sampled_collectives_apart() -> None:
     v = desync_verdict(7, chains)
     assert v is not None and (v.kind, v.ranks) == ("collective_desync", (1,))
     assert "after 14 collectives" in v.detail
-    # The current states alone: only ranks 1 and 2 share a count, and no majority names anyone.
-    v = desync_verdict(7, {r: states[:1] for r, states in chains.items()})
-    assert v is not None and v.kind == "collective_desync_ambiguous"
+    # The current states alone: only ranks 1 and 2 share a count, where neither is a majority.
+    # Before, both were named (ambiguous); ranks 0 and 3 may yet make rank 1 the minority there.
+    assert desync_verdict(7, {r: states[:1] for r, states in chains.items()}) is None
+    # Every rank at that count, two on each side: all four are named, none is the culprit.
+    v = desync_verdict(7, {0: [(14, b"A")], 1: [(14, b"B")], 2: [(14, b"B")], 3: [(14, b"A")]})
+    assert v is not None and (v.kind, v.ranks, v.reason) == (
+        "collective_desync_ambiguous",
+        (0, 1, 2, 3),
+        "collective_sequence_no_majority",
+    )
+    assert v.detail == "after 14 collectives: replicas [0, 1, 2, 3] entered different ones, with no majority"
 
 
 @pytest.mark.parametrize(

@@ -73,16 +73,17 @@ def _start_pair(
     tmp_path: Path,
     campaign: dict[str, Any],
     steps: int,
-    per_rank: tuple[dict[str, str], dict[str, str]] = ({}, {}),
+    per_rank: tuple[dict[str, str], ...] = ({}, {}),
     nodes: bool = False,
+    world: int = 2,
     **env: str,
 ) -> tuple[list[Any], dist.TCPStore]:
-    """Two campaign workers with the campaign armed (on two synthetic nodes with `nodes`); the
-    processes and the store they meet through (keep it while they run)."""
+    """`world` (two) campaign workers with the campaign armed (each on a synthetic node of its own
+    with `nodes`); the processes and the store they meet through (keep it while they run)."""
     (tmp_path / "c.json").write_text(json.dumps(campaign))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     base = {
-        "WORLD_SIZE": "2",
+        "WORLD_SIZE": str(world),
         "STORE_PORT": str(store.port),
         "STEPS": str(steps),
         "RESULT_DIR": str(tmp_path),
@@ -91,12 +92,12 @@ def _start_pair(
         **env,
     }
     procs = []
-    for r in range(2):
+    for r in range(world):
         node = {}
         if nodes:
             (tmp_path / f"machine-{r}").write_text(f"node-{r}\n")
             node = {"LM_RESILIENCY_MACHINE_ID_PATH": str(tmp_path / f"machine-{r}")}
-        rank_env = {**base, **node, "RANK": str(r), **per_rank[r]}
+        rank_env = {**base, **node, "RANK": str(r), **(per_rank[r] if r < len(per_rank) else {})}
         procs.append(processes.start([WORKER], rank_env, tmp_path / f"rank{r}.log"))
     return procs, store
 
@@ -180,7 +181,14 @@ def test_an_optimizer_state_corruption_and_its_lifetime_in_iterations(tmp_path: 
 @pytest.mark.parametrize(
     ("fault", "problem"),
     [
-        ({"type": "collective_desync", "target": {"surface": "process"}}, "incidents[0].faults[0].type"),
+        (
+            {"type": "collective_desync", "target": {"surface": "weight"}},
+            "incidents[0].faults[0].target.surface",
+        ),
+        (
+            {"type": "collective_desync", "target": {"surface": "process"}, "parameters": {"elements": 0}},
+            "incidents[0].faults[0].parameters.elements",
+        ),
         ({"type": "hang", "target": {"surface": "weight"}}, "incidents[0].faults[0].target.surface"),
         (
             {"type": "config_drift", "target": {"surface": "config"}, "parameters": {"setting": "tf33"}},
@@ -434,6 +442,33 @@ def test_a_node_whose_torch_settings_drift_is_named_by_the_gossip(processes, tmp
         ], drifts
         assert drifts[0]["detail"] == "ranks [1] have cudnn_benchmark=1 (others 0)", drifts
     ev = evaluate(read_ground_truth(tmp_path / "ground-truth" / "t"), _all_reports(tmp_path))
+    assert ev["localized"] == 1 and ev["kind_matched"] == 1 and ev["false_positives"] == 0, ev
+
+
+@pytest.mark.multiprocess
+def test_a_collective_one_rank_issues_alone_is_a_desync_named_by_its_replicas(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """collective_desync: after iteration 3 rank 1 of three broadcasts from itself, where its
+    peers go on to the next step's all-reduce. The ranks wait in different collectives; every rank
+    names rank 1 `collective_desync` from the collectives' hash chains, and the hang it leaves is not
+    reported besides. Before, a campaign naming the type was refused."""
+    c = _campaign({"type": "collective_desync", "target": {"surface": "collective", "rank": 1}})
+    procs, _store = _start_pair(processes, tmp_path, c, 40, world=3)
+    deadline = time.monotonic() + 90
+    while True:
+        reports = _all_reports(tmp_path)
+        if {x["reported_by"] for x in reports if x["kind"] == "collective_desync"} == {0, 1, 2}:
+            break
+        assert time.monotonic() < deadline, reports
+        assert all(p.poll() is None for p in procs), (tmp_path / "rank1.log").read_text()[-3000:]
+        time.sleep(0.1)  # polling the report files the workers append to
+    assert {(x["kind"], tuple(x["failed_ranks"]), x["reason"], x["confidence"]) for x in reports} == {
+        ("collective_desync", (1,), "collective_sequence_minority", 1.0)
+    }, reports
+    truth = read_ground_truth(tmp_path / "ground-truth" / "t")
+    assert [(g.rank, g.iteration, g.type) for g in truth] == [(1, 3, "collective_desync")]
+    ev = evaluate(truth, reports)
     assert ev["localized"] == 1 and ev["kind_matched"] == 1 and ev["false_positives"] == 0, ev
 
 

@@ -25,15 +25,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize(
     ("worker", "printed"),
-    [("sigterm_worker.py", "trained"), ("sigterm_while_dying_worker.py", "SIGTERM while closing")],
-    ids=["while_training", "while_an_exception_ends_the_worker"],
+    [
+        ("sigterm_worker.py", "trained"),
+        ("sigterm_while_dying_worker.py", "SIGTERM while closing"),
+        ("sigterm_in_native_wait_worker.py", "waiting in native code"),
+    ],
+    ids=["while_training", "while_an_exception_ends_the_worker", "while_waiting_in_native_code"],
 )
 def test_sigterm_flushes_the_newest_capture_then_terminates(
     tmp_path: Path, worker: str, printed: str
 ) -> None:
     """SIGTERM (torchrun stopping the group) writes the newest capture to disk before the process
-    ends: while training, and while the worker is dying of an exception (a peer's failure broke its
-    collective) with its exit still committing that capture, which the restart must find."""
+    ends: while training; while the worker is dying of an exception (a peer's failure broke its
+    collective) with its exit still committing that capture, which the restart must find; and
+    while the main thread waits in native code (a hung collective), where Python's handler cannot
+    run: a thread of ours takes it over. Before, that worker lived until torchrun's shutdown
+    timeout killed it (30 s, SIGKILL, nothing flushed), here until its 10-minute wait ended."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm")}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests/gemini" / worker)],
@@ -41,7 +48,7 @@ def test_sigterm_flushes_the_newest_capture_then_terminates(
         env=env,
         capture_output=True,
         text=True,
-        timeout=100,
+        timeout=60,
     )
     assert proc.returncode == -15, proc.stderr[-2000:]
     assert printed in proc.stdout, proc.stdout

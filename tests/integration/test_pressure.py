@@ -179,6 +179,34 @@ def test_a_node_cut_off_while_it_trains_is_replaced_then_a_lost_rank_resumes_fro
     ], c["incidents"]
 
 
+@pytest.mark.multiprocess
+def test_a_rank_that_issues_a_collective_alone_is_replaced_and_the_job_ends_bitwise(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """After iteration 4 rank 1 of three broadcasts where its peers go on to the next step's
+    all-reduce: the ranks wait in different collectives. Its replicas name it `collective_desync`
+    from their collectives' hash chains, the standby takes its node's slot, and the job resumes from
+    a verified step and ends bitwise the uninterrupted run's. Before, the type was refused, and a
+    desync named by SCOUT was not acted on: the job waited for the process group's timeout."""
+    desync = {
+        "incident_id": "01-desync",
+        "trigger": {"at": [4]},
+        "faults": [
+            {"fault_id": "bcast", "type": "collective_desync", "target": {"surface": "collective", "rank": 1}}
+        ],
+    }
+    c = _orchestrate(processes, tmp_path, _campaign([desync], total_steps=10, standby_nodes=1), nodes=4)
+    assert c["finished"] and c["final_state_bitwise_equal_to_baseline"] and c["passed"], c["log"]
+    gens = c["generations"]
+    assert [g["failure_kind"] for g in gens] == ["none", "collective_desync"], gens
+    assert gens[1]["admitted"] and gens[1]["restored_as_selected"] and gens[1]["resumed_at_step"] <= 4, gens[
+        1
+    ]
+    assert [(i["localized"], i["kind_match"], i["action"]) for i in c["incidents"]] == [
+        (True, True, "replace")
+    ], c["incidents"]
+
+
 @pytest.mark.parametrize(
     ("campaign", "extra", "message"),
     [
@@ -197,13 +225,13 @@ def test_a_node_cut_off_while_it_trains_is_replaced_then_a_lost_rank_resumes_fro
                     {
                         **CRASH,
                         "faults": [
-                            {"fault_id": "p", "type": "collective_desync", "target": {"surface": "process"}}
+                            {"fault_id": "p", "type": "collective_desync", "target": {"surface": "weight"}}
                         ],
                     }
                 ]
             ),
             [],
-            "not injected by this version",
+            "collective_desync is injected on ['collective', 'process'], not 'weight'",
         ),
         (
             _campaign([CRASH]),

@@ -436,6 +436,9 @@ def test_workers_post_slow_job_verdicts_only_when_the_policy_replaces_nodes_for_
     assert _actionable(slow, frozenset({"straggler"}))
     assert not _actionable({"kind": "data_stall", "failed_ranks": [1]}, frozenset({"straggler"}))
     assert _actionable({"kind": "sdc", "failed_ranks": [1]})
+    # Ranks left waiting in mismatched collectives: before, no action, and the job waited for the
+    # process group's timeout.
+    assert _actionable({"kind": "collective_desync", "failed_ranks": [1]})
 
 
 def test_a_slow_node_without_a_standby_keeps_training() -> None:
@@ -511,6 +514,11 @@ def test_only_verdicts_sure_of_their_culprit_quarantine_a_node() -> None:
     cut_on = ("network_partition",)
     assert _quarantines({"kind": "network_partition", "failed_ranks": [2, 3], "scope": "node"}, cut_on)
     assert not _quarantines({"kind": "network_partition", "failed_ranks": [2], "scope": "rank"}, cut_on)
+    # A rank that issued another collective than its replicas is replaced by default; a desync of
+    # two replicas (or as many on each side) names them all, sure of none: a restart in place.
+    default = tr.DEFAULT_REPLACE_ON
+    assert _quarantines({"kind": "collective_desync", "failed_ranks": [2], "confidence": 1.0}, default)
+    assert not _quarantines({"kind": "collective_desync", "failed_ranks": [0, 1], "confidence": 0.5}, default)
 
 
 def test_the_leader_restores_only_a_step_every_replica_group_certified() -> None:

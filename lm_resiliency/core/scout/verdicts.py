@@ -349,7 +349,10 @@ def desync_verdict(now_step: int, chains: Mapping[int, Sequence[tuple[int, bytes
     ones (op, size, dtype, group, in order), so their hash chains must be equal. `chains` maps a rank
     to its states (collectives entered, hash chain): its current one and those just before it, so
     that ranks sampled a collective or two apart are compared at a count they all passed. The first
-    count at which they disagree names the rank that issued another collective."""
+    count at which they disagree names the rank that issued another collective: the minority of
+    three or more. With no majority there (two replicas, or as many on each side) every rank is
+    named (`collective_desync_ambiguous`), but only once every rank's states reach that count: a
+    rank sampled elsewhere may yet make a majority."""
     by_count: dict[int, dict[int, bytes]] = {}
     for r, states in chains.items():
         for count, chain in states:
@@ -357,15 +360,26 @@ def desync_verdict(now_step: int, chains: Mapping[int, Sequence[tuple[int, bytes
                 by_count.setdefault(count, {})[r] = chain
     for count, group in sorted(by_count.items()):
         v = fingerprint_verdict(now_step, "collective", group)
-        if v is not None:
-            kind = "collective_desync" if v.kind == "sdc" else "collective_desync_ambiguous"
+        if v is None:
+            continue
+        if v.kind == "sdc":
             return Verdict(
-                kind,
+                "collective_desync",
                 v.ranks,
                 now_step,
-                v.reason.replace("fingerprint", "sequence"),
-                f"after {count} collectives: {v.detail}",
+                "collective_sequence_minority",
+                f"after {count} collectives: {len(v.ranks)} of {len(group)} replicas entered another one",
             )
+        if len(group) == len(chains):
+            return Verdict(
+                "collective_desync_ambiguous",
+                v.ranks,
+                now_step,
+                "collective_sequence_no_majority",
+                f"after {count} collectives: replicas {list(v.ranks)} entered different ones, "
+                "with no majority",
+            )
+        return None  # the others' states may yet make a majority at this count
     return None
 
 
