@@ -27,6 +27,23 @@ __all__ = ["SigtermWatch"]
 
 log = logging.getLogger(__name__)
 
+_current: SigtermWatch | None = None  # the installed watch (one process, one wakeup fd)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) shares the socket but not the watcher thread: a signal
+    it takes would be read by its parent's watcher, which would take it for its own."""
+    watch = _current
+    if watch is None:
+        return
+    with contextlib.suppress(ValueError, OSError):
+        now = signal.set_wakeup_fd(-1)
+        if now != watch._wsock.fileno():
+            signal.set_wakeup_fd(now)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 class SigtermWatch:
     """Takes over a SIGTERM whose Python handler (`handler`) does not start within `grace_s`.
@@ -69,7 +86,8 @@ class SigtermWatch:
             rsock.close()
             wsock.close()
             return None
-        watch = cls(handler, work, grace_s, (rsock, wsock))
+        global _current
+        watch = _current = cls(handler, work, grace_s, (rsock, wsock))
         watch._thread.start()
         return watch
 
@@ -82,7 +100,10 @@ class SigtermWatch:
 
     def close(self) -> None:
         """Give the wakeup fd back (when it is still ours; main thread only) and stop watching."""
+        global _current
         self._closed = True
+        if _current is self:
+            _current = None
         try:
             current = signal.set_wakeup_fd(-1)
         except ValueError:

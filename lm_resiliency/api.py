@@ -1174,8 +1174,18 @@ class Session:
             return
         previous = signal.getsignal(signal.SIGTERM)
         ends = previous in (signal.SIG_DFL, None)
+        owner = os.getpid()
 
         def on_sigterm(signum: int, frame: Any) -> None:
+            if os.getpid() != owner:
+                # A forked child (a DataLoader worker that its loader terminates) inherited the
+                # handler, not the session: it ends as it would have without us.
+                if callable(previous):
+                    previous(signum, frame)
+                elif previous != signal.SIG_IGN:
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return
             watch = self._sigterm_watch
             if watch is not None and not watch.claim():
                 # This thread came back from native code after the watcher took the signal over:

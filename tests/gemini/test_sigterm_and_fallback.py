@@ -56,6 +56,24 @@ def test_sigterm_flushes_the_newest_capture_then_terminates(
     assert (tmp_path / "checkpoints" / "default" / "step-0000000003" / "rank-00000.pt").exists()
 
 
+def test_a_forked_child_that_takes_sigterm_ends_alone(tmp_path: Path) -> None:
+    """A DataLoader worker (a forked child) that its loader terminates inherited our SIGTERM handler
+    and the socket our SIGTERM watch reads: it ends as it would have without us (nothing flushed
+    from it), and its signal is not written where its parent's watch would take it for its own."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests/gemini/sigterm_in_forked_child_worker.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["child wakeup fd -1", "child exit -15", "parent done"], proc.stdout
+    assert "SIGTERM" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_a_flush_after_close_unmapped_the_slots_flushes_nothing_and_does_not_raise() -> None:
     """A SIGTERM may reach a dying worker at the very end of GEMINI's close: nothing is left to flush."""
     model = nn.Linear(2, 2)
