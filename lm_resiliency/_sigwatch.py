@@ -63,7 +63,7 @@ class SigtermWatch:
         self._grace_s = grace_s
         self._rsock, self._wsock = socks
         self._lock = threading.Lock()
-        self._claimed = False
+        self._claimed = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._watch, name="lm-resiliency-sigterm", daemon=True)
 
@@ -93,9 +93,9 @@ class SigtermWatch:
 
     def claim(self) -> bool:
         with self._lock:
-            if self._claimed:
+            if self._claimed.is_set():
                 return False
-            self._claimed = True
+            self._claimed.set()
             return True
 
     def close(self) -> None:
@@ -130,8 +130,9 @@ class SigtermWatch:
                 continue
             # The handler starts at the main thread's next bytecode: soon, unless it waits in
             # native code. And only while it is still the handler (the script may have put its own).
-            threading.Event().wait(self._grace_s)
-            if self._closed or signal.getsignal(signal.SIGTERM) is not self._handler or not self.claim():
+            if self._claimed.wait(self._grace_s) or self._closed:
+                continue
+            if signal.getsignal(signal.SIGTERM) is not self._handler or not self.claim():
                 continue
             log.warning(
                 "SIGTERM: the main thread did not take it within %.1f s (it waits in native code, a "
