@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
     [
         ("sigterm_worker.py", "trained"),
         ("sigterm_while_dying_worker.py", "SIGTERM while closing"),
-        ("sigterm_in_native_wait_worker.py", "waiting in native code"),
+        ("sigterm_worker.py native", "waiting in native code"),
     ],
     ids=["while_training", "while_an_exception_ends_the_worker", "while_waiting_in_native_code"],
 )
@@ -43,7 +43,7 @@ def test_sigterm_flushes_the_newest_capture_then_terminates(
     timeout killed it (30 s, SIGKILL, nothing flushed), here until its 10-minute wait ended."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm")}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests/gemini" / worker)],
+        [sys.executable, str(ROOT / "tests/gemini" / worker.split()[0]), *worker.split()[1:]],
         cwd=tmp_path,
         env=env,
         capture_output=True,
