@@ -1176,15 +1176,19 @@ class Session:
         ends = previous in (signal.SIG_DFL, None)
         owner = os.getpid()
 
+        def pass_on(signum: int, frame: Any) -> None:
+            """What SIGTERM did before us: the previous handler, or the default (the process ends)."""
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGTERM)
+
         def on_sigterm(signum: int, frame: Any) -> None:
             if os.getpid() != owner:
                 # A forked child (a DataLoader worker that its loader terminates) inherited the
                 # handler, not the session: it ends as it would have without us.
-                if callable(previous):
-                    previous(signum, frame)
-                elif previous != signal.SIG_IGN:
-                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                    os.kill(os.getpid(), signal.SIGTERM)
+                pass_on(signum, frame)
                 return
             watch = self._sigterm_watch
             if watch is not None and not watch.claim():
@@ -1196,11 +1200,7 @@ class Session:
             except Exception:  # stopping must go on whatever we failed to do first
                 log.exception("rank %d: handling SIGTERM failed", self.rank)
             finally:
-                if callable(previous):
-                    previous(signum, frame)
-                elif previous != signal.SIG_IGN:
-                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                    os.kill(os.getpid(), signal.SIGTERM)
+                pass_on(signum, frame)
 
         signal.signal(signal.SIGTERM, on_sigterm)
         self._previous_sigterm = (on_sigterm, previous)
