@@ -1,13 +1,18 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 import torch
@@ -15,11 +20,125 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
+class Forked:
+    """A worker forked by the zygote (`tests/_zygote.py`), with the part of `subprocess.Popen` the
+    tests use. Its exit status comes from the zygote, which is its parent."""
+
+    def __init__(self, args: list[str], conn: socket.socket) -> None:
+        self.args = args
+        self._conn = conn
+        self._buf = b""
+        self.returncode: int | None = None
+        self.pid: int = self._read(timeout=60.0)["pid"]
+
+    def _read(self, timeout: float | None) -> dict[str, Any]:
+        while b"\n" not in self._buf:
+            ready, _, _ = select.select([self._conn], [], [], timeout)
+            if not ready:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            chunk = self._conn.recv(4096)
+            if not chunk:
+                raise RuntimeError(f"the zygote went away while it ran {self.args}")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return dict(json.loads(line))
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.returncode = self._read(timeout=0)["returncode"]
+                self._conn.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = int(self._read(timeout)["returncode"])
+            self._conn.close()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # never a pid the zygote has reaped (and the kernel may reuse)
+            with contextlib.suppress(ProcessLookupError):  # reaped, the news on its way (as Popen)
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """The test session's preloaded Python (`tests/_zygote.py`): started on first use, stopped when
+    the session ends. LM_RESILIENCY_TEST_FRESH=1 starts every worker as a fresh interpreter instead."""
+
+    _instance: Zygote | None = None
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="lmr-zygote-")
+        self.path = os.path.join(self.dir, "sock")
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "_zygote.py"), self.path],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        self.env = env
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], 120)
+        line = self.proc.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"the test zygote did not start: {line!r}")
+
+    @classmethod
+    def get(cls) -> Zygote:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    @classmethod
+    def stop(cls) -> None:
+        z, cls._instance = cls._instance, None
+        if z is not None:
+            with z.proc:  # closes its pipes and waits; it keeps nothing worth an orderly exit
+                z.proc.kill()
+            shutil.rmtree(z.dir, ignore_errors=True)
+
+    def takes(self, args: list[str], env: dict[str, str]) -> bool:
+        """Whether a fork is what `python args` with `env` would have been: a script or a module,
+        and the same settings that act at interpreter start (PYTHON*, thread pools, the loader)."""
+        if os.environ.get("LM_RESILIENCY_TEST_FRESH") == "1" or not args:
+            return False
+        if args[0].startswith("-") and (args[0] != "-m" or len(args) < 2):
+            return False
+        at_start = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC")
+        keys = {k for k in (*env, *self.env) if k.startswith(at_start)}
+        return all(env.get(k) == self.env.get(k) for k in keys)
+
+    def fork(self, args: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> Forked:
+        log_path.write_bytes(b"")  # there on return, as Popen's would be
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.path)
+        request = {"argv": args, "env": env, "cwd": str(cwd), "log": str(log_path)}
+        conn.sendall(json.dumps(request).encode() + b"\n")
+        return Forked(args, conn)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    Zygote.stop()
+
+
 class ProcessGroup:
     """Worker processes started by one test; every one is stopped when the test ends."""
 
     def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[subprocess.Popen[bytes] | Forked] = []
+        self.logs: list[IO[bytes]] = []
 
     def start(
         self,
@@ -28,13 +147,19 @@ class ProcessGroup:
         log_path: Path,
         prefix: tuple[str, ...] = (),
         cwd: Path = ROOT,
-    ) -> subprocess.Popen[bytes]:
+    ) -> Any:
         """Start `python args...` (after `prefix`, e.g. `ip netns exec NS`, which execs into it) in
-        `cwd`: a job writing relative paths (the default `./checkpoints`) writes them there."""
+        `cwd`: a job writing relative paths (the default `./checkpoints`) writes them there. Without a
+        prefix, the worker is a fork of the session's zygote (torch already imported)."""
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
-        log = open(log_path, "wb")  # noqa: SIM115 - closed with the process below
         # A session of its own: stopping the test's process stops everything it started (torchrun's
         # workers included).
+        if not prefix and Zygote.get().takes(args, full_env):
+            forked = Zygote.get().fork(args, full_env, log_path, cwd)
+            self.procs.append(forked)
+            return forked
+        log = open(log_path, "wb")  # noqa: SIM115 - closed with the process below
+        self.logs.append(log)
         proc = subprocess.Popen(
             [*prefix, sys.executable, *args],
             env=full_env,
@@ -43,7 +168,6 @@ class ProcessGroup:
             cwd=cwd,
             start_new_session=True,
         )
-        proc._log = log  # type: ignore[attr-defined]
         self.procs.append(proc)
         return proc
 
@@ -53,7 +177,8 @@ class ProcessGroup:
                 os.killpg(p.pid, signal.SIGKILL)
         for p in self.procs:
             p.wait(timeout=30)
-            p._log.close()  # type: ignore[attr-defined]
+        for log in self.logs:
+            log.close()
 
 
 @pytest.fixture
