@@ -18,6 +18,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+FRESH = os.environ.get("LM_RESILIENCY_TEST_FRESH") == "1"  # every worker a fresh interpreter
 
 
 class Forked:
@@ -112,9 +113,7 @@ class Zygote:
     def takes(self, args: list[str], env: dict[str, str]) -> bool:
         """Whether a fork is what `python args` with `env` would have been: a script or a module,
         and the same settings that act at interpreter start (PYTHON*, thread pools, the loader)."""
-        if os.environ.get("LM_RESILIENCY_TEST_FRESH") == "1" or not args:
-            return False
-        if args[0].startswith("-") and (args[0] != "-m" or len(args) < 2):
+        if not args or (args[0].startswith("-") and (args[0] != "-m" or len(args) < 2)):
             return False
         at_start = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC")
         keys = {k for k in (*env, *self.env) if k.startswith(at_start)}
@@ -154,7 +153,7 @@ class ProcessGroup:
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
         # A session of its own: stopping the test's process stops everything it started (torchrun's
         # workers included).
-        if not prefix and Zygote.get().takes(args, full_env):
+        if not prefix and not FRESH and Zygote.get().takes(args, full_env):
             forked = Zygote.get().fork(args, full_env, log_path, cwd)
             self.procs.append(forked)
             return forked

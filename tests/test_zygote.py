@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Forked, ProcessGroup, Zygote
+from tests.conftest import FRESH, Forked, ProcessGroup, Zygote
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(FRESH, reason="LM_RESILIENCY_TEST_FRESH=1: no worker is forked"),
+]
 
 PROBE = textwrap.dedent(
     """
