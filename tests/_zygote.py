@@ -18,6 +18,7 @@ stdin closes (the test session ended, however it ended).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import runpy
@@ -27,19 +28,17 @@ import socket
 import sys
 from typing import Any
 
-
-def _preload() -> None:
-    import numpy  # noqa: F401
-    import torch
-    import torch._dynamo  # DistributedDataParallel.__init__ imports it
-    import torch.distributed
-    import torch.nn.parallel
-
-    import lm_resiliency.adapters.torchrun
-    import lm_resiliency.api
-    import lm_resiliency.faults.inject  # noqa: F401
-
-    del torch
+# What the workers import; torch._dynamo because DistributedDataParallel.__init__ imports it.
+PRELOAD = (
+    "numpy",
+    "torch",
+    "torch._dynamo",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "lm_resiliency.adapters.torchrun",
+    "lm_resiliency.api",
+    "lm_resiliency.faults.inject",
+)
 
 
 def _serve(path: str) -> dict[str, Any] | None:
@@ -145,7 +144,8 @@ def _become(request: dict[str, Any]) -> tuple[str, str]:
 
 
 if __name__ == "__main__":
-    _preload()
+    for name in PRELOAD:
+        importlib.import_module(name)
     got = _serve(sys.argv[1])
     if got is not None:  # a forked worker: run its code as the interpreter's last act
         kind, what = _become(got)
