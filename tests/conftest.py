@@ -21,6 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 FRESH = os.environ.get("LM_RESILIENCY_TEST_FRESH") == "1"  # every worker a fresh interpreter
 
 
+def worker_env(env: dict[str, str]) -> dict[str, str]:
+    """A worker's environment: the test's, this checkout importable, one intra-op thread, `env`."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+
+
 class Forked:
     """A worker forked by the zygote (`tests/_zygote.py`), with the part of `subprocess.Popen` the
     tests use. Its exit status comes from the zygote, which is its parent."""
@@ -45,10 +50,8 @@ class Forked:
         return dict(json.loads(line))
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.returncode = self._read(timeout=0)["returncode"]
-                self._conn.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.wait(timeout=0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -78,7 +81,7 @@ class Zygote:
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="lmr-zygote-")
         self.path = os.path.join(self.dir, "sock")
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        env = worker_env({})
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "_zygote.py"), self.path],
             env=env,
@@ -150,7 +153,7 @@ class ProcessGroup:
         """Start `python args...` (after `prefix`, e.g. `ip netns exec NS`, which execs into it) in
         `cwd`: a job writing relative paths (the default `./checkpoints`) writes them there. Without a
         prefix, the worker is a fork of the session's zygote (torch already imported)."""
-        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+        full_env = worker_env(env)
         # A session of its own: stopping the test's process stops everything it started (torchrun's
         # workers included).
         if not prefix and not FRESH and Zygote.get().takes(args, full_env):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FRESH, Forked, ProcessGroup, Zygote
+from tests.conftest import FRESH, Forked, ProcessGroup, Zygote, worker_env
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -129,7 +129,7 @@ def test_settings_read_at_interpreter_start_get_a_fresh_interpreter(
     processes: ProcessGroup, probe: Path, tmp_path: Path
 ) -> None:
     zygote = Zygote.get()
-    base = {**os.environ, "PYTHONPATH": zygote.env["PYTHONPATH"], "OMP_NUM_THREADS": "1"}
+    base = worker_env({})
     assert zygote.takes([str(probe)], base) and zygote.takes(["-m", "mod"], base)
     assert not zygote.takes([str(probe)], {**base, "OMP_NUM_THREADS": "4"})
     assert not zygote.takes([str(probe)], {**base, "PYTHONPATH": "/elsewhere"})
