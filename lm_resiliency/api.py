@@ -22,7 +22,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -60,6 +60,7 @@ from lm_resiliency.core.topology import ParallelDim, Topology, node_ids_by_machi
 from lm_resiliency.errors import ConfigError, UnsupportedFrameworkError
 from lm_resiliency.runtime.discovery import StoreDiscovery
 from lm_resiliency.runtime.node import ClusterView, RankRuntime
+from lm_resiliency.runtime.trail import TRAIL_ENV, CollectiveTrail
 from lm_resiliency.runtime.transport import ZmqTransport
 
 __all__ = ["ResiliencySession", "Session", "SessionComponent", "enable_resiliency"]
@@ -523,6 +524,7 @@ class Session:
         self._start_gemini(discovery, node_id)
         self._start_scout()
         self._connect_backend()
+        self._open_trail(local.replica_group)
         self._adapter.attach(self._on_step)
         if self.env.fault_campaign:
             self._attach_campaign(self.env.fault_campaign, self.env.fault_ground_truth)
@@ -555,6 +557,18 @@ class Session:
             self.env.generation,
             list(local.replica_group),
         )
+
+    def _open_trail(self, group: Sequence[int]) -> None:
+        """Under the torchrun backend, the collectives this rank enters are also written where its
+        agent reads them after the worker stopped (runtime/trail.py): the leader names the rank that
+        entered another collective when the mismatch killed the processes before SCOUT could."""
+        folder = os.environ.get(TRAIL_ENV)
+        if not folder or self.world_size < 2 or not hasattr(self._adapter, "trail"):
+            return
+        try:
+            self._adapter.trail = CollectiveTrail(folder, self.rank, self.env.generation, group)
+        except (OSError, ValueError) as exc:  # the desync check loses this rank's trail, nothing else
+            log.warning("rank %d: no collective trail in %s: %s", self.rank, folder, exc)
 
     def _attach_campaign(self, path: str, ground_truth: str | None) -> None:
         """Inject this rank's faults of the campaign `LM_RESILIENCY_FAULT_CAMPAIGN` names; the
@@ -1446,6 +1460,10 @@ class Session:
         if self._previous_excepthook is not None and sys.excepthook is self._previous_excepthook[0]:
             sys.excepthook = self._previous_excepthook[1]
         self._adapter.detach()
+        trail = getattr(self._adapter, "trail", None)
+        if trail is not None:  # the file stays for the agent; no collective is tracked any more
+            self._adapter.trail = None
+            trail.close()
         if self._first_forward is not None:
             self._first_forward.remove()
         if self._scaler_watch is not None:

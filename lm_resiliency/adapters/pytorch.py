@@ -30,6 +30,7 @@ from lm_resiliency.adapters import collectives
 from lm_resiliency.adapters.amp import mark_ours
 from lm_resiliency.adapters.base import AdapterTopology, StepSink, StepTimes, live_instances, uncompiled
 from lm_resiliency.adapters.canonical import CanonicalReduction, ddp_parameters
+from lm_resiliency.runtime.trail import CollectiveTrail
 
 __all__ = ["PyTorchAdapter"]
 
@@ -91,6 +92,8 @@ class PyTorchAdapter:
         # The states before it, newest last (bounded): peers sampled a collective or two apart
         # still compare chains at a count both passed (see desync_verdict).
         self.collective_recent: tuple[tuple[int, bytes], ...] = ()
+        # Where each new state is also written under the torchrun backend (runtime/trail.py).
+        self.trail: CollectiveTrail | None = None
         self.outstanding = 0
         self.in_collective_since: float | None = None
         self.last_progress = time.monotonic()
@@ -336,7 +339,9 @@ class PyTorchAdapter:
         runtime thread)."""
         count, chain = state = self.collective_state
         self.collective_recent = (*self.collective_recent[-(RECENT_CHAINS - 1) :], state)
-        self.collective_state = (count + 1, xxhash.xxh3_64_digest(chain + signature.encode()))
+        self.collective_state = state = (count + 1, xxhash.xxh3_64_digest(chain + signature.encode()))
+        if self.trail is not None:
+            self.trail.record(*state)
 
     def wait_collective(self) -> None:
         self.outstanding += 1

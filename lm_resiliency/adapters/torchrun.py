@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -62,7 +63,8 @@ from lm_resiliency._proc import continue_stopped_children  # noqa: E402
 from lm_resiliency.config import REPLACE_ONLY_FAILURES  # noqa: E402
 from lm_resiliency.core.gemini.recovery import memory_checkpoint_id, plan_recovery, verified_steps  # noqa: E402
 from lm_resiliency.core.rendezvous import state as rs  # noqa: E402
-from lm_resiliency.core.scout.verdicts import PEERS_WAIT  # noqa: E402
+from lm_resiliency.core.scout.verdicts import PEERS_WAIT, desync_in_trails  # noqa: E402
+from lm_resiliency.runtime.trail import TRAIL_ENV, read_trails  # noqa: E402
 
 __all__ = ["BACKEND", "LmResiliencyRendezvousHandler", "create_handler", "rendezvous_handler_creator"]
 
@@ -397,6 +399,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             log.info("node %s registered with run %s", self.node_id, self.run_id)
         else:
             gen = self._generation
+            self._publish_trails(control, gen)
             control.update(lambda s: rs.arrive(s, self.node_id, gen))
         self._close_worker_store()
         state = self._wait_for_assignment(control, t0)
@@ -611,6 +614,8 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         env["PYTHONPATH"] = os.pathsep.join([boot, *paths])
         if self.worker_config:
             env["LM_RESILIENCY_WORKER_CONFIG"] = str(Path(self.worker_config).resolve())
+        with contextlib.suppress(Exception):  # a policy unreadable now fails the workers with its message
+            env[TRAIL_ENV] = str(self._trail_dir())
         if s.generation == 0:  # no context in generation 0: a stale file from another run must go
             with contextlib.suppress(FileNotFoundError):
                 self.context_path.unlink()
@@ -657,6 +662,25 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             run = load_policy(self.worker_config).checkpoint.run_id or run
         return env.shm_dir, run
 
+    def _trail_dir(self) -> Path:
+        """Where this node's workers write their collective trails (runtime/trail.py): beside the
+        run's in-memory checkpoints of this node, in a folder of its own."""
+        from lm_resiliency.gemini.durable import path_name
+
+        shm_dir, run = self._memory_of_run()
+        return Path(shm_dir) / path_name(run) / f"{path_name(self.node_id)}.trail"
+
+    def _publish_trails(self, control: _Control, generation: int) -> None:
+        """This node's workers of `generation` stopped: their last collective states go to the
+        control store, where the leader compares them before it restarts the job (`_Pulse`)."""
+        try:
+            trails = read_trails(self._trail_dir(), generation)
+            for rank, (group, states) in sorted(trails.items()):
+                doc = {"group": group.hex(), "states": [[c, chain.hex()] for c, chain in states]}
+                control.store.set(control.key(f"trail/g{generation}/{rank}"), json.dumps(doc))
+        except Exception:  # the leader then judges without them: never fail the restart over it
+            log.exception("publishing the workers' collective trails failed")
+
     def _held_rank(self) -> int:
         """The first rank whose in-memory checkpoints of this run this node holds (a relaunch of
         the run on the same machines), or -1: generation 0 gives the node those ranks again."""
@@ -682,6 +706,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             from lm_resiliency.gemini.durable import path_name
             from lm_resiliency.gemini.hygiene import reclaim_node
 
+            shutil.rmtree(self._trail_dir(), ignore_errors=True)
             shm_dir, run = self._memory_of_run()
             freed = reclaim_node(shm_dir, path_name(run), path_name(self.node_id))
             if freed:
@@ -757,6 +782,7 @@ class _Pulse:
         # A connection of its own: a TCPStore client is not shared across threads.
         self._control: _Control | None = None
         self._verdicts_read = (-1, 0)  # (generation, verdicts of it already applied)
+        self._trails_judged = -1  # the last failed generation whose collective trails were compared
         self._kept: set[tuple[int, str, tuple[int, ...]]] = set()  # slow-job verdicts logged as kept
         self._unfilled_since: float | None = None  # a restart waits for a lost node, no standby
         self._told_taken = False  # another agent took this node's id (logged once)
@@ -836,6 +862,7 @@ class _Pulse:
                 log.warning("node %s lost its heartbeat (> %.1f s)", node, h.heartbeat_timeout_s)
                 s = control.update(partial(_if_leader, me=h.node_id, fn=rs.mark_dead, args=(node,)))
         s = self._apply_verdicts(control, s)
+        s = self._judge_trails(control, s)
         if s.phase in (rs.FORMING, rs.RESTARTING):
             before = s
 
@@ -866,6 +893,53 @@ class _Pulse:
                         s.history[-1]["kept"],
                     )
         return self._wait_for_lost_nodes(control, s, now)
+
+    def _judge_trails(self, control: _Control, s: rs.RdzvState) -> rs.RdzvState:
+        """A generation restarted for its workers' exits: once every node's workers stopped (each
+        agent published their collective trails as it arrived), see whether a replica had entered
+        another collective than its peers. Gloo aborts on a mismatch of sizes within milliseconds,
+        often in another rank's process, and the peers die of the broken collective before SCOUT
+        compares their chains: the exit named a casualty. The trails name the culprit instead
+        (`collective_desync`: replaced, as SCOUT's own verdict is, while a standby can take its
+        slot)."""
+        h = self.h
+        p = s.pending
+        if (
+            s.phase != rs.RESTARTING
+            or p.get("failure_kind") != "process_failure"
+            or p.get("from_generation") != s.generation
+            or self._trails_judged == s.generation
+            or not all(n in s.arrived for n in s.slots if n is not None)
+        ):
+            return s
+        self._trails_judged = s.generation
+        failed = dataclasses.replace(s, slots=tuple(s.history[-1]["slots"])) if s.history else s
+        trails: dict[int, tuple[bytes, list[tuple[int, bytes]]]] = {}
+        for r in range(failed.world_size()):
+            doc = control.json_get(f"trail/g{s.generation}/{r}")
+            try:
+                states = [(int(c), bytes.fromhex(chain)) for c, chain in doc["states"]]
+                trails[r] = (bytes.fromhex(doc["group"]), states)
+            except (TypeError, KeyError, ValueError):
+                continue  # absent (its node was lost) or malformed: judged without it
+        v = desync_in_trails(trails)
+        if v is None:
+            return s
+        culprits = {n for n in (_node_of_rank(failed, r) for r in v.ranks) if n is not None}
+        sure = v.kind == "collective_desync"  # else no majority: every side named, restarted in place
+        quarantine = sure and "collective_desync" in h.replace_on and bool(culprits)
+        log.warning(
+            "run %s: the workers of generation %d exited after ranks %s (%s) entered another collective "
+            "than their replicas (%s): %s",
+            h.run_id,
+            s.generation,
+            list(v.ranks),
+            sorted(culprits),
+            v.reason,
+            v.detail,
+        )
+        args = (s.generation, v.reason, culprits, quarantine)
+        return control.update(partial(_if_leader, me=h.node_id, fn=rs.name_desync, args=args))
 
     def _wait_for_lost_nodes(self, control: _Control, s: rs.RdzvState, now: float) -> rs.RdzvState:
         """A restart that waits for a lost node (no standby for its slot) waits for it to come back

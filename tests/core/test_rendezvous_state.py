@@ -104,6 +104,33 @@ def test_a_worker_that_said_why_it_died_names_the_reason_whichever_arrives_first
     assert s.pending["reason"] == "uncaught_exception" and s.pending["culprits"] == ["a", "b"]
 
 
+def test_a_desync_found_in_the_trails_names_its_culprit_instead_of_the_casualty() -> None:
+    """c's worker was aborted by gloo (its exit named c); the trails show b entered another
+    collective: the restart names b (quarantined, the standby takes its slot), and a late report of
+    a worker that died of the broken collective names nobody more. Only a restart for workers' exits
+    of that generation is renamed."""
+    s = _formed(["a", "b", "c", "d"], min_nodes=3)
+    s = rs.arrive(s, "c", 0)
+    s = rs.name_desync(s, 0, "collective_sequence_minority", ["b"], quarantine=True)
+    assert s.pending["failure_kind"] == "collective_desync" and s.pending["culprits"] == ["b"]
+    assert s.pending["reason"] == "collective_sequence_minority" and s.excluded == {"b": "collective_desync"}
+    assert rs.request_restart(s, 0, "process_failure", "uncaught_exception", ["a"]) == s
+    s = rs.form(rs.arrive(rs.arrive(s, "a", 0), "b", 0), {"a", "b", "c", "d"})
+    assert s.slots == ("a", "d", "c") and s.history[-1]["failure_kind"] == "collective_desync"
+    # Not quarantined (no majority): restarted in place, both named.
+    s = rs.name_desync(
+        rs.arrive(_formed(["a", "b"]), "a", 0), 0, "collective_sequence_no_majority", ["a", "b"], False
+    )
+    assert s.pending["culprits"] == ["a", "b"] and s.excluded == {}
+    # Another kind of failure, another generation, or no restart at all: unchanged.
+    hang = rs.request_restart(_formed(["a", "b", "c"]), 0, "hang", "never_entered_collective", ["a"])
+    assert rs.name_desync(hang, 0, "collective_sequence_minority", ["b"], True) == hang
+    exited = rs.arrive(_formed(["a", "b", "c"]), "a", 0)
+    assert rs.name_desync(exited, 1, "collective_sequence_minority", ["b"], True) == exited
+    running = _formed(["a", "b", "c"])
+    assert rs.name_desync(running, 0, "collective_sequence_minority", ["b"], True) == running
+
+
 def test_lost_node_is_replaced_by_the_oldest_live_standby_in_its_slot() -> None:
     s = _formed(["a", "b", "c", "d"])
     s = rs.mark_dead(s, "a")

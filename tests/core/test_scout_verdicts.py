@@ -13,6 +13,7 @@ from lm_resiliency.core.scout.verdicts import (
     SilenceDetector,
     StallDetector,
     StragglerDetector,
+    desync_in_trails,
     desync_verdict,
     fingerprint_verdict,
     hang_verdict,
@@ -419,3 +420,26 @@ def test_a_drift_is_named_once_when_it_lasts_past_the_hold() -> None:
     v = d.observe(12.0, 9, {0: on, 1: on, 2: off})  # the job may have stopped stepping meanwhile
     assert v is not None and v.ranks == (2,) and v.detail == "ranks [2] have tf32_matmul=0 (others 1)"
     assert d.observe(30.0, 9, {0: on, 1: on, 2: off}) is None
+
+
+def test_desync_in_the_trails_of_stopped_ranks_names_the_minority_of_its_replica_group() -> None:
+    """Final states of ranks that all stopped (runtime/trail.py): compared at a count every rank
+    of a replica group passed, within the group only (another group issues other collectives)."""
+    same = [(15, b"h15"), (16, b"h16")]
+    g1, g2 = b"group-01", b"group-02"
+    trails = {0: (g1, same), 1: (g1, same), 2: (g1, [(15, b"h15"), (16, b"xx")])}
+    v = desync_in_trails(trails)
+    assert v is not None and v.kind == "collective_desync" and v.ranks == (2,)
+    assert v.reason == "collective_sequence_minority"
+    # Another group whose collectives differ from group 1's is no desync; nor is a rank that stopped
+    # a collective earlier (its states end before, equal where they overlap).
+    other = [(15, b"o15"), (16, b"o16")]
+    assert desync_in_trails({0: (g1, same), 1: (g1, same[:1]), 3: (g2, other), 4: (g2, other)}) is None
+    assert desync_in_trails({}) is None
+    # Two replicas that differ: no majority, both named. A minority in one group wins over that.
+    two = {0: (g1, same), 1: (g1, [(16, b"xx")])}
+    v = desync_in_trails(two)
+    assert v is not None and v.kind == "collective_desync_ambiguous" and v.ranks == (0, 1)
+    both = {**two, 4: (g2, other), 5: (g2, other), 6: (g2, [(16, b"yy")])}
+    v = desync_in_trails(both)
+    assert v is not None and v.kind == "collective_desync" and v.ranks == (6,)

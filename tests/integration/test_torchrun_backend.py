@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -321,6 +322,33 @@ def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(p
     decision = gens[1]["decision"]
     assert decision["failure_kind"] == "sdc" and decision["recovery_mode"] == "recovery_verified", decision
     assert decision["checkpoint_step"] == ctx["checkpoint_step"], decision
+    assert _equal(job.final(), base.final()), job.logs()[-6000:]
+
+
+def test_a_mismatched_collective_that_kills_a_peer_names_the_rank_that_issued_it(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 2's script all-reduces a tensor of its own where its replicas all-reduce their gradients.
+    Gloo aborts on the sizes in milliseconds, in a peer's process (SIGABRT), and the others die of
+    the broken collective before SCOUT compares their hash chains. The agents publish each worker's
+    last collective states (its trail) as they restart, and the leader finds rank 2 the minority:
+    a collective desync, its node replaced by the standby, the job ends bitwise. Before, the exit
+    named the process gloo aborted: a process failure of an innocent rank, restarted in place."""
+    base = Job(processes, tmp_path, "mm-base", nodes=3, nnodes="3:4")
+    base.start()
+    job = Job(processes, tmp_path, "mm", nodes=4, nnodes="3:4")  # side by side: nothing timed
+    job.start({"FAULT": "mismatch", "FAULT_RANK": "2", "FAULT_STEP": "10"})
+    base.wait()
+    job.wait()
+    gens = job.generations()
+    assert sorted(gens) == [0, 1], job.logs()
+    ctx = json.loads(Path(gens[1]["context"]).read_text())
+    logs = "\n".join(job.log(n) for n in range(job.nodes))
+    slots = json.loads(re.search(r"generation 0 published \(slots (\[.*?\])", logs)[1].replace("'", '"'))
+    assert ctx["failure_kind"] == "collective_desync", (ctx, job.logs()[-6000:])
+    assert ctx["reason_code"] == "collective_sequence_minority" and ctx["culprits"] == [slots[2]], (
+        ctx,
+        slots,
+    )
+    assert [a["slot"] for a in ctx["admitted"]] == [2], ctx
     assert _equal(job.final(), base.final()), job.logs()[-6000:]
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "give_up",
     "leave",
     "mark_dead",
+    "name_desync",
     "register",
     "repeat_offender",
     "request_restart",
@@ -182,6 +183,8 @@ def request_restart(
         for c in culprits:
             excluded.setdefault(c, failure_kind)
     if s.phase == RESTARTING:  # a second report of the same failure: only widen it
+        if failure_kind == "process_failure" and s.pending.get("failure_kind") == "collective_desync":
+            return s  # a worker that died of the mismatched collective: its consequence, not a culprit
         pending = dict(s.pending)
         pending["culprits"] = sorted(set(pending.get("culprits", ())) | set(culprits))
         pending["quarantine"] = bool(pending.get("quarantine")) or quarantine
@@ -220,6 +223,33 @@ def replace_with_standbys(
     if len(s.standbys) < len(set(culprits)):
         return s
     return request_restart(s, generation, failure_kind, reason, culprits, quarantine, error)
+
+
+def name_desync(
+    s: RdzvState, generation: int, reason: str, culprits: Iterable[str], quarantine: bool
+) -> RdzvState:
+    """The restart of `generation` for its workers' exits names its cause: the collective trails
+    showed the culprits' ranks entered another collective than their replicas (gloo aborts on a
+    mismatch of sizes, often in another rank's process). Their nodes replace the ones whose
+    workers merely died of it; quarantined when `quarantine`."""
+    p = s.pending
+    if s.phase != RESTARTING or p.get("from_generation") != generation:
+        return s
+    if p.get("failure_kind") != "process_failure":
+        return s
+    culprits = sorted(set(culprits))
+    excluded = dict(s.excluded)
+    if quarantine:
+        for c in culprits:
+            excluded.setdefault(c, "collective_desync")
+    pending = {
+        **p,
+        "failure_kind": "collective_desync",
+        "reason": reason,
+        "culprits": culprits,
+        "quarantine": quarantine,
+    }
+    return replace(s, pending=pending, excluded=excluded)
 
 
 def arrive(s: RdzvState, node: str, generation: int) -> RdzvState:

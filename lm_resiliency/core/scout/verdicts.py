@@ -58,6 +58,7 @@ __all__ = [
     "StallDetector",
     "StragglerDetector",
     "Verdict",
+    "desync_in_trails",
     "desync_verdict",
     "fingerprint_verdict",
     "hang_verdict",
@@ -381,6 +382,19 @@ def desync_verdict(now_step: int, chains: Mapping[int, Sequence[tuple[int, bytes
             )
         return None  # the others' states may yet make a majority at this count
     return None
+
+
+def desync_in_trails(trails: Mapping[int, tuple[bytes, Sequence[tuple[int, bytes]]]]) -> Verdict | None:
+    """The collective desync in the last states of ranks that all stopped: `trails` maps a rank to
+    (its replica group's digest, its states), as each wrote them (runtime/trail.py). Ranks compare
+    within their replica group only (other groups issue other collectives), by `desync_verdict`'s
+    rule. A minority named in some group wins over ambiguity in another."""
+    groups: dict[bytes, dict[int, Sequence[tuple[int, bytes]]]] = {}
+    for r, (group, states) in trails.items():
+        groups.setdefault(group, {})[r] = states
+    found = [v for g in groups.values() if (v := desync_verdict(-1, g)) is not None]
+    found.sort(key=lambda v: (v.kind != "collective_desync", v.ranks))
+    return found[0] if found else None
 
 
 class HangDetector:

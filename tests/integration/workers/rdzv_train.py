@@ -16,6 +16,8 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
   repeat  -- in each generation g < FAULT_REPEAT, rank g % world dies two steps after its start
   midstep -- rank FAULT_RANK's worker dies (SIGKILL) after its backward of step FAULT_STEP, once the
              capture of the step before is in place
+  mismatch -- rank FAULT_RANK all-reduces a tensor of its own before step FAULT_STEP's forward, where
+             its peers all-reduce their gradients (gloo aborts some process on the sizes)
 LOADER=plain: the loop reads its batches without instrument_dataloader (captures are then taken
 at the scheduler's step). SCHED_EVERY=n: the scheduler steps after every n-th step only. AUG=1: the
 loop adds noise from the global torch RNG to each batch before the forward.
@@ -103,6 +105,8 @@ for step, x in batches() if os.environ.get("LOADER") == "plain" else session.ins
     if fault == "hang" and rank == fault_rank and step == fault_step:
         session.gemini.drain(10)
         threading.Event().wait()  # stuck for good: the agents must stop it
+    if fault == "mismatch" and rank == fault_rank and step == fault_step:
+        dist.all_reduce(torch.ones(100_000))  # the script's own bug: a collective its peers skip
     if os.environ.get("AUG") == "1":
         x = x + 0.01 * torch.randn(x.shape)  # augmentation: the loop's own random draws
     loss = (model(x) - x).pow(2).mean()
