@@ -561,9 +561,10 @@ class Session:
     def _open_trail(self, group: Sequence[int]) -> None:
         """Under the torchrun backend, the collectives this rank enters are also written where its
         agent reads them after the worker stopped (runtime/trail.py): the leader names the rank that
-        entered another collective when the mismatch killed the processes before SCOUT could."""
+        entered another collective when the mismatch killed the processes before SCOUT could. Part of
+        detection: not written while it is off."""
         folder = os.environ.get(TRAIL_ENV)
-        if not folder or self.world_size < 2 or not hasattr(self._adapter, "trail"):
+        if not folder or self.world_size < 2 or not self._detects() or not hasattr(self._adapter, "trail"):
             return
         try:
             self._adapter.trail = CollectiveTrail(folder, self.rank, self.env.generation, group)
