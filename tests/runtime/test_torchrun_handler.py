@@ -561,6 +561,66 @@ def test_the_leader_restores_only_a_step_every_replica_group_certified() -> None
     assert plan["checkpoint_step"] == 13, plan
 
 
+def test_the_leader_names_the_rank_whose_trail_shows_another_collective() -> None:
+    """Generation 0 restarted for its workers' exits (node c's worker was aborted first); every node
+    is back with its workers' trails published. Rank 1 (node b) entered another collective: the
+    restart becomes b's collective desync, b quarantined. A malformed or missing trail is left out
+    (two replicas left that differ: both named, nobody quarantined); a restart for anything else,
+    or one already judged, is not looked at."""
+    from types import SimpleNamespace
+
+    from lm_resiliency.runtime.trail import group_digest
+
+    s = rs.RdzvState.new("nonce", 3, 4, "pol")
+    for n in "abcd":
+        s = rs.register(s, n, f"{n}.addr", 1, "pol")
+    s = rs.form(rs.elect(s, "a", set("abcd")), set("abcd"))
+    exited = rs.arrive(rs.arrive(rs.arrive(s, "c", 0), "a", 0), "b", 0)
+    group = group_digest([0, 1, 2]).hex()
+    ok = {"group": group, "states": [[15, "aa" * 8], [16, "bb" * 8]]}
+    odd = {"group": group, "states": [[15, "aa" * 8], [16, "cc" * 8]]}
+
+    class Control:
+        def __init__(self, docs: dict[int, Any], state: rs.RdzvState) -> None:
+            self.docs, self.state = docs, state
+
+        def json_get(self, key: str) -> Any:
+            assert key.startswith("trail/g0/"), key
+            return self.docs.get(int(key.rsplit("/", 1)[1]))
+
+        def update(self, fn: Any) -> rs.RdzvState:
+            self.state = fn(self.state)
+            return self.state
+
+    def judge(docs: dict[int, Any], state: rs.RdzvState = exited, judged: int = -1) -> rs.RdzvState:
+        h = SimpleNamespace(run_id="r", node_id="a", replace_on=tr.DEFAULT_REPLACE_ON)
+        pulse = SimpleNamespace(h=h, _trails_judged=judged)
+        return tr._Pulse._judge_trails(pulse, Control(docs, state), state)  # type: ignore[arg-type]
+
+    got = judge({0: ok, 1: odd, 2: ok})
+    assert got.pending["failure_kind"] == "collective_desync" and got.pending["culprits"] == ["b"]
+    assert got.pending["reason"] == "collective_sequence_minority" and got.excluded == {
+        "b": "collective_desync"
+    }
+    for bad in (
+        None,
+        [1, 2],
+        {"group": 5, "states": []},
+        {"group": group, "states": [[1]]},
+        {"states": "zz"},
+    ):
+        got = judge({0: ok, 1: bad, 2: odd})
+        assert got.pending["failure_kind"] == "collective_desync" and got.pending["culprits"] == ["a", "c"]
+        assert got.pending["reason"] == "collective_sequence_no_majority" and got.excluded == {}
+    assert judge({0: ok, 1: ok, 2: ok}) == exited  # the same collectives: the exit stands
+    assert judge({0: ok, 1: odd, 2: ok}, judged=0) == exited
+    hang = rs.request_restart(s, 0, "hang", "never_entered_collective", ["c"])
+    hang = rs.arrive(rs.arrive(rs.arrive(hang, "c", 0), "a", 0), "b", 0)
+    assert judge({0: ok, 1: odd, 2: ok}, hang) == hang
+    waiting = rs.arrive(s, "c", 0)  # a and b still stop their workers: their trails are not final
+    assert judge({0: ok, 1: odd, 2: ok}, waiting) == waiting
+
+
 def test_a_worker_reads_whether_the_leader_is_restarting_its_generation(store: Any) -> None:
     """A rank that sees peers go with "terminated" while its own group carries on asks the store:
     under a restart the leader began (another replica group's SDC, which this rank never heard of),
