@@ -566,8 +566,13 @@ class Session:
         folder = os.environ.get(TRAIL_ENV)
         if not folder or self.world_size < 2 or not self._detects() or not hasattr(self._adapter, "trail"):
             return
+        from lm_resiliency.gemini.hygiene import write_owner
+
         try:
             self._adapter.trail = CollectiveTrail(folder, self.rank, self.env.generation, group)
+            # Owned by this process while it lives: another job short of shared memory reclaims
+            # folders no live process owns (an mmap's writes need not touch the file's mtime).
+            write_owner(Path(folder), self.rank)
         except (OSError, ValueError) as exc:  # the desync check loses this rank's trail, nothing else
             log.warning("rank %d: no collective trail in %s: %s", self.rank, folder, exc)
 

@@ -123,6 +123,7 @@ class Job:
                 # The run is over: no agent that saw it close leaves its node's copies in memory.
                 left = self.tmp / "shm" / self.run_id / f"{self.name}-node-{n}"
                 assert not left.exists(), (sorted(p.name for p in left.iterdir()), self.logs())
+                assert not left.with_name(f"{left.name}.trail").exists(), self.logs()  # its workers' trails
         # Nothing of the run is left: workers die with their agents, the store host after closing.
         until = time.monotonic() + 20.0
         while _procs_tagged(self.run_id) and time.monotonic() < until:
