@@ -397,6 +397,10 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             self._pulse = _Pulse(self)
             self._pulse.start()
             log.info("node %s registered with run %s", self.node_id, self.run_id)
+            # Trails of an earlier launch of the run (an agent that was killed leaves them) would
+            # read as this one's where a worker starts no new one.
+            with contextlib.suppress(Exception):
+                shutil.rmtree(self._trail_dir(), ignore_errors=True)
         else:
             gen = self._generation
             self._publish_trails(control, gen)

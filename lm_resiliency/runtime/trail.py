@@ -68,9 +68,9 @@ class CollectiveTrail:
         _RECORD.pack_into(m, off, count, chain, _check(count, chain))
 
     def close(self) -> None:
-        m, self._map = self._map, None
-        if m is not None:
-            m.close()
+        """No more records. The mapping is released with its last reference, not closed here: a
+        `record` on the training thread while another thread closes the session may still hold it."""
+        self._map = None
 
 
 def read_trail(path: str | Path, generation: int) -> tuple[bytes, list[tuple[int, bytes]]] | None:
