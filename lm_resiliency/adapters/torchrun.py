@@ -917,7 +917,7 @@ class _Pulse:
         ):
             return s
         self._trails_judged = s.generation
-        failed = dataclasses.replace(s, slots=tuple(s.history[-1]["slots"])) if s.history else s
+        failed = _as_published(s)
         trails: dict[int, tuple[bytes, list[tuple[int, bytes]]]] = {}
         for r in range(failed.world_size()):
             doc = control.json_get(f"trail/g{s.generation}/{r}")
@@ -1048,10 +1048,7 @@ class _Pulse:
         }
         if old.generation < 0:
             return plan
-        # Rank numbers of the generation that failed: its published slots (the current document may
-        # already have holes where lost or quarantined nodes were, which would shift the ranks).
-        if old.history:
-            old = dataclasses.replace(old, slots=tuple(old.history[-1]["slots"]))
+        old = _as_published(old)
         world = new.world_size()
         invs: dict[int, Any] = {}
         for r in range(world):
@@ -1106,6 +1103,13 @@ def _quarantines(verdict: dict[str, Any], replace_on: Iterable[str]) -> bool:
     if kind == "network_partition" and verdict.get("scope") != "node":
         return False
     return kind in set(replace_on) and sure
+
+
+def _as_published(s: rs.RdzvState) -> rs.RdzvState:
+    """`s` with the slots its generation was published with: the rank numbers of the generation
+    that failed (the current document may already have holes where lost or quarantined nodes
+    were, which would shift the ranks)."""
+    return dataclasses.replace(s, slots=tuple(s.history[-1]["slots"])) if s.history else s
 
 
 def _node_of_rank(s: rs.RdzvState, rank: int) -> str | None:
