@@ -305,17 +305,26 @@ def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, t
     assert _equal(job.final(), base.final()), job.logs()[-6000:]
 
 
-def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    # Three replicas are needed to out-vote one corrupted copy: 3 active nodes + 1 standby.
-    base = Job(processes, tmp_path, "sdc-base", nodes=3, nnodes="3:4")
+def _three_replicas_restarted_once(
+    group: ProcessGroup, tmp: Path, fault: str, rank: str
+) -> tuple[Job, Job, dict[int, dict], dict]:
+    """`fault` at step 10 on `rank` of 3 active nodes + 1 standby, beside an uninterrupted run of 3
+    (side by side: nothing timed); the faulted run must end after one restart: (the faulted job,
+    the uninterrupted one, generations, the restart's context)."""
+    base = Job(group, tmp, f"{fault}-base", nodes=3, nnodes="3:4")
     base.start()
-    job = Job(processes, tmp_path, "sdc", nodes=4, nnodes="3:4")  # side by side: nothing timed
-    job.start({"FAULT": "sdc", "FAULT_RANK": "1", "FAULT_STEP": "10"})
+    job = Job(group, tmp, fault, nodes=4, nnodes="3:4")
+    job.start({"FAULT": fault, "FAULT_RANK": rank, "FAULT_STEP": "10"})
     base.wait()
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1], job.logs()
-    ctx = json.loads(Path(gens[1]["context"]).read_text())
+    return job, base, gens, json.loads(Path(gens[1]["context"]).read_text())
+
+
+def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Three replicas are needed to out-vote one corrupted copy: 3 active nodes + 1 standby.
+    job, base, gens, ctx = _three_replicas_restarted_once(processes, tmp_path, "sdc", "1")
     assert ctx["failure_kind"] == "sdc" and ctx["recovery_mode"] == "recovery_verified", ctx
     assert len(ctx["culprits"]) == 1 and len(ctx["admitted"]) == 1, ctx
     assert 0 < ctx["checkpoint_step"] < 10 and gens[1]["start"] == ctx["checkpoint_step"], (ctx, gens)
@@ -333,15 +342,7 @@ def test_a_mismatched_collective_that_kills_a_peer_names_the_rank_that_issued_it
     last collective states (its trail) as they restart, and the leader finds rank 2 the minority:
     a collective desync, its node replaced by the standby, the job ends bitwise. Before, the exit
     named the process gloo aborted: a process failure of an innocent rank, restarted in place."""
-    base = Job(processes, tmp_path, "mm-base", nodes=3, nnodes="3:4")
-    base.start()
-    job = Job(processes, tmp_path, "mm", nodes=4, nnodes="3:4")  # side by side: nothing timed
-    job.start({"FAULT": "mismatch", "FAULT_RANK": "2", "FAULT_STEP": "10"})
-    base.wait()
-    job.wait()
-    gens = job.generations()
-    assert sorted(gens) == [0, 1], job.logs()
-    ctx = json.loads(Path(gens[1]["context"]).read_text())
+    job, base, _, ctx = _three_replicas_restarted_once(processes, tmp_path, "mismatch", "2")
     logs = "\n".join(job.log(n) for n in range(job.nodes))
     slots = json.loads(re.search(r"generation 0 published \(slots (\[.*?\])", logs)[1].replace("'", '"'))
     assert ctx["failure_kind"] == "collective_desync", (ctx, job.logs()[-6000:])
