@@ -60,7 +60,7 @@ from lm_resiliency.core.topology import ParallelDim, Topology, node_ids_by_machi
 from lm_resiliency.errors import ConfigError, UnsupportedFrameworkError
 from lm_resiliency.runtime.discovery import StoreDiscovery
 from lm_resiliency.runtime.node import ClusterView, RankRuntime
-from lm_resiliency.runtime.trail import TRAIL_ENV, CollectiveTrail
+from lm_resiliency.runtime.trail import CollectiveTrail
 from lm_resiliency.runtime.transport import ZmqTransport
 
 __all__ = ["ResiliencySession", "Session", "SessionComponent", "enable_resiliency"]
@@ -563,7 +563,7 @@ class Session:
         agent reads them after the worker stopped (runtime/trail.py): the leader names the rank that
         entered another collective when the mismatch killed the processes before SCOUT could. Part of
         detection: not written while it is off."""
-        folder = os.environ.get(TRAIL_ENV)
+        folder = self.env.trail_dir
         if not folder or self.world_size < 2 or not self._detects() or not hasattr(self._adapter, "trail"):
             return
         from lm_resiliency.gemini.hygiene import write_owner

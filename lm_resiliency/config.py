@@ -526,6 +526,7 @@ class Environment:
     fault_campaign: str | None = None  # a campaign JSON whose faults this rank injects (faults/)
     fault_ground_truth: str | None = None  # where the injector records what it did
     report_dir: str | None = None  # fault reports' folder when the replay settings name none
+    trail_dir: str | None = None  # set by the torchrun backend: where this rank writes its collective trail
 
     def node_id(self) -> str:
         """This machine's identity: the machine-id file's content, or the hostname if it has none."""
@@ -558,6 +559,7 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         fault_campaign=env.get("LM_RESILIENCY_FAULT_CAMPAIGN") or None,
         fault_ground_truth=env.get("LM_RESILIENCY_FAULT_GROUND_TRUTH") or None,
         report_dir=env.get("LM_RESILIENCY_REPORT_DIR") or None,
+        trail_dir=env.get("LM_RESILIENCY_TRAIL_DIR") or None,
         run_id=env.get("LM_RESILIENCY_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or "default",
         restart_context_path=env.get("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT") or None,
         checkpoint_step=_env_int(env, "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", 0),

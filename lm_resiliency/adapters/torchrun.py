@@ -64,7 +64,7 @@ from lm_resiliency.config import REPLACE_ONLY_FAILURES  # noqa: E402
 from lm_resiliency.core.gemini.recovery import memory_checkpoint_id, plan_recovery, verified_steps  # noqa: E402
 from lm_resiliency.core.rendezvous import state as rs  # noqa: E402
 from lm_resiliency.core.scout.verdicts import PEERS_WAIT, desync_in_trails  # noqa: E402
-from lm_resiliency.runtime.trail import TRAIL_ENV, read_trails  # noqa: E402
+from lm_resiliency.runtime.trail import read_trails  # noqa: E402
 
 __all__ = ["BACKEND", "LmResiliencyRendezvousHandler", "create_handler", "rendezvous_handler_creator"]
 
@@ -362,6 +362,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         self._pulse: _Pulse | None = None
         self._held = -1  # the first rank whose in-memory checkpoints of the run this node holds
         self._generation = -1  # the generation this agent's workers belong to
+        self._trails: Path | None = None  # see _trail_dir
         self._slot: int | None = None
         self._worker_store: TCPStore | None = None
         self._agent_store: Store | None = None
@@ -619,7 +620,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         if self.worker_config:
             env["LM_RESILIENCY_WORKER_CONFIG"] = str(Path(self.worker_config).resolve())
         with contextlib.suppress(Exception):  # a policy unreadable now fails the workers with its message
-            env[TRAIL_ENV] = str(self._trail_dir())
+            env["LM_RESILIENCY_TRAIL_DIR"] = str(self._trail_dir())
         if s.generation == 0:  # no context in generation 0: a stale file from another run must go
             with contextlib.suppress(FileNotFoundError):
                 self.context_path.unlink()
@@ -668,11 +669,14 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
 
     def _trail_dir(self) -> Path:
         """Where this node's workers write their collective trails (runtime/trail.py): beside the
-        run's in-memory checkpoints of this node, in a folder of its own."""
-        from lm_resiliency.gemini.durable import path_name
+        run's in-memory checkpoints of this node, in a folder of its own. Found once (it reads the
+        policy); raises as `_memory_of_run` does until then."""
+        if self._trails is None:
+            from lm_resiliency.gemini.durable import path_name
 
-        shm_dir, run = self._memory_of_run()
-        return Path(shm_dir) / path_name(run) / f"{path_name(self.node_id)}.trail"
+            shm_dir, run = self._memory_of_run()
+            self._trails = Path(shm_dir) / path_name(run) / f"{path_name(self.node_id)}.trail"
+        return self._trails
 
     def _publish_trails(self, control: _Control, generation: int) -> None:
         """This node's workers of `generation` stopped: their last collective states go to the

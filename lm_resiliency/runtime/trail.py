@@ -25,9 +25,8 @@ from pathlib import Path
 
 import xxhash
 
-__all__ = ["SLOTS", "TRAIL_ENV", "CollectiveTrail", "group_digest", "read_trail", "read_trails"]
+__all__ = ["SLOTS", "CollectiveTrail", "group_digest", "read_trail", "read_trails"]
 
-TRAIL_ENV = "LM_RESILIENCY_TRAIL_DIR"
 MAGIC = b"LMRTRL01"
 SLOTS = 16
 _HEADER = struct.Struct("<8sq8s")  # magic, generation, replica group digest
