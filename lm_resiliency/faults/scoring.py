@@ -14,7 +14,9 @@ detection what it did; the job's fault reports (the `report_dir` JSON lines, or 
   no occurrence). `evaluate_clean` gives the false-positive rate over clean runs of the same job.
 
 Every rank writes each verdict it hears; reports with the same kind, culprits and scope within
-`merge_s` of each other are one verdict.
+`merge_s` of each other are one verdict, unless both name the steps they judged and no step is
+in both (the same rank found at another step is another finding: faults of one campaign on one rank
+can come seconds apart).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +98,7 @@ class Verdict:
     resources: frozenset[str] = field(default_factory=frozenset)
     reason: str = ""
     reports: int = 1
+    steps: frozenset[int] = field(default_factory=frozenset)
 
 
 def read_reports(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -125,9 +128,17 @@ def _resources(report: Mapping[str, Any]) -> set[str]:
     return out
 
 
+def _steps(report: Mapping[str, Any]) -> frozenset[int]:
+    v = report.get("steps")
+    if not isinstance(v, (list, tuple)):
+        return frozenset()
+    return frozenset(x for x in v if isinstance(x, int) and not isinstance(x, bool))
+
+
 def verdicts(reports: Iterable[Mapping[str, Any]], merge_s: float = 30.0) -> list[Verdict]:
     """Distinct verdicts in time order: reports with the same kind, culprits and scope within
-    `merge_s` of the first of them are one verdict. Reports without a time or kind are skipped."""
+    `merge_s` of the first of them are one verdict, unless both name steps and none in common.
+    Reports without a time or kind are skipped."""
     rows = []
     for r in reports:
         t = r.get("time")
@@ -138,18 +149,26 @@ def verdicts(reports: Iterable[Mapping[str, Any]], merge_s: float = 30.0) -> lis
         rows.append((float(t), kind, ranks, str(r.get("scope", "rank")), r))
     rows.sort(key=lambda x: x[0])
     out: list[Verdict] = []
-    open_: dict[tuple[str, tuple[int, ...], str], int] = {}
+    open_: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
     for t, kind, ranks, scope, r in rows:
-        key = (kind, ranks, scope)
-        i = open_.get(key)
-        if i is not None and t - out[i].time <= merge_s:
+        steps = _steps(r)
+        opened = open_.setdefault((kind, ranks, scope), [])
+        same = [
+            i
+            for i in opened
+            if t - out[i].time <= merge_s and (not steps or not out[i].steps or steps & out[i].steps)
+        ]
+        if same:
+            i = same[-1]
             v = out[i]
-            out[i] = Verdict(
-                v.kind, v.failed_ranks, v.scope, v.time, v.resources | _resources(r), v.reason, v.reports + 1
+            out[i] = replace(
+                v, resources=v.resources | _resources(r), reports=v.reports + 1, steps=v.steps | steps
             )
             continue
-        open_[key] = len(out)
-        out.append(Verdict(kind, ranks, scope, t, frozenset(_resources(r)), str(r.get("reason", ""))))
+        opened.append(len(out))
+        out.append(
+            Verdict(kind, ranks, scope, t, frozenset(_resources(r)), str(r.get("reason", "")), steps=steps)
+        )
     return out
 
 

@@ -270,6 +270,24 @@ def test_scoring_detection_localization_kind_and_false_positives() -> None:
     }
 
 
+def test_the_same_rank_found_at_another_step_within_the_merge_time_is_another_verdict() -> None:
+    """A campaign's weight flip at iteration 6 and its gradient reorder at 18, both on rank 0, found
+    26.6 s apart (a 21-type campaign on CPU nodes): each occurrence has its own verdict. Reports of
+    one finding (every rank's, and one without steps) stay one."""
+    truth = [_gt("flip@6", 100.0, rank=0), _gt("reorder@18", 126.0, rank=0, ftype="reorder")]
+    sdc = {"kind": "sdc", "failed_ranks": [0], "scope": "rank"}
+    reports = [
+        *({**sdc, "time": 100.1 + r / 100, "steps": [6]} for r in range(4)),
+        {**sdc, "time": 100.2},
+        *({**sdc, "time": 126.7 + r / 100, "steps": [18]} for r in range(4)),
+    ]
+    ev = evaluate(truth, reports)
+    assert [o["localized"] for o in ev["occurrences"]] == [True, True]
+    assert ev["recall"] == 1.0 and ev["verdicts"] == 2 and ev["false_positives"] == 0
+    found = verdicts(reports)
+    assert [(v.steps, v.reports) for v in found] == [(frozenset({6}), 5), (frozenset({18}), 4)]
+
+
 def test_a_killed_worker_is_localized_by_a_process_failure_verdict() -> None:
     truth = [_gt("k@4", 10.0, rank=3, ftype="process_termination")]
     ev = evaluate(truth, [{"time": 12.0, "kind": "process_failure", "failed_ranks": [3]}])
