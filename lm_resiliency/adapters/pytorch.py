@@ -82,6 +82,7 @@ class PyTorchAdapter:
         self._not_input_s = 0.0
         self._eval_started: float | None = None  # an evaluation between steps began (perf_counter)
         self._stepping = False  # between a training forward and the optimizer step (see `in_step`)
+        self._steps_seen = 0  # optimizer steps since attach (a resumed step count is not one)
         self._blocking = 0  # blocking tracked collectives this thread is in (nested: one interval)
         self._blocked_since = 0.0
         self._blocked: list[tuple[float, float]] = []  # this step's (start, end) in blocking collectives
@@ -186,6 +187,7 @@ class PyTorchAdapter:
             ddps.append(inner_ddp)
         for ddp in ddps:
             self._track_buffer_broadcast(ddp)
+            self._track_bucket_rebuild(ddp)
             if self._time_comm:
                 self._defer_comm_hook(ddp)
         self._t_step_start = time.perf_counter()
@@ -267,6 +269,39 @@ class PyTorchAdapter:
 
         ddp._sync_buffers = tracked
         self._untrack.append(lambda: vars(ddp).pop("_sync_buffers", None))
+
+    def _track_bucket_rebuild(self, ddp: Any) -> None:
+        """DDP rebuilds its gradient buckets once, in the first training forward after a backward
+        reduced gradients (in the order they became ready), and rank 0 broadcasts the new layout
+        to its peers there: a collective inside DDP's forward that no torch.distributed call
+        shows. A new process (each generation of a restarted job) enters it in its second step.
+        Untracked, peers blocked in it while a rank stopped after its first step looked idle (not
+        in a collective), and no hang was named: they waited for the process group's timeout."""
+        original = ddp._pre_forward  # bound; the instance attribute shadows it
+        group = getattr(ddp, "process_group", None)
+
+        def tracked(*inputs: Any, **kwargs: Any) -> Any:
+            # DDP's own conditions for a rebuild that talks to its peers (Reducer::rebuild_buckets
+            # is reached and should_rebuild_buckets holds), and a step since we attached: the
+            # same on every replica, so their collective chains stay equal.
+            if (
+                torch.compiler.is_compiling()
+                or not torch.is_grad_enabled()
+                or self._steps_seen == 0
+                or getattr(ddp, "_has_rebuilt_buckets", True)
+                or getattr(ddp, "_use_python_reducer", False)
+                or getattr(ddp, "_delay_all_reduce_all_params", False)
+                or (getattr(ddp, "find_unused_parameters", False) and not getattr(ddp, "static_graph", False))
+            ):
+                return original(*inputs, **kwargs)
+            self.enter_collective(f"rebuild_buckets:{_world(group)}", True)
+            try:
+                return original(*inputs, **kwargs)
+            finally:
+                self.exit_collective()
+
+        ddp._pre_forward = tracked
+        self._untrack.append(lambda: vars(ddp).pop("_pre_forward", None))
 
     def detach(self) -> None:
         for undo in self._untrack:
@@ -425,6 +460,7 @@ class PyTorchAdapter:
     def _opt_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         now = time.perf_counter()
         self._step += 1
+        self._steps_seen += 1
         t0 = self._t_step_start
         fwd = self._t_fwd if self._t_fwd is not None else t0
         opt_start = self._t_opt if self._t_opt is not None else now
