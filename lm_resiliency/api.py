@@ -1446,7 +1446,9 @@ class Session:
         path = self._report_dir / f"reports-rank{self.rank}.jsonl"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            line = json.dumps({"time": time.time(), "pid": os.getpid(), **report}, default=str)
+            # The generation tells a restarted worker's report from its predecessor's (scoring).
+            head = {"time": time.time(), "pid": os.getpid(), "generation": self.env.generation}
+            line = json.dumps({**head, **report}, default=str)
             with open(path, "a") as f:
                 f.write(line + "\n")
         except OSError as exc:

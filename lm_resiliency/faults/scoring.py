@@ -15,8 +15,9 @@ detection what it did; the job's fault reports (the `report_dir` JSON lines, or 
 
 Every rank writes each verdict it hears; reports with the same kind, culprits and scope within
 `merge_s` of each other are one verdict, unless both name the steps they judged and no step is
-in both (the same rank found at another step is another finding: faults of one campaign on one rank
-can come seconds apart).
+in both, or both name their generation and it differs (the same rank found at another step, or
+failing again after a restart, is another finding: faults of one campaign on one rank can come
+seconds apart).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class Verdict:
     reason: str = ""
     reports: int = 1
     steps: frozenset[int] = field(default_factory=frozenset)
+    generation: int | None = None  # of the workers that reported it (torchrun backend)
 
 
 def read_reports(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -137,8 +139,8 @@ def _steps(report: Mapping[str, Any]) -> frozenset[int]:
 
 def verdicts(reports: Iterable[Mapping[str, Any]], merge_s: float = 30.0) -> list[Verdict]:
     """Distinct verdicts in time order: reports with the same kind, culprits and scope within
-    `merge_s` of the first of them are one verdict, unless both name steps and none in common.
-    Reports without a time or kind are skipped."""
+    `merge_s` of the first of them are one verdict, unless both name steps and none in common, or
+    both name generations and they differ. Reports without a time or kind are skipped."""
     rows = []
     for r in reports:
         t = r.get("time")
@@ -152,22 +154,39 @@ def verdicts(reports: Iterable[Mapping[str, Any]], merge_s: float = 30.0) -> lis
     open_: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
     for t, kind, ranks, scope, r in rows:
         steps = _steps(r)
+        gen = r.get("generation")
+        gen = gen if isinstance(gen, int) and not isinstance(gen, bool) else None
         opened = open_.setdefault((kind, ranks, scope), [])
         same = [
             i
             for i in opened
-            if t - out[i].time <= merge_s and (not steps or not out[i].steps or steps & out[i].steps)
+            if t - out[i].time <= merge_s
+            and (not steps or not out[i].steps or steps & out[i].steps)
+            and (gen is None or out[i].generation in (None, gen))
         ]
         if same:
             i = same[-1]
             v = out[i]
             out[i] = replace(
-                v, resources=v.resources | _resources(r), reports=v.reports + 1, steps=v.steps | steps
+                v,
+                resources=v.resources | _resources(r),
+                reports=v.reports + 1,
+                steps=v.steps | steps,
+                generation=v.generation if v.generation is not None else gen,
             )
             continue
         opened.append(len(out))
         out.append(
-            Verdict(kind, ranks, scope, t, frozenset(_resources(r)), str(r.get("reason", "")), steps=steps)
+            Verdict(
+                kind,
+                ranks,
+                scope,
+                t,
+                frozenset(_resources(r)),
+                str(r.get("reason", "")),
+                steps=steps,
+                generation=gen,
+            )
         )
     return out
 

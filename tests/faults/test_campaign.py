@@ -286,6 +286,14 @@ def test_the_same_rank_found_at_another_step_within_the_merge_time_is_another_ve
     assert ev["recall"] == 1.0 and ev["verdicts"] == 2 and ev["false_positives"] == 0
     found = verdicts(reports)
     assert [(v.steps, v.reports) for v in found] == [(frozenset({6}), 5), (frozenset({18}), 4)]
+    # Rank 0 killed in generation 4 and again in 6, 10 s apart: a process failure names no step,
+    # the reporters' generations tell them apart (before, the second kill scored undetected).
+    kills = [_gt(f"kill@{i}", t, 0, "process_termination") for i, t in ((15, 200.0), (22, 210.0))]
+    died = {"kind": "process_failure", "failed_ranks": [0], "scope": "rank"}
+    reports = [{**died, "time": 200.1 + r / 100, "generation": 4} for r in range(2)]
+    reports += [{**died, "time": 210.1 + r / 100, "generation": 6} for r in range(2)]
+    ev = evaluate(kills, reports)
+    assert [o["localized"] for o in ev["occurrences"]] == [True, True] and ev["verdicts"] == 2
 
 
 def test_a_killed_worker_is_localized_by_a_process_failure_verdict() -> None:
