@@ -294,6 +294,8 @@ class PyTorchAdapter:
                 or (getattr(ddp, "find_unused_parameters", False) and not getattr(ddp, "static_graph", False))
             ):
                 return original(*inputs, **kwargs)
+            if not self._stepping:  # the model given was the module DDP wraps: the step begins here
+                self._forward_pre(ddp, ())
             self.enter_collective(f"rebuild_buckets:{_world(group)}", True)
             try:
                 return original(*inputs, **kwargs)

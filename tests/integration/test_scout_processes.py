@@ -211,15 +211,17 @@ def test_rank_that_never_enters_a_collective_is_named_before_gloo_times_out(
         assert latency < 30.0  # gloo's timeout in this job
 
 
+@pytest.mark.parametrize("inner", [False, True], ids=["ddp-passed", "inner-module-passed"])
 def test_a_rank_that_stops_after_its_first_step_is_named_while_ddp_rebuilds_its_buckets(
-    processes, tmp_path: Path
+    processes, tmp_path: Path, inner: bool
 ) -> None:  # type: ignore[no-untyped-def]
     """DDP rebuilds its buckets in the second training forward of a process, where rank 0 broadcasts
     the new layout: rank 0 stopping after its first step (as a restarted worker whose fault comes
     back at once) leaves its peers blocked there. Before, that broadcast was not tracked: the peers
     looked idle, no hang was named, and they waited for gloo's timeout (a campaign's second hang
-    after a restart sat for 14 minutes)."""
-    results, store = _run(processes, tmp_path, "hang", steps=50, culprit=0, at=2, wait_all=False)
+    after a restart sat for 14 minutes). The same when the script passed the module DDP wraps."""
+    extra = {"PASS_INNER": "1"} if inner else None
+    results, store = _run(processes, tmp_path, "hang", steps=50, culprit=0, at=2, wait_all=False, extra=extra)
     for res in results:
         hang = [f for f in res["faults"] if f["kind"] == "hang"]
         assert [(f["failed_ranks"], f["reason"]) for f in hang] == [([0], "never_entered_collective")], res
