@@ -283,12 +283,13 @@ class PyTorchAdapter:
         def tracked(*inputs: Any, **kwargs: Any) -> Any:
             # DDP's own conditions for a rebuild that talks to its peers (Reducer::rebuild_buckets
             # is reached and should_rebuild_buckets holds), and a step since we attached: the
-            # same on every replica, so their collective chains stay equal.
+            # same on every replica, so their collective chains stay equal. Every training forward
+            # passes here: once rebuilt, the first test ends it.
             if (
-                torch.compiler.is_compiling()
-                or not torch.is_grad_enabled()
+                getattr(ddp, "_has_rebuilt_buckets", True)
                 or self._steps_seen == 0
-                or getattr(ddp, "_has_rebuilt_buckets", True)
+                or not torch.is_grad_enabled()
+                or torch.compiler.is_compiling()
                 or getattr(ddp, "_use_python_reducer", False)
                 or getattr(ddp, "_delay_all_reduce_all_params", False)
                 or (getattr(ddp, "find_unused_parameters", False) and not getattr(ddp, "static_graph", False))
