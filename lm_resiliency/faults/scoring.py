@@ -157,15 +157,17 @@ def verdicts(reports: Iterable[Mapping[str, Any]], merge_s: float = 30.0) -> lis
         gen = r.get("generation")
         gen = gen if isinstance(gen, int) and not isinstance(gen, bool) else None
         opened = open_.setdefault((kind, ranks, scope), [])
-        same = [
-            i
-            for i in opened
-            if t - out[i].time <= merge_s
-            and (not steps or not out[i].steps or steps & out[i].steps)
-            and (gen is None or out[i].generation in (None, gen))
-        ]
-        if same:
-            i = same[-1]
+        i = next(  # the newest open verdict this report belongs to
+            (
+                i
+                for i in reversed(opened)
+                if t - out[i].time <= merge_s
+                and (not steps or not out[i].steps or steps & out[i].steps)
+                and (gen is None or out[i].generation in (None, gen))
+            ),
+            None,
+        )
+        if i is not None:
             v = out[i]
             out[i] = replace(
                 v,
