@@ -996,6 +996,9 @@ class Gemini:
                     self._on_own_slot(k, SlotFile.clear_certificate)
             self._idle.notify_all()  # an SDC: no capture waits for a verdict any more
         self.note_restart_mode("recovery_verified", kind)
+        # The inventory again: its certified steps go to the torchrun backend's leader, which picks
+        # the restart step from them (a certificate an audit revoked would restore the corruption).
+        self._announce()
 
     # -- the trust level the next restart needs (survives the process, like the slots) -------------
     def _mode_path(self) -> Path:

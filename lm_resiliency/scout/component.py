@@ -477,6 +477,14 @@ class Scout:
                 log.info("rank %d: audits are off: %s", rank, why)
             else:
                 recorder("", inner, self._audit_due)
+        # A rank whose state no other rank holds (FSDP2 without HSDP replicas: a replica group of
+        # one) has no fingerprints to agree on, but its peers audit its work: a step of it is
+        # certified once no SDC was found at or before it and every audit up to it came back (the
+        # audited steps still open, by step). Before, nothing was ever certified there, and a
+        # restart after an audit named an SDC (asking for a certified step) started over from
+        # step 0.
+        self._audit_certifies = config.enable and len(self.group) == 1 and bool(self._auditors)
+        self._audits_open: set[int] = set()
         self._tapped = [
             a
             for n, a in self._auditors.items()
@@ -845,6 +853,10 @@ class Scout:
             fut.add_done_callback(functools.partial(self._sent, source))
         if self._paused():
             return
+        if self._audit_certifies and self._audit_state != "off":
+            with self._lock:  # closed when every peer's result came (_on_audit_result)
+                self._audits_open = {t for t in self._audits_open if t > step - KEEP_STEPS}
+                self._audits_open.add(step)
         finding, detail = "skipped", "audits off" if self._audit_state == "off" else "peer not live"
         if target is not None and target in live and self._audit_state != "off":
             got = self._await_package(step, target)
@@ -956,7 +968,17 @@ class Scout:
         got[msg.rank] = (msg.audited, msg.finding, msg.detail)
         if set(got) >= self._live_of(group):
             del self._audits[msg.step]
-            for v in audit_verdicts(msg.step, got, group, self.config.audit_interval):
+            verdicts = audit_verdicts(msg.step, got, group, self.config.audit_interval)
+            if self._audit_certifies:
+                if any(v.kind in ("sdc", "sdc_ambiguous") for v in verdicts):
+                    self._revoke_from(msg.step, "sdc")  # before the vote: no step from it is certified
+                with self._lock:
+                    self._audits_open.discard(msg.step)
+                # The captures committed while the audit was open are certified now.
+                for s in range(msg.step, self._session_step() + 1):
+                    if self.certified(s):
+                        self._certificate_hook(self.on_certified, s)
+            for v in verdicts:
                 self._report(v, among_peers=group is self.peers)
         for old in [s for s in self._audits if s < msg.step - KEEP_STEPS]:
             del self._audits[old]
@@ -1393,18 +1415,40 @@ class Scout:
 
     # -- certification ----------------------------------------------------------------------------
     def certified(self, step: int) -> bool:
-        """True when the fingerprints of `step` agreed across the replica group and no SDC was open."""
+        """True when the fingerprints of `step` agreed across the replica group and no SDC was open;
+        for a rank that audits alone vouch for (`_audit_certifies`), when no SDC was found at or
+        before `step` and no audit up to it is still open."""
         with self._lock:
+            if self._audit_certifies:
+                return self._audited(step)
             return step in self._agreed
+
+    def _audited(self, step: int) -> bool:
+        """(lock held) `step` of a rank whose only check is its peers' audits: none found an SDC at
+        or before it, none up to it is still open, and audits still run."""
+        return (
+            self._audit_state != "off"
+            and (self._sdc_from is None or step < self._sdc_from)
+            and not any(t <= step for t in self._audits_open)
+        )
 
     def certifying(self) -> bool:
         """Whether steps may still be certified (not once the replicas' optimizer settings
-        differed: their states differ for good, see _settings_diverged)."""
-        return self._diverged_at is None
+        differed: their states differ for good, see _settings_diverged; not once the audits that
+        certify a rank no replica holds are off)."""
+        return self._diverged_at is None and not (self._audit_certifies and self._audit_state == "off")
 
     def awaiting_certificate(self, step: int) -> bool:
-        """True while `step` may still be certified: its fingerprints are checked, detection is
-        running, no SDC is open and no certificate came yet (GEMINI keeps its capture meanwhile)."""
+        """True while `step` may still be certified: its fingerprints are checked (or, for a rank
+        audits alone vouch for, an audit up to it is open), detection is running, no SDC is open
+        and no certificate came yet (GEMINI keeps its capture meanwhile)."""
+        if self._audit_certifies and not (self._paused() or self._closed):
+            with self._lock:
+                return (
+                    self._sdc_from is None
+                    and self._audit_state != "off"
+                    and any(t <= step for t in self._audits_open)
+                )
         if not self._due(step) or self._paused() or self._closed:
             return False
         with self._lock:

@@ -247,6 +247,37 @@ def test_b_fsdp2_sharded_state_restores_from_peer_replicas_bitwise(
         assert rep["decision"]["reason"].startswith(want), rep
 
 
+def test_b_fsdp2_restart_after_an_audit_found_sdc_restores_the_step_before_it_bitwise(
+    processes,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+    shm_root: Path,
+    baseline_fsdp: Path,
+) -> None:
+    """FSDP2 over all four ranks: no rank holds another's shards, so no fingerprints can agree.
+    Rank 1's units compute wrong during step 5 (their outputs scaled); the peer that audits its step
+    replays them and names it, and the job is killed with the corrupted captures the newest.
+    Restarted with no orchestrator naming a step, every rank restores step 4 (no audit up to it
+    found anything, and every one came back) and ends bitwise equal to an uninterrupted run.
+    Before, no step of a rank no replica holds was ever certified, and the restart after the SDC
+    started over from step 0."""
+    disk = tmp_path / "disk"
+    audit = {"AUDIT_INTERVAL": "1"}
+    flip = {"FLIP_RANK": "1", "FLIP_AT": "5", "PAUSE_RANK": "-1", "FLIP_WHAT": "output", **audit}
+    _run(processes, tmp_path, "g0", shm_root, 0, disk, pause_rank=1, kill=True, fsdp=True, env=flip)
+    assert "SCOUT verdict: sdc [1] at step 5" in (tmp_path / "g0" / "rank0.log").read_text(), _logs(
+        tmp_path / "g0"
+    )
+    reports = _run(processes, tmp_path, "g1", shm_root, 1, disk, fsdp=True, env=audit)
+    for r in range(WORLD):
+        _same(baseline_fsdp / f"final-rank{r}.pt", tmp_path / "g1" / f"final-rank{r}.pt")
+    for rep in reports:
+        assert rep["recovered_step"] == 4, rep["decision"]
+        assert rep["decision"]["recovery_mode"] == "recovery_verified", rep["decision"]
+        assert rep["decision"]["failure_kind"] == "sdc", rep["decision"]
+        assert rep["restored_certified"], rep
+        assert not [f for f in rep["faults"] if f["kind"] == "sdc"], rep["faults"]
+
+
 def test_c_damaged_copies_are_skipped_and_others_used_bitwise(
     processes,
     tmp_path: Path,

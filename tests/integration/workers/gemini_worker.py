@@ -3,7 +3,8 @@
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, PAUSE_RANK, PAUSE_AT, DISK_FOLDER, DISK_INTERVAL,
 FSDP (1: the model is FSDP2-sharded over all ranks, DTensor state, instead of DDP), FLIP_RANK and
 FLIP_AT (generation 0: that rank flips a weight bit after that step, or an AdamW moment's with
-FLIP_WHAT=moment; every rank waits for SCOUT's SDC verdict after the next step, then for the kill),
+FLIP_WHAT=moment, or its units' forward outputs during that step with FLIP_WHAT=output; every rank
+waits for SCOUT's SDC verdict after the next step, then for the kill), AUDIT_INTERVAL (SCOUT's),
 LOADER (1: batches come through `session.instrument_dataloader`), RECOVERY_MODE (enable_resiliency's),
 PUBLISH_COALESCE_S and HEARTBEAT_S (RuntimeConfig's: evidence, and so certificates, up to the
 smaller of the two late), VERIFY_INTEGRITY (1: InMemoryCkptConfig's), DAMAGE_RANK and DAMAGE_AT
@@ -27,7 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lm_resiliency import DurableCheckpointConfig, InMemoryCkptConfig, RuntimeConfig, enable_resiliency
+from lm_resiliency import (
+    DurableCheckpointConfig,
+    InMemoryCkptConfig,
+    ReplayHarnessConfig,
+    RuntimeConfig,
+    enable_resiliency,
+)
 
 
 def main() -> int:
@@ -79,6 +86,7 @@ def main() -> int:
             publish_coalesce_s=float(os.environ.get("PUBLISH_COALESCE_S", "0")),
         ),
         recovery_mode=os.environ.get("RECOVERY_MODE") or None,
+        replay=ReplayHarnessConfig(audit_interval=int(os.environ.get("AUDIT_INTERVAL", "100"))),
         # FALLBACK="s0,s1,...": the step each rank's own checkpoint restores (-1: none).
         load_fallback=(lambda step: int(os.environ["FALLBACK"].split(",")[rank]))
         if os.environ.get("FALLBACK")
@@ -116,14 +124,26 @@ def main() -> int:
     # LOADER=1: through the session's loader proxy, so that a step is captured as the next begins
     # (what the loop does after `opt.step()` is in its capture).
     loader = session.instrument_dataloader(batches()) if os.environ.get("LOADER") == "1" else batches()
+    now = {"step": 0}
+    if generation == 0 and rank == flip_rank and os.environ.get("FLIP_WHAT") == "output":
+        # A unit's forward computes wrong once (its output scaled during step FLIP_AT): the peer
+        # that audits this rank's step replays the unit and finds it.
+        for unit in (net[0], net[3]):
+            unit.register_forward_hook(lambda m, i, o: o * 1.5 if now["step"] == flip_at else None)
     for step, x in loader:
+        now["step"] = step
         seen["batches"] += 1
         loss = (model(x) - x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
-        if generation == 0 and rank == flip_rank and step == flip_at:
+        if (
+            generation == 0
+            and rank == flip_rank
+            and step == flip_at
+            and os.environ.get("FLIP_WHAT") != "output"
+        ):
             with torch.no_grad():  # silent data corruption of one weight (or moment), after the step
                 first = next(model.parameters())
                 flipped = opt.state[first]["exp_avg"] if os.environ.get("FLIP_WHAT") == "moment" else first
