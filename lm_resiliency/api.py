@@ -999,6 +999,7 @@ class Session:
                         compute_s=times.compute_s,
                         comm_s=times.comm_s,
                         optimizer_s=times.optimizer_s,
+                        extra={k: v for c in detection for k, v in getattr(c, "step_extra", dict)().items()},
                     )
                 )
             for c in detection:

@@ -72,6 +72,7 @@ from lm_resiliency.core.scout.verdicts import (
     Verdict,
     desync_verdict,
     fingerprint_verdict,
+    rest_verdict,
     unmarked_phase,
 )
 from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
@@ -485,6 +486,16 @@ class Scout:
         # step 0.
         self._audit_certifies = config.enable and len(self.group) == 1 and bool(self._auditors)
         self._audits_open: set[int] = set()
+        # Its state at rest, too: no replica would tell a bit flipped in a shard between two steps
+        # (its peers gather the flipped weights all alike, so audits agree). Each step's state is
+        # fingerprinted as the optimizer step left it and again before the next; every peer says
+        # whether its own changed (`StepTelemetry.extra`), and one that changed while the others'
+        # did not is named (`rest_verdict`). The windows still open, by step.
+        self._rest_check = self._audit_certifies and opt is not None
+        self._rest: tuple[int, Fingerprint] | None = None  # the last step, its state as it left it
+        self._rest_found: list[tuple[int, Fingerprint, Fingerprint]] = []  # checked, to send
+        self._rests: dict[int, dict[int, bool]] = {}  # step -> peer -> whether its state changed
+        self._rests_open: set[int] = set()
         self._tapped = [
             a
             for n, a in self._auditors.items()
@@ -580,8 +591,21 @@ class Scout:
             return None
         return step
 
+    def _state_at_rest(self) -> Fingerprint:
+        opt = self.adapter.optimizer
+        params = (p for g in opt.param_groups for p in g["params"])
+        return fingerprint_async(list(params) + list(optimizer_tensors(opt)))
+
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         step = self._session_step() + 1
+        if self._rest is not None:
+            (at, left), self._rest = self._rest, None
+            if at == step - 1 and self._rest_check:
+                # Compared when both are on the host (`step_extra`): no wait for the device here.
+                self._rest_found.append((at, left, self._state_at_rest()))
+            else:  # steps went by unseen (detection paused): that window is not judged
+                with self._lock:
+                    self._rests_open.discard(at)
         # The step before a checked one too (when checks are not every step): the next evidence
         # counts the tensors that are as they were then (stale state, `Evidence.reused`).
         if (self._due(step) or self._due(step + 1)) and not self._paused():
@@ -600,6 +624,11 @@ class Scout:
 
     def on_step(self, session: Any, times: Any) -> None:
         step = session.step_count
+        if self._rest_check and not self._closed:
+            self._rest = (step, self._state_at_rest())
+            with self._lock:
+                self._rests_open = {t for t in self._rests_open if t > step - KEEP_STEPS}
+                self._rests_open.add(step)
         self._ended[step] = time.monotonic()
         self._ended.pop(step - ENDED_STEPS, None)
         if not self._due(step):
@@ -614,6 +643,21 @@ class Scout:
             return
         grads, self._grads_fp = self._grads_fp, None
         self._submit_evidence(step, grads)
+
+    def step_extra(self) -> dict[str, float]:
+        """What this rank's telemetry of the step that just ended carries besides its times: for
+        each window between two steps checked at rest whose fingerprints are on the host (or that
+        is two steps old: then waited for), whether its state changed (`rest:<step>`: 1.0 or 0.0)."""
+        out: dict[str, float] = {}
+        now = self._session_step()
+        keep = []
+        for at, left, found in self._rest_found:
+            if (left.ready() and found.ready()) or now - at > 2:
+                out[f"rest:{at}"] = float(left.result() != found.result())
+            else:
+                keep.append((at, left, found))
+        self._rest_found = keep
+        return out
 
     def take_deferred_evidence(self, step: int) -> None:
         """Right before GEMINI captures `step` (training thread): its deferred evidence now."""
@@ -974,10 +1018,7 @@ class Scout:
                     self._revoke_from(msg.step, "sdc")  # before the vote: no step from it is certified
                 with self._lock:
                     self._audits_open.discard(msg.step)
-                # The captures committed while the audit was open are certified now.
-                for s in range(msg.step, self._session_step() + 1):
-                    if self.certified(s):
-                        self._certificate_hook(self.on_certified, s)
+                self._certify_held(msg.step)
             for v in verdicts:
                 self._report(v, among_peers=group is self.peers)
         for old in [s for s in self._audits if s < msg.step - KEEP_STEPS]:
@@ -1078,6 +1119,9 @@ class Scout:
     def _on_times(self, msg: StepTelemetry) -> None:
         if msg.rank not in self._peer_set or len(self.peers) < 2:
             return
+        for key, value in msg.extra.items():
+            if key.startswith("rest:") and key[5:].isdigit():
+                self._on_rest(int(key[5:]), msg.rank, bool(value))
         per_step = self._times.setdefault(msg.step, {})
         per_step[msg.rank] = PhaseTimes(msg.input_s, msg.compute_s, msg.comm_s)
         if set(per_step) >= self._live_peers():
@@ -1086,6 +1130,44 @@ class Scout:
             del self._times[msg.step]
         for old in [s for s in self._times if s < msg.step - KEEP_STEPS]:
             del self._times[old]
+
+    def _on_rest(self, step: int, rank: int, changed: bool) -> None:
+        """A peer's check at rest of the window after `step`; judged once every live peer's came."""
+        got = self._rests.setdefault(step, {})
+        got[rank] = changed
+        for old in [s for s in self._rests if s < step - KEEP_STEPS]:
+            del self._rests[old]
+        if not set(got) >= self._live_peers():
+            return
+        del self._rests[step]
+        verdict = rest_verdict(step, got)
+        if verdict is not None and self._rest_check:
+            # The capture of `step` may hold the change: no step from it on is certified.
+            self._revoke_from(step, "sdc")
+        elif verdict is None and any(got.values()) and self._rest_check:
+            self._rest_check = False  # the same on every peer: they judged the same messages
+            log.info(
+                "rank %d: every peer's parameters or optimizer state changed between steps %d and "
+                "%d (the script changes them between optimizer steps): checks at rest are off",
+                self.rank,
+                step,
+                step + 1,
+            )
+            with self._lock:
+                self._rests_open.clear()
+        with self._lock:
+            self._rests_open.discard(step)
+        self._certify_held(step)
+        if verdict is not None:
+            self._report(verdict, among_peers=True)
+
+    def _certify_held(self, step: int) -> None:
+        """A check up to `step` closed: the captures committed meanwhile may be certified now."""
+        if not self._audit_certifies:
+            return
+        for s in range(step, self._session_step() + 1):
+            if self.certified(s):
+                self._certificate_hook(self.on_certified, s)
 
     # -- link probes (runtime thread) ---------------------------------------------------------------
     def _probe_targets(self) -> list[int]:
@@ -1430,6 +1512,7 @@ class Scout:
             self._audit_state != "off"
             and (self._sdc_from is None or step < self._sdc_from)
             and not any(t <= step for t in self._audits_open)
+            and not any(t <= step for t in self._rests_open)
         )
 
     def certifying(self) -> bool:
@@ -1444,10 +1527,11 @@ class Scout:
         and no certificate came yet (GEMINI keeps its capture meanwhile)."""
         if self._audit_certifies and not (self._paused() or self._closed):
             with self._lock:
+                # (An SDC found at a later step leaves this one to be certified.)
                 return (
-                    self._sdc_from is None
+                    (self._sdc_from is None or step < self._sdc_from)
                     and self._audit_state != "off"
-                    and any(t <= step for t in self._audits_open)
+                    and any(t <= step for t in self._audits_open | self._rests_open)
                 )
         if not self._due(step) or self._paused() or self._closed:
             return False

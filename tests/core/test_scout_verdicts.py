@@ -18,6 +18,7 @@ from lm_resiliency.core.scout.verdicts import (
     fingerprint_verdict,
     hang_verdict,
     in_checkpoint_io,
+    rest_verdict,
     settings_verdict,
     unmarked_phase,
 )
@@ -38,6 +39,23 @@ def test_fingerprints_agree_minority_and_ambiguous() -> None:
     assert v is not None and v.kind == "sdc_ambiguous" and v.ranks == (0, 1)
     v = fingerprint_verdict(6, "params", {0: b"a", 1: b"a", 2: b"b", 3: b"b"})
     assert v is not None and v.kind == "sdc_ambiguous"
+
+
+def test_state_changed_at_rest_on_a_minority_of_peers_is_named() -> None:
+    assert rest_verdict(4, {0: False, 1: False, 2: False}) is None
+    # Every peer's state changed between the steps: the script did it (a normalisation), no fault.
+    assert rest_verdict(4, {0: True, 1: True, 2: True, 3: True}) is None
+    v = rest_verdict(4, {0: False, 1: True, 2: False, 3: False})
+    assert v is not None and (v.kind, v.ranks, v.step, v.reason) == ("sdc", (1,), 4, "state_changed_at_rest")
+    assert "changed after step 4" in v.detail
+    for changed in ({0: True, 1: False}, {0: True, 1: True, 2: False, 3: False}):
+        v = rest_verdict(7, changed)
+        want = tuple(r for r, c in changed.items() if c)
+        assert v is not None and (v.kind, v.ranks, v.reason) == (
+            "sdc_ambiguous",
+            want,
+            "state_changed_at_rest_no_majority",
+        )
 
 
 def pt(i: float = 0.01, c: float = 0.1, m: float = 0.02) -> PhaseTimes:

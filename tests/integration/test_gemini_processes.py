@@ -247,31 +247,52 @@ def test_b_fsdp2_sharded_state_restores_from_peer_replicas_bitwise(
         assert rep["decision"]["reason"].startswith(want), rep
 
 
-def test_b_fsdp2_restart_after_an_audit_found_sdc_restores_the_step_before_it_bitwise(
+@pytest.mark.parametrize(
+    ("what", "at", "audit", "detail"),
+    [
+        ("output", 5, "1", "rank 1's forward outputs differ from the replay"),
+        ("weight", 4, "100", "optimizer state changed after step 4 and before the next optimizer step"),
+        ("moment", 4, "100", "optimizer state changed after step 4 and before the next optimizer step"),
+    ],
+    ids=["unit_output_audited", "weight_at_rest", "moment_at_rest"],
+)
+def test_b_fsdp2_restart_after_an_sdc_restores_the_step_before_it_bitwise(
     processes,
     tmp_path: Path,  # type: ignore[no-untyped-def]
     shm_root: Path,
     baseline_fsdp: Path,
+    what: str,
+    at: int,
+    audit: str,
+    detail: str,
 ) -> None:
     """FSDP2 over all four ranks: no rank holds another's shards, so no fingerprints can agree.
-    Rank 1's units compute wrong during step 5 (their outputs scaled); the peer that audits its step
-    replays them and names it, and the job is killed with the corrupted captures the newest.
-    Restarted with no orchestrator naming a step, every rank restores step 4 (no audit up to it
-    found anything, and every one came back) and ends bitwise equal to an uninterrupted run.
-    Before, no step of a rank no replica holds was ever certified, and the restart after the SDC
-    started over from step 0."""
+
+    Rank 1's units compute wrong during step 5 (their outputs scaled): the peer that audits its
+    step replays them and names it. Or a bit of rank 1's weight shard (or AdamW moment) flips after
+    step 4: its peers gather the flipped weight all alike (no audit can tell), but rank 1's state
+    changed between two optimizer steps while its peers' did not, and it is named at step 4. The
+    job is killed with the corrupted captures the newest; restarted with no orchestrator naming a
+    step, every rank restores the step before (no check up to it found anything, and every one
+    came back) and ends bitwise equal to an uninterrupted run. Before, no step of a rank no replica
+    holds was ever certified, so the restart after an audit's SDC started over from step 0, and a
+    flip at rest went unseen (the run ended with the corruption)."""
     disk = tmp_path / "disk"
-    audit = {"AUDIT_INTERVAL": "1"}
-    flip = {"FLIP_RANK": "1", "FLIP_AT": "5", "PAUSE_RANK": "-1", "FLIP_WHAT": "output", **audit}
+    flip = {
+        "FLIP_RANK": "1",
+        "FLIP_AT": str(at),
+        "PAUSE_RANK": "-1",
+        "FLIP_WHAT": what,
+        "AUDIT_INTERVAL": audit,
+    }
     _run(processes, tmp_path, "g0", shm_root, 0, disk, pause_rank=1, kill=True, fsdp=True, env=flip)
-    assert "SCOUT verdict: sdc [1] at step 5" in (tmp_path / "g0" / "rank0.log").read_text(), _logs(
-        tmp_path / "g0"
-    )
-    reports = _run(processes, tmp_path, "g1", shm_root, 1, disk, fsdp=True, env=audit)
+    log = (tmp_path / "g0" / "rank0.log").read_text()
+    assert f"SCOUT verdict: sdc [1] at step {at}: " in log and detail in log, _logs(tmp_path / "g0")
+    reports = _run(processes, tmp_path, "g1", shm_root, 1, disk, fsdp=True, env={"AUDIT_INTERVAL": audit})
     for r in range(WORLD):
         _same(baseline_fsdp / f"final-rank{r}.pt", tmp_path / "g1" / f"final-rank{r}.pt")
     for rep in reports:
-        assert rep["recovered_step"] == 4, rep["decision"]
+        assert rep["recovered_step"] == at - 1, rep["decision"]
         assert rep["decision"]["recovery_mode"] == "recovery_verified", rep["decision"]
         assert rep["decision"]["failure_kind"] == "sdc", rep["decision"]
         assert rep["restored_certified"], rep

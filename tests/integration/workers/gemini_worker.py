@@ -147,6 +147,7 @@ def main() -> int:
             with torch.no_grad():  # silent data corruption of one weight (or moment), after the step
                 first = next(model.parameters())
                 flipped = opt.state[first]["exp_avg"] if os.environ.get("FLIP_WHAT") == "moment" else first
+                flipped = flipped.to_local() if hasattr(flipped, "to_local") else flipped  # a shard
                 flipped.view(-1).view(torch.int32)[5] ^= 1 << 22
         if generation == 0 and flip_rank >= 0 and step > flip_at:
             # Every rank waits for SCOUT's verdict, then for the kill (captures of the corrupted
