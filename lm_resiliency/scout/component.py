@@ -480,10 +480,10 @@ class Scout:
                 recorder("", inner, self._audit_due)
         # A rank whose state no other rank holds (FSDP2 without HSDP replicas: a replica group of
         # one) has no fingerprints to agree on, but its peers audit its work: a step of it is
-        # certified once no SDC was found at or before it and every audit up to it came back (the
-        # audited steps still open, by step). Before, nothing was ever certified there, and a
-        # restart after an audit named an SDC (asking for a certified step) started over from
-        # step 0.
+        # certified once no SDC was found at or before it and every audit (and check at rest,
+        # below) up to it came back (the audited steps still open, by step). Before, nothing was
+        # ever certified there, and a restart after an audit named an SDC (asking for a certified
+        # step) started over from step 0.
         self._audit_certifies = config.enable and len(self.group) == 1 and bool(self._auditors)
         self._audits_open: set[int] = set()
         # Its state at rest, too: no replica would tell a bit flipped in a shard between two steps
@@ -1133,6 +1133,8 @@ class Scout:
 
     def _on_rest(self, step: int, rank: int, changed: bool) -> None:
         """A peer's check at rest of the window after `step`; judged once every live peer's came."""
+        if not self._rest_check:
+            return  # (off: a window a peer checked before every peer turned them off)
         got = self._rests.setdefault(step, {})
         got[rank] = changed
         for old in [s for s in self._rests if s < step - KEEP_STEPS]:
@@ -1141,10 +1143,10 @@ class Scout:
             return
         del self._rests[step]
         verdict = rest_verdict(step, got)
-        if verdict is not None and self._rest_check:
+        if verdict is not None:
             # The capture of `step` may hold the change: no step from it on is certified.
             self._revoke_from(step, "sdc")
-        elif verdict is None and any(got.values()) and self._rest_check:
+        elif any(got.values()):
             self._rest_check = False  # the same on every peer: they judged the same messages
             log.info(
                 "rank %d: every peer's parameters or optimizer state changed between steps %d and "
@@ -1498,16 +1500,16 @@ class Scout:
     # -- certification ----------------------------------------------------------------------------
     def certified(self, step: int) -> bool:
         """True when the fingerprints of `step` agreed across the replica group and no SDC was open;
-        for a rank that audits alone vouch for (`_audit_certifies`), when no SDC was found at or
-        before `step` and no audit up to it is still open."""
+        for a rank no replica holds (`_audit_certifies`), when no SDC was found at or before `step`
+        and no audit or check at rest up to it is still open."""
         with self._lock:
             if self._audit_certifies:
                 return self._audited(step)
             return step in self._agreed
 
     def _audited(self, step: int) -> bool:
-        """(lock held) `step` of a rank whose only check is its peers' audits: none found an SDC at
-        or before it, none up to it is still open, and audits still run."""
+        """(lock held) `step` of a rank no replica holds: its peers' audits and checks at rest found
+        no SDC at or before it, none up to it is still open, and audits still run."""
         return (
             self._audit_state != "off"
             and (self._sdc_from is None or step < self._sdc_from)
@@ -1523,8 +1525,8 @@ class Scout:
 
     def awaiting_certificate(self, step: int) -> bool:
         """True while `step` may still be certified: its fingerprints are checked (or, for a rank
-        audits alone vouch for, an audit up to it is open), detection is running, no SDC is open
-        and no certificate came yet (GEMINI keeps its capture meanwhile)."""
+        no replica holds, an audit or check at rest up to it is open), detection is running, no SDC
+        is open and no certificate came yet (GEMINI keeps its capture meanwhile)."""
         if self._audit_certifies and not (self._paused() or self._closed):
             with self._lock:
                 # (An SDC found at a later step leaves this one to be certified.)
