@@ -171,6 +171,10 @@ class ReplayHarnessConfig:
     # audit), which finds corruption before the all-reduce (forward outputs, local gradients) that
     # fingerprints cannot see; costs about one forward+backward per rank per audited step (0 = off).
     audit_interval: int = 0
+    # Ours: a rank no replica holds (FSDP2 without HSDP replicas, tensor parallelism) checks, every
+    # this many steps, that its parameters and optimizer state did not change between that optimizer
+    # step and the next (two passes over its shards; 0 = off).
+    rest_interval: int = 1
     # Ours: an audit sends the audited micro-batches' inputs, buffers and output gradients; above
     # this size only the forward is audited, and above it without output gradients not at all.
     audit_max_mib: int = 256
@@ -196,6 +200,8 @@ class ReplayHarnessConfig:
         if type(self.audit_interval) is not int or self.audit_interval < 0:
             raise ConfigError("replay.audit_interval", f"must be an int >= 0, got {self.audit_interval!r}")
         _positive("replay.audit_max_mib", self.audit_max_mib, allow_none=False)
+        if type(self.rest_interval) is not int or self.rest_interval < 0:
+            raise ConfigError("replay.rest_interval", f"must be an int >= 0, got {self.rest_interval!r}")
 
 
 @dataclass(frozen=True)

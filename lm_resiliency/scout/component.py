@@ -484,14 +484,22 @@ class Scout:
         # below) up to it came back (the audited steps still open, by step). Before, nothing was
         # ever certified there, and a restart after an audit named an SDC (asking for a certified
         # step) started over from step 0.
-        self._audit_certifies = config.enable and len(self.group) == 1 and bool(self._auditors)
-        self._audits_open: set[int] = set()
         # Its state at rest, too: no replica would tell a bit flipped in a shard between two steps
-        # (its peers gather the flipped weights all alike, so audits agree). Each step's state is
-        # fingerprinted as the optimizer step left it and again before the next; every peer says
-        # whether its own changed (`StepTelemetry.extra`), and one that changed while the others'
-        # did not is named (`rest_verdict`). The windows still open, by step.
-        self._rest_check = self._audit_certifies and opt is not None
+        # (its peers gather the flipped weights all alike, so audits agree). Every `rest_interval`
+        # steps its state is fingerprinted as the optimizer step left it and again before the next;
+        # every peer says whether its own changed (`StepTelemetry.extra`), and one that changed
+        # while the others' did not is named (`rest_verdict`). The windows still open, by step.
+        self._rest_check = (
+            config.enable
+            and config.rest_interval > 0
+            and len(self.group) == 1
+            and len(self.peers) > 1
+            and opt is not None
+        )
+        self._unreplicated = (
+            config.enable and len(self.group) == 1 and (bool(self._auditors) or self._rest_check)
+        )
+        self._audits_open: set[int] = set()
         self._rest: tuple[int, Fingerprint] | None = None  # the last step, its state as it left it
         self._rest_found: list[tuple[int, Fingerprint, Fingerprint]] = []  # checked, to send
         self._rests: dict[int, dict[int, bool]] = {}  # step -> peer -> whether its state changed
@@ -624,7 +632,7 @@ class Scout:
 
     def on_step(self, session: Any, times: Any) -> None:
         step = session.step_count
-        if self._rest_check and not self._closed:
+        if self._rest_check and not self._closed and step % self.config.rest_interval == 0:
             self._rest = (step, self._state_at_rest())
             with self._lock:
                 self._rests_open = {t for t in self._rests_open if t > step - KEEP_STEPS}
@@ -897,7 +905,7 @@ class Scout:
             fut.add_done_callback(functools.partial(self._sent, source))
         if self._paused():
             return
-        if self._audit_certifies and self._audit_state != "off":
+        if self._unreplicated and self._audit_state != "off":
             with self._lock:  # closed when every peer's result came (_on_audit_result)
                 self._audits_open = {t for t in self._audits_open if t > step - KEEP_STEPS}
                 self._audits_open.add(step)
@@ -1013,7 +1021,7 @@ class Scout:
         if set(got) >= self._live_of(group):
             del self._audits[msg.step]
             verdicts = audit_verdicts(msg.step, got, group, self.config.audit_interval)
-            if self._audit_certifies:
+            if self._unreplicated:
                 if any(v.kind in ("sdc", "sdc_ambiguous") for v in verdicts):
                     self._revoke_from(msg.step, "sdc")  # before the vote: no step from it is certified
                 with self._lock:
@@ -1165,7 +1173,7 @@ class Scout:
 
     def _certify_held(self, step: int) -> None:
         """A check up to `step` closed: the captures committed meanwhile may be certified now."""
-        if not self._audit_certifies:
+        if not self._unreplicated:
             return
         for s in range(step, self._session_step() + 1):
             if self.certified(s):
@@ -1500,10 +1508,10 @@ class Scout:
     # -- certification ----------------------------------------------------------------------------
     def certified(self, step: int) -> bool:
         """True when the fingerprints of `step` agreed across the replica group and no SDC was open;
-        for a rank no replica holds (`_audit_certifies`), when no SDC was found at or before `step`
+        for a rank no replica holds (`_unreplicated`), when no SDC was found at or before `step`
         and no audit or check at rest up to it is still open."""
         with self._lock:
-            if self._audit_certifies:
+            if self._unreplicated:
                 return self._audited(step)
             return step in self._agreed
 
@@ -1511,28 +1519,33 @@ class Scout:
         """(lock held) `step` of a rank no replica holds: its peers' audits and checks at rest found
         no SDC at or before it, none up to it is still open, and audits still run."""
         return (
-            self._audit_state != "off"
+            self._vouched()
             and (self._sdc_from is None or step < self._sdc_from)
             and not any(t <= step for t in self._audits_open)
             and not any(t <= step for t in self._rests_open)
         )
 
+    def _vouched(self) -> bool:
+        """Whether a check still vouches for the steps of a rank no replica holds: its peers'
+        audits (until none of its units is audited any more) or its checks at rest."""
+        return (bool(self._auditors) and self._audit_state != "off") or self._rest_check
+
     def certifying(self) -> bool:
         """Whether steps may still be certified (not once the replicas' optimizer settings
         differed: their states differ for good, see _settings_diverged; not once the audits that
         certify a rank no replica holds are off)."""
-        return self._diverged_at is None and not (self._audit_certifies and self._audit_state == "off")
+        return self._diverged_at is None and not (self._unreplicated and not self._vouched())
 
     def awaiting_certificate(self, step: int) -> bool:
         """True while `step` may still be certified: its fingerprints are checked (or, for a rank
         no replica holds, an audit or check at rest up to it is open), detection is running, no SDC
         is open and no certificate came yet (GEMINI keeps its capture meanwhile)."""
-        if self._audit_certifies and not (self._paused() or self._closed):
+        if self._unreplicated and not (self._paused() or self._closed):
             with self._lock:
                 # (An SDC found at a later step leaves this one to be certified.)
                 return (
                     (self._sdc_from is None or step < self._sdc_from)
-                    and self._audit_state != "off"
+                    and self._vouched()
                     and any(t <= step for t in self._audits_open | self._rests_open)
                 )
         if not self._due(step) or self._paused() or self._closed:

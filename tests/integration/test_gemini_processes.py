@@ -251,8 +251,8 @@ def test_b_fsdp2_sharded_state_restores_from_peer_replicas_bitwise(
     ("what", "at", "audit", "detail"),
     [
         ("output", 5, "1", "rank 1's forward outputs differ from the replay"),
-        ("weight", 4, "100", "optimizer state changed after step 4 and before the next optimizer step"),
-        ("moment", 4, "100", "optimizer state changed after step 4 and before the next optimizer step"),
+        ("weight", 4, "0", "optimizer state changed after step 4 and before the next optimizer step"),
+        ("moment", 4, "0", "optimizer state changed after step 4 and before the next optimizer step"),
     ],
     ids=["unit_output_audited", "weight_at_rest", "moment_at_rest"],
 )
@@ -271,7 +271,8 @@ def test_b_fsdp2_restart_after_an_sdc_restores_the_step_before_it_bitwise(
     Rank 1's units compute wrong during step 5 (their outputs scaled): the peer that audits its
     step replays them and names it. Or a bit of rank 1's weight shard (or AdamW moment) flips after
     step 4: its peers gather the flipped weight all alike (no audit can tell), but rank 1's state
-    changed between two optimizer steps while its peers' did not, and it is named at step 4. The
+    changed between two optimizer steps while its peers' did not, and it is named at step 4 (audits
+    off, the defaults). The
     job is killed with the corrupted captures the newest; restarted with no orchestrator naming a
     step, every rank restores the step before (no check up to it found anything, and every one
     came back) and ends bitwise equal to an uninterrupted run. Before, no step of a rank no replica
