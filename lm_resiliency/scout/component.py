@@ -1517,13 +1517,17 @@ class Scout:
 
     def _audited(self, step: int) -> bool:
         """(lock held) `step` of a rank no replica holds: its peers' audits and checks at rest found
-        no SDC at or before it, none up to it is still open, and audits still run."""
-        return (
-            self._vouched()
-            and (self._sdc_from is None or step < self._sdc_from)
-            and not any(t <= step for t in self._audits_open)
-            and not any(t <= step for t in self._rests_open)
-        )
+        no SDC at or before it, none up to it is still open, and a check still vouches."""
+        return self._may_certify(step) and not self._open_until(step)
+
+    def _may_certify(self, step: int) -> bool:
+        """(lock held) For a rank no replica holds: no SDC found at or before `step`, and a check
+        still vouches."""
+        return (self._sdc_from is None or step < self._sdc_from) and self._vouched()
+
+    def _open_until(self, step: int) -> bool:
+        """(lock held) Whether an audit or check at rest of a step up to `step` is still open."""
+        return any(t <= step for t in self._audits_open) or any(t <= step for t in self._rests_open)
 
     def _vouched(self) -> bool:
         """Whether a check still vouches for the steps of a rank no replica holds: its peers'
@@ -1532,8 +1536,8 @@ class Scout:
 
     def certifying(self) -> bool:
         """Whether steps may still be certified (not once the replicas' optimizer settings
-        differed: their states differ for good, see _settings_diverged; not once the audits that
-        certify a rank no replica holds are off)."""
+        differed: their states differ for good, see _settings_diverged; not once no check vouches
+        for a rank no replica holds)."""
         return self._diverged_at is None and not (self._unreplicated and not self._vouched())
 
     def awaiting_certificate(self, step: int) -> bool:
@@ -1541,13 +1545,8 @@ class Scout:
         no replica holds, an audit or check at rest up to it is open), detection is running, no SDC
         is open and no certificate came yet (GEMINI keeps its capture meanwhile)."""
         if self._unreplicated and not (self._paused() or self._closed):
-            with self._lock:
-                # (An SDC found at a later step leaves this one to be certified.)
-                return (
-                    (self._sdc_from is None or step < self._sdc_from)
-                    and self._vouched()
-                    and any(t <= step for t in self._audits_open | self._rests_open)
-                )
+            with self._lock:  # (an SDC found at a later step leaves this one to be certified)
+                return self._may_certify(step) and self._open_until(step)
         if not self._due(step) or self._paused() or self._closed:
             return False
         with self._lock:
