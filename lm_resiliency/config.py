@@ -109,6 +109,11 @@ def _positive(key: str, value: float | int | None, allow_none: bool = True) -> N
         raise ConfigError(key, f"must be > 0, got {value!r}")
 
 
+def _non_negative_int(key: str, value: int) -> None:
+    if type(value) is not int or value < 0:
+        raise ConfigError(key, f"must be an int >= 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class InMemoryCkptConfig:
     """GEMINI: in-memory checkpoints, peer replication and the durable tier.
@@ -197,11 +202,9 @@ class ReplayHarnessConfig:
             )
         _positive("replay.link_probe_bytes", self.link_probe_bytes, allow_none=False)
         _positive("replay.replay_record_max_mib", self.replay_record_max_mib, allow_none=False)
-        if type(self.audit_interval) is not int or self.audit_interval < 0:
-            raise ConfigError("replay.audit_interval", f"must be an int >= 0, got {self.audit_interval!r}")
+        _non_negative_int("replay.audit_interval", self.audit_interval)
         _positive("replay.audit_max_mib", self.audit_max_mib, allow_none=False)
-        if type(self.rest_interval) is not int or self.rest_interval < 0:
-            raise ConfigError("replay.rest_interval", f"must be an int >= 0, got {self.rest_interval!r}")
+        _non_negative_int("replay.rest_interval", self.rest_interval)
 
 
 @dataclass(frozen=True)

@@ -634,9 +634,7 @@ class Scout:
         step = session.step_count
         if self._rest_check and not self._closed and step % self.config.rest_interval == 0:
             self._rest = (step, self._state_at_rest())
-            with self._lock:
-                self._rests_open = {t for t in self._rests_open if t > step - KEEP_STEPS}
-                self._rests_open.add(step)
+            self._mark_open(self._rests_open, step)
         self._ended[step] = time.monotonic()
         self._ended.pop(step - ENDED_STEPS, None)
         if not self._due(step):
@@ -651,6 +649,13 @@ class Scout:
             return
         grads, self._grads_fp = self._grads_fp, None
         self._submit_evidence(step, grads)
+
+    def _mark_open(self, opened: set[int], step: int) -> None:
+        """A check of `step` begins (audit or at rest): open until judged, or KEEP_STEPS steps old
+        (its answers never all came: a peer stopped, detection paused on some ranks)."""
+        with self._lock:
+            opened.difference_update([t for t in opened if t <= step - KEEP_STEPS])
+            opened.add(step)
 
     def step_extra(self) -> dict[str, float]:
         """What this rank's telemetry of the step that just ended carries besides its times: for
@@ -906,9 +911,7 @@ class Scout:
         if self._paused():
             return
         if self._unreplicated and self._audit_state != "off":
-            with self._lock:  # closed when every peer's result came (_on_audit_result)
-                self._audits_open = {t for t in self._audits_open if t > step - KEEP_STEPS}
-                self._audits_open.add(step)
+            self._mark_open(self._audits_open, step)  # closed when every peer's result came
         finding, detail = "skipped", "audits off" if self._audit_state == "off" else "peer not live"
         if target is not None and target in live and self._audit_state != "off":
             got = self._await_package(step, target)
