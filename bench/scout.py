@@ -26,7 +26,15 @@ Prints progress, then one JSON object on the last line:
   false_positives           verdicts over a clean run with timing jitter (--clean-steps)
 
 The fault scenarios use tests/integration/workers/scout_worker.py, the same job the tests run.
-Usage: python bench/scout.py [--clean-steps 500]
+
+With `--device cuda` (a GPU machine) it measures what detection costs the GPU instead, on one device
+training a model, alternating blocks in one process: SCOUT's own fingerprint calls (folds on the
+device, copied to the host behind an event, resolved a step later as the runtime does) of the
+gradients after reduction and of the parameters and optimizer state after the step
+(`gpu_healthy_throughput_ratio`: every step / none), and the check at rest of a rank no replica holds,
+two more fingerprints of its parameters and optimizer state (`gpu_rest_check_ratio`).
+
+Usage: python bench/scout.py [--clean-steps 500] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -120,6 +128,76 @@ def latency_s(res: list[dict], kind: str) -> float | None:
     return max(found) if found and None not in found else None
 
 
+def gpu_fingerprint_cost(
+    blocks: int, block_steps: int, width: int, layers: int, device_name: str = "cuda"
+) -> dict[str, object]:
+    """One GPU: steps/s with SCOUT's per-step fingerprints (and the check at rest) vs none."""
+    import torch
+    from torch import nn
+
+    from lm_resiliency.scout.fingerprint import fingerprint_async
+    from lm_resiliency.scout.replay import optimizer_tensors
+
+    device = torch.device(device_name)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)]).to(
+        device
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = torch.randn(8192 if device.type == "cuda" else 64, width, device=device)
+    params = list(model.parameters())
+
+    def run(n: int, mode: str) -> float:
+        pending: list = []  # resolved a step later, as the runtime thread does
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if mode == "rest" and pending:  # the next step's pre-hook: the state as it is now
+                pending.append(fingerprint_async(params + list(optimizer_tensors(opt))))
+            loss = model(batch).pow(2).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            for fp in pending:
+                fp.result()
+            pending = []
+            if mode in ("on", "rest"):
+                pending.append(fingerprint_async(p.grad for p in params))
+            opt.step()
+            if mode in ("on", "rest"):
+                pending.append(fingerprint_async(params))
+                pending.append(fingerprint_async(optimizer_tensors(opt)))
+            if mode == "rest":
+                pending.append(fingerprint_async(params + list(optimizer_tensors(opt))))
+        for fp in pending:
+            fp.result()
+        sync()
+        return n / (time.perf_counter() - t0)
+
+    for mode in ("off", "on", "rest"):
+        run(3, mode)  # warm-up: kernels, pinned buffers
+    rates: dict[str, list[float]] = {"off": [], "on": [], "rest": []}
+    for _ in range(blocks):
+        for mode in rates:
+            rates[mode].append(run(block_steps, mode))
+        print("gpu block: " + ", ".join(f"{m} {r[-1]:.2f} steps/s" for m, r in rates.items()), flush=True)
+    off, on, rest = (statistics.median(rates[m]) for m in ("off", "on", "rest"))
+    tensors = len(params) + len(list(optimizer_tensors(opt)))
+    state = sum(t.numel() * t.element_size() for t in params + list(optimizer_tensors(opt)))
+    return {
+        "device": device.type,
+        "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
+        "gpu_healthy_throughput_ratio": on / off,
+        "gpu_rest_check_ratio": rest / off,
+        "gpu_step_ms": 1000.0 / off,
+        "gpu_fingerprint_ms_per_step": 1000.0 / on - 1000.0 / off,
+        "gpu_rest_check_ms_per_step": 1000.0 / rest - 1000.0 / on,
+        "gpu_state_bytes": state,
+        "gpu_tensors": tensors,
+        "goals": {"gpu_healthy_throughput_ratio": ">= 0.99"},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clean-steps", type=int, default=500)
@@ -127,7 +205,15 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--audit-interval", type=int, default=10)
     ap.add_argument("--coalesce", type=float, default=0.02, help="publish_coalesce_s of the _coalesced runs")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--gpu-width", type=int, default=4096)
+    ap.add_argument("--gpu-layers", type=int, default=4)
     args = ap.parse_args()
+    if args.device == "cuda":
+        print(
+            json.dumps(gpu_fingerprint_cost(args.blocks, args.block_steps, args.gpu_width, args.gpu_layers))
+        )
+        return
     out: dict[str, object] = {}
     res, _ = run("throughput", args.block_steps, extra={"BLOCKS": str(args.blocks)})
     on, off, plain = medians(res)

@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# The GPU checks in one run, for a lent GPU machine (see docs/testing.md): the CUDA tests, then the
-# GEMINI benchmark on the device. Logs go to $OUT (or ./gpu-out).
+# The GPU checks in one run, for a lent GPU machine (see docs/testing.md): the CUDA tests, then what
+# detection costs the GPU (bench/scout.py --device cuda), then the GEMINI benchmark on the device.
+# Logs go to $OUT (or ./gpu-out). Wheels of packages the machine lacks (pyzmq) may be carried in
+# ./.whl: they are installed into /tmp/site first.
 set -o pipefail
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 nvidia-smi -L
-python3 -c "import torch, zmq; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'zmq', zmq.__version__)"
-timeout 240 python3 -m pytest tests/gpu tests/scout -v -s -p no:cacheprovider \
+python3 -c "import torch, zmq, xxhash, pynvml; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'zmq', zmq.__version__)"
+timeout 200 python3 -m pytest tests/gpu tests/scout -v -s -p no:cacheprovider \
   -W ignore::DeprecationWarning -W ignore::FutureWarning 2>&1 | tee "$out/gpu_tests.log"
-timeout 270 python3 bench/gemini.py --device cuda --state-mib 1024 --reps 2 --blocks 3 --block-steps 20 \
+timeout 90 python3 bench/scout.py --device cuda --blocks 3 --block-steps 20 2>&1 | tee "$out/gpu_scout.log"
+timeout 200 python3 bench/gemini.py --device cuda --state-mib 1024 --reps 2 --blocks 3 --block-steps 20 \
   2>&1 | tee "$out/gpu_bench.log"
