@@ -32,13 +32,13 @@ def _parts(tensors: Iterable[torch.Tensor | None]) -> tuple[list[bytes], list[in
     (None when there is none). A sparse COO tensor is three parts (its shape, indices and values)."""
     parts: list[bytes] = []
     at: list[int] = []
-    device_folds: list[torch.Tensor] = []
+    device_columns: list[torch.Tensor] = []
 
     def feed(t: torch.Tensor) -> None:
         if t.is_cuda:
             at.append(len(parts))
             parts.append(b"\0cuda" + t.numel().to_bytes(8, "little"))
-            device_folds.append(device_fold(t))
+            device_columns.append(_columns(t))
         else:
             parts.append(xxhash.xxh3_128_digest(t.contiguous().reshape(-1).view(torch.uint8).numpy().data))
 
@@ -57,7 +57,7 @@ def _parts(tensors: Iterable[torch.Tensor | None]) -> tuple[list[bytes], list[in
             feed(t.values())
         else:
             feed(t if t.layout == torch.strided else t.to_dense())  # other sparse layouts: dense
-    return parts, at, (torch.stack(device_folds) if device_folds else None)
+    return parts, at, (_fold_columns(torch.stack(device_columns)) if device_columns else None)
 
 
 def fingerprint(tensors: Iterable[torch.Tensor | None]) -> bytes:
@@ -123,6 +123,12 @@ def device_fold(t: torch.Tensor) -> torch.Tensor:
 
     The words are the tensor's bytes read as int32; a trailing 1-3 bytes are zero-padded into one
     more word. Works on any device (tested on CPU; used for CUDA)."""
+    return _fold_columns(_columns(t).unsqueeze(0))[0]
+
+
+def _columns(t: torch.Tensor) -> torch.Tensor:
+    """The `MOD` column sums of `t`'s words (int32, wrapping), on its device: one reduction, and
+    one more small kernel where the words do not fill whole rows."""
     raw = t.contiguous().reshape(-1).view(torch.uint8)
     whole = raw.numel() - raw.numel() % 4
     head = raw[:whole]
@@ -132,24 +138,32 @@ def device_fold(t: torch.Tensor) -> torch.Tensor:
         words = head.clone().view(torch.int32)
     n = words.numel()
     rows = n // MOD
+    rest = n - rows * MOD
     if rows:
         # Integer sums wrap the same way in any order: the same on every device and replica.
         columns = words[: rows * MOD].view(rows, MOD).sum(0, dtype=torch.int32)
-    else:
-        columns = torch.zeros(MOD, dtype=torch.int32, device=t.device)
-    rest = n - rows * MOD
-    if rest:
-        columns[:rest] += words[rows * MOD :]
+        if rest:
+            columns[:rest] += words[rows * MOD :]
+    else:  # fewer words than a row (a bias, a norm's weight): the row, zero-padded
+        columns = torch.nn.functional.pad(words, (0, MOD - n))
     if whole < raw.numel():  # the last word, zero-padded, at its place after the whole ones
         tail = torch.zeros(4, dtype=torch.uint8, device=t.device)
         tail[: raw.numel() - whole] = raw[whole:]
         columns[rest : rest + 1] += tail.view(torch.int32)
-    folded = columns.to(torch.int64)
-    return torch.stack([folded.sum(), (folded * _weights(t.device)).sum()])
+    return columns
+
+
+def _fold_columns(columns: torch.Tensor) -> torch.Tensor:
+    """Rows of column sums (k, MOD) to their folds (k, 2): the sum and the column-weighted sum, in
+    int64, with the same few kernels however many tensors (on a GPU, small kernels are what a
+    fingerprint of many tensors costs, not reading their bytes)."""
+    return (columns.to(torch.int64).unsqueeze(1) * _weights(columns.device)).sum(-1)
 
 
 def _weights(device: torch.device) -> torch.Tensor:
+    """(2, MOD) int64: ones (the sum) and the position weights 2..MOD+1 (the weighted sum)."""
     w = _WEIGHTS.get(device)
     if w is None:
-        w = _WEIGHTS[device] = torch.arange(2, MOD + 2, dtype=torch.int64, device=device)
+        weights = torch.arange(2, MOD + 2, dtype=torch.int64, device=device)
+        w = _WEIGHTS[device] = torch.stack([torch.ones_like(weights), weights])
     return w

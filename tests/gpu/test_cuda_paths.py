@@ -144,14 +144,26 @@ def test_a_fresh_cuda_process_restores_through_a_page_locked_slot_straight_to_th
     """The restart path: a new model and an optimizer with no state, on the GPU. The slot is
     page-locked before the copies (and stays so for the next capture), the optimizer state lands
     on the device without a host clone ("step" on the host, as torch keeps it), bitwise."""
-    from tests.conftest import lone_gemini
-
     dev = torch.device("cuda")
     torch.manual_seed(0)
     model = torch.nn.Linear(1024, 1024).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(8, 1024, device=dev)).sum().backward()
     opt.step()
+    # The slots on tmpfs, as in production: a disk-backed file's pages are not page-locked (on a
+    # machine whose /tmp is on a disk, cudaHostRegister of them fails; only slower, but not this test).
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm")) if Path("/dev/shm").is_dir() else tmp_path
+    try:
+        _restore_through_a_page_locked_slot(shm, model, opt, dev)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _restore_through_a_page_locked_slot(
+    tmp_path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, dev: torch.device
+) -> None:
+    from tests.conftest import lone_gemini
+
     gem = lone_gemini(tmp_path, model, opt)
     try:
         assert gem.capture(1) and gem.drain(30)

@@ -46,6 +46,23 @@ def test_the_fold_is_its_definition(n: int, dtype: torch.dtype, seed: int) -> No
     assert device_fold(t).tolist() == reference_fold(t)
 
 
+def test_the_folds_of_many_tensors_at_once_are_each_ones_fold() -> None:
+    """A fingerprint folds all its device tensors' column sums together (a few kernels, however many
+    tensors): each row is that tensor's own fold, whatever its size, dtype or trailing bytes."""
+    from lm_resiliency.scout.fingerprint import _columns, _fold_columns
+
+    tensors = [
+        torch.randn(2 * MOD + 5),  # whole rows and a rest
+        torch.randn(MOD),  # exactly one row
+        torch.randn(17).to(torch.bfloat16),  # fewer words than a row
+        torch.arange(7, dtype=torch.uint8),  # a trailing partial word
+        torch.randn(3 * MOD).to(torch.float16)[1:],  # unaligned, with a rest and a tail
+        torch.empty(0),
+    ]
+    together = _fold_columns(torch.stack([_columns(t) for t in tensors]))
+    assert together.tolist() == [reference_fold(t) for t in tensors]
+
+
 def test_fold_tells_bit_flips_and_permutations_apart() -> None:
     x = torch.randn(3 * MOD + 1001)
     base = device_fold(x)
@@ -159,6 +176,13 @@ def test_evidence_counts_the_tensors_that_hold_what_they_held_one_step_before() 
 def test_sparse_gradients_are_fingerprinted_by_their_entries() -> None:
     """An Embedding(sparse=True)'s gradient: the same entries (in any order, duplicates summed) give
     the same fingerprint, another value or another shape another one; other layouts by value."""
+    # Invariant checks opted into for the whole test: torch 2.11 warns at the first sparse tensor
+    # built while the global switch is unset, even when the call asks for them.
+    with torch.sparse.check_sparse_tensor_invariants(enable=True):
+        _sparse_gradients_are_fingerprinted_by_their_entries()
+
+
+def _sparse_gradients_are_fingerprinted_by_their_entries() -> None:
     i = torch.tensor([[3, 1, 3]])
     v = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
     coo = functools.partial(torch.sparse_coo_tensor, check_invariants=True)
