@@ -129,7 +129,7 @@ def latency_s(res: list[dict], kind: str) -> float | None:
 
 
 def gpu_fingerprint_cost(
-    blocks: int, block_steps: int, width: int, layers: int, device_name: str = "cuda"
+    blocks: int, block_steps: int, width: int, layers: int, device_name: str = "cuda", bf16: bool = False
 ) -> dict[str, object]:
     """One GPU: steps/s with SCOUT's per-step fingerprints (and the check at rest) vs none."""
     import torch
@@ -155,7 +155,8 @@ def gpu_fingerprint_cost(
         for _ in range(n):
             if mode == "rest" and pending:  # the next step's pre-hook: the state as it is now
                 pending.append(fingerprint_async(params + list(optimizer_tensors(opt))))
-            loss = model(batch).pow(2).mean()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = model(batch).float().pow(2).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             for fp in pending:
@@ -194,6 +195,7 @@ def gpu_fingerprint_cost(
         "gpu_rest_check_ms_per_step": 1000.0 / rest - 1000.0 / on,
         "gpu_state_bytes": state,
         "gpu_tensors": tensors,
+        "gpu_autocast_bf16": bf16,
         "goals": {"gpu_healthy_throughput_ratio": ">= 0.99"},
     }
 

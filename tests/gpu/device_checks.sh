@@ -15,6 +15,7 @@ nvidia-smi -L
 python3 -c "import torch, zmq, xxhash, pynvml; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'zmq', zmq.__version__)"
 timeout 200 python3 -m pytest tests/gpu tests/scout -v -s -p no:cacheprovider \
   -W ignore::DeprecationWarning -W ignore::FutureWarning 2>&1 | tee "$out/gpu_tests.log"
-timeout 90 python3 bench/scout.py --device cuda --blocks 3 --block-steps 20 2>&1 | tee "$out/gpu_scout.log"
+timeout 60 python3 bench/scout.py --device cuda --blocks 3 --block-steps 20 2>&1 | tee "$out/gpu_scout.log"
+timeout 60 python3 bench/scout.py --device cuda --blocks 3 --block-steps 40 --gpu-bf16 2>&1 | tee "$out/gpu_scout_bf16.log"
 timeout 200 python3 bench/gemini.py --device cuda --state-mib 1024 --reps 2 --blocks 3 --block-steps 20 \
   2>&1 | tee "$out/gpu_bench.log"
