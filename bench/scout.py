@@ -210,11 +210,13 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--gpu-width", type=int, default=4096)
     ap.add_argument("--gpu-layers", type=int, default=4)
+    ap.add_argument("--gpu-bf16", action="store_true", help="forward under bf16 autocast (shorter steps)")
     args = ap.parse_args()
     if args.device == "cuda":
-        print(
-            json.dumps(gpu_fingerprint_cost(args.blocks, args.block_steps, args.gpu_width, args.gpu_layers))
+        cost = gpu_fingerprint_cost(
+            args.blocks, args.block_steps, args.gpu_width, args.gpu_layers, bf16=args.gpu_bf16
         )
+        print(json.dumps(cost))
         return
     out: dict[str, object] = {}
     res, _ = run("throughput", args.block_steps, extra={"BLOCKS": str(args.blocks)})
