@@ -621,6 +621,56 @@ def test_the_leader_names_the_rank_whose_trail_shows_another_collective() -> Non
     assert judge({0: ok, 1: odd, 2: ok}, waiting) == waiting
 
 
+def test_a_node_arriving_between_the_leaders_read_and_update_still_has_the_trails_judged() -> None:
+    """The leader's tick reads the state (b's agent not back yet: no trails to judge), then b
+    arrives, then the tick's update would publish generation 1: a process failure of the rank gloo
+    aborted, restarted in place. It waits a tick instead; the next one judges the trails and names
+    b. Before, the culprit of a mismatched collective went unnamed (CI, 1 run in several)."""
+    from types import SimpleNamespace
+
+    from lm_resiliency.runtime.trail import group_digest
+
+    s = rs.RdzvState.new("nonce", 3, 4, "pol")
+    for n in "abcd":
+        s = rs.register(s, n, f"{n}.addr", 1, "pol")
+    s = rs.form(rs.elect(s, "a", set("abcd")), set("abcd"))
+    read = rs.arrive(rs.arrive(s, "c", 0), "a", 0)
+    group = group_digest([0, 1, 2]).hex()
+    ok = {"group": group, "states": [[15, "aa" * 8], [16, "bb" * 8]]}
+    odd = {"group": group, "states": [[15, "aa" * 8], [16, "cc" * 8]]}
+    docs = {0: ok, 1: odd, 2: ok}
+
+    class Control:
+        state = rs.arrive(read, "b", 0)  # b arrived after the tick read `read`
+
+        def json_get(self, key: str) -> Any:
+            return docs.get(int(key.rsplit("/", 1)[1]))
+
+        def update(self, fn: Any) -> rs.RdzvState:
+            self.state = fn(self.state)
+            return self.state
+
+    h = SimpleNamespace(run_id="r", node_id="a", replace_on=tr.DEFAULT_REPLACE_ON, heartbeat_timeout_s=5.0)
+    pulse = SimpleNamespace(
+        h=h,
+        _trails_judged=-1,
+        _liveness=SimpleNamespace(dead=lambda now: set()),
+        _apply_verdicts=lambda control, s: s,
+        _plan=lambda control, cur, formed: {"checkpoint_step": 9},
+        _wait_for_lost_nodes=lambda control, s, now: s,
+    )
+    pulse._judge_trails = lambda control, s: tr._Pulse._judge_trails(pulse, control, s)  # type: ignore[arg-type]
+    pulse._trails_unjudged = lambda s: tr._Pulse._trails_unjudged(pulse, s)  # type: ignore[arg-type]
+    control = Control()
+    got = tr._Pulse._lead(pulse, control, read, 0.0)  # type: ignore[arg-type]
+    assert got.phase == rs.RESTARTING and got.generation == 0, got.history
+    got = tr._Pulse._lead(pulse, control, control.state, 0.5)  # type: ignore[arg-type]
+    assert got.phase == rs.RUNNING and got.generation == 1, got
+    entry = got.history[-1]
+    assert entry["failure_kind"] == "collective_desync" and entry["culprits"] == ["b"], entry
+    assert entry["admitted"] == [{"slot": 1, "node": "d"}], entry
+
+
 def test_a_worker_reads_whether_the_leader_is_restarting_its_generation(store: Any) -> None:
     """A rank that sees peers go with "terminated" while its own group carries on asks the store:
     under a restart the leader began (another replica group's SDC, which this rank never heard of),
