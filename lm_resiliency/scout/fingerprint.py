@@ -32,13 +32,15 @@ def _parts(tensors: Iterable[torch.Tensor | None]) -> tuple[list[bytes], list[in
     (None when there is none). A sparse COO tensor is three parts (its shape, indices and values)."""
     parts: list[bytes] = []
     at: list[int] = []
-    device_columns: list[torch.Tensor] = []
+    device_words: list[_Split] = []
+    devices: list[torch.device] = []  # of the CUDA tensors (one, as a rank's state has)
 
     def feed(t: torch.Tensor) -> None:
         if t.is_cuda:
             at.append(len(parts))
             parts.append(b"\0cuda" + t.numel().to_bytes(8, "little"))
-            device_columns.append(_columns(t))
+            device_words.append(_split(t))
+            devices.append(t.device)
         else:
             parts.append(xxhash.xxh3_128_digest(t.contiguous().reshape(-1).view(torch.uint8).numpy().data))
 
@@ -57,7 +59,7 @@ def _parts(tensors: Iterable[torch.Tensor | None]) -> tuple[list[bytes], list[in
             feed(t.values())
         else:
             feed(t if t.layout == torch.strided else t.to_dense())  # other sparse layouts: dense
-    return parts, at, (_fold_columns(torch.stack(device_columns)) if device_columns else None)
+    return parts, at, (_folds(device_words, devices[0]) if device_words else None)
 
 
 def fingerprint(tensors: Iterable[torch.Tensor | None]) -> bytes:
@@ -123,41 +125,90 @@ def device_fold(t: torch.Tensor) -> torch.Tensor:
 
     The words are the tensor's bytes read as int32; a trailing 1-3 bytes are zero-padded into one
     more word. Works on any device (tested on CPU; used for CUDA)."""
-    return _fold_columns(_columns(t).unsqueeze(0))[0]
+    return _folds([_split(t)], t.device)[0]
 
 
-def _columns(t: torch.Tensor) -> torch.Tensor:
-    """The `MOD` column sums of `t`'s words (int32, wrapping), on its device: one reduction, and
-    one more small kernel where the words do not fill whole rows."""
-    raw = t.contiguous().reshape(-1).view(torch.uint8)
-    whole = raw.numel() - raw.numel() % 4
-    head = raw[:whole]
-    try:
-        words = head.view(torch.int32)
-    except RuntimeError:  # a view at an offset that is not 4-byte aligned: fold a copy of it
-        words = head.clone().view(torch.int32)
+# A tensor's words as the fold reads them: its whole rows of `MOD` (a (rows, MOD) view, or None),
+# and the words after them (a view), each with the column its first word falls in.
+_Split = tuple[torch.Tensor | None, list[tuple[int, torch.Tensor]]]
+
+
+def _split(t: torch.Tensor) -> _Split:
+    """`t`'s words in whole rows and the rest (views: nothing launched, unless the tensor is not
+    contiguous, not aligned to words, or ends in a partial one: then a copy or two)."""
+    words = _words(t)
+    tail = None
+    if words is None:  # not whole words, or not aligned to them: through the bytes
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        whole = raw.numel() - raw.numel() % 4
+        head = raw[:whole]
+        try:
+            words = head.view(torch.int32)
+        except RuntimeError:  # a view at an offset that is not 4-byte aligned: fold a copy of it
+            words = head.clone().view(torch.int32)
+        if whole < raw.numel():  # the last word, zero-padded, after the whole ones
+            tail = torch.zeros(4, dtype=torch.uint8, device=t.device)
+            tail[: raw.numel() - whole] = raw[whole:]
     n = words.numel()
     rows = n // MOD
     rest = n - rows * MOD
-    if rows:
-        # Integer sums wrap the same way in any order: the same on every device and replica.
-        columns = words[: rows * MOD].view(rows, MOD).sum(0, dtype=torch.int32)
-        if rest:
-            columns[:rest] += words[rows * MOD :]
-    else:  # fewer words than a row (a bias, a norm's weight): the row, zero-padded
-        columns = torch.nn.functional.pad(words, (0, MOD - n))
-    if whole < raw.numel():  # the last word, zero-padded, at its place after the whole ones
-        tail = torch.zeros(4, dtype=torch.uint8, device=t.device)
-        tail[: raw.numel() - whole] = raw[whole:]
-        columns[rest : rest + 1] += tail.view(torch.int32)
-    return columns
+    block = words.as_strided((rows, MOD), (MOD, 1)) if rows else None
+    after = [(0, words[rows * MOD :])] if rest else []
+    if tail is not None:
+        after.append((rest, tail.view(torch.int32)))
+    return block, after
 
 
-def _fold_columns(columns: torch.Tensor) -> torch.Tensor:
-    """Rows of column sums (k, MOD) to their folds (k, 2): the sum and the column-weighted sum, in
-    int64, with the same few kernels however many tensors (on a GPU, small kernels are what a
-    fingerprint of many tensors costs, not reading their bytes)."""
-    return (columns.to(torch.int64).unsqueeze(1) * _weights(columns.device)).sum(-1)
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """`t`'s bytes as int32 words in a view (the common case: a contiguous tensor of whole,
+    aligned words), or None."""
+    if not t.is_contiguous() or (t.numel() * t.element_size()) % 4:
+        return None
+    flat = t.view(-1)
+    if flat.dtype == torch.int32:
+        return flat
+    try:
+        return flat.view(torch.int32)
+    except RuntimeError:  # an offset not 4-byte aligned
+        return None
+
+
+def _folds(splits: list[_Split], device: torch.device) -> torch.Tensor:
+    """The folds (k, 2) of k tensors on one device, with one reduction per tensor of a row or more
+    and a few kernels for all the rest: on a GPU a fingerprint of many tensors costs small kernels
+    and the host's time to launch them, not the reading of their bytes. Each tensor's whole rows
+    are summed down their columns into its row of column sums; the words after them (the rest of
+    every tensor, all of a small one: a bias, a norm's weight) are added at their columns at once;
+    the column sums are folded into their sum and column-weighted sum, in int64."""
+    columns = torch.zeros((len(splits), MOD), dtype=torch.int32, device=device)
+    values: list[torch.Tensor] = []
+    at: list[tuple[int, int]] = []
+    for i, (block, after) in enumerate(splits):
+        if block is not None:
+            # Integer sums wrap the same way in any order: the same on every device and replica.
+            torch.sum(block, 0, dtype=torch.int32, out=columns[i])
+        for column, w in after:
+            values.append(w)
+            at.append((i * MOD + column, w.numel()))
+    if values:
+        columns.view(-1).index_add_(0, _positions(tuple(at), device), torch.cat(values))
+    return (columns.to(torch.int64).unsqueeze(1) * _weights(device)).sum(-1)
+
+
+_POSITIONS: dict[tuple[torch.device, tuple[tuple[int, int], ...]], torch.Tensor] = {}
+
+
+def _positions(at: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+    """Where words after whole rows go in the flattened column sums, on `device`: made once for
+    each layout (the same tensors are fingerprinted step after step), a few kept."""
+    key = (device, at)
+    got = _POSITIONS.get(key)
+    if got is None:
+        got = torch.cat([torch.arange(start, start + n) for start, n in at]).to(device)
+        if len(_POSITIONS) >= 16:
+            _POSITIONS.pop(next(iter(_POSITIONS)))
+        _POSITIONS[key] = got
+    return got
 
 
 def _weights(device: torch.device) -> torch.Tensor:

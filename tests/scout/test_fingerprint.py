@@ -49,7 +49,7 @@ def test_the_fold_is_its_definition(n: int, dtype: torch.dtype, seed: int) -> No
 def test_the_folds_of_many_tensors_at_once_are_each_ones_fold() -> None:
     """A fingerprint folds all its device tensors' column sums together (a few kernels, however many
     tensors): each row is that tensor's own fold, whatever its size, dtype or trailing bytes."""
-    from lm_resiliency.scout.fingerprint import _columns, _fold_columns
+    from lm_resiliency.scout.fingerprint import _folds, _split
 
     tensors = [
         torch.randn(2 * MOD + 5),  # whole rows and a rest
@@ -58,8 +58,11 @@ def test_the_folds_of_many_tensors_at_once_are_each_ones_fold() -> None:
         torch.arange(7, dtype=torch.uint8),  # a trailing partial word
         torch.randn(3 * MOD).to(torch.float16)[1:],  # unaligned, with a rest and a tail
         torch.empty(0),
+        torch.randn(MOD + 3, 2)[:, 0],  # not contiguous
+        torch.arange(4 * MOD + 9, dtype=torch.int32),  # int32 words as they are
+        torch.randn(5, dtype=torch.float64),
     ]
-    together = _fold_columns(torch.stack([_columns(t) for t in tensors]))
+    together = _folds([_split(t) for t in tensors], torch.device("cpu"))
     assert together.tolist() == [reference_fold(t) for t in tensors]
 
 
