@@ -38,10 +38,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+
+from bench import child_pythonpath  # noqa: E402
 
 
 def spawn_all(mode: str, world: int, env: dict[str, str], tmp: Path) -> dict[str, object]:
@@ -52,7 +53,7 @@ def spawn_all(mode: str, world: int, env: dict[str, str], tmp: Path) -> dict[str
         mid.write_text(f"bench-node-{r}\n")
         full = {
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": child_pythonpath(),
             "OMP_NUM_THREADS": "1",
             "MODE": mode,
             "RANK": str(r),

@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench import child_pythonpath  # noqa: E402
+
 WORKER = str(ROOT / "bench" / "_restart_worker.py")
 
 
@@ -53,7 +56,7 @@ def run(backend: str, kill: str, tmp: Path, heartbeat_ms: int, steps: int) -> di
         mid.write_text(f"{tmp.name}-node-{n}\n")
         env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": child_pythonpath(),
             "OMP_NUM_THREADS": "1",
             "LM_RESILIENCY_MACHINE_ID_PATH": str(mid),
             "LM_RESILIENCY_SHM_DIR": str(tmp / "shm"),

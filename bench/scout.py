@@ -53,8 +53,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "integration" / "workers" / "scout_worker.py"
 sys.path.insert(0, str(ROOT))
-
 import torch.distributed as dist  # noqa: E402
+
+from bench import child_pythonpath  # noqa: E402
 
 
 def run(
@@ -72,7 +73,7 @@ def run(
     for r in range(world):
         env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": child_pythonpath(),
             "OMP_NUM_THREADS": "1",
             "RANK": str(r),
             "WORLD_SIZE": str(world),

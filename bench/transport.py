@@ -33,11 +33,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
 import msgpack  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import zmq  # noqa: E402
 
+from bench import child_pythonpath  # noqa: E402
 from lm_resiliency.core import codec  # noqa: E402
 from lm_resiliency.core.auth import frame_digest  # noqa: E402
 from lm_resiliency.core.messages import MESSAGE_TYPES, BulkChunk, Heartbeat, PeerAnnouncement, StepTelemetry  # noqa: E402
@@ -45,7 +45,7 @@ from lm_resiliency.errors import CodecError  # noqa: E402
 
 
 def spawn(env: dict[str, str]) -> subprocess.Popen[bytes]:
-    full = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+    full = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", **env}
     return subprocess.Popen([sys.executable, str(ROOT / "bench" / "_transport_peer.py")], env=full)
 
 
