@@ -34,7 +34,7 @@ gradients after reduction and of the parameters and optimizer state after the st
 (`gpu_healthy_throughput_ratio`: every step / none), and the check at rest of a rank no replica holds,
 two more fingerprints of its parameters and optimizer state (`gpu_rest_check_ratio`).
 
-Usage: python bench/scout.py [--clean-steps 500] [--device cpu|cuda]
+Usage: python bench/scout.py [--clean-steps 500] [--device cpu|cuda] [--throughput-only]
 """
 
 from __future__ import annotations
@@ -212,6 +212,11 @@ def main() -> None:
     ap.add_argument("--gpu-width", type=int, default=4096)
     ap.add_argument("--gpu-layers", type=int, default=4)
     ap.add_argument("--gpu-bf16", action="store_true", help="forward under bf16 autocast (shorter steps)")
+    ap.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="the 4- and 2-rank throughput figures, no fault scenarios",
+    )
     args = ap.parse_args()
     if args.device == "cuda":
         cost = gpu_fingerprint_cost(
@@ -241,6 +246,10 @@ def main() -> None:
         overhead_ms_per_step_2_ranks=1000.0 / on2 - 1000.0 / off2,
     )
     print(f"2 ranks: on/paused {on2 / off2:.3f}, on/plain {on2 / plain2:.3f}", flush=True)
+    if args.throughput_only:
+        out["cpu_count"] = os.cpu_count()
+        print(json.dumps(out))
+        return
     # RuntimeConfig.publish_coalesce_s: steps of a few ms need not wake the runtime one by one.
     for world in (4, 2):
         res, _ = run(

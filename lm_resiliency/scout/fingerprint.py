@@ -173,48 +173,41 @@ def _words(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+GROUP = 16  # tensors folded together: their column sums, int32 and int64, 12.6 MB at a time
+
+
 def _folds(splits: list[_Split], device: torch.device) -> torch.Tensor:
-    """The folds (k, 2) of k tensors on one device, with one reduction per tensor of a row or more
-    and a few kernels for all the rest: on a GPU a fingerprint of many tensors costs small kernels
-    and the host's time to launch them, not the reading of their bytes. Each tensor's whole rows
-    are summed down their columns into its row of column sums; the words after them (the rest of
-    every tensor, all of a small one: a bias, a norm's weight) are added at their columns at once;
-    the column sums are folded into their sum and column-weighted sum, in int64."""
-    columns = torch.zeros((len(splits), MOD), dtype=torch.int32, device=device)
-    values: list[torch.Tensor] = []
-    at: list[tuple[int, int]] = []
-    for i, (block, after) in enumerate(splits):
-        if block is not None:
-            # Integer sums wrap the same way in any order: the same on every device and replica.
-            torch.sum(block, 0, dtype=torch.int32, out=columns[i])
-        for column, w in after:
-            values.append(w)
-            at.append((i * MOD + column, w.numel()))
-    if values:
-        columns.view(-1).index_add_(0, _positions(tuple(at), device), torch.cat(values))
-    return (columns.to(torch.int64).unsqueeze(1) * _weights(device)).sum(-1)
-
-
-_POSITIONS: dict[tuple[torch.device, tuple[tuple[int, int], ...]], torch.Tensor] = {}
-
-
-def _positions(at: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
-    """Where words after whole rows go in the flattened column sums, on `device`: made once for
-    each layout (the same tensors are fingerprinted step after step), a few kept."""
-    key = (device, at)
-    got = _POSITIONS.get(key)
-    if got is None:
-        got = torch.cat([torch.arange(start, start + n) for start, n in at]).to(device)
-        if len(_POSITIONS) >= 16:
-            _POSITIONS.pop(next(iter(_POSITIONS)))
-        _POSITIONS[key] = got
-    return got
+    """The folds (k, 2) of k tensors on one device. Each tensor's whole rows are summed down their
+    columns (one reduction) into its row of a group's column sums, and the words after them (all
+    of a small tensor: a bias, a norm's weight) added at their columns; each group of `GROUP`
+    rows is then folded at once into the sums and column-weighted sums, in int64. On a GPU a
+    fingerprint of many tensors costs small kernels and the host's time to launch them, not the
+    reading of their bytes: one or two per tensor and a few per group, not seven per tensor. A
+    group's column sums are all that is held at a time (not every tensor's: hundreds of them,
+    in int64, would take gigabytes of the device's memory)."""
+    k = len(splits)
+    out = torch.empty((2, k), dtype=torch.int64, device=device)
+    weights = _weights(device)
+    for g in range(0, k, GROUP):
+        group = splits[g : g + GROUP]
+        columns = torch.zeros((len(group), MOD), dtype=torch.int32, device=device)
+        for i, (block, after) in enumerate(group):
+            row = columns[i]
+            if block is not None:
+                # Integer sums wrap the same way in any order: the same on every device and replica.
+                torch.sum(block, 0, dtype=torch.int32, out=row)
+            for column, words in after:
+                row[column : column + words.numel()] += words
+        torch.sum(columns, -1, dtype=torch.int64, out=out[0, g : g + len(group)])
+        wide = columns.to(torch.int64)
+        del columns
+        wide.mul_(weights)
+        torch.sum(wide, -1, out=out[1, g : g + len(group)])
+    return out.t().contiguous()
 
 
 def _weights(device: torch.device) -> torch.Tensor:
-    """(2, MOD) int64: ones (the sum) and the position weights 2..MOD+1 (the weighted sum)."""
     w = _WEIGHTS.get(device)
     if w is None:
-        weights = torch.arange(2, MOD + 2, dtype=torch.int64, device=device)
-        w = _WEIGHTS[device] = torch.stack([torch.ones_like(weights), weights])
+        w = _WEIGHTS[device] = torch.arange(2, MOD + 2, dtype=torch.int64, device=device)
     return w

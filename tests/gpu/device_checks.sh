@@ -19,3 +19,8 @@ timeout 60 python3 bench/scout.py --device cuda --blocks 3 --block-steps 20 2>&1
 timeout 60 python3 bench/scout.py --device cuda --blocks 3 --block-steps 40 --gpu-bf16 2>&1 | tee "$out/gpu_scout_bf16.log"
 timeout 200 python3 bench/gemini.py --device cuda --state-mib 1024 --reps 2 --blocks 3 --block-steps 20 \
   2>&1 | tee "$out/gpu_bench.log"
+# The CPU figures on this host's cores (a GPU node has more than the 2 of the development VM):
+# replication vs raw pyzmq and 4-rank DDP throughput with captures (GEMINI), 4- and 2-rank DDP
+# throughput with fingerprints and gossip every step (SCOUT).
+timeout 150 python3 bench/gemini.py --reps 2 --blocks 3 --block-steps 20 2>&1 | tee "$out/cpu_gemini.log"
+timeout 120 python3 bench/scout.py --throughput-only --blocks 3 2>&1 | tee "$out/cpu_scout.log"

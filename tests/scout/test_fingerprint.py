@@ -47,8 +47,8 @@ def test_the_fold_is_its_definition(n: int, dtype: torch.dtype, seed: int) -> No
 
 
 def test_the_folds_of_many_tensors_at_once_are_each_ones_fold() -> None:
-    """A fingerprint folds all its device tensors' column sums together (a few kernels, however many
-    tensors): each row is that tensor's own fold, whatever its size, dtype or trailing bytes."""
+    """A fingerprint folds its device tensors' column sums a group at a time (a few kernels per
+    group): each row is that tensor's own fold, whatever its size, dtype or trailing bytes."""
     from lm_resiliency.scout.fingerprint import _folds, _split
 
     tensors = [
@@ -62,6 +62,7 @@ def test_the_folds_of_many_tensors_at_once_are_each_ones_fold() -> None:
         torch.arange(4 * MOD + 9, dtype=torch.int32),  # int32 words as they are
         torch.randn(5, dtype=torch.float64),
     ]
+    tensors = tensors * 2  # more than a group (GROUP): folded in two
     together = _folds([_split(t) for t in tensors], torch.device("cpu"))
     assert together.tolist() == [reference_fold(t) for t in tensors]
 
