@@ -59,6 +59,7 @@ def test_the_folds_of_many_tensors_at_once_are_each_ones_fold() -> None:
         torch.randn(3 * MOD).to(torch.float16)[1:],  # unaligned, with a rest and a tail
         torch.empty(0),
         torch.randn(MOD + 3, 2)[:, 0],  # not contiguous
+        torch.randn(3 * MOD + 10)[7:],  # words at an offset in their storage
         torch.arange(4 * MOD + 9, dtype=torch.int32),  # int32 words as they are
         torch.randn(5, dtype=torch.float64),
     ]
