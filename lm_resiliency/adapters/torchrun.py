@@ -875,7 +875,7 @@ class _Pulse:
             before = s
 
             def step(cur: rs.RdzvState) -> rs.RdzvState:
-                if cur.leader != h.node_id or self._trails_unjudged(cur):
+                if cur.leader != h.node_id or self._trails_due(cur):
                     return cur
                 # Alive unless known dead: a node that registered after this tick's observation has
                 # not been seen yet, and must not lose its slot for that.
@@ -902,18 +902,19 @@ class _Pulse:
                     )
         return self._wait_for_lost_nodes(control, s, now)
 
-    def _trails_unjudged(self, s: rs.RdzvState) -> bool:
-        """A restart for workers' exits whose trails this leader has not compared yet: it waits a
-        tick. The last node may arrive between this tick's read of the state and its update: the
-        trails were then judged on the read (not every node back: nothing to judge), and the
-        update would publish the next generation for a process failure of whichever rank gloo
-        aborted, never judged. Seen in CI: the culprit of a mismatched collective went unnamed."""
+    def _trails_due(self, s: rs.RdzvState) -> bool:
+        """A restart for workers' exits, every node back (their trails published), that this leader
+        has not judged yet (`_judge_trails`). Publishing the next generation waits for it: the last
+        node may arrive between a tick's read of the state (not every node back: nothing to judge)
+        and its update, which then published a process failure of whichever rank gloo aborted,
+        never judged (seen in CI: the culprit of a mismatched collective went unnamed)."""
         p = s.pending
         return (
             s.phase == rs.RESTARTING
             and p.get("failure_kind") == "process_failure"
             and p.get("from_generation") == s.generation
             and self._trails_judged != s.generation
+            and all(n in s.arrived for n in s.slots if n is not None)
         )
 
     def _judge_trails(self, control: _Control, s: rs.RdzvState) -> rs.RdzvState:
@@ -925,14 +926,7 @@ class _Pulse:
         (`collective_desync`: replaced, as SCOUT's own verdict is, while a standby can take its
         slot)."""
         h = self.h
-        p = s.pending
-        if (
-            s.phase != rs.RESTARTING
-            or p.get("failure_kind") != "process_failure"
-            or p.get("from_generation") != s.generation
-            or self._trails_judged == s.generation
-            or not all(n in s.arrived for n in s.slots if n is not None)
-        ):
+        if not self._trails_due(s):
             return s
         self._trails_judged = s.generation
         failed = _as_published(s)

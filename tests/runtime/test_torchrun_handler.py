@@ -595,6 +595,7 @@ def test_the_leader_names_the_rank_whose_trail_shows_another_collective() -> Non
     def judge(docs: dict[int, Any], state: rs.RdzvState = exited, judged: int = -1) -> rs.RdzvState:
         h = SimpleNamespace(run_id="r", node_id="a", replace_on=tr.DEFAULT_REPLACE_ON)
         pulse = SimpleNamespace(h=h, _trails_judged=judged)
+        pulse._trails_due = lambda s: tr._Pulse._trails_due(pulse, s)  # type: ignore[arg-type]
         return tr._Pulse._judge_trails(pulse, Control(docs, state), state)  # type: ignore[arg-type]
 
     got = judge({0: ok, 1: odd, 2: ok})
@@ -660,7 +661,7 @@ def test_a_node_arriving_between_the_leaders_read_and_update_still_has_the_trail
         _wait_for_lost_nodes=lambda control, s, now: s,
     )
     pulse._judge_trails = lambda control, s: tr._Pulse._judge_trails(pulse, control, s)  # type: ignore[arg-type]
-    pulse._trails_unjudged = lambda s: tr._Pulse._trails_unjudged(pulse, s)  # type: ignore[arg-type]
+    pulse._trails_due = lambda s: tr._Pulse._trails_due(pulse, s)  # type: ignore[arg-type]
     control = Control()
     got = tr._Pulse._lead(pulse, control, read, 0.0)  # type: ignore[arg-type]
     assert got.phase == rs.RESTARTING and got.generation == 0, got.history
