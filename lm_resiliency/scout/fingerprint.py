@@ -33,14 +33,15 @@ def _parts(tensors: Iterable[torch.Tensor | None]) -> tuple[list[bytes], list[in
     parts: list[bytes] = []
     at: list[int] = []
     device_words: list[_Split] = []
-    devices: list[torch.device] = []  # of the CUDA tensors (one, as a rank's state has)
+    device = None  # of the CUDA tensors (one, as a rank's state has)
 
     def feed(t: torch.Tensor) -> None:
+        nonlocal device
         if t.is_cuda:
             at.append(len(parts))
             parts.append(b"\0cuda" + t.numel().to_bytes(8, "little"))
             device_words.append(_split(t))
-            devices.append(t.device)
+            device = t.device
         else:
             parts.append(xxhash.xxh3_128_digest(t.contiguous().reshape(-1).view(torch.uint8).numpy().data))
 
@@ -59,7 +60,7 @@ def _parts(tensors: Iterable[torch.Tensor | None]) -> tuple[list[bytes], list[in
             feed(t.values())
         else:
             feed(t if t.layout == torch.strided else t.to_dense())  # other sparse layouts: dense
-    return parts, at, (_folds(device_words, devices[0]) if device_words else None)
+    return parts, at, (_folds(device_words, device) if device is not None else None)
 
 
 def fingerprint(tensors: Iterable[torch.Tensor | None]) -> bytes:

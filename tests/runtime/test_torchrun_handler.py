@@ -561,6 +561,36 @@ def test_the_leader_restores_only_a_step_every_replica_group_certified() -> None
     assert plan["checkpoint_step"] == 13, plan
 
 
+def _trail_run() -> tuple[rs.RdzvState, dict[str, Any], dict[str, Any]]:
+    """3 active nodes a, b, c (ranks 0-2) and a standby d, generation 0 running; a trail of rank
+    states, and one that entered another collective at the second state."""
+    from lm_resiliency.runtime.trail import group_digest
+
+    s = rs.RdzvState.new("nonce", 3, 4, "pol")
+    for n in "abcd":
+        s = rs.register(s, n, f"{n}.addr", 1, "pol")
+    s = rs.form(rs.elect(s, "a", set("abcd")), set("abcd"))
+    group = group_digest([0, 1, 2]).hex()
+    ok = {"group": group, "states": [[15, "aa" * 8], [16, "bb" * 8]]}
+    odd = {"group": group, "states": [[15, "aa" * 8], [16, "cc" * 8]]}
+    return s, ok, odd
+
+
+class _TrailControl:
+    """The control store as the leader's pulse uses it: generation 0's published trails by rank."""
+
+    def __init__(self, docs: dict[int, Any], state: rs.RdzvState) -> None:
+        self.docs, self.state = docs, state
+
+    def json_get(self, key: str) -> Any:
+        assert key.startswith("trail/g0/"), key
+        return self.docs.get(int(key.rsplit("/", 1)[1]))
+
+    def update(self, fn: Any) -> rs.RdzvState:
+        self.state = fn(self.state)
+        return self.state
+
+
 def test_the_leader_names_the_rank_whose_trail_shows_another_collective() -> None:
     """Generation 0 restarted for its workers' exits (node c's worker was aborted first); every node
     is back with its workers' trails published. Rank 1 (node b) entered another collective: the
@@ -569,34 +599,14 @@ def test_the_leader_names_the_rank_whose_trail_shows_another_collective() -> Non
     or one already judged, is not looked at."""
     from types import SimpleNamespace
 
-    from lm_resiliency.runtime.trail import group_digest
-
-    s = rs.RdzvState.new("nonce", 3, 4, "pol")
-    for n in "abcd":
-        s = rs.register(s, n, f"{n}.addr", 1, "pol")
-    s = rs.form(rs.elect(s, "a", set("abcd")), set("abcd"))
+    s, ok, odd = _trail_run()
     exited = rs.arrive(rs.arrive(rs.arrive(s, "c", 0), "a", 0), "b", 0)
-    group = group_digest([0, 1, 2]).hex()
-    ok = {"group": group, "states": [[15, "aa" * 8], [16, "bb" * 8]]}
-    odd = {"group": group, "states": [[15, "aa" * 8], [16, "cc" * 8]]}
-
-    class Control:
-        def __init__(self, docs: dict[int, Any], state: rs.RdzvState) -> None:
-            self.docs, self.state = docs, state
-
-        def json_get(self, key: str) -> Any:
-            assert key.startswith("trail/g0/"), key
-            return self.docs.get(int(key.rsplit("/", 1)[1]))
-
-        def update(self, fn: Any) -> rs.RdzvState:
-            self.state = fn(self.state)
-            return self.state
 
     def judge(docs: dict[int, Any], state: rs.RdzvState = exited, judged: int = -1) -> rs.RdzvState:
         h = SimpleNamespace(run_id="r", node_id="a", replace_on=tr.DEFAULT_REPLACE_ON)
         pulse = SimpleNamespace(h=h, _trails_judged=judged)
         pulse._trails_due = lambda s: tr._Pulse._trails_due(pulse, s)  # type: ignore[arg-type]
-        return tr._Pulse._judge_trails(pulse, Control(docs, state), state)  # type: ignore[arg-type]
+        return tr._Pulse._judge_trails(pulse, _TrailControl(docs, state), state)  # type: ignore[arg-type]
 
     got = judge({0: ok, 1: odd, 2: ok})
     assert got.pending["failure_kind"] == "collective_desync" and got.pending["culprits"] == ["b"]
@@ -607,7 +617,7 @@ def test_the_leader_names_the_rank_whose_trail_shows_another_collective() -> Non
         None,
         [1, 2],
         {"group": 5, "states": []},
-        {"group": group, "states": [[1]]},
+        {"group": ok["group"], "states": [[1]]},
         {"states": "zz"},
     ):
         got = judge({0: ok, 1: bad, 2: odd})
@@ -629,27 +639,9 @@ def test_a_node_arriving_between_the_leaders_read_and_update_still_has_the_trail
     b. Before, the culprit of a mismatched collective went unnamed (CI, 1 run in several)."""
     from types import SimpleNamespace
 
-    from lm_resiliency.runtime.trail import group_digest
-
-    s = rs.RdzvState.new("nonce", 3, 4, "pol")
-    for n in "abcd":
-        s = rs.register(s, n, f"{n}.addr", 1, "pol")
-    s = rs.form(rs.elect(s, "a", set("abcd")), set("abcd"))
+    s, ok, odd = _trail_run()
     read = rs.arrive(rs.arrive(s, "c", 0), "a", 0)
-    group = group_digest([0, 1, 2]).hex()
-    ok = {"group": group, "states": [[15, "aa" * 8], [16, "bb" * 8]]}
-    odd = {"group": group, "states": [[15, "aa" * 8], [16, "cc" * 8]]}
-    docs = {0: ok, 1: odd, 2: ok}
-
-    class Control:
-        state = rs.arrive(read, "b", 0)  # b arrived after the tick read `read`
-
-        def json_get(self, key: str) -> Any:
-            return docs.get(int(key.rsplit("/", 1)[1]))
-
-        def update(self, fn: Any) -> rs.RdzvState:
-            self.state = fn(self.state)
-            return self.state
+    control = _TrailControl({0: ok, 1: odd, 2: ok}, rs.arrive(read, "b", 0))  # b came after the read
 
     h = SimpleNamespace(run_id="r", node_id="a", replace_on=tr.DEFAULT_REPLACE_ON, heartbeat_timeout_s=5.0)
     pulse = SimpleNamespace(
@@ -662,7 +654,6 @@ def test_a_node_arriving_between_the_leaders_read_and_update_still_has_the_trail
     )
     pulse._judge_trails = lambda control, s: tr._Pulse._judge_trails(pulse, control, s)  # type: ignore[arg-type]
     pulse._trails_due = lambda s: tr._Pulse._trails_due(pulse, s)  # type: ignore[arg-type]
-    control = Control()
     got = tr._Pulse._lead(pulse, control, read, 0.0)  # type: ignore[arg-type]
     assert got.phase == rs.RESTARTING and got.generation == 0, got.history
     got = tr._Pulse._lead(pulse, control, control.state, 0.5)  # type: ignore[arg-type]
