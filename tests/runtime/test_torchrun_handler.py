@@ -25,7 +25,10 @@ def _params(port: int, tmp: Path, name: str, **conf: Any) -> RendezvousParameter
     base = {
         "lm_resiliency_restart_context_path": str(tmp / f"ctx-{name}.json"),
         "lm_resiliency_poll_interval_ms": "50",
-        "lm_resiliency_heartbeat_timeout_ms": "1500",
+        # Long enough that a thread agent starved of the CPU on a loaded CI host is not taken for
+        # a lost node (it was, at 1.5 s, in a test about something else); tests that lose a node
+        # by its heartbeat pass _QUICK_LOSS.
+        "lm_resiliency_heartbeat_timeout_ms": "8000",
         "lm_resiliency_join_timeout_ms": "20000",
         "timeout": 900,
         **conf,
@@ -33,6 +36,9 @@ def _params(port: int, tmp: Path, name: str, **conf: Any) -> RendezvousParameter
     return RendezvousParameters(
         "lm_resiliency", f"127.0.0.1:{port}", "unit-run", 2, 3, local_addr="127.0.0.1", **base
     )
+
+
+_QUICK_LOSS = {"lm_resiliency_heartbeat_timeout_ms": "1500"}
 
 
 @pytest.fixture
@@ -210,27 +216,29 @@ def test_a_different_policy_is_refused_at_registration(tmp_path: Path, store: An
     b.shutdown()
 
 
-def test_lost_leader_is_replaced_by_the_next_oldest_node(tmp_path: Path, store: Any, agents: Any) -> None:
-    handlers, infos, threads = agents.handlers, agents.infos, list(agents.threads.values())
-    control = tr._Control(store, "unit-run")
-    leader = control.read()[1].leader  # type: ignore[index]
-    assert leader == "a"
-    handlers["a"]._pulse.stop()  # a's agent "dies": its heartbeat stops
-    for _ in range(200):  # b takes the lead, and tells its agent to restart its workers
-        if handlers["b"].num_nodes_waiting() == 1:
-            break
-        threading.Event().wait(0.05)
-    s = control.read()[1]  # type: ignore[index]
-    assert s.leader == "b" and s.term == 2 and s.phase == rs.RESTARTING
-    info_b = handlers["b"].next_rendezvous()  # b's agent re-enters; the standby fills a's slot
-    threads[2].join(30)
-    s = control.read()[1]  # type: ignore[index]
-    assert s.generation == 1 and s.slots == ("c", "b"), s
-    assert s.history[-1]["failure_kind"] == "node_lost" and s.history[-1]["culprits"] == ["a"]
-    assert infos["c"].rank == 0 and info_b.rank == 1  # the standby took the lost node's slot
-    control.update(rs.close)
-    for h in handlers.values():
-        h.shutdown()
+def test_lost_leader_is_replaced_by_the_next_oldest_node(tmp_path: Path, store: Any) -> None:
+    agents = _Agents(store, tmp_path, **_QUICK_LOSS)
+    try:
+        handlers, infos, threads = agents.handlers, agents.infos, list(agents.threads.values())
+        control = tr._Control(store, "unit-run")
+        leader = control.read()[1].leader  # type: ignore[index]
+        assert leader == "a"
+        handlers["a"]._pulse.stop()  # a's agent "dies": its heartbeat stops
+        for _ in range(200):  # b takes the lead, and tells its agent to restart its workers
+            if handlers["b"].num_nodes_waiting() == 1:
+                break
+            threading.Event().wait(0.05)
+        s = control.read()[1]  # type: ignore[index]
+        assert s.leader == "b" and s.term == 2 and s.phase == rs.RESTARTING
+        info_b = handlers["b"].next_rendezvous()  # b's agent re-enters; the standby fills a's slot
+        threads[2].join(30)
+        s = control.read()[1]  # type: ignore[index]
+        assert s.generation == 1 and s.slots == ("c", "b"), s
+        assert s.history[-1]["failure_kind"] == "node_lost" and s.history[-1]["culprits"] == ["a"]
+        assert infos["c"].rank == 0 and info_b.rank == 1  # the standby took the lost node's slot
+        control.update(rs.close)
+    finally:
+        agents.shutdown()
 
 
 def _shutdown_failing(handler: Any) -> None:
@@ -282,7 +290,7 @@ def test_a_restart_waiting_for_a_lost_node_with_no_standby_gives_up_after_the_jo
     """No standby, and b's node is lost: the restart waits for b's slot to be filled (b's agent may
     come back on its machine) for the join timeout, then the run gives up and a's next rendezvous
     fails with the reason (before: a waited for ever)."""
-    group = _Agents(store, tmp_path, names="ab", lm_resiliency_join_timeout_ms="3000")
+    group = _Agents(store, tmp_path, names="ab", lm_resiliency_join_timeout_ms="3000", **_QUICK_LOSS)
     try:
         handlers = group.handlers
         control = tr._Control(store, "unit-run")
