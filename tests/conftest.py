@@ -22,8 +22,10 @@ FRESH = os.environ.get("LM_RESILIENCY_TEST_FRESH") == "1"  # every worker a fres
 
 
 def worker_env(env: dict[str, str]) -> dict[str, str]:
-    """A worker's environment: the test's, this checkout importable, one intra-op thread, `env`."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+    """A worker's environment: the test's, this checkout importable ahead of the caller's PYTHONPATH
+    (which may be where pyzmq was installed, as on the lent GPU host), one intra-op thread, `env`."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **env}
 
 
 class Forked:

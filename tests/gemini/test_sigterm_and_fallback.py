@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from lm_resiliency import OrchestrationHooks, enable_resiliency
+from tests.conftest import worker_env
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +42,7 @@ def test_sigterm_flushes_the_newest_capture_then_terminates(
     while the main thread waits in native code (a hung collective), where Python's handler cannot
     run: a thread of ours takes it over. Before, that worker lived until torchrun's shutdown
     timeout killed it (30 s, SIGKILL, nothing flushed), here until its 10-minute wait ended."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm")}
+    env = worker_env({"LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm")})
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests/gemini" / worker.split()[0]), *worker.split()[1:]],
         cwd=tmp_path,
@@ -60,7 +61,7 @@ def test_a_forked_child_that_takes_sigterm_ends_alone(tmp_path: Path) -> None:
     """A DataLoader worker (a forked child) that its loader terminates inherited our SIGTERM handler
     and the socket our SIGTERM watch reads: it ends as it would have without us (nothing flushed
     from it), and its signal is not written where its parent's watch would take it for its own."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm")}
+    env = worker_env({"LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm")})
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests/gemini/sigterm_in_forked_child_worker.py")],
         cwd=tmp_path,
