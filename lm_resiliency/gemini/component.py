@@ -268,6 +268,9 @@ class Gemini:
         self._step_end: dict[str, Any] | None = None  # set and taken with _pending
         self._deferred: int | None = None  # a step whose capture waits for the next to begin (_boundary)
         self._waiting: int | None = None  # a step whose capture waits for a verdict (see capture)
+        # (thread, slot) of a capture between taking its slot and handing it to the worker: a
+        # signal handler that runs on that thread meanwhile must not wait for it (see flush_for_restart)
+        self._copying: tuple[int, int] | None = None
         self._fetched = False  # an instrumented loader was read during the current step
         self._fetching = 0  # steps in a row that read one (the loop reads it every step: >= 2)
         self._fetching_step = -1  # the step `_fetching` counts up to (see _count_fetches)
@@ -1156,6 +1159,7 @@ class Gemini:
             # The capture left in place: committed, or still being committed (replicated first).
             keeps = self._own_step.get(1 - k, self._in_flight.get(1 - k, -1))
             self._in_flight[k] = step
+            self._copying = (threading.get_ident(), k)
         try:
             state = collect_state(
                 self.model, self.optimizer, self.scheduler, self.extra_state_fn, step, self.scaler
@@ -1204,10 +1208,12 @@ class Gemini:
             with self._lock:
                 self._busy.discard(k)
                 self._in_flight.pop(k, None)
+                self._copying = None
             raise
         self.stats.capture_block_s_last = time.perf_counter() - t0
         self.stats.bytes_per_capture = header.file_size
         self._jobs.put((k, header, completion, keeps))
+        self._copying = None
         return True
 
     def _work(self) -> None:
@@ -1751,12 +1757,20 @@ class Gemini:
         self._take_waiting()
         deadline = time.monotonic() + timeout
         flush = self.flush_inventory
-        if replicate:
+        # A SIGTERM's handler runs on the training thread, possibly in the middle of a capture's
+        # copy: that capture goes on only after the handler returns (never, as the process ends
+        # next). Waiting for it would hold the flush, and the group's restart, for `timeout`.
+        copying = self._copying
+        interrupted = copying[1] if copying is not None and copying[0] == threading.get_ident() else None
+        if replicate and interrupted is None:
             self.drain(timeout)
         else:
             with self._idle:
                 self._idle.wait_for(
-                    lambda: all(self._announced.get(k) == s for k, s in self._in_flight.items()), timeout
+                    lambda: all(
+                        self._announced.get(k) == s for k, s in self._in_flight.items() if k != interrupted
+                    ),
+                    timeout,
                 )
             if flush is not None:  # the torchrun backend's leader picks the restart step from it
                 flush(max(0.0, deadline - time.monotonic()))

@@ -1170,3 +1170,31 @@ def test_a_durable_copy_failing_its_checksums_when_restored_is_left_out_and_an_o
         assert bad and "fails its checksum" in bad[0]["detail"] and str(path) in bad[0]["detail"], faults
     finally:
         gem.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_flush_from_a_signal_handler_in_the_middle_of_a_capture_does_not_wait_for_that_capture(
+    tmp_path: Path,
+) -> None:
+    """torchrun's SIGTERM runs our handler on the training thread, which may be in the middle of a
+    capture's copy (with a capture every step, often). That capture goes on only once the handler
+    returns, so the flush must not wait for it: before, it waited its whole timeout (5 s on
+    SIGTERM), and the group's restart with it, and wrote only what was committed before."""
+    model = torch.nn.Linear(16, 16)
+    gem = lone_gemini(tmp_path, model, None, disk_interval=10**6)
+    flushed: list[int] = []
+
+    def extra() -> dict[str, int]:  # called inside capture(3): where the signal lands
+        flushed.append(gem.flush_for_restart(timeout=60.0, replicate=False))
+        return {}
+
+    try:
+        for step in (1, 2):
+            assert gem.capture(step) and gem.drain(10)
+        gem.extra_state_fn = extra
+        assert gem.capture(3)
+        assert flushed == [2] and gem.durable.steps() == [2]
+        gem.extra_state_fn = None
+        assert gem.drain(10) and gem.flush_for_restart(timeout=10.0) == 3  # the capture itself went on
+    finally:
+        gem.close()
