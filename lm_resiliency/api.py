@@ -1511,7 +1511,8 @@ class Session:
 
 class _CallbackThread:
     """Runs calls in submission order on a thread of its own (started at the first call). A call
-    that raises is logged, never propagated; after `close`, calls run inline."""
+    that raises is logged, never propagated; after `close`, or where no thread can be started,
+    calls run inline."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...]] | None] = (
@@ -1523,12 +1524,14 @@ class _CallbackThread:
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         with self._lock:
-            if not self._closed:
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._run, name="lm-resiliency-callbacks", daemon=True
-                    )
-                    self._thread.start()
+            if not self._closed and self._thread is None:
+                thread = threading.Thread(target=self._run, name="lm-resiliency-callbacks", daemon=True)
+                try:
+                    thread.start()
+                    self._thread = thread
+                except RuntimeError:  # no thread to be had: the worker is out of memory (RLIMIT_AS)
+                    pass  # or of processes; the report of why it dies must still go out: inline
+            if not self._closed and self._thread is not None:
                 self._queue.put((fn, args))
                 return
         self._call(fn, args)
