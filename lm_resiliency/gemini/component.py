@@ -78,7 +78,9 @@ CAPTURE_WAIT_S = 2.0  # the longest a capture waits for a free slot before it is
 # declared this rank dead and no longer answers it), replicas pause for a back-off (5 s, doubling
 # to 60 s) while local captures go on; before, every capture for 120 s waited CAPTURE_WAIT_S for a
 # slot and was skipped: the job crawled at 2 s a step and this rank's newest copy fell behind its
-# peers' until no step was held by every rank.
+# peers' until no step was held by every rank. A capture that waited CAPTURE_WAIT_S for the slot a
+# replica pins gives that replica up (see Gemini.capture): the deadline bounds the wait only when no
+# capture needs the slot.
 REPLICA_TIMEOUT_S = 120.0
 REPLICA_MIN_TIMEOUT_S = 10.0
 REPLICA_BACKOFF_S = (5.0, 60.0)
@@ -90,6 +92,10 @@ VERDICT_WAIT_S = 0.5
 # reclaimed once unchanged this long, not the hour `claim` waits (see Gemini._map).
 PRESSURE_IDLE_S = 60.0
 Exchange = Callable[[str, bytes, float], dict[int, bytes]]
+
+
+class ReplicaAbandoned(Exception):
+    """A replica given up before its deadline: a capture needed its slot."""
 
 
 def _align(n: int) -> int:
@@ -271,6 +277,10 @@ class Gemini:
         # (thread, slot) of a capture between taking its slot and handing it to the worker: a
         # signal handler that runs on that thread meanwhile must not wait for it (see flush_for_restart)
         self._copying: tuple[int, int] | None = None
+        # The slot whose replica the worker awaits the acknowledgement of, and what wakes that wait
+        # (the acknowledgement, or a capture that needs the slot: see capture)
+        self._replicating: int | None = None
+        self._replica_wake: threading.Event | None = None
         self._fetched = False  # an instrumented loader was read during the current step
         self._fetching = 0  # steps in a row that read one (the loop reads it every step: >= 2)
         self._fetching_step = -1  # the step `_fetching` counts up to (see _count_fetches)
@@ -1135,6 +1145,15 @@ class Gemini:
             # A slot still being committed or replicated is busy. Wait briefly for one (backpressure
             # when the worker lags), then skip this capture rather than stall training for long.
             self._idle.wait_for(lambda: bool(self._free_slots()), CAPTURE_WAIT_S)
+            wake = self._replica_wake
+            if not self._free_slots() and self._replicating in self._busy and wake is not None:
+                # That slot's replica has had no acknowledgement for CAPTURE_WAIT_S at least (its
+                # holder does not answer: its messages dropped, or it is gone). Giving it up frees
+                # the slot: else every capture until the replica's deadline (10 s and more) was
+                # skipped, and this rank's copies fell behind its peers', who captured on, until
+                # no step was held by every rank and a restart began again from step 0.
+                wake.set()
+                self._idle.wait_for(lambda: bool(self._free_slots()), CAPTURE_WAIT_S)
             free = self._free_slots()
             if wait_for_verdict and free and all(k in self._own_step for k in free) and self._judging():
                 # Which slot to overwrite hangs on that verdict (an empty slot is taken anyway).
@@ -1384,15 +1403,19 @@ class Gemini:
             min(REPLICA_TIMEOUT_S, max(REPLICA_MIN_TIMEOUT_S, 8 * last)) if last > 0 else REPLICA_TIMEOUT_S
         )
         try:
-            ack = self.runtime.send_bulk(
-                self.holder,
-                f"gem-r{self.rank}-s{header.step}",
-                buffers,
-                meta,
-                timeout=deadline,
-                digests=frame_digests,
-            ).result(deadline + 5.0)
-        except Exception as exc:  # peer gone, timeout: the local copy still stands
+            ack = self._acknowledged(
+                k,
+                self.runtime.send_bulk(
+                    self.holder,
+                    f"gem-r{self.rank}-s{header.step}",
+                    buffers,
+                    meta,
+                    timeout=deadline,
+                    digests=frame_digests,
+                ),
+                deadline + 5.0,
+            )
+        except Exception as exc:  # peer gone, timeout, given up for a capture: the local copy stands
             self.stats.replication_failures += 1
             if self._closed or not self.runtime.alive:  # the job's end: the transfer was cut off
                 log.info("rank %d: replica of step %d not sent: the session closed", self.rank, header.step)
@@ -1425,6 +1448,25 @@ class Gemini:
                 header.step,
                 ack.reason,
             )
+
+    def _acknowledged(self, k: int, fut: Any, timeout: float) -> Any:
+        """The holder's acknowledgement of slot `k`'s replica, unless a capture that needs the slot
+        gives the replica up first (then ReplicaAbandoned)."""
+        wake = threading.Event()  # (this wait's own: an abandoned transfer ends later, and sets its own)
+        with self._lock:
+            self._replica_wake, self._replicating = wake, k
+        fut.add_done_callback(lambda _: wake.set())
+        try:
+            if not wake.wait(timeout):
+                raise TimeoutError(f"no acknowledgement within {timeout:.0f} s")
+            if not fut.done():
+                raise ReplicaAbandoned(
+                    f"no acknowledgement after {CAPTURE_WAIT_S:.0f} s; the next capture needed its slot"
+                )
+            return fut.result()
+        finally:
+            with self._lock:
+                self._replica_wake, self._replicating = None, None
 
     def _write_durable(self, slot: SlotFile, header: SlotHeader) -> bool:
         if header.step in self._on_disk:
