@@ -277,9 +277,8 @@ class Gemini:
         # (thread, slot) of a capture between taking its slot and handing it to the worker: a
         # signal handler that runs on that thread meanwhile must not wait for it (see flush_for_restart)
         self._copying: tuple[int, int] | None = None
-        # The slot whose replica the worker awaits the acknowledgement of, and what wakes that wait
-        # (the acknowledgement, or a capture that needs the slot: see capture)
-        self._replicating: int | None = None
+        # What wakes the worker's wait for a replica's acknowledgement (the acknowledgement, or a
+        # capture that needs the replica's slot: see capture); None while it waits for none
         self._replica_wake: threading.Event | None = None
         self._fetched = False  # an instrumented loader was read during the current step
         self._fetching = 0  # steps in a row that read one (the loop reads it every step: >= 2)
@@ -1146,7 +1145,7 @@ class Gemini:
             # when the worker lags), then skip this capture rather than stall training for long.
             self._idle.wait_for(lambda: bool(self._free_slots()), CAPTURE_WAIT_S)
             wake = self._replica_wake
-            if not self._free_slots() and self._replicating in self._busy and wake is not None:
+            if not self._free_slots() and wake is not None:
                 # That slot's replica has had no acknowledgement for CAPTURE_WAIT_S at least (its
                 # holder does not answer: its messages dropped, or it is gone). Giving it up frees
                 # the slot: else every capture until the replica's deadline (10 s and more) was
@@ -1404,7 +1403,6 @@ class Gemini:
         )
         try:
             ack = self._acknowledged(
-                k,
                 self.runtime.send_bulk(
                     self.holder,
                     f"gem-r{self.rank}-s{header.step}",
@@ -1449,12 +1447,12 @@ class Gemini:
                 ack.reason,
             )
 
-    def _acknowledged(self, k: int, fut: Any, timeout: float) -> Any:
-        """The holder's acknowledgement of slot `k`'s replica, unless a capture that needs the slot
-        gives the replica up first (then ReplicaAbandoned)."""
+    def _acknowledged(self, fut: Any, timeout: float) -> Any:
+        """The holder's acknowledgement of a replica, unless a capture that needs the replica's slot
+        gives it up first (then ReplicaAbandoned)."""
         wake = threading.Event()  # (this wait's own: an abandoned transfer ends later, and sets its own)
         with self._lock:
-            self._replica_wake, self._replicating = wake, k
+            self._replica_wake = wake
         fut.add_done_callback(lambda _: wake.set())
         try:
             if not wake.wait(timeout):
@@ -1466,7 +1464,7 @@ class Gemini:
             return fut.result()
         finally:
             with self._lock:
-                self._replica_wake, self._replicating = None, None
+                self._replica_wake = None
 
     def _write_durable(self, slot: SlotFile, header: SlotHeader) -> bool:
         if header.step in self._on_disk:
