@@ -117,6 +117,7 @@ def ddp(store: dist.TCPStore, rank: int, world: int, blocks: int, block_steps: i
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(64, width, generator=gen)
     rates: dict[str, list[float]] = {"on": [], "off": [], "local": []}
+    cpu: dict[str, list[float]] = {"on": [], "off": [], "local": []}  # this process's, all threads
     step_times: list[float] = []
     holder = gem.holder
     modes = ["off", "on", "local"]
@@ -126,6 +127,7 @@ def ddp(store: dist.TCPStore, rank: int, world: int, blocks: int, block_steps: i
         gem.drain(60)
         gem.holder = holder if mode == "on" else None  # "local": capture without replication
         dist.barrier()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         for _ in range(block_steps):
             loss = model(x).pow(2).mean()
@@ -136,6 +138,7 @@ def ddp(store: dist.TCPStore, rank: int, world: int, blocks: int, block_steps: i
         dt = time.perf_counter() - t0
         if b:  # block 0 warms up
             rates[mode].append(block_steps / dt)
+            cpu[mode].append((time.process_time() - c0) / block_steps)
             step_times.append(dt / block_steps)
     state_bytes = gem.stats.bytes_per_capture
     if rank == 0:
@@ -153,6 +156,11 @@ def ddp(store: dist.TCPStore, rank: int, world: int, blocks: int, block_steps: i
                     "ddp_state_bytes_per_rank": state_bytes,
                     "ddp_step_s": statistics.median(step_times),
                     "captures_skipped_busy": gem.stats.skipped_busy,
+                    # CPU time of rank 0's process per step (every thread): where cores are few,
+                    # the ratios follow it; where they are many, the training thread's own share does.
+                    "cpu_ms_per_step_capture_every_step": 1000 * statistics.median(cpu["on"]),
+                    "cpu_ms_per_step_capture_without_replication": 1000 * statistics.median(cpu["local"]),
+                    "cpu_ms_per_step_without_capture": 1000 * statistics.median(cpu["off"]),
                 }
             ).encode(),
         )
