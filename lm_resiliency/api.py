@@ -468,6 +468,9 @@ class Session:
         replay_cfg = settings.get("replay")
         report_dir = getattr(replay_cfg, "report_dir", None) or self.env.report_dir
         self._report_dir = Path(report_dir) if report_dir else None
+        # The report file, opened at the start and kept: a rank that dies of running out of file
+        # descriptors could not open it for the report that says so. (file, path, (device, inode))
+        self._report_file: tuple[Any, Path, tuple[int, int]] | None = None
         self.rank = 0
         self.world_size = 1
 
@@ -478,6 +481,9 @@ class Session:
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
+        if self._report_dir is not None:
+            with contextlib.suppress(OSError):  # (the first report tries again, and logs why not)
+                self._open_report_file()
         local: AdapterTopology = self._adapter.topology()
         node_id = self.env.node_id()
         store = self._store
@@ -1440,20 +1446,41 @@ class Session:
         """Write the newest recoverable state to disk; return its step, or -1 when there is none."""
         return max((c.flush_for_restart() for c in self._components), default=-1)
 
+    def _report_path(self) -> Path:
+        assert self._report_dir is not None
+        return self._report_dir / f"reports-rank{self.rank}.jsonl"
+
+    def _open_report_file(self) -> Any:
+        """The kept report file; opened again where the path no longer names it (removed, rotated)."""
+        path = self._report_path()
+        kept = self._report_file
+        if kept is not None:
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+                if kept[1] == path and (st.st_dev, st.st_ino) == kept[2]:
+                    return kept[0]
+            self._report_file = None
+            with contextlib.suppress(OSError):
+                kept[0].close()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a")  # noqa: SIM115 (kept open until close)
+        st = os.fstat(f.fileno())
+        self._report_file = (f, path, (st.st_dev, st.st_ino))
+        return f
+
     def _write_report(self, report: dict[str, Any]) -> None:
         """Append the report to `<report_dir>/reports-rank<R>.jsonl` (ReplayHarnessConfig.report_dir)."""
         if self._report_dir is None:
             return
-        path = self._report_dir / f"reports-rank{self.rank}.jsonl"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             # The generation tells a restarted worker's report from its predecessor's (scoring).
             head = {"time": time.time(), "pid": os.getpid(), "generation": self.env.generation}
             line = json.dumps({**head, **report}, default=str)
-            with open(path, "a") as f:
-                f.write(line + "\n")
+            f = self._open_report_file()
+            f.write(line + "\n")
+            f.flush()
         except OSError as exc:
-            log.error("cannot append the fault report to %s: %s", path, exc)
+            log.error("cannot append the fault report to %s: %s", self._report_path(), exc)
 
     def close(self, reason: str = CLOSED) -> None:
         """Stop hooks, components and the runtime. Idempotent; also runs at interpreter exit."""
@@ -1495,6 +1522,10 @@ class Session:
         if self._control is not None:
             self._control.close()
         self._callbacks.close(timeout=10.0)  # the reports made so far reach the callbacks first
+        kept, self._report_file = self._report_file, None
+        if kept is not None:
+            with contextlib.suppress(OSError):
+                kept[0].close()
 
     def __enter__(self) -> Session:
         return self

@@ -240,7 +240,7 @@ def test_a_fault_this_version_cannot_inject_is_refused_at_attach(
             {"type": "resource_exhaustion", "target": {"surface": "resource", "rank": 1}},
             1,
             "Too many open files",
-            None,  # (its report file may not open: out of descriptors; rank 0 names it)
+            "resource_exhaustion",  # (its report file was opened at the start: it still says so)
         ),
         (
             {

@@ -158,3 +158,41 @@ def test_a_slow_fault_callback_does_not_stall_the_runtime() -> None:
             assert emitted.wait(5)
         finally:
             release.set()
+
+
+def test_the_report_file_is_open_from_the_start_and_opened_again_once_removed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A rank out of file descriptors still writes the report that says so: its report file was
+    opened when the session started. Removed or rotated meanwhile, the next report opens it again."""
+    import json
+    import os
+    import time
+
+    from lm_resiliency import ReplayHarnessConfig
+
+    source = ScriptedHealthSource()
+    path = tmp_path / "reports" / "reports-rank0.jsonl"
+    seen: list[dict] = []
+
+    def held() -> bool:
+        return any(os.path.realpath(f"/proc/self/fd/{fd}") == str(path) for fd in os.listdir("/proc/self/fd"))
+
+    model = nn.Linear(2, 2)
+    with enable_resiliency(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        fault_callback=seen.append,
+        health_source=source,
+        replay=ReplayHarnessConfig(report_dir=str(tmp_path / "reports")),
+    ) as s:
+        assert path.exists() and held()  # before any report
+        for n, reason in enumerate(["XID 48", "XID 79"], start=1):
+            source.push(HealthEvent("xid", "GPU-abcd", True, reason, 79.0))
+            deadline = time.monotonic() + 10
+            while len(seen) < n:
+                assert time.monotonic() < deadline, seen
+                s.wait_for(lambda v: False, 0.05)  # the health task polls every second
+            # The file is written before the callbacks run (in order, on one thread).
+            lines = [json.loads(x) for x in path.read_text().splitlines()]
+            assert [r["detail"] for r in lines] == [reason], lines
+            path.unlink()  # rotated away: the next report starts a new file
+    assert not held()
