@@ -174,7 +174,8 @@ def test_the_report_file_is_open_from_the_start_and_opened_again_once_removed(tm
     seen: list[dict] = []
 
     def held() -> bool:
-        return any(os.path.realpath(f"/proc/self/fd/{fd}") == str(path) for fd in os.listdir("/proc/self/fd"))
+        real = os.path.realpath(path)
+        return any(os.path.realpath(f"/proc/self/fd/{fd}") == real for fd in os.listdir("/proc/self/fd"))
 
     model = nn.Linear(2, 2)
     with enable_resiliency(
