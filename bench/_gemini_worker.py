@@ -99,7 +99,9 @@ def replica(store: dist.TCPStore, rank: int, reps: int, mib: int) -> None:
     session.close()
 
 
-def ddp(store: dist.TCPStore, rank: int, world: int, blocks: int, block_steps: int, width: int) -> None:
+def ddp(
+    store: dist.TCPStore, rank: int, world: int, blocks: int, block_steps: int, width: int, rows: int
+) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(
@@ -115,7 +117,7 @@ def ddp(store: dist.TCPStore, rank: int, world: int, blocks: int, block_steps: i
     )
     gem = session.gemini
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(64, width, generator=gen)
+    x = torch.randn(rows, width, generator=gen)
     rates: dict[str, list[float]] = {"on": [], "off": [], "local": []}
     cpu: dict[str, list[float]] = {"on": [], "off": [], "local": []}  # this process's, all threads
     step_times: list[float] = []
@@ -155,6 +157,7 @@ def ddp(store: dist.TCPStore, rank: int, world: int, blocks: int, block_steps: i
                     "ddp_ranks": world,
                     "ddp_state_bytes_per_rank": state_bytes,
                     "ddp_step_s": statistics.median(step_times),
+                    "ddp_rows_per_step": rows,
                     "captures_skipped_busy": gem.stats.skipped_busy,
                     # CPU time of rank 0's process per step (every thread): where cores are few,
                     # the ratios follow it; where they are many, the training thread's own share does.
@@ -184,6 +187,7 @@ def main() -> int:
             int(os.environ["BLOCKS"]),
             int(os.environ["BLOCK_STEPS"]),
             int(os.environ["WIDTH"]),
+            int(os.environ.get("ROWS", "64")),
         )
     return 0
 

@@ -290,6 +290,14 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--block-steps", type=int, default=20)
     ap.add_argument("--width", type=int, default=256)
+    ap.add_argument(
+        "--rows",
+        type=int,
+        default=64,
+        help="rows of each rank's batch in the DDP figures: with the width, the compute a step does for "
+        "each byte a capture copies (64: ~400 flops a parameter a step, a hundredth of an LLM step's; "
+        "2048: ~12k, an LLM-like step)",
+    )
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--gpu-width", type=int, default=4096)
     ap.add_argument("--gpu-layers", type=int, default=4)
@@ -321,7 +329,12 @@ def main() -> None:
             spawn_all(
                 "ddp",
                 4,
-                {"BLOCKS": str(args.blocks), "BLOCK_STEPS": str(args.block_steps), "WIDTH": str(args.width)},
+                {
+                    "BLOCKS": str(args.blocks),
+                    "BLOCK_STEPS": str(args.block_steps),
+                    "WIDTH": str(args.width),
+                    "ROWS": str(args.rows),
+                },
                 tmp,
             )
         )

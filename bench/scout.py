@@ -208,6 +208,13 @@ def main() -> None:
     ap.add_argument("--clean-steps", type=int, default=500)
     ap.add_argument("--block-steps", type=int, default=40)
     ap.add_argument("--blocks", type=int, default=5)
+    ap.add_argument(
+        "--rows",
+        type=int,
+        default=32,
+        help="rows of each rank's batch in the throughput figures (32: ~200 flops a parameter a step; "
+        "2048: ~12k, an LLM-like step)",
+    )
     ap.add_argument("--audit-interval", type=int, default=10)
     ap.add_argument("--coalesce", type=float, default=0.02, help="publish_coalesce_s of the _coalesced runs")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -227,7 +234,8 @@ def main() -> None:
         print(json.dumps(cost))
         return
     out: dict[str, object] = {}
-    res, _ = run("throughput", args.block_steps, extra={"BLOCKS": str(args.blocks)})
+    rows = {"ROWS": str(args.rows)}
+    res, _ = run("throughput", args.block_steps, extra={"BLOCKS": str(args.blocks), **rows})
     on, off, plain = medians(res)
     out.update(
         healthy_throughput_ratio=on / off,
@@ -240,7 +248,7 @@ def main() -> None:
     )
     print(f"throughput: {out}", flush=True)
     # The same with one rank per core: no rank's runtime threads compete with another's training.
-    res, _ = run("throughput", args.block_steps, extra={"BLOCKS": str(args.blocks)}, world=2)
+    res, _ = run("throughput", args.block_steps, extra={"BLOCKS": str(args.blocks), **rows}, world=2)
     on2, off2, plain2 = medians(res)
     out.update(
         healthy_throughput_ratio_2_ranks=on2 / off2,
@@ -250,6 +258,7 @@ def main() -> None:
     print(f"2 ranks: on/paused {on2 / off2:.3f}, on/plain {on2 / plain2:.3f}", flush=True)
     if args.throughput_only:
         out["cpu_count"] = os.cpu_count()
+        out["rows_per_step"] = args.rows
         print(json.dumps(out))
         return
     # RuntimeConfig.publish_coalesce_s: steps of a few ms need not wake the runtime one by one.

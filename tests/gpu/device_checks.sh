@@ -22,6 +22,11 @@ cap() { local left=$((budget - SECONDS)); if ((left < 10)); then echo 1; elif ((
 # throughput with fingerprints and gossip every step (SCOUT).
 timeout "$(cap 150)" python3 bench/gemini.py --reps 2 --blocks 3 --block-steps 20 2>&1 | tee "$out/cpu_gemini.log"
 timeout "$(cap 120)" python3 bench/scout.py --throughput-only --blocks 3 2>&1 | tee "$out/cpu_scout.log"
+# The same at an LLM-like compute per parameter (2048 rows a rank a step, not 64 or 32).
+timeout "$(cap 100)" python3 bench/scout.py --throughput-only --blocks 3 --rows 2048 2>&1 \
+  | tee "$out/cpu_scout_rows2048.log"
+timeout "$(cap 130)" python3 bench/gemini.py --reps 2 --blocks 5 --block-steps 20 --rows 2048 2>&1 \
+  | tee "$out/cpu_gemini_rows2048.log"
 timeout "$(cap 60)" python3 bench/scout.py --device cuda --blocks 3 --block-steps 20 2>&1 | tee "$out/gpu_scout.log"
 timeout "$(cap 60)" python3 bench/scout.py --device cuda --blocks 3 --block-steps 40 --gpu-bf16 2>&1 \
   | tee "$out/gpu_scout_bf16.log"

@@ -236,7 +236,8 @@ def main() -> int:
         # bench/scout.py: alternate blocks with detection on, paused, and a plain DDP copy of the model
         # that lm-resiliency never touched (what our comm hook and hooks cost even when paused).
         assert plain is not None
-        x = torch.randn(32, 128, generator=torch.Generator().manual_seed(rank))
+        rows = int(os.environ.get("ROWS", "32"))  # bench/scout.py --rows
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rank))
         rates: dict[str, list[float]] = {"on": [], "off": [], "plain": []}
         modes = ("off", "on", "plain")
         for b in range(3 * int(os.environ.get("BLOCKS", "5")) + 1):
