@@ -295,7 +295,8 @@ def main() -> None:
         type=int,
         default=64,
         help="rows of each rank's batch in the DDP figures: with the width, the compute a step does for "
-        "each byte a capture copies (64: ~400 flops a parameter a step, a hundredth of an LLM step's; "
+        "each byte a capture copies (64: ~400 flops a parameter a step; an LLM step does 6 a token over "
+        "thousands of tokens; "
         "2048: ~12k, an LLM-like step)",
     )
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

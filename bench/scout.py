@@ -245,6 +245,7 @@ def main() -> None:
         steps_per_s_plain_ddp=plain,
         step_ms_plain_ddp=1000.0 / plain,
         overhead_ms_per_step=1000.0 / on - 1000.0 / off,
+        rows_per_step=args.rows,
     )
     print(f"throughput: {out}", flush=True)
     # The same with one rank per core: no rank's runtime threads compete with another's training.
@@ -258,7 +259,6 @@ def main() -> None:
     print(f"2 ranks: on/paused {on2 / off2:.3f}, on/plain {on2 / plain2:.3f}", flush=True)
     if args.throughput_only:
         out["cpu_count"] = os.cpu_count()
-        out["rows_per_step"] = args.rows
         print(json.dumps(out))
         return
     # RuntimeConfig.publish_coalesce_s: steps of a few ms need not wake the runtime one by one.
