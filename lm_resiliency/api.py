@@ -1614,14 +1614,14 @@ class _TimedLoader:
     def _timed_next(self, it: Any, first: bool) -> Any:
         self._before()
         t0 = time.perf_counter()
-        if not first:  # an iterator's first batch waits for its workers to start: not a stall
-            self._mark("input")
+        # An iterator's first batch waits for its workers to start: not a stall by its length alone
+        # ("input_start" has no threshold), but where a hang is named, the data loader's.
+        self._mark("input_start" if first else "input")
         try:
             return next(it)
         finally:
             self._sink(time.perf_counter() - t0)
-            if not first:
-                self._mark(None)
+            self._mark(None)
 
     def __iter__(self) -> Iterator[Any]:
         """Iterates the loader. `iter(DataLoader)` draws its workers' seed from the global torch RNG

@@ -211,7 +211,7 @@ class Progress(Message):
     in_collective_s: float
     idle_s: float
     chain: bytes = b""  # hash chain over every collective entered (op, size, dtype, group)
-    phase: str = ""  # "input" (data loader), "checkpoint_io", "evaluation", "stopping" (SIGTERM), ""
+    phase: str = ""  # "input" / "input_start" (data loader), "checkpoint_io", "evaluation", "stopping", ""
     in_phase_s: float = 0.0
     # (collectives entered, chain) before the current ones, newest last: peers sampled a collective
     # or two apart still share a count to compare chains at.

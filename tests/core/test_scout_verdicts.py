@@ -272,6 +272,21 @@ def test_stalls_in_the_data_loader_and_checkpoint_io_are_named_once_per_stall() 
     assert (v.kind, v.ranks, v.reason) == ("checkpoint_stall", (0,), "checkpoint_io_stalled")
 
 
+def test_a_rank_stuck_in_its_data_loaders_first_batch_is_a_data_stall_only_when_peers_wait() -> None:
+    """An iterator's first batch waits for its workers to start: no stall is named for its length
+    alone, but a rank still in it when its peers have waited the hang threshold is stuck in its data
+    loader (before, it was called a hang: the first batch was marked as no phase at all)."""
+    slow_start = {0: Progress(5, 10, 0.0), 1: Progress(5, 10, 0.0, phase="input_start", in_phase_s=40.0)}
+    assert StallDetector({"input": 10.0, "checkpoint_io": 120.0}).observe(5, slow_start) == []
+    excused = {"checkpoint_io": 120.0, "input": 10.0, "evaluation": 600.0}
+    waiting = {0: Progress(24, 26, 31.0), 2: Progress(24, 26, 31.0)}
+    stuck = {**waiting, 1: Progress(24, 25, 0.0, phase="input_start", in_phase_s=33.0)}
+    v = hang_verdict(24, stuck, 30.0, excused_s=excused)
+    assert v is not None and v.ranks == (1,)
+    assert (v.kind, v.reason) == ("data_stall", "dataloader_stalled_peers_wait")
+    assert "in its data loader's first batch for 33.0s" in v.detail
+
+
 def test_collective_desync_names_the_rank_whose_chain_differs() -> None:
     chains = {0: [(40, b"a")], 1: [(40, b"a")], 2: [(40, b"b")], 3: [(39, b"z")]}
     v = desync_verdict(7, chains)

@@ -72,6 +72,10 @@ PHASES = ("input", "compute", "communication")
 # Phases with a stall threshold of their own: the verdict kind and reason of a rank stuck in one.
 STALL_KINDS = {
     "input": ("data_stall", "dataloader_stalled"),
+    # An iterator's first batch: its workers start (fork, open the dataset), which may take longer
+    # than a batch should, so no stall is named for it alone; but a rank still in it when its peers
+    # have waited the hang threshold is stuck in its data loader, not hung elsewhere.
+    "input_start": ("data_stall", "dataloader_stalled"),
     "checkpoint_io": ("checkpoint_stall", "checkpoint_io_stalled"),
 }
 # The reason suffix of a stall its peers wait on (stuck in a collective the stalled rank never
@@ -109,6 +113,7 @@ def unmarked_phase(filenames: Iterable[str], between_steps: bool) -> str | None:
 # What a rank's training thread may be inside of while its peers wait (`Progress.phase`).
 PHASE_NAMES = {
     "input": "its data loader",
+    "input_start": "its data loader's first batch",
     "checkpoint_io": "its checkpoint I/O",
     "evaluation": "an evaluation (a model run between steps)",
 }
@@ -256,7 +261,7 @@ class Progress:
     collectives: int  # collectives this rank has entered
     in_collective_s: float  # how long it has been waiting in the current one (0: not in one)
     idle_s: float = math.inf  # how long since its training thread last made progress
-    phase: str = ""  # "input" (in its data loader), "checkpoint_io", or "" (anything else)
+    phase: str = ""  # "input" / "input_start" (in its data loader), "checkpoint_io", ... ("": other)
     in_phase_s: float = 0.0  # how long it has been in that phase
 
 
@@ -463,7 +468,7 @@ class StallDetector:
             if (r, p.phase) in self._open:
                 continue
             kind, reason = STALL_KINDS[p.phase]
-            what = "its data loader" if p.phase == "input" else "checkpoint I/O"
+            what = "its data loader" if p.phase.startswith("input") else "checkpoint I/O"
             out.append(
                 Verdict(
                     kind,
