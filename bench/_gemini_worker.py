@@ -120,6 +120,8 @@ def ddp(
     x = torch.randn(rows, width, generator=gen)
     rates: dict[str, list[float]] = {"on": [], "off": [], "local": []}
     cpu: dict[str, list[float]] = {"on": [], "off": [], "local": []}  # this process's, all threads
+    waits: dict[str, list[float]] = {"on": [], "local": []}  # waiting for SCOUT's verdict, per step
+    own: dict[str, list[float]] = {"on": [], "off": [], "local": []}  # the training thread's CPU
     step_times: list[float] = []
     holder = gem.holder
     modes = ["off", "on", "local"]
@@ -129,7 +131,8 @@ def ddp(
         gem.drain(60)
         gem.holder = holder if mode == "on" else None  # "local": capture without replication
         dist.barrier()
-        c0 = time.process_time()
+        c0, o0 = time.process_time(), time.thread_time()
+        w0 = gem.stats.verdict_wait_s
         t0 = time.perf_counter()
         for _ in range(block_steps):
             loss = model(x).pow(2).mean()
@@ -141,6 +144,9 @@ def ddp(
         if b:  # block 0 warms up
             rates[mode].append(block_steps / dt)
             cpu[mode].append((time.process_time() - c0) / block_steps)
+            own[mode].append((time.thread_time() - o0) / block_steps)
+            if mode in waits:
+                waits[mode].append((gem.stats.verdict_wait_s - w0) / block_steps)
             step_times.append(dt / block_steps)
     state_bytes = gem.stats.bytes_per_capture
     if rank == 0:
@@ -159,11 +165,19 @@ def ddp(
                     "ddp_step_s": statistics.median(step_times),
                     "ddp_rows_per_step": rows,
                     "captures_skipped_busy": gem.stats.skipped_busy,
+                    # The training thread's wait for SCOUT's verdict on the previous capture
+                    # before choosing which slot to overwrite (GeminiStats.verdict_wait_s).
+                    "verdict_wait_ms_per_step": 1000 * statistics.median(waits["on"]),
+                    "verdict_wait_ms_per_step_without_replication": 1000 * statistics.median(waits["local"]),
                     # CPU time of rank 0's process per step (every thread): where cores are few,
                     # the ratios follow it; where they are many, the training thread's own share does.
                     "cpu_ms_per_step_capture_every_step": 1000 * statistics.median(cpu["on"]),
                     "cpu_ms_per_step_capture_without_replication": 1000 * statistics.median(cpu["local"]),
                     "cpu_ms_per_step_without_capture": 1000 * statistics.median(cpu["off"]),
+                    # The training thread's own share: what a capture costs it (the copy, the walk
+                    # of the state) where other cores take the background threads' work.
+                    "training_thread_cpu_ms_per_step_capture_every_step": 1000 * statistics.median(own["on"]),
+                    "training_thread_cpu_ms_per_step_without_capture": 1000 * statistics.median(own["off"]),
                 }
             ).encode(),
         )

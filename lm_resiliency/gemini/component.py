@@ -33,6 +33,7 @@ import torch
 
 from lm_resiliency._proc import pid_alive
 from lm_resiliency.adapters.amp import load_scaler_state, mark_ours, scaler_values
+from lm_resiliency.adapters.base import collector_paused
 from lm_resiliency.config import InMemoryCkptConfig, SCOUTFaultReport
 from lm_resiliency.core.auth import frame_digest
 from lm_resiliency.core.gemini.placement import replica_holders
@@ -92,6 +93,15 @@ VERDICT_WAIT_S = 0.5
 # reclaimed once unchanged this long, not the hour `claim` waits (see Gemini._map).
 PRESSURE_IDLE_S = 60.0
 Exchange = Callable[[str, bytes, float], dict[int, bytes]]
+
+
+def _typed(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`part` (bytes of a slot) as a tensor of `like`'s dtype and shape, which the copy fills as it
+    is; the bytes themselves where the dtype has no such view (the copy then takes `like`'s bytes)."""
+    try:
+        return part.view(like.dtype).view(like.shape)
+    except RuntimeError:
+        return part
 
 
 class ReplicaAbandoned(Exception):
@@ -205,6 +215,10 @@ class Gemini:
         self.flush_inventory: Callable[[float], bool] | None = None  # waits until on_inventory's sends left
         self._copier = copier
         self._pinned: dict[int, Any] = {}  # slot index -> mapping registered with the copier
+        # Own slot index -> (mapping, payload offset, tensor layout, views of the slot typed and
+        # shaped like the tensors a capture copies there): the same from one capture to the next
+        # (see _slot_views).
+        self._views: dict[int, tuple[Any, int, bytes, list[torch.Tensor | None]]] = {}
         self._fence: Completion | None = None
         self.dir = Path(shm_dir) / path_name(run_id) / path_name(node_id)
         self.holder = replica_holders(topology, config.replication_jump).get(rank)
@@ -1179,49 +1193,12 @@ class Gemini:
             self._in_flight[k] = step
             self._copying = (threading.get_ident(), k)
         try:
-            state = collect_state(
-                self.model, self.optimizer, self.scheduler, self.extra_state_fn, step, self.scaler
-            )
-            state.update(end or {})
-            if self._fetch_loaders is not None:
-                state["loaders"] = self._fetch_loaders()
-            skeleton, tensors, specs = flatten(state)
-            index = msgpack.packb(
-                [skeleton, [[s.dtype, list(s.shape), s.nbytes] for s in specs]], use_bin_type=True
-            )
-            payload_len = _align(len(index)) + sum(_align(s.nbytes) for s in specs)
-            header = SlotHeader(
-                step,
-                self.rank,
-                self.world_size,
-                payload_len,
-                len(index),
-                self.chunk,
-                n_chunks(payload_len, self.chunk),
-                self.run_id[:64],
-                self.shape,
-            )
-            slot = self._own[k]
-            if self._copier is None:
-                self._copier = copier_for(tensors)
-            if slot.size < header.file_size and k in self._pinned:
-                self._copier.unregister_host(self._pinned.pop(k))  # the mapping is about to grow
-            self._map(slot, header.file_size)
-            self._pin(k)
-            slot.begin()
-            view = slot.view()
-            view[HEADER_SIZE : HEADER_SIZE + len(index)] = index
-            del view
-            base = HEADER_SIZE + _align(len(index))
-            buf = torch.frombuffer(slot.view(), dtype=torch.uint8)
-            pairs = []
-            for t, spec in zip(tensors, specs, strict=True):
-                if spec.nbytes:
-                    pairs.append((buf[base : base + spec.nbytes], t))
-                base += _align(spec.nbytes)
-            completion = self._copier.copy(pairs)
-            self._fence = completion
-            del buf, pairs
+            # With the collector off: the thousands of objects a capture makes and drops (the state
+            # dicts, the walk's entries) are gone before it may run, so they never start a
+            # collection that the training thread would pay for (and a full one, in a large job's
+            # process, takes tens of ms).
+            with collector_paused():
+                header, completion = self._copy_into(k, step, end)
         except BaseException:
             with self._lock:
                 self._busy.discard(k)
@@ -1233,6 +1210,73 @@ class Gemini:
         self._jobs.put((k, header, completion, keeps))
         self._copying = None
         return True
+
+    def _copy_into(self, k: int, step: int, end: dict[str, Any] | None) -> tuple[SlotHeader, Completion]:
+        """Collect the state at `step` and copy it into own slot `k` (see capture)."""
+        state = collect_state(
+            self.model, self.optimizer, self.scheduler, self.extra_state_fn, step, self.scaler
+        )
+        state.update(end or {})
+        if self._fetch_loaders is not None:
+            state["loaders"] = self._fetch_loaders()
+        skeleton, tensors, specs = flatten(state)
+        layout = msgpack.packb([[s.dtype, list(s.shape), s.nbytes] for s in specs], use_bin_type=True)
+        index = b"\x92" + msgpack.packb(skeleton, use_bin_type=True) + layout  # [skeleton, layout]
+        payload_len = _align(len(index)) + sum(_align(s.nbytes) for s in specs)
+        header = SlotHeader(
+            step,
+            self.rank,
+            self.world_size,
+            payload_len,
+            len(index),
+            self.chunk,
+            n_chunks(payload_len, self.chunk),
+            self.run_id[:64],
+            self.shape,
+        )
+        slot = self._own[k]
+        if self._copier is None:
+            self._copier = copier_for(tensors)
+        if slot.size < header.file_size:  # the mapping is about to grow: let go of the old one
+            self._views.pop(k, None)
+            if k in self._pinned:
+                self._copier.unregister_host(self._pinned.pop(k))
+        self._map(slot, header.file_size)
+        self._pin(k)
+        slot.begin()
+        view = slot.view()
+        view[HEADER_SIZE : HEADER_SIZE + len(index)] = index
+        del view
+        dsts = self._slot_views(k, HEADER_SIZE + _align(len(index)), layout, tensors, specs)
+        pairs = [(d, t) for d, t in zip(dsts, tensors, strict=True) if d is not None]
+        completion = self._copier.copy(pairs)
+        self._fence = completion
+        return header, completion
+
+    def _slot_views(
+        self, k: int, base: int, layout: bytes, tensors: list[torch.Tensor], specs: list[TensorSpec]
+    ) -> list[torch.Tensor | None]:
+        """Views of own slot `k` from `base` on, one per tensor (typed and shaped like it, at its
+        aligned offset; None for an empty one), to copy the tensors into. Kept while the slot's
+        mapping, the offset and the layout (dtypes, shapes, sizes) stay the same, as they do from one
+        capture to the next: making them anew costs a few microseconds a tensor."""
+        slot = self._own[k]
+        held = self._views.get(k)
+        if held is not None and held[0] is slot.mapping and held[1] == base and held[2] == layout:
+            return held[3]
+        self._views.pop(k, None)
+        sizes: list[int] = []
+        for spec in specs:
+            sizes += (spec.nbytes, _align(spec.nbytes) - spec.nbytes)
+        buf = torch.frombuffer(slot.view(), dtype=torch.uint8)
+        parts = buf[base : base + sum(sizes)].split_with_sizes(sizes)
+        dsts: list[torch.Tensor | None] = [
+            _typed(parts[2 * i], t) if spec.nbytes else None
+            for i, (t, spec) in enumerate(zip(tensors, specs, strict=True))
+        ]
+        del buf, parts
+        self._views[k] = (slot.mapping, base, layout, dsts)
+        return dsts
 
     def _work(self) -> None:
         while True:
@@ -1890,6 +1934,7 @@ class Gemini:
                 pool.shutdown(wait=True)
         with self._lock:
             self._released = True  # a SIGTERM from here on has nothing to flush (see flush_for_restart)
+        self._views.clear()  # (views export the mappings: a mapping with one cannot be closed)
         for mapping in self._pinned.values():
             if self._copier is not None:
                 self._copier.unregister_host(mapping)

@@ -56,10 +56,23 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _source(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """What is copied into `dst`: `src` itself where `dst` is a view of the slot with its dtype and
+    shape (the same bytes, copied as they are), else `src`'s bytes (`dst` a byte view)."""
+    return src if dst.dtype == src.dtype and dst.shape == src.shape else _bytes_of(src)
+
+
 class SyncCopier:
+    """Copies in the calling thread: one `_foreach_copy_` for all of them (a model of a thousand
+    tensors would otherwise pay the dispatch of a thousand `copy_` calls in Python)."""
+
     def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Completion:
-        for dst, src in pairs:
-            dst.copy_(_bytes_of(src))
+        if not pairs:
+            return DONE
+        try:  # each destination typed and shaped like its source, as a capture's are
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        except RuntimeError:  # some are byte views (copied whole again: each copy is the same)
+            torch._foreach_copy_([d for d, _ in pairs], [_source(d, s) for d, s in pairs])
         return DONE
 
     def register_host(self, buffer: Any, nbytes: int) -> None:
@@ -93,10 +106,10 @@ class CudaCopier:
         with torch.cuda.stream(self.stream):
             for dst, src in pairs:
                 if src.is_cuda:
-                    dst.copy_(_bytes_of(src), non_blocking=True)
+                    dst.copy_(_source(dst, src), non_blocking=True)
                     src.record_stream(self.stream)  # keep temporaries alive until the copy is done
                 else:
-                    dst.copy_(_bytes_of(src))
+                    dst.copy_(_source(dst, src))
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
         return _CudaCompletion(event, self.device)

@@ -19,7 +19,7 @@ import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import msgpack
 import numpy as np
@@ -237,8 +237,10 @@ def load_optimizer_state(optimizer: Any, saved: Any) -> None:
                 live[k] = v.to(device=now.device, copy=v.device == now.device)
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
+    """A flattened tensor's dtype name, shape and size in bytes (a tuple: a capture makes one per
+    tensor, thousands for a large model, on the training thread)."""
+
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
@@ -376,13 +378,48 @@ def apply_state(
         load_extra_state_fn(state["extra"])
 
 
+def _spell(path: Any) -> str:
+    """A path `flatten` walked, as the error names it: the root's name, or (parent, ".", key) for
+    a dict entry, (parent, "[]", key) for an item, (parent, "{}", member) for a set's member. Built
+    as tuples and spelled only for an error: a capture walks thousands of entries."""
+    parts = []
+    while isinstance(path, tuple):
+        path, how, key = path
+        parts.append(f".{key}" if how == "." else f"[{key!r}]" if how == "[]" else f"{{{key!r}}}")
+    return str(path) + "".join(reversed(parts))
+
+
 def flatten(state: Any) -> tuple[bytes, list[torch.Tensor], list[TensorSpec]]:
     """Return (skeleton, tensors, specs). Tensors are detached, contiguous, on their own device."""
     tensors: list[torch.Tensor] = []
     specs: list[TensorSpec] = []
     dtensor = _dtensor_type()
+    # The common case first, with as little Python per tensor as it takes: a model of a thousand
+    # tensors is walked on the training thread at every capture.
+    plain, strided = torch.Tensor, torch.strided
+    dtype_names: dict[torch.dtype, str] = {}
+    device_names: dict[torch.device, str] = {}
 
-    def walk(obj: Any, path: str) -> Any:
+    def dense(obj: torch.Tensor, path: Any) -> dict[str, Any]:
+        t = obj.detach() if obj.requires_grad else obj
+        if t.layout != strided:
+            raise TypeError(f"{_spell(path)}: only dense tensors can be checkpointed (got {t.layout})")
+        if not t.is_contiguous():
+            t = t.contiguous()
+        dt, dev = t.dtype, obj.device
+        name = dtype_names.get(dt)
+        if name is None:
+            name = dtype_names[dt] = str(dt).removeprefix("torch.")
+        where = device_names.get(dev)
+        if where is None:
+            where = device_names[dev] = str(dev)
+        tensors.append(t)
+        specs.append(TensorSpec(name, tuple(t.shape), t.nbytes))
+        return {"__t": len(tensors) - 1, "device": where}
+
+    def walk(obj: Any, path: Any) -> Any:  # path: see _spell
+        if type(obj) is plain and obj.layout == strided:
+            return dense(obj, path)
         if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
             if isinstance(obj, int) and not isinstance(obj, bool) and not -(2**63) <= obj < 2**64:
                 return {"__bigint": str(obj)}
@@ -395,21 +432,13 @@ def flatten(state: Any) -> tuple[bytes, list[torch.Tensor], list[TensorSpec]]:
             # (coalesced or not), so the restored tensor is the same one, entry for entry.
             t = obj.detach()
             return {
-                "__coo": walk(t._indices(), f"{path}.indices"),
-                "values": walk(t._values(), f"{path}.values"),
+                "__coo": walk(t._indices(), (path, ".", "indices")),
+                "values": walk(t._values(), (path, ".", "values")),
                 "shape": list(t.shape),
                 "coalesced": t.is_coalesced(),
             }
         if isinstance(obj, torch.Tensor):
-            t = obj.detach()
-            if t.layout != torch.strided:
-                raise TypeError(f"{path}: only dense tensors can be checkpointed (got {t.layout})")
-            t = t.contiguous()
-            tensors.append(t)
-            specs.append(
-                TensorSpec(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
-            )
-            return {"__t": len(tensors) - 1, "device": str(obj.device)}
+            return dense(obj, path)
         if isinstance(obj, np.ndarray):
             return {"__np": walk(torch.from_numpy(np.ascontiguousarray(obj)), path)}
         if isinstance(obj, np.generic):
@@ -418,23 +447,23 @@ def flatten(state: Any) -> tuple[bytes, list[torch.Tensor], list[TensorSpec]]:
             if all(type(v) is float or (type(v) is int and -(2**63) <= v < 2**64) for v in obj):
                 items = list(obj)  # fast path: Python's RNG state is 625 ints, walked every capture
             else:
-                items = [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+                items = [walk(v, (path, "[]", i)) for i, v in enumerate(obj)]
             return {"__tuple": items} if isinstance(obj, tuple) else items
         if isinstance(obj, (set, frozenset)):  # a caller's seen-sample ids and the like
-            members = [walk(v, f"{path}{{{v!r}}}") for v in sorted(obj, key=repr)]
+            members = [walk(v, (path, "{}", v)) for v in sorted(obj, key=repr)]
             return {"__set": members, "frozen": isinstance(obj, frozenset)}
         if isinstance(obj, dict):
             if all(type(k) is str for k in obj) and not any(k.startswith("__") for k in obj):
-                return {k: walk(v, f"{path}.{k}") for k, v in obj.items()}
+                return {k: walk(v, (path, ".", k)) for k, v in obj.items()}
             items = []
             for k, v in obj.items():
                 if not isinstance(k, (str, int, float, bool)) and k is not None:
                     raise TypeError(
-                        f"{path}: dict key {k!r} of type {type(k).__name__} cannot be checkpointed"
+                        f"{_spell(path)}: dict key {k!r} of type {type(k).__name__} cannot be checkpointed"
                     )
-                items.append([k, walk(v, f"{path}[{k!r}]")])
+                items.append([k, walk(v, (path, "[]", k))])
             return {"__dict": items}
-        raise TypeError(f"{path}: objects of type {type(obj).__name__} cannot be checkpointed")
+        raise TypeError(f"{_spell(path)}: objects of type {type(obj).__name__} cannot be checkpointed")
 
     tree = walk(state, "state")
     skeleton = msgpack.packb({"v": SKELETON_VERSION, "tree": tree}, use_bin_type=True)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from lm_resiliency.gemini.copier import _source
+
 __all__ = ["DeferredCopier"]
 
 
@@ -27,7 +29,7 @@ class _Pending:
         with self.owner.lock:  # the fence (training thread) and the worker may both ask
             if not self.done:
                 for dst, src in self.pairs:
-                    dst.copy_(src.reshape(-1).view(torch.uint8))
+                    dst.copy_(_source(dst, src))
                 self.done = True
                 self.owner.completed += 1
 
