@@ -71,8 +71,9 @@ class SyncCopier:
             return DONE
         try:  # each destination typed and shaped like its source, as a capture's are
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-        except RuntimeError:  # some are byte views (copied whole again: each copy is the same)
-            torch._foreach_copy_([d for d, _ in pairs], [_source(d, s) for d, s in pairs])
+        except RuntimeError:  # byte views, or sources foreach cannot take: one by one, all again
+            for dst, src in pairs:
+                dst.copy_(_source(dst, src))
         return DONE
 
     def register_host(self, buffer: Any, nbytes: int) -> None:

@@ -1303,3 +1303,20 @@ def test_no_collection_runs_while_a_capture_holds_its_state(
         gc.callbacks.remove(started)
         gem.close()
     assert not inside, f"{len(inside)} collections started during 10 captures' walks"
+
+
+def test_the_cpu_copier_takes_typed_views_and_byte_views_alike() -> None:
+    """Typed views of a slot go through one `_foreach_copy_`; a byte view (a dtype with no typed
+    view of the slot) makes it copy each pair by itself, the bytes as they are."""
+    from lm_resiliency.gemini.copier import SyncCopier
+
+    typed_src = torch.arange(6, dtype=torch.int16).reshape(2, 3)
+    float_src = torch.randn(3, 5)
+    typed_dst = torch.empty(2, 3, dtype=torch.int16)
+    byte_dst = torch.empty(60, dtype=torch.uint8)
+    SyncCopier().copy([(typed_dst, typed_src)])
+    assert torch.equal(typed_dst, typed_src)
+    typed_dst.zero_()
+    SyncCopier().copy([(typed_dst, typed_src), (byte_dst, float_src)])
+    assert torch.equal(typed_dst, typed_src)
+    assert torch.equal(byte_dst, float_src.reshape(-1).view(torch.uint8))
