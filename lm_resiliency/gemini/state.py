@@ -378,6 +378,17 @@ def apply_state(
         load_extra_state_fn(state["extra"])
 
 
+def _plain_numbers(items: tuple[Any, ...] | list[Any]) -> bool:
+    """Whether every item is a float or an int msgpack takes as it is (64 bits), checked in C where
+    the items are all of one type (Python's RNG state: 625 ints, walked at every capture)."""
+    kinds = set(map(type, items))
+    if kinds == {int}:
+        return min(items) >= -(2**63) and max(items) < 2**64
+    if kinds <= {float}:
+        return True
+    return all(type(v) is float or (type(v) is int and -(2**63) <= v < 2**64) for v in items)
+
+
 def _spell(path: Any) -> str:
     """A path `flatten` walked, as the error names it: the root's name, or (parent, ".", key) for
     a dict entry, (parent, "[]", key) for an item, (parent, "{}", member) for a set's member. Built
@@ -444,7 +455,7 @@ def flatten(state: Any) -> tuple[bytes, list[torch.Tensor], list[TensorSpec]]:
         if isinstance(obj, np.generic):
             return walk(obj.item(), path)
         if isinstance(obj, (tuple, list)):
-            if all(type(v) is float or (type(v) is int and -(2**63) <= v < 2**64) for v in obj):
+            if _plain_numbers(obj):
                 items = list(obj)  # fast path: Python's RNG state is 625 ints, walked every capture
             else:
                 items = [walk(v, (path, "[]", i)) for i, v in enumerate(obj)]

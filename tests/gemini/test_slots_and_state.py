@@ -75,6 +75,8 @@ def test_flatten_round_trip_keeps_types_exactly() -> None:
         "__weird": 1,
         "seen": {3, 1, "a", (2, 5)},
         "frozen": frozenset({7}),
+        "python_rng": random.getstate(),  # 625 ints: the all-ints fast path
+        "mixed": [(True, 1), (1, 2**64), (1.5, 2), (-(2**63), 2**64 - 1), ()],
     }
     skeleton, tensors, specs = flatten(state)
     assert [s.nbytes for s in specs] == [12, 4, 0, 2, 16]
