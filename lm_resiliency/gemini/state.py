@@ -383,7 +383,7 @@ def _plain_numbers(items: tuple[Any, ...] | list[Any]) -> bool:
     the items are all of one type (Python's RNG state: 625 ints, walked at every capture)."""
     kinds = set(map(type, items))
     if kinds == {int}:
-        return min(items) >= -(2**63) and max(items) < 2**64
+        return bool(min(items) >= -(2**63) and max(items) < 2**64)
     if kinds <= {float}:
         return True
     return all(type(v) is float or (type(v) is int and -(2**63) <= v < 2**64) for v in items)
