@@ -13,7 +13,11 @@ Prints progress, then one JSON object on the last line:
                                      peer's shared memory) / raw pyzmq (goal >= 0.8);
                                      `replica_ratio_including_commit` adds the capture's own checksums
   healthy_throughput_ratio           4-rank DDP steps/s capturing every step / not capturing,
-                                     alternating blocks in the same processes (goal >= 0.99)
+                                     alternating blocks in the same processes (goal >= 0.99); with
+                                     rank 0's CPU per step, all threads and the training thread's own
+  capture_block_ratio_vs_torch_save_many_tensors
+                                     the same blocking ratio for a state of 2400 small tensors (300
+                                     Linear layers and their AdamW state): a capture's per-tensor work
   plus the state sizes and step time used.
 
 With `--device cuda` (a GPU machine) it measures the GPU path instead: capture blocking time of a
