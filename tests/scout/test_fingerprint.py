@@ -101,6 +101,33 @@ def test_cpu_fingerprints_are_bitwise() -> None:
     assert fingerprint([x]) != fingerprint([y])
 
 
+def test_a_cpu_tensors_part_is_the_digest_of_its_bytes_whatever_its_dtype_or_kind() -> None:
+    """Every CPU tensor's part is XXH3-128 of its bytes in row-major order, through NumPy's view
+    where the dtype has one and through the bytes where it has not (bfloat16, a conjugate view),
+    for parameters that require grad, 0-d, empty and non-contiguous tensors alike."""
+    complex_ = torch.randn(3, dtype=torch.complex64)
+    tensors = [
+        torch.randn(3, 4),
+        torch.nn.Parameter(torch.randn(5)),
+        torch.tensor(2.5),
+        torch.empty(0, 3),
+        torch.arange(5, dtype=torch.int64),
+        torch.tensor([True, False, True]),
+        torch.randn(2, 3).bfloat16(),
+        complex_,
+        complex_.conj(),
+        torch.arange(12.0).reshape(3, 4).t(),  # not contiguous
+        torch.arange(6, dtype=torch.int16)[1:],  # at an offset
+    ]
+    want = [
+        xxhash.xxh3_128_digest(t.detach().resolve_conj().contiguous().reshape(-1).view(torch.uint8).numpy())
+        for t in tensors
+    ]
+    got = list(fingerprint_async(tensors).parts())
+    assert got == want
+    assert fingerprint(tensors) == xxhash.xxh3_128_digest(b"".join(want))
+
+
 def test_parts_say_which_tensors_two_fingerprints_share() -> None:
     x, y = torch.randn(100), torch.randn(7).bfloat16()
     same = fingerprint_async([x, None, y]).parts()
