@@ -1237,10 +1237,19 @@ class Gemini:
         slot = self._own[k]
         if self._copier is None:
             self._copier = copier_for(tensors)
-        if slot.size < header.file_size:  # the mapping is about to grow: let go of the old one
+        if slot.mapping is not None and (slot.size < header.file_size or not slot.intact()):
+            # The mapping is about to grow, or to be made again of the file as it is now (truncated,
+            # removed or replaced from outside): let go of the old one.
             self._views.pop(k, None)
             if k in self._pinned:
                 self._copier.unregister_host(self._pinned.pop(k))
+            if not slot.intact():
+                log.warning(
+                    "rank %d: own slot %s was truncated, removed or replaced from outside: mapped anew",
+                    self.rank,
+                    slot.path.name,
+                )
+                slot.close()
         self._map(slot, header.file_size)
         self._pin(k)
         slot.begin()

@@ -170,8 +170,9 @@ class SlotFile:
 
     # -- writing ----------------------------------------------------------------------------------
     def ensure_size(self, size: int) -> None:
-        """Map at least `size` bytes (a larger existing mapping is kept: no remap, no page faults)."""
-        if self._mm is not None and self.size >= size:
+        """Map at least `size` bytes (a larger existing mapping is kept: no remap, no page faults),
+        of the file at `path` as it is now (see `intact`)."""
+        if self._mm is not None and self.size >= size and self.intact():
             return
         # Whole pages: page-locking a mapping for asynchronous GPU copies (cudaHostRegister) wants them.
         size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
@@ -194,6 +195,19 @@ class SlotFile:
                 f"{exc.strerror or exc} (is /dev/shm large enough? docker: --shm-size)"
             ) from exc
         self._fd, self._mm, self.size = fd, mm, size
+
+    def intact(self) -> bool:
+        """Whether the mapped file is still the one at `path` and as long as the mapping. Something
+        outside may truncate the file (a write to the pages it lost kills the process with SIGBUS),
+        or remove or replace it (what is written then is lost to a restart, which finds no file or
+        another one)."""
+        if self._fd is None:
+            return False
+        try:
+            now, mapped = os.stat(self.path), os.fstat(self._fd)
+        except OSError:
+            return False
+        return (now.st_ino, now.st_dev) == (mapped.st_ino, mapped.st_dev) and mapped.st_size >= self.size
 
     def begin(self) -> None:
         """Invalidate the header before overwriting the payload."""

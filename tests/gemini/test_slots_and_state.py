@@ -1322,3 +1322,70 @@ def test_the_cpu_copier_takes_typed_views_and_byte_views_alike() -> None:
     SyncCopier().copy([(typed_dst, typed_src), (byte_dst, float_src)])
     assert torch.equal(typed_dst, typed_src)
     assert torch.equal(byte_dst, float_src.reshape(-1).view(torch.uint8))
+
+
+OUTSIDE_DAMAGE = """
+import os, sys
+from pathlib import Path
+import torch
+from lm_resiliency.runtime.shm import HEADER_SIZE, SlotFile
+from tests.conftest import lone_gemini
+
+torch.manual_seed(0)
+m = torch.nn.Linear(64, 64)
+o = torch.optim.AdamW(m.parameters(), lr=0.1)
+gem = lone_gemini(Path(sys.argv[1]), m, o)
+
+def step() -> None:
+    m(torch.randn(4, 64)).sum().backward()
+    o.step()
+    o.zero_grad()
+
+for s in (1, 2):
+    step()
+    assert gem.capture(s, wait_for_verdict=False) and gem.drain(10)
+damaged = gem._own[next(k for k, s in gem._own_step.items() if s == 2)].path
+if sys.argv[2] == "truncated":
+    os.truncate(damaged, HEADER_SIZE + 100)
+else:
+    damaged.unlink()
+for s in range(3, 7):  # the damaged slot is captured into again at step 4 and step 6
+    step()
+    assert gem.capture(s, wait_for_verdict=False) and gem.drain(10)
+gem.close()
+held = {}
+for k in (0, 1):
+    slot = SlotFile.open_existing(damaged.with_name(damaged.name[:-1] + str(k)))
+    header = slot.read_header()
+    slot.verify(header)
+    held[k] = header.step
+    slot.close()
+print(sorted(held.values()))
+"""
+
+
+@pytest.mark.parametrize("damage", ["truncated", "removed"])
+def test_a_slot_truncated_or_removed_from_outside_is_mapped_anew_at_the_next_capture(
+    tmp_path: Path, damage: str
+) -> None:
+    """Something outside the job truncates or removes a rank's slot file (a cleanup script; the
+    campaigns' checkpoint_truncation and checkpoint_missing). The next capture into it wrote through
+    the old mapping: into pages the file no longer had, which killed the worker with SIGBUS, or
+    into the removed file, lost to a restart. It now maps the file as it is, and every capture
+    after the damage is in a file a restart reads."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "run.py").write_text(OUTSIDE_DAMAGE)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "run.py"), str(tmp_path / "shm"), damage],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split("\n")[-2] == "[5, 6]", done.stdout
+    assert "mapped anew" in done.stderr
