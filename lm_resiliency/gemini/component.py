@@ -1306,6 +1306,11 @@ class Gemini:
                     if not self._scrubbing:  # (the commit's hold lasts until the check, see _scrub)
                         self._scrub_hold = None
                     self._idle.notify_all()
+            if not self._scrubbing:
+                try:
+                    self._look_at_held(k)
+                except Exception:  # a look never stops capturing
+                    log.exception("rank %d: looking at a held copy failed", self.rank)
             if self._scrubbing:
                 try:
                     self._scrub(k)
@@ -1349,6 +1354,24 @@ class Gemini:
                 with self._lock:
                     self._scrub_hold = None
                     self._idle.notify_all()
+
+    def _look_at_held(self, committed: int) -> None:
+        """After each commit, `verify_integrity` or not: every other copy this rank holds and has
+        mapped is still the file it mapped, as long as it was (two stats a copy). One removed or
+        truncated from outside (a cleanup script, a campaign's checkpoint_missing or
+        checkpoint_truncation) is dropped and reported as `checkpoint_corruption` now, as the scrub
+        would (see _scrub), not found by the restart that needed it. A flipped byte takes the
+        scrub's checksums."""
+        with self._lock:
+            held = [(self.rank, k, s, self._own[k]) for k, s in self._own_step.items() if k != committed]
+            for o, steps in self._replica_step.items():
+                slots = self._replica_slots.get(o)
+                held += [(o, k, s, slots[k]) for k, s in steps.items() if slots is not None]
+            seen = {slot.path: self._rewrites.get(slot.path, 0) for _, _, _, slot in held}
+        for owner, k, step, slot in held:
+            if slot.mapping is not None and not slot.intact():
+                why = f"{slot.path.name}: removed, truncated or replaced since step {step} was committed"
+                self._drop_damaged(owner, k, step, slot.path, seen[slot.path], why)
 
     def _verify_held(self, owner: int, k: int, step: int, path: Path, seen: int) -> None:
         try:

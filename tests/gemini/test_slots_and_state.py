@@ -1349,9 +1349,15 @@ if sys.argv[2] == "truncated":
     os.truncate(damaged, HEADER_SIZE + 100)
 else:
     damaged.unlink()
-for s in range(3, 7):  # the damaged slot is captured into again at step 4 and step 6
+step()
+assert gem.capture(3, wait_for_verdict=False) and gem.drain(10)
+# Seen at the commit of step 3: dropped from what this rank holds, and reported.
+assert 2 not in gem._own_step.values() and gem.stats.scrub_failures == 1, gem.stats
+assert str(damaged.name) in gem.stats.rejected_copies[0], gem.stats.rejected_copies
+for s in range(4, 7):  # the damaged slot is captured into again at step 4 and step 6
     step()
     assert gem.capture(s, wait_for_verdict=False) and gem.drain(10)
+assert gem.stats.scrub_failures == 1, gem.stats
 gem.close()
 held = {}
 for k in (0, 1):
@@ -1369,10 +1375,12 @@ def test_a_slot_truncated_or_removed_from_outside_is_mapped_anew_at_the_next_cap
     tmp_path: Path, damage: str
 ) -> None:
     """Something outside the job truncates or removes a rank's slot file (a cleanup script; the
-    campaigns' checkpoint_truncation and checkpoint_missing). The next capture into it wrote through
-    the old mapping: into pages the file no longer had, which killed the worker with SIGBUS, or
-    into the removed file, lost to a restart. It now maps the file as it is, and every capture
-    after the damage is in a file a restart reads."""
+    campaigns' checkpoint_truncation and checkpoint_missing). The copy it held is dropped and
+    reported at the next commit (without `verify_integrity`: found before only by the restart that
+    needed it). The next capture into the slot wrote through the old mapping: into pages the file
+    no longer had, which killed the worker with SIGBUS, or into the removed file, lost to a
+    restart. It now maps the file as it is, and every capture after the damage is in a file a
+    restart reads."""
     import subprocess
     import sys
 
