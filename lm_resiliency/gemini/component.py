@@ -1294,10 +1294,16 @@ class Gemini:
                 return
             k, header, completion, keeps = job
             try:
-                completion.wait_host()  # an async device-to-host copy must land before the checksums
-                self._commit_and_replicate(k, header, keeps)
-            except Exception:  # keep capturing; the next capture retries replication
-                log.exception("rank %d: committing or replicating step %d failed", self.rank, header.step)
+                try:
+                    completion.wait_host()  # an async device-to-host copy must land before the checksums
+                    self._commit_and_replicate(k, header, keeps)
+                except Exception:  # keep capturing; the next capture retries replication
+                    log.exception("rank %d: committing or replicating step %d failed", self.rank, header.step)
+                if not self.config.verify_integrity:  # (the scrub below looks at every copy closer)
+                    try:  # before the slot is free: what a drain waits for has been looked at too
+                        self._look_at_held(k)
+                    except Exception:  # a look never stops capturing
+                        log.exception("rank %d: looking at a held copy failed", self.rank)
             finally:
                 with self._lock:
                     self._busy.discard(k)
@@ -1306,11 +1312,6 @@ class Gemini:
                     if not self._scrubbing:  # (the commit's hold lasts until the check, see _scrub)
                         self._scrub_hold = None
                     self._idle.notify_all()
-            if not self._scrubbing:
-                try:
-                    self._look_at_held(k)
-                except Exception:  # a look never stops capturing
-                    log.exception("rank %d: looking at a held copy failed", self.rank)
             if self._scrubbing:
                 try:
                     self._scrub(k)
