@@ -88,6 +88,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed_save(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> float:
+    """Seconds to torch.save the model's and optimizer's state to `path` and fsync it."""
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
 def in_process(state_mib: int, reps: int, tmp: Path, device: torch.device, shm: Path) -> dict[str, object]:
     from lm_resiliency import InMemoryCkptConfig, RuntimeConfig, enable_resiliency
 
@@ -144,12 +154,7 @@ def in_process(state_mib: int, reps: int, tmp: Path, device: torch.device, shm: 
         blocks.append(time.perf_counter() - t0)
         gem.drain(120)
         _sync(device)
-        t0 = time.perf_counter()
-        with open(save_path, "wb") as f:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        saves.append(time.perf_counter() - t0)
+        saves.append(_timed_save(save_path, model, opt))
         # "From disk": evict the file from the page cache first (this file only, nothing global).
         fd = os.open(save_path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -216,12 +221,7 @@ def many_tensors(
         if i >= 2:
             blocks.append(dt)
         _sync(device)
-        t0 = time.perf_counter()
-        with open(save_path, "wb") as f:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        saves.append(time.perf_counter() - t0)
+        saves.append(_timed_save(save_path, model, opt))
     save_path.unlink()
     tensors = len(model.state_dict()) + sum(len(v) for v in opt.state.values())
     print(

@@ -1237,13 +1237,14 @@ class Gemini:
         slot = self._own[k]
         if self._copier is None:
             self._copier = copier_for(tensors)
-        if slot.mapping is not None and (slot.size < header.file_size or not slot.intact()):
+        stale = slot.mapping is not None and not slot.intact()
+        if stale or (slot.mapping is not None and slot.size < header.file_size):
             # The mapping is about to grow, or to be made again of the file as it is now (truncated,
             # removed or replaced from outside): let go of the old one.
             self._views.pop(k, None)
             if k in self._pinned:
                 self._copier.unregister_host(self._pinned.pop(k))
-            if not slot.intact():
+            if stale:
                 log.warning(
                     "rank %d: own slot %s was truncated, removed or replaced from outside: mapped anew",
                     self.rank,
