@@ -1251,7 +1251,7 @@ class Gemini:
                     slot.path.name,
                 )
                 slot.close()
-        self._map(slot, header.file_size)
+        self._map(slot, header.file_size, checked=True)
         self._pin(k)
         slot.begin()
         view = slot.view()
@@ -2018,14 +2018,14 @@ class Gemini:
                 "reclaimed %d bytes of stale run %s (node %s, idle %.0fs)", u.bytes, u.run, u.node, u.idle_s
             )
 
-    def _map(self, slot: SlotFile, size: int) -> None:
-        """`slot.ensure_size(size)`; when the shared-memory folder is full, reclaim the copies of
-        other runs that no live process owns and that have not changed for `PRESSURE_IDLE_S`, then
-        try once more. A job that ended minutes ago (whose copies wait an hour for a restart that
-        may come) no longer keeps the next job on the node from starting. A run whose worker group
-        is being restarted right now changed seconds ago: its copies stay."""
+    def _map(self, slot: SlotFile, size: int, *, checked: bool = False) -> None:
+        """`slot.ensure_size(size, checked=checked)`; when the shared-memory folder is full, reclaim the
+        copies of other runs that no live process owns and that have not changed for `PRESSURE_IDLE_S`, then
+        try once more. A job that ended minutes ago (whose copies wait an hour for a restart that may come) no
+        longer keeps the next job on the node from starting. A run whose worker group is being restarted right
+        now changed seconds ago: its copies stay."""
         try:
-            slot.ensure_size(size)
+            slot.ensure_size(size, checked=checked)
             return
         except SharedMemoryError as exc:
             if getattr(exc.__cause__, "errno", None) != errno.ENOSPC:

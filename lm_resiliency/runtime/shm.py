@@ -169,10 +169,11 @@ class SlotFile:
         self.size = 0
 
     # -- writing ----------------------------------------------------------------------------------
-    def ensure_size(self, size: int) -> None:
+    def ensure_size(self, size: int, *, checked: bool = False) -> None:
         """Map at least `size` bytes (a larger existing mapping is kept: no remap, no page faults),
-        of the file at `path` as it is now (see `intact`)."""
-        if self._mm is not None and self.size >= size and self.intact():
+        of the file at `path` as it is now (see `intact`; `checked`: the caller has just seen the
+        mapping intact, or closed it, and the two stats need not be taken again)."""
+        if self._mm is not None and self.size >= size and (checked or self.intact()):
             return
         # Whole pages: page-locking a mapping for asynchronous GPU copies (cudaHostRegister) wants them.
         size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE

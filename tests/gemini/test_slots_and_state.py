@@ -1397,3 +1397,28 @@ def test_a_slot_truncated_or_removed_from_outside_is_mapped_anew_at_the_next_cap
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.split("\n")[-2] == "[5, 6]", done.stdout
     assert "mapped anew" in done.stderr
+
+
+def test_a_capture_into_a_mapped_slot_stats_its_file_once(tmp_path: Path, monkeypatch: Any) -> None:
+    """A capture looks once at whether its slot's file is still the one it mapped (two stats, on
+    the training thread); mapping it for the capture's size does not look again."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    looks: list[Path] = []
+    real = SlotFile.intact
+
+    def counted(self: SlotFile) -> bool:
+        if threading.current_thread() is threading.main_thread():
+            looks.append(self.path)
+        return real(self)
+
+    gem = lone_gemini(tmp_path, model, opt)
+    try:
+        for step in (1, 2):  # both slots mapped
+            assert gem.capture(step, wait_for_verdict=False) and gem.drain(10)
+        monkeypatch.setattr(SlotFile, "intact", counted)
+        for step in range(3, 7):
+            assert gem.capture(step, wait_for_verdict=False) and gem.drain(10)
+    finally:
+        gem.close()
+    assert len(looks) == 4, looks
