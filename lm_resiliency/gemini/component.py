@@ -92,6 +92,12 @@ VERDICT_WAIT_S = 0.5
 # Under pressure (a full shared-memory folder), copies of other runs that no live process owns are
 # reclaimed once unchanged this long, not the hour `claim` waits (see Gemini._map).
 PRESSURE_IDLE_S = 60.0
+# An inventory goes to peers when it changes (each commit, each replica received), as gossip that a
+# dropped message, a partition or a peer that connected late loses for good: a job that then stops
+# capturing (it ended, it waits on a stalled peer, its interval is long) left peers planning a
+# restart from a step this rank has long moved past, or from copies it no longer holds. So while
+# none went out for this many heartbeat intervals, the worker hands the current one on again.
+REANNOUNCE_HEARTBEATS = 4
 Exchange = Callable[[str, bytes, float], dict[int, bytes]]
 
 
@@ -309,6 +315,7 @@ class Gemini:
         runtime.add_handler("ginv", self._on_inventory)
         self._inventories: dict[int, GeminiInventory] = {}
         self._inventory_seq = 0  # inventories computed to announce (see _announce)
+        self._announced_at = time.monotonic()  # when one last went to peers (see _reannounce)
         self._worker.start()
         self._rx: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._rx_thread = threading.Thread(
@@ -1289,8 +1296,15 @@ class Gemini:
         return dsts
 
     def _work(self) -> None:
+        period = REANNOUNCE_HEARTBEATS * getattr(
+            getattr(self.runtime, "config", None), "heartbeat_interval_s", 0.5
+        )
         while True:
-            job = self._jobs.get()
+            try:
+                job = self._jobs.get(timeout=max(0.0, self._announced_at + period - time.monotonic()))
+            except queue.Empty:
+                self._reannounce()
+                continue
             if job is None:
                 return
             k, header, completion, keeps = job
@@ -1802,6 +1816,7 @@ class Gemini:
                 self._inventories[self.rank] = inv
             if not self._closed and self.runtime.alive:
                 self.runtime.submit(inv)
+            self._announced_at = time.monotonic()
             sink = self.on_inventory
             if sink is not None:
                 try:
@@ -1811,6 +1826,13 @@ class Gemini:
             with self._lock:
                 if self._inventory_seq == seq:
                     return
+
+    def _reannounce(self) -> None:
+        """The inventory last handed on, to peers again (see REANNOUNCE_HEARTBEATS). Worker thread."""
+        self._announced_at = time.monotonic()
+        inv = self._inventories.get(self.rank)
+        if inv is not None and not self._closed and self.runtime.alive:
+            self.runtime.submit(inv)
 
     def _on_inventory(self, sealed: Any, msg: Any) -> None:
         self._inventories[msg.rank] = msg

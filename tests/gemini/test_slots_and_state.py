@@ -1422,3 +1422,74 @@ def test_a_capture_into_a_mapped_slot_stats_its_file_once(tmp_path: Path, monkey
     finally:
         gem.close()
     assert len(looks) == 4, looks
+
+
+def test_an_inventory_lost_on_the_way_reaches_peers_once_the_rank_stops_capturing(tmp_path: Path) -> None:
+    """A rank's inventory went to its peers only when it changed: one lost on the way (a message
+    drop, a partition, a peer not yet connected) and no capture after it (the job ended, it waits
+    on a stalled peer, its interval is long) left the peers planning from a step this rank had
+    moved past for good. The worker now hands it on again while none went out for a while."""
+    from lm_resiliency.config import InMemoryCkptConfig, RuntimeConfig
+    from lm_resiliency.core.topology import Topology
+    from lm_resiliency.gemini.component import Gemini
+    from lm_resiliency.runtime.node import RankRuntime
+    from lm_resiliency.testing import InMemoryNetwork, InMemoryTransport
+
+    net = InMemoryNetwork()
+    cfg = RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0)
+    rts = [
+        RankRuntime(
+            rank=r,
+            world_size=2,
+            node_id="n",
+            key=b"k" * 32,
+            incarnation=1,
+            config=cfg,
+            transport_factory=lambda: InMemoryTransport(net),
+        )
+        for r in range(2)
+    ]
+    heard: list[tuple[int, ...]] = []
+    got = threading.Condition()
+
+    def on_inventory(sealed: Any, msg: Any) -> None:
+        with got:
+            heard.append(msg.local)
+            got.notify_all()
+
+    rts[0].add_handler("ginv", on_inventory)
+    gem = None
+    try:
+        anns = [rt.start() for rt in rts]
+        for rt in rts:
+            rt.connect_peers(anns, announce=True)
+        model = torch.nn.Linear(4, 4)
+        gem = Gemini(
+            rank=1,
+            world_size=2,
+            node_id="n",
+            run_id="r",
+            topology=Topology.build(["n", "n"], [[0, 1]]),
+            runtime=rts[1],
+            model=model,
+            optimizer=None,
+            scheduler=None,
+            extra_state_fn=None,
+            load_extra_state_fn=None,
+            config=InMemoryCkptConfig(pin_memory=False),
+            interval=1,
+            shm_dir=str(tmp_path / "shm"),
+            disk_folder=str(tmp_path / "checkpoints"),
+        )
+        assert gem.capture(1, wait_for_verdict=False) and gem.drain(10)
+        with got:
+            assert got.wait_for(lambda: (1,) in heard, 10), heard
+        rts[1].mute(0.5)  # the commit of step 2 is announced into the drop
+        assert gem.capture(2, wait_for_verdict=False) and gem.drain(10)
+        with got:
+            assert got.wait_for(lambda: (1, 2) in heard, 10), heard
+    finally:
+        if gem is not None:
+            gem.close()
+        for rt in rts:
+            rt.close()
