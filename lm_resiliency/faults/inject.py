@@ -6,8 +6,12 @@ iterations as the session does (iteration i is the optimizer step that makes `st
 acts at the point of the step a fault's surface names:
 
 - the first training forward of iteration i: `delay` on the compute surface;
-- before the optimizer of iteration i (gradients reduced): `tensor_corruption` of a gradient,
-  the parameters' snapshot for `stale_state`;
+- a watched module's output in the forward of iteration i: `tensor_corruption`, `drop`,
+  `duplicate`, `reorder`, and `stale_state` (the output of the same call in iteration i - 1, where
+  it had the same shape);
+- before the optimizer of iteration i (gradients reduced): `tensor_corruption`, `drop`,
+  `duplicate`, `reorder` of a gradient, `stale_state` of a gradient (iteration i - 1's reduced
+  gradient reused), the parameters' snapshot for `stale_state` of a weight or bias;
 - after the optimizer of iteration i (after GEMINI captured it): `hang`, `timeout`, `exception`,
   `process_termination`, `resource_exhaustion`, `delay` on the input surface, `tensor_corruption`
   of a weight, bias or optimizer state, `stale_state` (the step undone on this rank),
@@ -23,6 +27,7 @@ replay the campaign's retrigger rules. A fault this version cannot inject fails 
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import logging
@@ -67,7 +72,7 @@ INJECTABLE: dict[str, tuple[str, ...]] = {
     "drop": ("gradient", "output"),
     "duplicate": ("gradient", "output"),
     "reorder": ("gradient", "output"),
-    "stale_state": ("weight", "bias"),
+    "stale_state": ("weight", "bias", "gradient", "output"),
     "resource_unavailable": ("resource", "compute"),
     "payload_corruption": ("checkpoint", "collective"),
     "io_error": ("checkpoint", "resource"),
@@ -86,6 +91,7 @@ _DRIFTS = ("cudnn_benchmark", "matmul_precision", "deterministic")
 
 _PRE_FORWARD, _OUTPUT, _PRE_OPTIMIZER, _POST = "forward", "output", "pre_optimizer", "post"
 _TENSOR_TYPES = ("tensor_corruption", "drop", "duplicate", "reorder")
+_REUSED = ("gradient", "output")  # stale_state surfaces whose previous iteration's values are kept
 
 # Bits of a float's mantissa and exponent, by dtype.
 _LAYOUT = {
@@ -109,7 +115,7 @@ def _point(fault: Fault) -> str:
         return _PRE_FORWARD
     if s == "output":
         return _OUTPUT
-    if fault.type in _TENSOR_TYPES and s == "gradient":
+    if (fault.type in _TENSOR_TYPES or fault.type == "stale_state") and s == "gradient":
         return _PRE_OPTIMIZER
     return _POST
 
@@ -254,6 +260,17 @@ class CampaignInjector:
         self._step = step  # completed steps (the session's step_count)
         self._iteration = -1  # the iteration whose schedule was read
         self._handles: list[Any] = []
+        # stale_state of a gradient or an output reuses the previous iteration's values: while such a
+        # fault of this rank may come, each iteration's are kept (the targeted tensors only), by
+        # (incident, fault): (iteration, one list of values per call in it).
+        self._reused = {
+            (inc_id, f.fault_id): f
+            for inc_id, faults in self._mine.items()
+            for f in faults
+            if f.type == "stale_state" and f.target.surface in _REUSED
+        }
+        self._kept: dict[tuple[str, str], tuple[int, list[torch.Tensor]]] = {}
+        self._before: dict[tuple[str, str], tuple[int, list[torch.Tensor]]] = {}
         # Faults that outlive their process: on again in this generation (already on record).
         for g in history:
             if g.rank != rank or g.incident_id not in self._mine:
@@ -290,7 +307,14 @@ class CampaignInjector:
         if model is not None and hasattr(model, "register_forward_pre_hook"):
             self._handles.append(model.register_forward_pre_hook(self._on_forward))
         if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
-            self._handles.append(optimizer.register_step_pre_hook(self._on_pre_optimizer))
+            handle = optimizer.register_step_pre_hook(self._on_pre_optimizer)
+            self._handles.append(handle)
+            # First among the optimizer's pre-hooks: a gradient damaged after its reduction is what
+            # every later reader of the step sees (SCOUT's gradient fingerprints included), as in
+            # the fault it stands for. Registered last, it came after them.
+            hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+            if isinstance(hooks, collections.OrderedDict) and handle.id in hooks:
+                hooks.move_to_end(handle.id, last=False)
 
     def _same_node(self, rank: int | None) -> bool:
         if self._node_of is None:
@@ -344,20 +368,79 @@ class CampaignInjector:
                 inc = self.campaign.incident(occ.incident_id)
                 for f in self._mine.get(occ.incident_id, ()):
                     self._active.append(_Active(occ, inc, f, _point(f)))
+        fresh = self._keep_fresh(iteration, point, module) if self._reused else {}
         for a in list(self._active):
             if not a.incident.lifetime.active(a.occurrence.iteration, iteration, a.calls):
                 self._active.remove(a)
                 continue
-            if a.fault.type == "stale_state" and point == _PRE_OPTIMIZER and not a.snapshot:
+            stale = a.fault.type == "stale_state"
+            if stale and a.fault.target.surface not in _REUSED and point == _PRE_OPTIMIZER and not a.snapshot:
                 a.snapshot = [t.detach().clone() for t in self._tensors(a.fault)]
                 continue
             if a.point != point or (point == _OUTPUT and (a.fault.target.module_path or "") != module):
                 continue
+            if stale and a.fault.target.surface in _REUSED:
+                a.snapshot = self._previous(a, iteration, fresh)
+                if not a.snapshot:
+                    continue
             a.calls += 1
             if not a.recorded:
                 a.recorded = True
                 self._record(a)
             self._apply(a, iteration)
+
+    def _keep_fresh(self, iteration: int, point: str, module: str | None) -> dict[tuple[str, str], int]:
+        """Keep the values of this call for the stale_state faults of gradients and outputs it
+        concerns (before any fault changes them); returns their keys, each with this call's index
+        in the iteration."""
+        out = {}
+        for key, f in self._reused.items():
+            if _point(f) != point or (point == _OUTPUT and (f.target.module_path or "") != module):
+                continue
+            at, values = self._kept.get(key, (None, []))
+            if at != iteration:
+                if at is not None:
+                    self._before[key] = (at, values)
+                at, values = iteration, []
+                self._kept[key] = (at, values)
+            if point == _OUTPUT:
+                assert self._output is not None
+                values.append(self._output.detach().clone())
+            else:
+                values.extend(t.detach().clone() for t in self._tensors(f))
+            out[key] = len(values) - 1
+        return out
+
+    def _previous(self, a: _Active, iteration: int, fresh: dict[tuple[str, str], int]) -> list[torch.Tensor]:
+        """What a stale_state fault of a gradient or an output puts in place now: the values of the
+        same call one iteration before. None where this process did not see that iteration (its
+        first) or they do not fit (another shape): the fault waits, with a warning, for one it can
+        inject."""
+        key = (a.occurrence.incident_id, a.fault.fault_id)
+        at, values = self._before.get(key, (None, []))
+        now = self._kept.get(key, (None, []))[1]
+        if a.fault.target.surface == "output":
+            i = fresh.get(key, -1)
+            values = values[i : i + 1] if i >= 0 else []
+            now = now[i : i + 1] if i >= 0 else []
+        elif values:
+            now = now[-len(values) :]
+        fits = len(values) == len(now) > 0 and all(
+            v.shape == n.shape and v.dtype == n.dtype for v, n in zip(values, now, strict=True)
+        )
+        if at != iteration - 1 or not fits:
+            log.warning(
+                "campaign %s: %s (stale_state of a %s) not injected at iteration %d: %s",
+                self.campaign.name,
+                a.occurrence.occurrence_id,
+                a.fault.target.surface,
+                iteration,
+                "this process did not see the iteration before"
+                if at != iteration - 1
+                else "the iteration before had no such values of the same shape",
+            )
+            return []
+        return values
 
     # -- ground truth ----------------------------------------------------------------------------
     def _record(self, a: _Active) -> None:
@@ -415,7 +498,7 @@ class CampaignInjector:
                 bad = out.detach().clone()
                 _tamper(f.type, bad, p, rng, rows=True)
                 # The forward sees the damaged values; the backward is the undamaged one's.
-                self._output = out + (bad - out.detach())
+                self._output = (out - out.detach()) + bad  # exactly `bad`
                 return
             tensors = self._tensors(f)
             if not tensors:
@@ -460,6 +543,11 @@ class CampaignInjector:
             self._damage_checkpoint(
                 f.type, what, random.Random(f"{self.campaign.seed}/{a.occurrence.occurrence_id}")
             )
+        elif f.type == "stale_state" and f.target.surface == "output":
+            out = self._output
+            assert out is not None
+            # The forward sees the previous iteration's values; the backward is this one's.
+            self._output = (out - out.detach()) + a.snapshot[0]  # exactly those values
         elif f.type == "stale_state":
             with torch.no_grad():
                 for t, old in zip(self._tensors(f), a.snapshot, strict=False):

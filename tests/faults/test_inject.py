@@ -162,6 +162,65 @@ def test_stale_state_undoes_its_iteration_on_this_rank(tmp_path: Path) -> None:
     assert torch.equal(got[2]["0.bias"], ref[2]["0.bias"])
 
 
+def _seen(campaign: dict[str, Any] | None, steps: int, folder: Path) -> tuple[list[Any], list[Any]]:
+    """As `_train`, but what the optimizer saw of the first layer's weight gradient and what the
+    loss saw of the first layer's output, each iteration (hooks after the injector's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    inj = None
+    if campaign is not None:
+        inj = CampaignInjector(parse_campaign(campaign), 0, folder, model, opt, node="n0", generation=2)
+    grads: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
+    opt.register_step_pre_hook(lambda o, a, k: grads.append(model[0].weight.grad.clone()))
+    model[0].register_forward_hook(lambda m, a, out: outs.append(out.detach().clone()))
+    s = _Session()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 6, generator=gen)).square().mean().backward()
+        opt.step()
+        s.step_count += 1
+        if inj is not None:
+            inj.on_step(s, None)
+    return grads, outs
+
+
+def test_stale_state_of_a_gradient_or_an_output_reuses_the_previous_iterations(tmp_path: Path) -> None:
+    """FAILURES.md's stale_state on a gradient (a rank steps with the previous step's reduced
+    gradient) and on an output (a module hands on its previous call's output): refused at attach
+    before. Only iteration 3 sees iteration 2's values; the ground truth names the iteration."""
+    ref_grads, ref_outs = _seen(None, 4, tmp_path / "ref")
+    grad = _campaign({"type": "stale_state", "target": {"surface": "gradient", "module_path": "0.weight"}})
+    grads, _ = _seen(grad, 4, tmp_path / "g")
+    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[1])
+    assert torch.equal(grads[2], ref_grads[1]) and not torch.equal(grads[2], ref_grads[2])
+    assert not torch.equal(grads[3], ref_grads[3])  # the weights it led to differ from then on
+    (g,) = read_ground_truth(tmp_path / "g")
+    assert (g.type, g.iteration, g.surface) == ("stale_state", 3, "gradient")
+    out = _campaign({"type": "stale_state", "target": {"surface": "output", "module_path": "0"}})
+    _, outs = _seen(out, 4, tmp_path / "o")
+    assert torch.equal(outs[1], ref_outs[1]) and torch.equal(outs[2], ref_outs[1])
+    assert not torch.equal(outs[2], ref_outs[2])
+    assert read_ground_truth(tmp_path / "o")[0].surface == "output"
+
+
+def test_stale_state_with_no_iteration_before_it_in_the_process_waits_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first iteration a process runs has no previous values to reuse: nothing is injected then
+    and the log says why; the fault waits for its first matching call (its lifetime counts those),
+    the next iteration, which reuses the first one's gradient."""
+    ref_grads, _ = _seen(None, 3, tmp_path / "ref")
+    c = _campaign({"type": "stale_state", "target": {"surface": "gradient", "index": 0}}, at=1)
+    grads, _ = _seen(c, 3, tmp_path / "g")
+    assert "did not see the iteration before" in caplog.text
+    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[0])
+    assert not torch.equal(grads[2], ref_grads[2])
+    assert [g.iteration for g in read_ground_truth(tmp_path / "g")] == [1]
+
+
 def test_an_optimizer_state_corruption_and_its_lifetime_in_iterations(tmp_path: Path) -> None:
     c = _campaign(
         {
@@ -298,6 +357,24 @@ def test_a_gradient_bit_flip_from_a_campaign_is_localized_by_scout(processes, tm
     truth = read_ground_truth(tmp_path / "ground-truth" / "t")  # the default: next to the campaign
     assert [(g.rank, g.iteration) for g in truth] == [(1, 4)]
     ev = evaluate(truth, _all_reports(tmp_path))
+    assert ev["localized"] == 1 and ev["kind_matched"] == 1 and ev["false_positives"] == 0, ev
+
+
+@pytest.mark.multiprocess
+def test_a_gradient_reused_from_the_previous_step_by_a_campaign_is_stale_state(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A campaign's stale_state on rank 1's first gradient at iteration 4: SCOUT names rank 1 and
+    the kind (a restart from a verified step, not a device to replace)."""
+    c = _campaign({"type": "stale_state", "target": {"surface": "gradient", "rank": 1, "index": 0}}, at=4)
+    procs, _store = _start_pair(processes, tmp_path, c, 8, AWAIT_REPORT_S="30")
+    for r, p in enumerate(procs):
+        assert p.wait(90) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
+    truth = read_ground_truth(tmp_path / "ground-truth" / "t")
+    assert [(g.rank, g.iteration, g.type) for g in truth] == [(1, 4, "stale_state")]
+    reports = _all_reports(tmp_path)
+    assert {(r["kind"], r["reason"]) for r in reports} == {("stale_state", "grads_reused")}, reports
+    ev = evaluate(truth, reports)
     assert ev["localized"] == 1 and ev["kind_matched"] == 1 and ev["false_positives"] == 0, ev
 
 
