@@ -281,3 +281,39 @@ def test_a_campaign_or_option_that_does_not_fit_is_refused_before_any_run(
     assert pressure(argv + extra) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_an_occurrence_a_recovery_undid_before_it_could_be_found_is_told_apart_from_a_miss() -> None:
+    """A campaign's incident at iteration 26 injected in generation 2, which a recovery from an
+    earlier incident (found at 20) then rolled back to step 19: with `retrigger: once` it is not
+    injected again and nothing can find it. The summary names the generation that undid it; one
+    a later generation never rolled back past stays a miss."""
+    from examples.torchrun.resiliency_cycle.pressure import _rolled_back
+    from lm_resiliency.faults.scoring import GroundTruth
+
+    def truth(incident: str, iteration: int, generation: int) -> GroundTruth:
+        return GroundTruth(
+            occurrence_id=f"{incident}@{iteration}",
+            incident_id=incident,
+            fault_id="f",
+            type="stale_state",
+            iteration=iteration,
+            attempt=0,
+            rank=1,
+            injected_at=0.0,
+            surface="weight",
+            node="n1",
+            generation=generation,
+        )
+
+    gens = [
+        {"generation": 0, "resumed_at_step": 0},
+        {"generation": 1, "resumed_at_step": 5},
+        {"generation": 2, "resumed_at_step": 13},
+        {"generation": 3, "resumed_at_step": 19},
+    ]
+    got = [truth("late", 26, 2), truth("kept", 30, 3), truth("early", 6, 0)]
+    assert _rolled_back(got, "late", 26, gens) == 3
+    assert _rolled_back(got, "kept", 30, gens) is None
+    assert _rolled_back(got, "early", 6, gens) == 1
+    assert _rolled_back(got, "never", 8, gens) is None

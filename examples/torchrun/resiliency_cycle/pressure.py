@@ -134,6 +134,21 @@ def _generations(val: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _rolled_back(
+    truth: list[Any], incident_id: str, iteration: int, gens: list[dict[str, Any]]
+) -> int | None:
+    """The generation that undid an occurrence before anything could find it: the first one after
+    the one it was injected in that resumed at a step before its iteration (a recovery from an
+    earlier incident, decided while the job trained on past this one). With `retrigger: once` it is
+    not injected again, and its effect is gone with the steps rolled back: it cannot be found, and
+    it is not missed. None when no generation did."""
+    when = [g.generation or 0 for g in truth if (g.incident_id, g.iteration) == (incident_id, iteration)]
+    if not when:
+        return None
+    after = [g for g in gens if g["generation"] > min(when) and g["resumed_at_step"] < iteration]
+    return min(g["generation"] for g in after) if after else None
+
+
 def _action(
     truth: list[Any], incident_id: str, iteration: int, kinds: set[str], gens: list[dict[str, Any]]
 ) -> str:
@@ -225,6 +240,9 @@ def run_campaign(
                     gens,
                 ),
                 "expected_action": "replace" if "replace" in wanted else "restart",
+                "rolled_back_by_generation": None
+                if any(o["localized"] for o in occ)
+                else _rolled_back(truth, incident_id, iteration, gens),
             }
         )
     finished = (val / "final.pt").exists()
@@ -245,7 +263,13 @@ def run_campaign(
         "agent_exit_codes": codes,
         "generations": gens,
         "incidents": incidents,
-        "evaluation": {k: v for k, v in score.items() if k != "occurrences"},
+        "evaluation": {
+            **{k: v for k, v in score.items() if k != "occurrences"},
+            # Occurrences a recovery from an earlier incident undid before they could be found.
+            "rolled_back_before_found": sum(
+                1 for i in incidents if i["rolled_back_by_generation"] is not None
+            ),
+        },
         "finished": finished,
         "final_state_bitwise_equal_to_baseline": equal,
         "passed": passed,
@@ -332,7 +356,12 @@ def orchestrate(args: argparse.Namespace) -> int:
         for i in r["incidents"]:
             print(
                 f"   {i['occurrence']}: completed={i['completed']} localized={i['localized']} "
-                f"kind={i['reported_kind']} action={i['action']} (expected: {i['expected_action']})",
+                f"kind={i['reported_kind']} action={i['action']} (expected: {i['expected_action']})"
+                + (
+                    f" rolled back by generation {i['rolled_back_by_generation']} before it could be found"
+                    if i["rolled_back_by_generation"] is not None
+                    else ""
+                ),
                 flush=True,
             )
         print(f"   passed={r['passed']} (bitwise={r['final_state_bitwise_equal_to_baseline']})", flush=True)
