@@ -240,9 +240,18 @@ class RuntimeConfig:
     # on 2 cores), but evidence, verdicts and certificates arrive up to this much later. Keep it
     # under two steps: replicas in pairs replay from records of their last 3 checked steps only.
     publish_coalesce_s: float = 0.0
+    # Ours: a step's telemetry (its times, for straggler consensus and liveness) submitted within
+    # this long of the last send waits for the next one (the next check's evidence, a later step's
+    # telemetry, at most a heartbeat interval): a loop of short steps no longer wakes the runtime
+    # and sends and receives a message every step (~1 ms of CPU a step a rank, ~8% of a 25 ms step
+    # of 4 ranks on 2 cores). Evidence, votes and anything else still go out at once (0: telemetry
+    # too).
+    telemetry_batch_s: float = 0.05
 
     def __post_init__(self) -> None:
         _check_types(self, "runtime.")
+        if not self.telemetry_batch_s >= 0:
+            raise ConfigError("runtime.telemetry_batch_s", f"must be >= 0, got {self.telemetry_batch_s}")
         _positive("runtime.heartbeat_interval_s", self.heartbeat_interval_s, allow_none=False)
         _positive("runtime.heartbeat_timeout_s", self.heartbeat_timeout_s, allow_none=False)
         if not self.publish_coalesce_s >= 0:

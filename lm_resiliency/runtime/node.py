@@ -195,6 +195,10 @@ class RankRuntime:
         self._outbox: deque[tuple[int | None, Message]] = deque()
         self._wake_pending = False
         self._lingering = False  # the publisher sends what is submitted at the end of its linger
+        # When the outbox was last sent (loop thread), and whether the holder of `hold()` submitted
+        # anything that must go at once (see submit: a step's telemetry may wait).
+        self._published_at = float("-inf")
+        self._held_urgent = False
         self._draining = asyncio.Lock()
         self._holder: int | None = None  # the thread inside `hold()`
         self._wake: asyncio.Event | None = None
@@ -330,13 +334,25 @@ class RankRuntime:
         self._progress_counter += 1
 
     def submit(self, msg: Message, peer: int | None = None) -> None:
-        """Hand a message to the runtime: gossip when `peer` is None, else direct. Never blocks."""
+        """Hand a message to the runtime: gossip when `peer` is None, else direct. Never blocks.
+
+        A step's telemetry within `telemetry_batch_s` of the last send waits in the outbox for the
+        next send (whatever is submitted next that must go at once, a later step's telemetry, the
+        timer's next tick): short steps cost peers one receive per batch of steps, not per step."""
+        lazy = False
         if peer is None and isinstance(msg, StepTelemetry):
             self._record_telemetry(msg)  # our own view is current the moment the step ends
+            lazy = (
+                not msg.extra
+                and not self._closed  # (a closed runtime says so: see _kick)
+                and self._clock.monotonic() - self._published_at < self.config.telemetry_batch_s
+            )
         self._outbox.append((peer, msg))
         if self._holder == threading.get_ident():
+            self._held_urgent = self._held_urgent or not lazy
             return  # `hold()`: sent with the rest when the holder is done
-        self._kick()
+        if not lazy:
+            self._kick()
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
@@ -346,11 +362,12 @@ class RankRuntime:
             yield
             return
         self._holder = threading.get_ident()
+        self._held_urgent = False
         try:
             yield
         finally:
             self._holder = None
-            if self._outbox:
+            if self._outbox and self._held_urgent:
                 try:
                     self._kick()
                 except RuntimeError:  # closed meanwhile (RuntimeClosedError; the loop's own): not the step's
@@ -628,6 +645,7 @@ class RankRuntime:
             await self._publish_batch(batch, topic)
             for m in batch:
                 self._loopback(m)
+        self._published_at = self._clock.monotonic()
 
     async def _publish_batch(self, msgs: list[Message], topic: bytes = ALL) -> None:
         """Gossip `msgs` (all of one topic): those without buffers sealed as one `Batch` when there
@@ -670,6 +688,8 @@ class RankRuntime:
                     Heartbeat(self.rank, self.incarnation, self._step, self._progress_counter)
                 )
             next_beat = self._last_beat + interval
+            if self._outbox and now >= self._published_at + self.config.telemetry_batch_s:
+                self._wakeup()  # telemetry that waited for a send (see submit): the training thread stopped
             self._apply_events(self._detector.tick(now) + self._exited_peers(now, EXIT_GRACE_S))
             deadline = self._detector.next_deadline()
             wake = next_beat if deadline is None else min(next_beat, deadline)

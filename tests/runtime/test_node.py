@@ -460,7 +460,9 @@ def test_steps_submitted_while_the_publisher_lingers_go_out_together(coalesce: f
         return frames
 
     net.tamper = tap
-    cfg = RuntimeConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0, publish_coalesce_s=coalesce)
+    cfg = RuntimeConfig(
+        heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0, publish_coalesce_s=coalesce, telemetry_batch_s=0.0
+    )
     rts = _start(2, lambda: InMemoryTransport(net), config=cfg)
     got: list[int] = []
     arrived = threading.Condition()
@@ -500,7 +502,9 @@ def test_published_steps_carry_the_heartbeat_and_the_timer_stays_quiet() -> None
     net = InMemoryNetwork()
     alone, carried = _tap_heartbeats(net, 1)
     clock = ManualClock(100.0)
-    cfg = RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0)
+    cfg = RuntimeConfig(
+        heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0, telemetry_batch_s=0.0
+    )  # each step sent
     rts = _start(2, lambda: InMemoryTransport(net), config=cfg, clocks=[None, clock])
     try:
         assert rts[0].wait_for(lambda v: len(v.live) == 2, 2.0)
@@ -590,7 +594,9 @@ def test_group_only_gossip_does_not_carry_the_heartbeat() -> None:
     net = InMemoryNetwork()
     alone, carried = _tap_heartbeats(net, 0)
     clock = ManualClock(100.0)
-    cfg = RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0)
+    cfg = RuntimeConfig(
+        heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0, telemetry_batch_s=0.0
+    )  # each step sent
     rts = _start(3, lambda: InMemoryTransport(net), config=cfg, clocks=[clock, None, None], groups=[(0, 1)])
     try:
         rts[0].scope_to_group("step")
@@ -714,5 +720,69 @@ def test_a_rank_dying_of_a_failed_collective_waits_briefly_to_see_its_peer_end()
     finally:
         child.kill()
         child.wait(10)
+        for rt in rts:
+            rt.close()
+
+
+def test_telemetry_of_short_steps_waits_for_the_next_send_and_is_never_stuck() -> None:
+    """Steps shorter than `telemetry_batch_s` no longer cost a send each: their telemetry waits in
+    the outbox until something must go at once (here another message: evidence, a vote), a later
+    step comes past the bound, or the timer's next tick (the training thread stopped). Nothing is
+    lost or reordered, and the receiver sees each step."""
+    from lm_resiliency.core.clock import ManualClock
+    from lm_resiliency.core.messages import Batch, GeminiInventory
+
+    net = InMemoryNetwork()
+    sent: list[list[int]] = []  # rank 1's telemetry steps, per message on the wire
+
+    def tap(sender: str, frames: list[bytes]) -> list[bytes]:
+        msg = codec.decode(frames[1:])
+        items = [msg] if not isinstance(msg, Batch) else [codec.decode([i]) for i in msg.items]
+        steps = [m.step for m in items if isinstance(m, StepTelemetry) and m.rank == 1]
+        if steps:
+            sent.append(steps)
+        return frames
+
+    net.tamper = tap
+    clock = ManualClock(100.0)
+    cfg = RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=60.0, telemetry_batch_s=0.5)
+    rts = _start(2, lambda: InMemoryTransport(net), config=cfg, clocks=[None, clock])
+    got: list[int] = []
+    arrived = threading.Condition()
+
+    def on_step(sealed: object, msg: StepTelemetry) -> None:
+        with arrived:
+            got.append(msg.step)
+            arrived.notify_all()
+
+    def until(n: int) -> bool:
+        with arrived:
+            return arrived.wait_for(lambda: len(got) >= n, 5.0)
+
+    def step(n: int, advance: float = 0.01) -> None:
+        clock.advance(advance)
+        with rts[1].hold():
+            rts[1].submit(StepTelemetry(rank=1, step=n, step_s=advance))
+
+    try:
+        assert rts[0].wait_for(lambda v: len(v.live) == 2, 2.0)
+        rts[0].add_handler("step", on_step)
+        step(1)  # the first goes at once (nothing sent for longer than the bound)
+        assert until(1)
+        for n in (2, 3, 4):
+            step(n)  # within the bound of that send: they wait
+        assert sent == [[1]] and got == [1]
+        with rts[1].hold():  # something that must go at once takes them along
+            rts[1].submit(StepTelemetry(rank=1, step=5, step_s=0.01))
+            rts[1].submit(GeminiInventory(rank=1, local=(5,), replicas={}))
+        assert until(5) and sent == [[1], [2, 3, 4, 5]]
+        step(6)
+        step(7, advance=0.6)  # past the bound: 7 takes 6 along
+        assert until(7) and sent[-1] == [6, 7]
+        step(8)  # the last step before the training thread stops: the timer sends it
+        clock.advance(0.6)
+        assert until(8) and sent[-1] == [8]
+        assert got == [1, 2, 3, 4, 5, 6, 7, 8]
+    finally:
         for rt in rts:
             rt.close()
