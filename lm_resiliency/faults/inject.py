@@ -413,9 +413,9 @@ class CampaignInjector:
 
     def _previous(self, a: _Active, iteration: int, fresh: dict[tuple[str, str], int]) -> list[torch.Tensor]:
         """What a stale_state fault of a gradient or an output puts in place now: the values of the
-        same call one iteration before. None where this process did not see that iteration (its
-        first) or they do not fit (another shape): the fault waits, with a warning, for one it can
-        inject."""
+        same call one iteration before. Empty where this process did not see that iteration (its
+        first) or they do not fit (another shape): the fault waits, with a warning, for a call it
+        can inject at."""
         key = (a.occurrence.incident_id, a.fault.fault_id)
         at, values = self._before.get(key, (None, []))
         now = self._kept.get(key, (None, []))[1]
