@@ -629,6 +629,10 @@ class RankRuntime:
             await self._drain_outbox_locked()
 
     async def _drain_outbox_locked(self) -> None:
+        if self._outbox:
+            # (Before the sends: a peer may receive them, and the training thread hear of it and
+            # submit its next step, before this task runs again.)
+            self._published_at = self._clock.monotonic()
         while self._outbox:
             peer, msg = self._outbox.popleft()
             if peer is not None:
@@ -645,7 +649,6 @@ class RankRuntime:
             await self._publish_batch(batch, topic)
             for m in batch:
                 self._loopback(m)
-        self._published_at = self._clock.monotonic()
 
     async def _publish_batch(self, msgs: list[Message], topic: bytes = ALL) -> None:
         """Gossip `msgs` (all of one topic): those without buffers sealed as one `Batch` when there
