@@ -96,8 +96,11 @@ PRESSURE_IDLE_S = 60.0
 # dropped message, a partition or a peer that connected late loses for good: a job that then stops
 # capturing (it ended, it waits on a stalled peer, its interval is long) left peers planning a
 # restart from a step this rank has long moved past, or from copies it no longer holds. So while
-# none went out for this many heartbeat intervals, the worker hands the current one on again.
+# none went out for this many heartbeat intervals, the worker hands the current one on again, and
+# again after twice as long each time, up to REANNOUNCE_MAX_S: an idle rank of a large job adds one
+# message a minute to each peer's load, not one every two seconds.
 REANNOUNCE_HEARTBEATS = 4
+REANNOUNCE_MAX_S = 60.0
 Exchange = Callable[[str, bytes, float], dict[int, bytes]]
 
 
@@ -316,6 +319,7 @@ class Gemini:
         self._inventories: dict[int, GeminiInventory] = {}
         self._inventory_seq = 0  # inventories computed to announce (see _announce)
         self._announced_at = time.monotonic()  # when one last went to peers (see _reannounce)
+        self._reannounce_after = 0.0  # how long after that it goes again (0: the first gap)
         self._worker.start()
         self._rx: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._rx_thread = threading.Thread(
@@ -1296,14 +1300,17 @@ class Gemini:
         return dsts
 
     def _work(self) -> None:
-        period = REANNOUNCE_HEARTBEATS * getattr(
+        first = REANNOUNCE_HEARTBEATS * getattr(
             getattr(self.runtime, "config", None), "heartbeat_interval_s", 0.5
         )
         while True:
+            gap = self._reannounce_after or first
             try:
-                job = self._jobs.get(timeout=max(0.0, self._announced_at + period - time.monotonic()))
+                job = self._jobs.get(timeout=max(0.0, self._announced_at + gap - time.monotonic()))
             except queue.Empty:
-                self._reannounce()
+                if time.monotonic() >= self._announced_at + gap:  # (else one went out meanwhile)
+                    self._reannounce()
+                    self._reannounce_after = min(REANNOUNCE_MAX_S, 2 * gap)
                 continue
             if job is None:
                 return
@@ -1816,7 +1823,7 @@ class Gemini:
                 self._inventories[self.rank] = inv
             if not self._closed and self.runtime.alive:
                 self.runtime.submit(inv)
-            self._announced_at = time.monotonic()
+            self._announced_at, self._reannounce_after = time.monotonic(), 0.0
             sink = self.on_inventory
             if sink is not None:
                 try:
