@@ -44,16 +44,25 @@ class _Session:
 
 
 def _train(
-    campaign: dict[str, Any] | None, steps: int, folder: Path
+    campaign: dict[str, Any] | None,
+    steps: int,
+    folder: Path,
+    seen: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], Any]:
     """`steps` steps of a small model, the injector (if any) driven as the session drives it; the
-    state after each step."""
+    state after each step. `seen`: lists to fill with what the optimizer saw of the first layer's
+    weight gradient and what the loss saw of the first layer's output, each iteration (hooks
+    after the injector's)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 2))
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     inj = None
     if campaign is not None:
         inj = CampaignInjector(parse_campaign(campaign), 0, folder, model, opt, node="n0", generation=2)
+    if seen is not None:
+        grads, outs = seen
+        opt.register_step_pre_hook(lambda o, a, k: grads.append(model[0].weight.grad.clone()))
+        model[0].register_forward_hook(lambda m, a, out: outs.append(out.detach().clone()))
     s = _Session()
     states = []
     gen = torch.Generator().manual_seed(0)
@@ -163,27 +172,10 @@ def test_stale_state_undoes_its_iteration_on_this_rank(tmp_path: Path) -> None:
 
 
 def _seen(campaign: dict[str, Any] | None, steps: int, folder: Path) -> tuple[list[Any], list[Any]]:
-    """As `_train`, but what the optimizer saw of the first layer's weight gradient and what the
-    loss saw of the first layer's output, each iteration (hooks after the injector's)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    inj = None
-    if campaign is not None:
-        inj = CampaignInjector(parse_campaign(campaign), 0, folder, model, opt, node="n0", generation=2)
+    """What the optimizer saw of the first layer's weight gradient and the loss of its output."""
     grads: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
-    opt.register_step_pre_hook(lambda o, a, k: grads.append(model[0].weight.grad.clone()))
-    model[0].register_forward_hook(lambda m, a, out: outs.append(out.detach().clone()))
-    s = _Session()
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randn(4, 6, generator=gen)).square().mean().backward()
-        opt.step()
-        s.step_count += 1
-        if inj is not None:
-            inj.on_step(s, None)
+    _train(campaign, steps, folder, (grads, outs))
     return grads, outs
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgpack
 import pytest
@@ -59,6 +59,42 @@ def _start(  # type: ignore[no-untyped-def]
     for rt in rts:
         rt.connect_peers(anns, announce=True)
     return rts
+
+
+def _tap_steps(net: InMemoryNetwork, rank: int) -> list[list[int]]:
+    """The steps of `rank`'s telemetry on the wire, one list per message (a batch's in order)."""
+    from lm_resiliency.core.messages import Batch
+
+    sent: list[list[int]] = []
+
+    def tap(sender: str, frames: list[bytes]) -> list[bytes]:
+        msg = codec.decode(frames[1:])
+        items = [msg] if not isinstance(msg, Batch) else [codec.decode([i]) for i in msg.items]
+        steps = [m.step for m in items if isinstance(m, StepTelemetry) and m.rank == rank]
+        if steps:
+            sent.append(steps)
+        return frames
+
+    net.tamper = tap
+    return sent
+
+
+def _steps_heard(rt: RankRuntime) -> tuple[list[int], Callable[[int], bool]]:
+    """The telemetry steps `rt` receives, in order, and a wait for the first `n` of them."""
+    got: list[int] = []
+    arrived = threading.Condition()
+
+    def on_step(sealed: object, msg: StepTelemetry) -> None:
+        with arrived:
+            got.append(msg.step)
+            arrived.notify_all()
+
+    def until(n: int) -> bool:
+        with arrived:
+            return arrived.wait_for(lambda: len(got) >= n, 5.0)
+
+    rt.add_handler("step", on_step)
+    return got, until
 
 
 def _tap_heartbeats(net: InMemoryNetwork, rank: int) -> tuple[list[int], list[int]]:
@@ -446,39 +482,17 @@ def test_steps_submitted_while_the_publisher_lingers_go_out_together(coalesce: f
     """Steps the training thread submits within `publish_coalesce_s` of the last send wait for it
     and leave as one batch (no wakeup of the runtime per step); with 0 each leaves at once. Nothing
     is lost or reordered either way: what still waits when the rank closes goes out first."""
-    from lm_resiliency.core.messages import Batch
 
     net = InMemoryNetwork()
-    sent: list[list[int]] = []  # rank 1's telemetry steps, per message on the wire
-
-    def tap(sender: str, frames: list[bytes]) -> list[bytes]:
-        msg = codec.decode(frames[1:])
-        items = [msg] if not isinstance(msg, Batch) else [codec.decode([i]) for i in msg.items]
-        steps = [m.step for m in items if isinstance(m, StepTelemetry) and m.rank == 1]
-        if steps:
-            sent.append(steps)
-        return frames
-
-    net.tamper = tap
+    sent = _tap_steps(net, 1)
     cfg = RuntimeConfig(
         heartbeat_interval_s=1.0, heartbeat_timeout_s=5.0, publish_coalesce_s=coalesce, telemetry_batch_s=0.0
     )
     rts = _start(2, lambda: InMemoryTransport(net), config=cfg)
-    got: list[int] = []
-    arrived = threading.Condition()
-
-    def on_step(sealed: object, msg: StepTelemetry) -> None:
-        with arrived:
-            got.append(msg.step)
-            arrived.notify_all()
-
-    def until(n: int) -> bool:
-        with arrived:
-            return arrived.wait_for(lambda: len(got) >= n, 3.0)
 
     try:
         assert rts[0].wait_for(lambda v: len(v.live) == 2, 2.0)
-        rts[0].add_handler("step", on_step)
+        got, until = _steps_heard(rts[0])
         for step in range(1, 7):
             with rts[1].hold():
                 rts[1].submit(StepTelemetry(rank=1, step=step, step_s=0.01))
@@ -730,34 +744,13 @@ def test_telemetry_of_short_steps_waits_for_the_next_send_and_is_never_stuck() -
     timer's next tick (the training thread stopped); a step past the bound goes at once, as the
     first does. Nothing is lost or reordered, and the receiver sees each step."""
     from lm_resiliency.core.clock import ManualClock
-    from lm_resiliency.core.messages import Batch, GeminiInventory
+    from lm_resiliency.core.messages import GeminiInventory
 
     net = InMemoryNetwork()
-    sent: list[list[int]] = []  # rank 1's telemetry steps, per message on the wire
-
-    def tap(sender: str, frames: list[bytes]) -> list[bytes]:
-        msg = codec.decode(frames[1:])
-        items = [msg] if not isinstance(msg, Batch) else [codec.decode([i]) for i in msg.items]
-        steps = [m.step for m in items if isinstance(m, StepTelemetry) and m.rank == 1]
-        if steps:
-            sent.append(steps)
-        return frames
-
-    net.tamper = tap
+    sent = _tap_steps(net, 1)
     clock = ManualClock(100.0)
     cfg = RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=60.0, telemetry_batch_s=0.5)
     rts = _start(2, lambda: InMemoryTransport(net), config=cfg, clocks=[None, clock])
-    got: list[int] = []
-    arrived = threading.Condition()
-
-    def on_step(sealed: object, msg: StepTelemetry) -> None:
-        with arrived:
-            got.append(msg.step)
-            arrived.notify_all()
-
-    def until(n: int) -> bool:
-        with arrived:
-            return arrived.wait_for(lambda: len(got) >= n, 5.0)
 
     def step(n: int, advance: float = 0.01) -> None:
         clock.advance(advance)
@@ -766,7 +759,7 @@ def test_telemetry_of_short_steps_waits_for_the_next_send_and_is_never_stuck() -
 
     try:
         assert rts[0].wait_for(lambda v: len(v.live) == 2, 2.0)
-        rts[0].add_handler("step", on_step)
+        got, until = _steps_heard(rts[0])
         step(1)  # the first goes at once (nothing sent for longer than the bound)
         assert until(1)
         for n in (2, 3, 4):
