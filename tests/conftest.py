@@ -201,6 +201,43 @@ def _isolated_checkpoint_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.chdir(tmp_path)
 
 
+def start_runtimes(  # type: ignore[no-untyped-def]
+    n: int,
+    factory,
+    key: bytes = b"j" * 32,
+    nodes: list[str] | None = None,
+    config: Any = None,
+    clocks=None,
+    groups: list[tuple[int, ...]] | None = None,
+    peers: list[tuple[int, ...]] | None = None,
+) -> list[Any]:
+    """`n` rank runtimes in this process on `factory`'s transport, started and connected to each
+    other. `config`: a RuntimeConfig (default: 50 ms heartbeats, 0.5 s timeout)."""
+    from lm_resiliency.config import RuntimeConfig
+    from lm_resiliency.runtime.node import RankRuntime
+
+    config = config or RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
+    rts = [
+        RankRuntime(
+            rank=r,
+            world_size=n,
+            node_id=(nodes or ["n0"] * n)[r],
+            key=key,
+            incarnation=1,
+            config=config,
+            transport_factory=factory,
+            clock=(clocks or [None] * n)[r],
+            replica_group=next((g for g in groups or () if r in g), ()),
+            peer_group=next((g for g in peers or () if r in g), ()),
+        )
+        for r in range(n)
+    ]
+    anns = [rt.start() for rt in rts]
+    for rt in rts:
+        rt.connect_peers(anns, announce=True)
+    return rts
+
+
 def lone_gemini(
     tmp_path: Path,
     model: Any,

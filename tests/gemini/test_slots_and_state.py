@@ -35,7 +35,7 @@ from lm_resiliency.runtime.shm import (
     chunk_digests,
     n_chunks,
 )
-from tests.conftest import Fp32StateSGD, lone_gemini
+from tests.conftest import Fp32StateSGD, lone_gemini, start_runtimes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -1433,23 +1433,11 @@ def test_an_inventory_lost_on_the_way_reaches_peers_once_the_rank_stops_capturin
     from lm_resiliency.config import InMemoryCkptConfig, RuntimeConfig
     from lm_resiliency.core.topology import Topology
     from lm_resiliency.gemini.component import Gemini
-    from lm_resiliency.runtime.node import RankRuntime
     from lm_resiliency.testing import InMemoryNetwork, InMemoryTransport
 
     net = InMemoryNetwork()
     cfg = RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0)
-    rts = [
-        RankRuntime(
-            rank=r,
-            world_size=2,
-            node_id="n",
-            key=b"k" * 32,
-            incarnation=1,
-            config=cfg,
-            transport_factory=lambda: InMemoryTransport(net),
-        )
-        for r in range(2)
-    ]
+    rts = start_runtimes(2, lambda: InMemoryTransport(net), nodes=["n", "n"], config=cfg)
     heard: list[tuple[int, ...]] = []
     when: list[float] = []
     got = threading.Condition()
@@ -1463,9 +1451,6 @@ def test_an_inventory_lost_on_the_way_reaches_peers_once_the_rank_stops_capturin
     rts[0].add_handler("ginv", on_inventory)
     gem = None
     try:
-        anns = [rt.start() for rt in rts]
-        for rt in rts:
-            rt.connect_peers(anns, announce=True)
         model = torch.nn.Linear(4, 4)
         gem = Gemini(
             rank=1,

@@ -20,6 +20,7 @@ from lm_resiliency.errors import RuntimeClosedError
 from lm_resiliency.runtime.node import RankRuntime
 from lm_resiliency.runtime.transport import PeerLeft, ZmqTransport
 from lm_resiliency.testing import InMemoryNetwork, InMemoryTransport
+from tests.conftest import start_runtimes as _start
 
 pytestmark = pytest.mark.timeout(60)
 KEY = b"j" * 32
@@ -28,37 +29,6 @@ CFG = RuntimeConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
 
 def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
-
-
-def _start(  # type: ignore[no-untyped-def]
-    n: int,
-    factory,
-    key: bytes = KEY,
-    nodes: list[str] | None = None,
-    config: RuntimeConfig = CFG,
-    clocks=None,
-    groups: list[tuple[int, ...]] | None = None,
-    peers: list[tuple[int, ...]] | None = None,
-) -> list[RankRuntime]:
-    rts = [
-        RankRuntime(
-            rank=r,
-            world_size=n,
-            node_id=(nodes or ["n0"] * n)[r],
-            key=key,
-            incarnation=1,
-            config=config,
-            transport_factory=factory,
-            clock=(clocks or [None] * n)[r],
-            replica_group=next((g for g in groups or () if r in g), ()),
-            peer_group=next((g for g in peers or () if r in g), ()),
-        )
-        for r in range(n)
-    ]
-    anns = [rt.start() for rt in rts]
-    for rt in rts:
-        rt.connect_peers(anns, announce=True)
-    return rts
 
 
 def _tap_steps(net: InMemoryNetwork, rank: int) -> list[list[int]]:
