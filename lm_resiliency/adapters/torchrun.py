@@ -63,6 +63,7 @@ from lm_resiliency._proc import continue_stopped_children  # noqa: E402
 from lm_resiliency.config import REPLACE_ONLY_FAILURES  # noqa: E402
 from lm_resiliency.core.gemini.recovery import memory_checkpoint_id, plan_recovery, verified_steps  # noqa: E402
 from lm_resiliency.core.rendezvous import state as rs  # noqa: E402
+from lm_resiliency.core.scout.replay import DROPPED  # noqa: E402
 from lm_resiliency.core.scout.verdicts import PEERS_WAIT, desync_in_trails  # noqa: E402
 from lm_resiliency.runtime.trail import read_trails  # noqa: E402
 
@@ -1113,6 +1114,9 @@ def _quarantines(verdict: dict[str, Any], replace_on: Iterable[str]) -> bool:
     # Some of a node's ranks cut off from our transport while the rest are heard: their messages
     # were dropped (a restart renews their endpoints); the node's network works.
     if kind == "network_partition" and verdict.get("scope") != "node":
+        return False
+    # A tensor dropped (zeros where the replicas hold values) is the software's doing, not the device's.
+    if kind == "sdc" and str(verdict.get("reason", "")).endswith(DROPPED):
         return False
     return kind in set(replace_on) and sure
 

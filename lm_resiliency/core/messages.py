@@ -197,6 +197,9 @@ class Evidence(Message):
     # XXH3-64 of the optimizer's settings (each group's hyperparameters: learning rate, betas, ...):
     # replicas step with the same ones unless the script sets them per rank.
     settings: bytes = b""
+    # Per state, as `reused`: this rank's tensors that hold only zeros at this step. A gradient
+    # dropped (a bucket skipped, zeroed) shows as more of them than its replicas hold.
+    zeroed: tuple[tuple[int, bytes], ...] = ()
 
 
 @register

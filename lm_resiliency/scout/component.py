@@ -58,6 +58,7 @@ from lm_resiliency.core.scout.replay import (
     DivergenceTracker,
     ReplayOutcome,
     SdcHistory,
+    dropped_verdict,
     replay_verdict,
     stale_verdict,
 )
@@ -79,7 +80,7 @@ from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
 from lm_resiliency.core.taxonomy import CLOSED
 from lm_resiliency.core.topology import Topology
 from lm_resiliency.scout.audit import AuditRecorder, dump_package, load_package, package, replay_package
-from lm_resiliency.scout.fingerprint import Fingerprint, fingerprint, fingerprint_async
+from lm_resiliency.scout.fingerprint import Fingerprint, fingerprint, fingerprint_async, zero_parts, zeroed
 from lm_resiliency.scout.health import HealthEvent, HealthSource
 from lm_resiliency.scout.replay import (
     ReplayRecorder,
@@ -185,12 +186,16 @@ _Pending = tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None, bytes
 REUSED_ORDER = ("grads", "params", "optim")  # the states of `Evidence.reused`, in order
 
 
+def _which(positions: list[int]) -> tuple[int, bytes]:
+    """How many tensors, and a digest of which."""
+    return (len(positions), xxhash.xxh3_64_digest(array("q", positions).tobytes()))
+
+
 def _reused(now: tuple[bytes, ...], before: tuple[bytes, ...]) -> tuple[int, bytes]:
     """How many tensors hold what they held one step before, and a digest of which (-1: unknown)."""
     if not now or len(now) != len(before):
         return (-1, b"")
-    same = [i for i, (a, b) in enumerate(zip(now, before, strict=True)) if a == b]
-    return (len(same), xxhash.xxh3_64_digest(array("q", same).tobytes()))
+    return _which([i for i, (a, b) in enumerate(zip(now, before, strict=True)) if a == b])
 
 
 class EvidenceResolver:
@@ -210,6 +215,9 @@ class EvidenceResolver:
         self.deferred = 0  # evidence that waited for the device (count)
         # The step of the last evidence and its fingerprints' parts (gradients, parameters, optimizer).
         self._last: tuple[int, tuple[tuple[bytes, ...], ...]] = (-1, ())
+        # The parts of zeros of the state's sizes (`zero_parts`; None: not known yet, no count), set
+        # by the owner, replaced whole.
+        self.zeros: frozenset[bytes] | None = None
 
     def offer(
         self,
@@ -249,6 +257,7 @@ class EvidenceResolver:
     ) -> Evidence:
         parts = tuple(f.parts() if f is not None else () for f in (grads, params, optim))
         last, self._last = self._last, (step, parts)
+        zeros = self.zeros
         return Evidence(
             self.rank,
             step,
@@ -260,6 +269,7 @@ class EvidenceResolver:
             if last[0] == step - 1
             else (),
             settings,
+            tuple(_which(zeroed(p, zeros)) if p and zeros is not None else (-1, b"") for p in parts),
         )
 
     def _run(self) -> None:
@@ -367,6 +377,7 @@ class Scout:
         self.verdicts: list[Verdict] = []
         self._grads_fp: Fingerprint | None = None
         self._evidence_out = EvidenceResolver(rank, runtime.submit)
+        self._zeros_key: tuple[Any, ...] | None = None
         # When this rank finished each recent step (monotonic): a verdict's detection latency counts
         # from the end of the step its evidence came from.
         self._ended: dict[int, float] = {}
@@ -695,6 +706,7 @@ class Scout:
             own_optim = optim.result() if optim is not None else fingerprint(optimizer_tensors(opt))
             self._last_params = (step, params.result(), own_optim)
         settings = optimizer_settings(opt) if opt is not None else b""
+        self._refresh_zeros(opt)
         # Gossiped (once the device's folds are on the host), and looped back to our own handlers.
         self._evidence_out.offer(step, grads, params, optim, layout, settings=settings)
 
@@ -782,11 +794,24 @@ class Scout:
                     log.debug("rank %d: %s still diverged at step %d", self.rank, verdict.reason, step)
                 return
             # A neighbouring step's tensors (gradients reused, an update not applied): stale state.
+            # Zeros where the replicas hold values (a bucket skipped): a dropped tensor.
             verdict = self._as_stale(verdict, held, before, per_step)
+            at = REUSED_ORDER.index(what)
+            zeroed = {r: e.zeroed[at] for r, e in per_step.items() if len(e.zeroed) > at}
+            verdict = dropped_verdict(verdict, sorted(held[what]), zeroed)
             if verdict.kind == "sdc_ambiguous" and self._recorder is not None:
                 self._start_replay(step, what, per_step.get(self.rank))
             else:
                 self._report(verdict)
+
+    def _refresh_zeros(self, opt: Any) -> None:
+        """The parts of zeros of the sizes of the state fingerprinted (for `Evidence.zeroed`), taken
+        again only when the optimizer's number of parameters or of tensors with state changed."""
+        key = (len(opt.state), tuple(len(g["params"]) for g in opt.param_groups)) if opt is not None else ()
+        if self._zeros_key != key:
+            self._zeros_key = key
+            tensors = list(self.adapter.model.parameters())
+            self._evidence_out.zeros = zero_parts(tensors + (list(optimizer_tensors(opt)) if opt else []))
 
     def _optimizer_layout(self, opt: Any) -> bytes:
         """`optimizer_layout(opt)`, computed again only when the number of parameters with state, or

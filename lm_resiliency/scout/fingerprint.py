@@ -20,10 +20,13 @@ from typing import Any
 import torch
 import xxhash
 
-__all__ = ["MOD", "Fingerprint", "device_fold", "fingerprint", "fingerprint_async"]
+__all__ = ["MOD", "Fingerprint", "device_fold", "fingerprint", "fingerprint_async", "zero_parts", "zeroed"]
 
 MOD = 65521  # columns of the fold (a prime): the position weights are 2..MOD, repeating
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
+_ZERO_PARTS: dict[int, bytes] = {}  # bytes of a CPU tensor -> the part of one holding only zeros
+_ZEROS = bytes(1 << 20)
+_CUDA = b"\0cuda"
 
 
 def _parts(tensors: Iterable[torch.Tensor | None]) -> tuple[list[bytes], list[int], torch.Tensor | None]:
@@ -39,7 +42,7 @@ def _parts(tensors: Iterable[torch.Tensor | None]) -> tuple[list[bytes], list[in
         nonlocal device
         if t.is_cuda:
             at.append(len(parts))
-            parts.append(b"\0cuda" + t.numel().to_bytes(8, "little"))
+            parts.append(_CUDA + t.numel().to_bytes(8, "little"))
             device_words.append(_split(t))
             device = t.device
         else:
@@ -130,6 +133,35 @@ def fingerprint_async(tensors: Iterable[torch.Tensor | None]) -> Fingerprint:
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record(torch.cuda.current_stream(folds.device))
     return Fingerprint(parts, host, event, at)
+
+
+def zero_parts(tensors: Iterable[torch.Tensor | None]) -> frozenset[bytes]:
+    """The parts (see `_parts`) that CPU tensors of these tensors' sizes have when they hold only
+    zeros (each size's digest computed once per process, through a zero buffer of 1 MiB)."""
+    out = set()
+    for t in tensors:
+        if t is None or t.is_cuda or t.layout != torch.strided:
+            continue
+        n = t.numel() * t.element_size()
+        part = _ZERO_PARTS.get(n)
+        if part is None:
+            h, zeros = xxhash.xxh3_128(), memoryview(_ZEROS)
+            for at in range(0, n, len(_ZEROS)):
+                h.update(zeros[: min(len(_ZEROS), n - at)])
+            part = _ZERO_PARTS[n] = h.digest()
+        out.add(part)
+    return frozenset(out)
+
+
+def zeroed(parts: Iterable[bytes], zeros: frozenset[bytes]) -> list[int]:
+    """The positions of the tensors whose parts say they hold only zeros: a CPU tensor's part in
+    `zeros` (`zero_parts` of the same tensors), a CUDA tensor's folds both zero (the folds of a
+    tensor that holds anything else are both zero with a chance of 2**-64)."""
+    return [
+        i
+        for i, p in enumerate(parts)
+        if p in zeros or (p.startswith(_CUDA) and len(p) > len(_CUDA) + 8 and not any(p[len(_CUDA) + 8 :]))
+    ]
 
 
 def device_fold(t: torch.Tensor) -> torch.Tensor:

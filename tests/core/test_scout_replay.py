@@ -10,11 +10,12 @@ from lm_resiliency.core.scout.replay import (
     DivergenceTracker,
     ReplayOutcome,
     SdcHistory,
+    dropped_verdict,
     replay_verdict,
     stale_verdict,
 )
 from lm_resiliency.core.scout.verdicts import Verdict
-from lm_resiliency.scout.fingerprint import fingerprint
+from lm_resiliency.scout.fingerprint import fingerprint, fingerprint_async, zero_parts, zeroed
 from lm_resiliency.scout.replay import (
     ReplayRecorder,
     optimizer_tensors,
@@ -168,6 +169,65 @@ def test_a_rank_one_optimizer_step_behind_is_stale_state_at_its_second_check() -
     v = stale_verdict(_on_grads("sdc", (3,)), {0: B, 1: B, 2: B, 3: C}, {0: A, 1: A, 2: A, 3: B})
     assert (v.kind, v.ranks, v.reason) == ("stale_state", (3,), "grads_step_behind")
     assert "one optimizer step behind" in v.detail
+
+
+def test_a_rank_holding_zeros_where_its_replicas_hold_values_dropped_them() -> None:
+    """A gradient dropped on one rank (its bucket skipped or zeroed): still sdc (the numbers are
+    wrong), but named by its reason, on which the leader restarts in place, quarantining no node.
+    Among two replicas it names the one that dropped, with no replay; corruption that zeroes no
+    whole tensor stays what it was."""
+    usual, one_more = (1, b"bias"), (2, b"bias+weight")
+    v = dropped_verdict(_on_grads("sdc", (2,)), [0, 1, 2, 3], {0: usual, 1: usual, 2: one_more, 3: usual})
+    assert (v.kind, v.ranks, v.step, v.reason) == ("sdc", (2,), 9, "grads_dropped")
+    assert "hold only zeros in 1 more tensors of the gradients" in v.detail
+    two = dropped_verdict(_on_grads("sdc_ambiguous", (0, 1)), [0, 1], {0: one_more, 1: usual})
+    assert (two.kind, two.ranks, two.reason) == ("sdc", (0,), "grads_dropped")
+    params = Verdict("sdc", (1,), 4, "params_fingerprint_minority")
+    v = dropped_verdict(params, [0, 1, 2], {0: (0, b""), 1: (1, b"w"), 2: (0, b"")})
+    assert (v.kind, v.ranks, v.reason) == ("sdc", (1,), "params_dropped")
+    sdc, amb = _on_grads("sdc", (2,)), _on_grads("sdc_ambiguous", (0, 1))
+    # As many zeroed tensors as the others, fewer, unknown (-1) or missing: the verdict as it was.
+    for counts in (
+        {0: usual, 1: usual, 2: usual, 3: usual},
+        {0: usual, 1: usual, 2: (0, b""), 3: usual},
+        {0: usual, 1: usual, 2: (-1, b""), 3: usual},
+        {2: one_more},
+    ):
+        assert dropped_verdict(sdc, [0, 1, 2, 3], counts) is sdc
+    assert dropped_verdict(amb, [0, 1], {0: usual, 1: usual}) is amb
+    assert dropped_verdict(amb, [0, 1], {0: one_more}) is amb
+    # One of two minority ranks dropped, the other corrupted: not a drop of both.
+    pair = _on_grads("sdc", (2, 3))
+    five = {0: usual, 1: usual, 2: one_more, 3: usual, 4: usual}
+    assert dropped_verdict(pair, [0, 1, 2, 3, 4], five) is pair
+    # Not a state disagreement: untouched.
+    hang = Verdict("hang", (1,), 9, "never_entered_collective")
+    assert dropped_verdict(hang, [0, 1], {0: usual, 1: one_more}) is hang
+
+
+def test_a_dropped_tensor_is_no_device_that_corrupts_again() -> None:
+    """Named at two steps, a rank that corrupted is a device to quarantine; one that dropped
+    tensors at either of them is not counted against its device."""
+    h = SdcHistory()
+    assert h.record(Verdict("sdc", (1,), 5, "grads_dropped")) is None
+    assert h.record(Verdict("sdc", (1,), 9, "grads_fingerprint_minority")) is None
+    again = h.record(Verdict("sdc", (1,), 12, "grads_fingerprint_minority"))
+    assert again is not None and (again.ranks, again.reason) == ((1,), "recurring_sdc")
+
+
+def test_zero_parts_tell_which_tensors_hold_only_zeros() -> None:
+    """A tensor's part is its bytes' digest: those of zeros of the state's sizes (computed once,
+    through a 1 MiB buffer even for a larger tensor) say which tensors hold only zeros, whatever
+    their dtype or shape. -0.0 is not zero bytes; a tensor of another size never matches."""
+    big = torch.zeros(300_000, dtype=torch.float64)  # 2.4 MB: more than one pass of the buffer
+    ts = [torch.zeros(3, 4), torch.ones(12), torch.zeros(6, dtype=torch.float64), big, torch.tensor([-0.0])]
+    zeros = zero_parts([*ts, None])
+    assert zeroed(fingerprint_async(ts).parts(), zeros) == [0, 2, 3]
+    big[-1] = 1e-300
+    assert zeroed(fingerprint_async([big, torch.zeros(5)]).parts(), zeros) == []
+    # CUDA tensors' parts: their folds, zero for zeros (the size prefix alone says nothing).
+    cuda = b"\0cuda" + (12).to_bytes(8, "little")
+    assert zeroed([cuda + bytes(16), cuda + b"\1" + bytes(15), cuda], frozenset()) == [0]
 
 
 def test_a_rank_that_reused_some_tensors_only_is_stale_state() -> None:

@@ -108,6 +108,58 @@ def test_a_campaign_restarts_in_place_then_swaps_a_standby_and_ends_bitwise(
 
 
 @pytest.mark.multiprocess
+def test_a_dropped_gradient_restarts_in_place_and_a_dropped_output_is_found_by_audits(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """FAILURES.md's `drop`: rank 0's gradient of a weight zeroed at 4 is named by its zeros
+    (`grads_dropped`) and restarts in place, no standby taken (before: a plain `sdc`, its node
+    replaced). Rank 1's `linear1` output zeroed at 9 is averaged into both replicas' gradients by
+    the all-reduce, so the fingerprints agree: pressure audits every step when a campaign targets
+    outputs, and the audit names rank 1 (before: never found, and the run ended off the baseline)."""
+    drops = [
+        {
+            "incident_id": "01-drop-grad",
+            "trigger": {"at": [4]},
+            "faults": [
+                {
+                    "fault_id": "g",
+                    "type": "drop",
+                    "target": {
+                        "surface": "gradient",
+                        "rank": 0,
+                        "module_path": "blocks.layers.0.linear1.weight",
+                    },
+                }
+            ],
+        },
+        {
+            "incident_id": "02-drop-output",
+            "trigger": {"at": [9]},
+            "faults": [
+                {
+                    "fault_id": "o",
+                    "type": "drop",
+                    "target": {"surface": "output", "rank": 1, "module_path": "blocks.layers.0.linear1"},
+                }
+            ],
+        },
+    ]
+    c = _orchestrate(processes, tmp_path, _campaign(drops, total_steps=12))
+    assert c["exit_code"] == 0, c["log"]
+    assert c["passed"] and c["final_state_bitwise_equal_to_baseline"], c["log"]
+    gens = c["generations"]
+    assert [(g["failure_kind"], g["reason_code"]) for g in gens[:2]] == [
+        ("none", "startup"),
+        ("sdc", "grads_dropped"),
+    ], gens
+    assert gens[1]["admitted"] == [] and gens[1]["recovery_mode"] == "recovery_verified", gens
+    assert len(gens) == 3 and gens[2]["failure_kind"] == "sdc", gens
+    first, second = c["incidents"]
+    assert first["localized"] and first["action"] == first["expected_action"] == "restart", first
+    assert second["localized"] and second["kind_match"], second
+
+
+@pytest.mark.multiprocess
 def test_the_megatron_loop_survives_a_campaign_bitwise(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """`--framework megatron`: the model as two DDP chunks passed as a list. An exception restarts
     in place; a bit flip in the second chunk's gradient (`1.module.head.weight`, the chunks'

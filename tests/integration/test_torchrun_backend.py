@@ -388,15 +388,20 @@ def test_a_data_loader_stuck_while_its_peers_wait_is_a_data_stall_the_leader_res
     assert _equal(job.final(), baseline)
 
 
-def test_stale_state_named_by_scout_restarts_in_place_from_a_verified_step(
-    processes, tmp_path, baseline
+@pytest.mark.parametrize(
+    ("fault", "kind", "reason"), [("stale", "stale_state", "grads_reused"), ("drop", "sdc", "grads_dropped")]
+)
+def test_stale_or_dropped_state_named_by_scout_restarts_in_place_from_a_verified_step(
+    processes, tmp_path, baseline, fault: str, kind: str, reason: str
 ) -> None:  # type: ignore[no-untyped-def]
-    """Rank 1 steps with step 9's gradients at step 10. Two replicas cannot outvote each other, but
-    rank 1 holds exactly what both held one step before: stale state, not a faulty device. No
-    standby is taken; the job resumes from the newest verified step, before the fault, bitwise."""
-    job = Job(processes, tmp_path, "stale")
-    gens, ctx = _restarted_once(job, {"FAULT": "stale", "FAULT_RANK": "1", "FAULT_STEP": "10"})
-    assert ctx["failure_kind"] == "stale_state" and ctx["reason_code"] == "grads_reused", ctx
+    """Rank 1 steps with step 9's gradients at step 10 (stale), or with its gradients zeroed (a
+    bucket dropped). Two replicas cannot outvote each other, but rank 1 holds exactly what both
+    held one step before, or zeros where its replica holds values: the software's doing, not a
+    faulty device. No standby is taken (before, a drop quarantined rank 1's node); the job
+    resumes from the newest verified step, before the fault, bitwise."""
+    job = Job(processes, tmp_path, fault)
+    gens, ctx = _restarted_once(job, {"FAULT": fault, "FAULT_RANK": "1", "FAULT_STEP": "10"})
+    assert ctx["failure_kind"] == kind and ctx["reason_code"] == reason, ctx
     assert ctx["recovery_mode"] == "recovery_verified" and ctx["admitted"] == [], ctx
     assert len(ctx["culprits"]) == 1, ctx
     assert 0 < ctx["checkpoint_step"] < 10 and gens[1]["start"] == ctx["checkpoint_step"], (ctx, gens)

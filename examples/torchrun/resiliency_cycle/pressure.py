@@ -91,11 +91,15 @@ def expected_occurrences(c: Campaign, steps: int) -> list[tuple[str, int]]:
     return [(o.incident_id, o.iteration) for i in range(1, steps) for o in s.due(i)]
 
 
-def _policy(base: Path, report_dir: Path) -> Path:
-    """The example's policy with this run's report folder (a node-local setting)."""
+def _policy(base: Path, report_dir: Path, audit: bool = False) -> Path:
+    """The example's policy with this run's report folder (a node-local setting), and with `audit`
+    every step audited: a module's output damaged on one rank is averaged into every replica's
+    gradients by the all-reduce, so only an audit (a peer re-executing the rank's step) sees it."""
     lines = cluster.POLICY.read_text().splitlines()
     at = lines.index("[replay]") + 1
     lines.insert(at, f"report_dir = {json.dumps(str(report_dir))}")
+    if audit:
+        lines.insert(at, "audit_interval = 1")
     p = base / "policy.toml"
     p.write_text("\n".join(lines) + "\n")
     return p
@@ -198,7 +202,9 @@ def run_campaign(
         active + standby,
         steps,
         min_nodes=active,
-        policy=_policy(base, report_dir),
+        policy=_policy(
+            base, report_dir, any(f.target.surface == "output" for i in c.incidents for f in i.faults)
+        ),
         framework=framework,
         env=env,
         gpus=gpus,

@@ -22,7 +22,8 @@ rank computes identically from the same results. `SdcHistory` names a rank found
 second, different step: recurring SDC, a device to quarantine. `DivergenceTracker` says which
 disagreements only continue one already judged. `stale_verdict` tells a rank holding a neighbouring
 step's gradients, parameters or optimizer state (stale state: restart it) from one holding corrupted
-ones (SDC: a device to replace).
+ones (SDC: a device to replace); `dropped_verdict` one that holds zeros where its replicas do not
+(a dropped gradient: restart it).
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ from dataclasses import dataclass, field
 
 from lm_resiliency.core.scout.verdicts import STATE_NAMES, Verdict
 
-__all__ = ["DivergenceTracker", "ReplayOutcome", "SdcHistory", "replay_verdict", "stale_verdict"]
+__all__ = [
+    "DROPPED",
+    "DivergenceTracker",
+    "ReplayOutcome",
+    "SdcHistory",
+    "dropped_verdict",
+    "replay_verdict",
+    "stale_verdict",
+]
 
 
 @dataclass(frozen=True)
@@ -162,13 +171,7 @@ def stale_verdict(
                 "behind their replicas (a step skipped)",
             )
         )
-    known = {r: c for r, c in (reused or {}).items() if r in held and c[0] >= 0}
-    if v.kind == "sdc":
-        usual = Counter(c for r, c in known.items() if r not in v.ranks).most_common(1)
-        base = usual[0][0] if usual else None
-    else:
-        base = min(known.values()) if len(known) == len(members) else None
-    some = [r for r in v.ranks if base is not None and r in known and known[r][0] > base[0]]
+    known, base, some = _more_than_replicas(v, members, reused or {})
     signatures.append(
         (
             f"{what}_reused",
@@ -192,6 +195,55 @@ def stale_verdict(
     return v
 
 
+def _more_than_replicas(
+    v: Verdict, members: list[int], counts: Mapping[int, tuple[int, bytes]]
+) -> tuple[dict[int, tuple[int, bytes]], tuple[int, bytes] | None, list[int]]:
+    """Of the replicas' (how many tensors, digest of which) in `counts`: those known, the base to
+    count against (the count most of the ranks `v` does not suspect have; for an ambiguous `v`,
+    the fewest any replica has), and the ranks `v` suspects that have more than the base."""
+    known = {r: c for r, c in counts.items() if r in members and c[0] >= 0}
+    if v.kind == "sdc":
+        usual = Counter(c for r, c in known.items() if r not in v.ranks).most_common(1)
+        base = usual[0][0] if usual else None
+    else:
+        base = min(known.values()) if len(known) == len(members) else None
+    some = [r for r in v.ranks if base is not None and r in known and known[r][0] > base[0]]
+    return known, base, some
+
+
+DROPPED = "_dropped"  # the reason's suffix of a disagreement that is a dropped tensor (`dropped_verdict`)
+
+
+def dropped_verdict(v: Verdict, members: list[int], zeroed: Mapping[int, tuple[int, bytes]]) -> Verdict:
+    """`v`, an SDC (or ambiguous SDC) on gradients, parameters or optimizer state (its reason's
+    prefix), as a dropped tensor when the ranks it suspects hold only zeros in more tensors than
+    their replicas (`zeroed`: each replica's count of its tensors that hold only zeros, and a digest
+    of which; see `Evidence.zeroed`); else `v` itself.
+
+    A gradient bucket skipped or zeroed (a collective left out, a hook that returned zeros) is the
+    software's doing, not the device's: still `sdc` (the numbers are wrong; resume from a recovery-
+    verified step), but with the reason `<what>_dropped`, on which the leader restarts in place and
+    quarantines no node. Corruption of a device flips, scales or overwrites values; it does not
+    zero whole tensors. For an ambiguous `v` (two replicas) it names the replica that dropped, as
+    `stale_verdict` does, without a replay."""
+    what = v.reason.split("_", 1)[0]
+    if v.kind not in ("sdc", "sdc_ambiguous") or what not in STATE_NAMES:
+        return v
+    known, base, some = _more_than_replicas(v, members, zeroed)
+    whole = set(some) == set(v.ranks) if v.kind == "sdc" else 0 < len(some) < len(members)
+    if not some or not whole or base is None:
+        return v
+    more = ", ".join(str(known[r][0] - base[0]) for r in some)
+    return Verdict(
+        "sdc",
+        tuple(some),
+        v.step,
+        f"{what}{DROPPED}",
+        f"ranks {some} at step {v.step} hold only zeros in {more} more tensors of the "
+        f"{STATE_NAMES[what]} than their replicas: dropped (a bucket skipped or zeroed)",
+    )
+
+
 def _inconclusive(step: int, what: str, members: list[int], why: str) -> Verdict:
     return Verdict(
         "sdc_ambiguous",
@@ -210,8 +262,9 @@ class SdcHistory:
 
     def record(self, v: Verdict) -> Verdict | None:
         """Note an acted-on SDC verdict; returns a `recurring_sdc` verdict for ranks named at a
-        second distinct step (once per rank and step)."""
-        if v.kind != "sdc":
+        second distinct step (once per rank and step). A dropped tensor (`dropped_verdict`) is the
+        software's doing and says nothing of the device: not noted."""
+        if v.kind != "sdc" or v.reason.endswith(DROPPED):
             return None
         recurring = []
         for r in v.ranks:

@@ -119,6 +119,9 @@ for step, x in batches() if os.environ.get("LOADER") == "plain" else session.ins
         with torch.no_grad():
             p = next(model.parameters())
             p.grad.view(-1)[3] += 1.0  # after reduction: only this replica's copy changes
+    if fault == "drop" and rank == fault_rank and step == fault_step:
+        for p in model.parameters():  # a bucket dropped after the all-reduce: its gradients zeroed
+            p.grad.zero_()
     if fault == "stale" and rank == fault_rank:
         if step == fault_step:
             for p, g in zip(model.parameters(), kept, strict=True):
