@@ -369,3 +369,28 @@ def test_an_occurrence_a_recovery_undid_before_it_could_be_found_is_told_apart_f
     assert _rolled_back(got, "kept", 30, gens) is None
     assert _rolled_back(got, "early", 6, gens) == 1
     assert _rolled_back(got, "never", 8, gens) is None
+
+
+def test_the_policy_turns_on_what_a_campaigns_faults_need_to_be_seen(tmp_path: Path) -> None:
+    """A fault on an output needs audits (the all-reduce averages it into every replica); a byte
+    flipped in a held copy needs the scrub's checksums. Neither costs a campaign without them."""
+    from examples.torchrun.resiliency_cycle.pressure import _policy
+    from lm_resiliency.config import load_policy
+    from lm_resiliency.faults.campaign import parse_campaign
+
+    def policy(*faults: dict[str, Any]) -> Any:
+        incidents = [
+            {"incident_id": f"i{n}", "trigger": {"at": [3]}, "faults": [f]} for n, f in enumerate(faults)
+        ]
+        out = tmp_path / str(len(list(tmp_path.iterdir())))
+        out.mkdir()
+        return load_policy(_policy(out, tmp_path / "reports", parse_campaign(_campaign(incidents))))
+
+    plain = policy(SDC["faults"][0])
+    assert plain.replay.audit_interval == 0 and not plain.checkpoint.verify_integrity
+    assert plain.replay.report_dir == str(tmp_path / "reports")
+    both = policy(
+        {"fault_id": "o", "type": "drop", "target": {"surface": "output", "rank": 1}},
+        {"fault_id": "c", "type": "checkpoint_corruption", "target": {"surface": "checkpoint", "rank": 0}},
+    )
+    assert both.replay.audit_interval == 1 and both.checkpoint.verify_integrity

@@ -91,15 +91,22 @@ def expected_occurrences(c: Campaign, steps: int) -> list[tuple[str, int]]:
     return [(o.incident_id, o.iteration) for i in range(1, steps) for o in s.due(i)]
 
 
-def _policy(base: Path, report_dir: Path, audit: bool = False) -> Path:
-    """The example's policy with this run's report folder (a node-local setting), and with `audit`
-    every step audited: a module's output damaged on one rank is averaged into every replica's
-    gradients by the all-reduce, so only an audit (a peer re-executing the rank's step) sees it."""
+def _policy(base: Path, report_dir: Path, c: Campaign) -> Path:
+    """The example's policy with this run's report folder (a node-local setting), and what the
+    campaign's faults need to be seen at all:
+    - a module's output damaged on one rank is averaged into every replica's gradients by the
+      all-reduce: only an audit (a peer re-executing the rank's step) sees it, so every step is
+      audited;
+    - a byte flipped in a held copy is found by its checksums when a restore reads it; one that no
+      restore needs (its owner's next capture replaces it) only by `verify_integrity`."""
+    faults = [f for inc in c.incidents for f in inc.faults]
     lines = cluster.POLICY.read_text().splitlines()
     at = lines.index("[replay]") + 1
     lines.insert(at, f"report_dir = {json.dumps(str(report_dir))}")
-    if audit:
+    if any(f.target.surface == "output" for f in faults):
         lines.insert(at, "audit_interval = 1")
+    if any(f.type == "checkpoint_corruption" for f in faults):
+        lines.insert(lines.index("[checkpoint]") + 1, "verify_integrity = true")
     p = base / "policy.toml"
     p.write_text("\n".join(lines) + "\n")
     return p
@@ -202,9 +209,7 @@ def run_campaign(
         active + standby,
         steps,
         min_nodes=active,
-        policy=_policy(
-            base, report_dir, any(f.target.surface == "output" for i in c.incidents for f in i.faults)
-        ),
+        policy=_policy(base, report_dir, c),
         framework=framework,
         env=env,
         gpus=gpus,
