@@ -200,6 +200,9 @@ class Evidence(Message):
     # Per state, as `reused`: this rank's tensors that hold only zeros at this step. A gradient
     # dropped (a bucket skipped, zeroed) shows as more of them than its replicas hold.
     zeroed: tuple[tuple[int, bytes], ...] = ()
+    # The torch settings its numerics depend on as the step left them (as `Progress.settings`):
+    # compared at the same step on every replica, a drift is told at once (no flip in progress).
+    numerics: str = ""
 
 
 @register

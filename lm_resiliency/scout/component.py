@@ -74,6 +74,7 @@ from lm_resiliency.core.scout.verdicts import (
     desync_verdict,
     fingerprint_verdict,
     rest_verdict,
+    settings_verdict,
     unmarked_phase,
 )
 from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
@@ -180,7 +181,7 @@ KEEP_STEPS = 64
 
 # A step's evidence on its way: step, gradients, parameters, optimizer state, its layout, and
 # whether it is sent (not for the step before a check, kept only to count against).
-_Pending = tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None, bytes, bytes, bool]
+_Pending = tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None, bytes, bytes, str, bool]
 
 
 REUSED_ORDER = ("grads", "params", "optim")  # the states of `Evidence.reused`, in order
@@ -228,11 +229,12 @@ class EvidenceResolver:
         layout: bytes = b"",
         send: bool = True,
         settings: bytes = b"",
+        numerics: str = "",
     ) -> None:
         """`send=False`: the step before a checked one, whose fingerprints only serve the next
         evidence's count of tensors as they were (`Evidence.reused`)."""
         if not self._outstanding and all(f is None or f.ready() for f in (grads, params, optim)):
-            ev = self._evidence(step, grads, params, optim, layout, settings)
+            ev = self._evidence(step, grads, params, optim, layout, settings, numerics)
             if send:
                 self._submit(ev)
             return
@@ -244,7 +246,7 @@ class EvidenceResolver:
                     target=self._run, name=f"lm-resiliency-evidence{self.rank}", daemon=True
                 )
                 self._thread.start()
-        self._queue.put((step, grads, params, optim, layout, settings, send))
+        self._queue.put((step, grads, params, optim, layout, settings, numerics, send))
 
     def _evidence(
         self,
@@ -254,6 +256,7 @@ class EvidenceResolver:
         optim: Fingerprint | None,
         layout: bytes,
         settings: bytes = b"",
+        numerics: str = "",
     ) -> Evidence:
         parts = tuple(f.parts() if f is not None else () for f in (grads, params, optim))
         last, self._last = self._last, (step, parts)
@@ -270,6 +273,7 @@ class EvidenceResolver:
             else (),
             settings,
             tuple(_which(zeroed(p, zeros)) if p and zeros is not None else (-1, b"") for p in parts),
+            numerics,
         )
 
     def _run(self) -> None:
@@ -708,7 +712,9 @@ class Scout:
         settings = optimizer_settings(opt) if opt is not None else b""
         self._refresh_zeros(opt)
         # Gossiped (once the device's folds are on the host), and looped back to our own handlers.
-        self._evidence_out.offer(step, grads, params, optim, layout, settings=settings)
+        self._evidence_out.offer(
+            step, grads, params, optim, layout, settings=settings, numerics=numerics_settings()
+        )
 
     # -- runtime thread ---------------------------------------------------------------------------
     def _on_evidence(self, ev: Evidence) -> None:
@@ -733,6 +739,12 @@ class Scout:
         return self._live_of(self.peers)
 
     def _judge_fingerprints(self, step: int, per_step: dict[int, Evidence]) -> None:
+        # Torch settings as every replica's step left them: one that differs is a drift, no flip in
+        # progress (the heartbeat's gossip waits four heartbeats for that; a drift in a job's last
+        # seconds went unnamed).
+        drift = settings_verdict(step, {r: e.numerics for r, e in per_step.items()}, NUMERICS_KEYS)
+        if drift is not None:
+            self._report(drift, among_peers=True)
         held = {
             "grads": {r: e.grads for r, e in per_step.items()},
             "params": {r: e.params for r, e in per_step.items()},

@@ -513,13 +513,19 @@ def test_a_rank_whose_messages_are_dropped_is_named_while_it_lives(processes, tm
 
 
 @pytest.mark.multiprocess
-def test_a_node_whose_torch_settings_drift_is_named_by_the_gossip(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("at", "wait_s"), [(3, "30"), (11, "1")])
+def test_a_node_whose_torch_settings_drift_is_named_by_the_gossip(
+    processes, tmp_path: Path, at: int, wait_s: str
+) -> None:  # type: ignore[no-untyped-def]
     """config_drift: at iteration 3 every rank of rank 1's node (here, rank 1) turns cuDNN's
-    autotuning on, as a node started with another environment runs. Its progress gossip carries
-    its torch settings; both ranks name rank 1 `config_drift` (`settings_differ`), saying which
-    setting differs."""
-    c = _campaign({"type": "config_drift", "target": {"surface": "config", "rank": 1}})
-    per_rank = ({"AWAIT_REPORT_S": "30"}, {"AWAIT_REPORT_S": "30"})
+    autotuning on, as a node started with another environment runs. Its progress gossip and its
+    evidence of each step carry its torch settings; both ranks name rank 1 `config_drift`
+    (`settings_differ`), saying which setting differs. Also after the job's second-to-last step,
+    the ranks waiting 1 s for a report before they close: compared at the same step, the settings
+    of the last step tell it. Before, the gossip alone held a drift four heartbeats (2 s) before
+    naming it (a flip in progress on every rank looks the same for a heartbeat): never named."""
+    c = _campaign({"type": "config_drift", "target": {"surface": "config", "rank": 1}}, at=at)
+    per_rank = ({"AWAIT_REPORT_S": wait_s}, {"AWAIT_REPORT_S": wait_s})
     procs, _store = _start_pair(processes, tmp_path, c, 12, per_rank, nodes=True)
     for r, p in enumerate(procs):
         assert p.wait(90) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
