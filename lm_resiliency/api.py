@@ -1292,17 +1292,48 @@ class Session:
             self._reports.append(report)
             if _actionable(report, self._replace_on) or report.get("kind") == "process_failure":
                 self._last_fatal_report = time.monotonic()
-        # The user's callbacks and the report file, in order, off the runtime's event loop: a slow
-        # callback there would stop this rank's heartbeats and its peers would declare it dead.
-        self._callbacks.submit(self._write_report, report)
         # Hardware telemetry that is not fatal (thermal, throttling, NVLink counters) is reported,
         # never a reason for the leader to restart or replace a node.
         not_fatal = report.get("kind") == "hardware" and report.get("fatal") is False
-        if self._control is not None and _actionable(report, self._replace_on) and not not_fatal:
-            self._control.post_verdict(self.env.generation, report)
+        acted_on = _actionable(report, self._replace_on) and not not_fatal
+        ask = self._orchestration.restart_destination if self._orchestration is not None else None
+        # The user's callbacks and the report file, in order, off the runtime's event loop: a slow
+        # callback there would stop this rank's heartbeats and its peers would declare it dead.
+        if ask is not None and acted_on:
+            self._callbacks.submit(self._with_destination, ask, report)
+        else:
+            self._callbacks.submit(self._write_report, report)
+            if self._control is not None and acted_on:
+                self._control.post_verdict(self.env.generation, report)
         for cb in (self._fault_callback, self._orchestration.report_fault if self._orchestration else None):
             if cb is not None:
                 self._callbacks.submit(cb, dict(report))
+
+    def _with_destination(self, ask: Callable[[dict[str, Any]], str | None], report: dict[str, Any]) -> None:
+        """`OrchestrationHooks.restart_destination`: asked where the culprit's work should restart
+        (callbacks thread), its answer goes with the report (`restart_destination`) to the report
+        file and to the torchrun backend's leader: the culprit's own node restarts it in place, a
+        parked standby's id takes its slot (quarantining the culprit's node), None lets the policy
+        decide. An answer that is not a string, or a hook that raises, is logged and left out."""
+        try:
+            dest = ask(dict(report))
+        except Exception:
+            log.exception("rank %d: restart_destination hook raised; the policy decides", self.rank)
+            dest = None
+        if dest is not None and not isinstance(dest, str):
+            log.warning(
+                "rank %d: restart_destination returned %r, not a node id (str) or None: ignored",
+                self.rank,
+                dest,
+            )
+            dest = None
+        if dest:
+            with self._reports_lock:  # (the session's own list holds this dict: it shows the answer)
+                report["restart_destination"] = dest
+            log.info("rank %d: restart_destination for %s: %s", self.rank, report.get("kind"), dest)
+        self._write_report(report)
+        if self._control is not None:
+            self._control.post_verdict(self.env.generation, report)
 
     # -- public surface ---------------------------------------------------------------------------
     @property

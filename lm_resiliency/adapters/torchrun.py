@@ -793,6 +793,7 @@ class _Pulse:
         self._verdicts_read = (-1, 0)  # (generation, verdicts of it already applied)
         self._trails_judged = -1  # the last failed generation whose collective trails were compared
         self._kept: set[tuple[int, str, tuple[int, ...]]] = set()  # slow-job verdicts logged as kept
+        self._destinations_logged: set[tuple[int, str]] = set()  # restart_destinations not followed
         self._unfilled_since: float | None = None  # a restart waits for a lost node, no standby
         self._told_taken = False  # another agent took this node's id (logged once)
 
@@ -1009,6 +1010,7 @@ class _Pulse:
             ranks = [int(r) for r in v.get("failed_ranks", []) if isinstance(r, int)]
             culprits = {n for n in (_node_of_rank(s, r) for r in ranks) if n is not None}
             quarantine = _quarantines(v, h.replace_on) and bool(culprits)
+            quarantine, dest = self._destination(s, v, culprits, quarantine)
             if quarantine and kind == "network_partition" and len(s.standbys) < len(culprits):
                 # A node cut off from its peers' messages may be reachable again after a restart
                 # (a link that flapped); without a standby to take its slot, it keeps the slot.
@@ -1036,9 +1038,36 @@ class _Pulse:
                 fn = rs.replace_with_standbys
             log.warning("run %s: verdict %s on ranks %s -> %s", h.run_id, kind, ranks, sorted(culprits))
             error = str(v.get("error", ""))[:2000]
-            args = (s.generation, kind, str(v.get("reason", kind)), culprits, quarantine, error)
+            args = (s.generation, kind, str(v.get("reason", kind)), culprits, quarantine, error, dest)
             s = control.update(partial(_if_leader, me=h.node_id, fn=fn, args=args))
         return s
+
+    def _destination(
+        self, s: rs.RdzvState, v: dict[str, Any], culprits: set[str], quarantine: bool
+    ) -> tuple[bool, str]:
+        """(quarantine, standby to admit first) as a verdict's `restart_destination` says (an
+        orchestrator's answer, `OrchestrationHooks.restart_destination`): the culprit's own node
+        restarts it in place, a parked standby takes its slot; anything else is logged and the
+        policy decides."""
+        dest = v.get("restart_destination")
+        if not isinstance(dest, str) or not dest or not culprits:
+            return quarantine, ""
+        if culprits == {dest}:
+            return False, ""
+        if dest in s.standbys and dest not in s.excluded:
+            return True, dest
+        seen = (s.generation, dest)
+        if s.leader == self.h.node_id and seen not in self._destinations_logged:
+            self._destinations_logged.add(seen)
+            log.warning(
+                "run %s: restart_destination %r is neither the culprit's node %s nor a parked standby "
+                "(%s): the policy decides",
+                self.h.run_id,
+                dest,
+                sorted(culprits),
+                list(s.standbys),
+            )
+        return quarantine, ""
 
     def _plan(self, control: _Control, old: rs.RdzvState, new: rs.RdzvState) -> dict[str, Any]:
         """The step every rank of the new generation restores, from the workers' GEMINI inventories."""

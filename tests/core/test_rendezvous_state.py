@@ -159,6 +159,20 @@ def test_quarantined_culprit_is_excluded_and_replaced() -> None:
     assert rs.register(s, "b", "hb", 2, "pol").slots == s.slots  # coming back does not give it a slot
 
 
+def test_the_standby_an_orchestrator_chose_takes_the_slot_before_older_ones() -> None:
+    """`restart_destination` named standby d (c parked first): d takes b's slot, c stays parked.
+    Without a destination, or one that is not a live standby, the oldest does."""
+    s = _formed(["a", "b", "c", "d"])
+    chosen = rs.request_restart(s, 0, "sdc", "fingerprint_minority", ["b"], True, "", "d")
+    assert chosen.pending["destination"] == "d"
+    formed = rs.form(rs.arrive(rs.arrive(chosen, "a", 0), "b", 0), {"a", "b", "c", "d"})
+    assert formed.slots == ("a", "d") and formed.standbys == ("c",), formed
+    assert formed.history[-1]["admitted"] == [{"slot": 1, "node": "d"}] and formed.pending == {}
+    for dest in ("", "gone"):
+        plain = rs.request_restart(s, 0, "sdc", "fingerprint_minority", ["b"], True, "", dest)
+        assert rs.form(rs.arrive(rs.arrive(plain, "a", 0), "b", 0), {"a", "b", "c", "d"}).slots == ("a", "c")
+
+
 def test_a_culprit_no_standby_can_replace_restarts_in_place_instead_of_waiting_for_ever() -> None:
     """The only standby replaced b after an SDC; then a is found corrupt too. Nobody can take a's
     slot: a keeps it and the job restarts in place (before, the slot waited for a standby that was

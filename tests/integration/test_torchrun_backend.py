@@ -354,20 +354,28 @@ def test_a_mismatched_collective_that_kills_a_peer_names_the_rank_that_issued_it
     assert _equal(job.final(), base.final()), job.logs()[-6000:]
 
 
+@pytest.mark.parametrize("destination", ["", "culprit"])
 def test_optimizer_state_corrupted_before_the_schedulers_step_is_never_recovered(
-    processes, tmp_path, baseline
+    processes, tmp_path, baseline, destination: str
 ) -> None:  # type: ignore[no-untyped-def]
     """Rank 1 flips a bit of an Adam moment between its optimizer step 10 and the scheduler's, where
     the capture of step 10 is taken (the loop reads no instrumented loader). The state is judged as
     captured: two replicas disagree on optimizer state at step 10 and replay names rank 1. Its node
     is replaced and the job resumes from step 9, bitwise. Before, the fingerprints were taken at the
     optimizer's step: step 10 was certified with the flip in its capture, every restart resumed it,
-    and the run gave up."""
+    and the run gave up.
+
+    With an orchestrator's `restart_destination` hook that answers the culprit's own node, the
+    same restart is in place: no standby admitted (before, the hook was never called)."""
     job = Job(processes, tmp_path, "optstate")
     env = {"FAULT": "optstate", "FAULT_RANK": "1", "FAULT_STEP": "10", "LOADER": "plain"}
-    gens, ctx = _restarted_once(job, env)
+    gens, ctx = _restarted_once(job, {**env, "DESTINATION": destination})
     assert ctx["failure_kind"] == "sdc" and ctx["reason_code"] == "optim_replay_mismatch", ctx
-    assert ctx["recovery_mode"] == "recovery_verified" and len(ctx["admitted"]) == 1, ctx
+    assert ctx["recovery_mode"] == "recovery_verified", ctx
+    assert len(ctx["admitted"]) == (0 if destination else 1), ctx
+    if destination:
+        (culprit,) = ctx["culprits"]
+        assert f"restart_destination asked about sdc: {culprit}" in job.logs(), job.logs()[-6000:]
     assert ctx["checkpoint_step"] == 9 and gens[1]["start"] == 9, (ctx, gens)
     assert _equal(job.final(), baseline)
 

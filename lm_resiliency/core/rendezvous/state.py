@@ -171,10 +171,13 @@ def request_restart(
     culprits: Iterable[str] = (),
     quarantine: bool = False,
     error: str = "",
+    destination: str = "",
 ) -> RdzvState:
     """Generation `generation` failed. Requests about an older generation are already handled.
 
-    `error`: the failing worker's own words (its uncaught exception), when it said them."""
+    `error`: the failing worker's own words (its uncaught exception), when it said them.
+    `destination`: a parked standby the culprits' work should go to (an orchestrator's choice,
+    `OrchestrationHooks.restart_destination`): admitted before older standbys."""
     if s.phase == CLOSED or generation != s.generation:
         return s
     culprits = tuple(sorted(set(culprits)))
@@ -204,6 +207,8 @@ def request_restart(
     }
     if error:
         pending["error"] = error
+    if destination:
+        pending["destination"] = destination
     return replace(s, phase=RESTARTING, arrived=(), pending=pending, excluded=excluded)
 
 
@@ -215,6 +220,7 @@ def replace_with_standbys(
     culprits: Iterable[str] = (),
     quarantine: bool = True,
     error: str = "",
+    destination: str = "",
 ) -> RdzvState:
     """A verdict on a job that still trains (a straggler, a stall nobody waits on): its culprits'
     nodes are quarantined and replaced only while parked standbys can take every one of their
@@ -222,7 +228,7 @@ def replace_with_standbys(
     a node faster)."""
     if len(s.standbys) < len(set(culprits)):
         return s
-    return request_restart(s, generation, failure_kind, reason, culprits, quarantine, error)
+    return request_restart(s, generation, failure_kind, reason, culprits, quarantine, error, destination)
 
 
 def name_desync(
@@ -351,7 +357,8 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
             slots[i] = None
     cleared = replace(s, slots=tuple(slots))  # what is kept when not ready: holes, never admissions
     standbys = [n for n in s.standbys if n in live and n not in s.excluded]
-    standbys.sort(key=lambda n: s.nodes[n].arrival)
+    # The oldest first, after the one an orchestrator chose (`request_restart`'s destination).
+    standbys.sort(key=lambda n: (n != s.pending.get("destination"), s.nodes[n].arrival))
     admitted: list[tuple[int, str]] = []
     for i, n in enumerate(slots):
         if n is None and standbys:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lm_resiliency import InMemoryCkptConfig, ReplayHarnessConfig, enable_resiliency
+from lm_resiliency import InMemoryCkptConfig, OrchestrationHooks, ReplayHarnessConfig, enable_resiliency
 
 STEPS = int(os.environ.get("STEPS", "24"))
 dist.init_process_group("gloo")
@@ -43,9 +43,20 @@ torch.manual_seed(0)
 model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
+
+
+def _same_node(report: dict) -> str | None:
+    """An orchestrator's answer (DESTINATION=culprit): the culprit's own node, restarted in place."""
+    print(f"rank {rank} restart_destination asked about {report['kind']}: {report.get('node')}", flush=True)
+    return report.get("node")
+
+
 session = enable_resiliency(
     model,
     opt,
+    orchestration=OrchestrationHooks(restart_destination=_same_node)
+    if os.environ.get("DESTINATION") == "culprit"
+    else None,
     opt_param_scheduler=sched,
     interval=1,
     checkpoint=InMemoryCkptConfig(disk_flush_interval=10**6),
