@@ -778,7 +778,9 @@ class Session:
                 "local": list(inv.local),
                 "replicas": {o: list(s) for o, s in inv.replicas.items()},
                 "disk": list(inv.disk),
-                "certified": [s for s in inv.local if cert is not None and cert(s)],
+                "disk_store": gem.durable.store_id(),  # the same on every node: shared storage
+                # (durable copies too: see Gemini.inventory)
+                "certified": [s for s in sorted({*inv.local, *inv.disk}) if cert is not None and cert(s)],
                 "scout": cert is not None,
                 "group": group,  # whose certificates these are (verified_steps)
                 "topology": digest,

@@ -1100,6 +1100,12 @@ class _Pulse:
         if not invs:
             return plan
         keeps = {n for n in new.slots if n is not None and n in old.slots}  # same machine, same shm
+        # The durable tier's folder may be each node's own disk: a rank that stays finds it. When
+        # every node wrote to one folder (one id, several nodes), it is shared storage: a rank on a
+        # node new to the job finds its copies there too (before, such a restart found no step
+        # every rank held once the memory copies of the ranks had parted, and began from step 0).
+        stores = {str(inv.get("disk_store", "")) for inv in invs.values()}
+        shared = len(stores) == 1 and "" not in stores and len({_node_of_rank(old, r) for r in invs}) > 1
         local: dict[int, set[int]] = {}
         replicas: dict[int, dict[int, set[int]]] = {}
         disk: dict[int, set[int]] = {}
@@ -1107,9 +1113,10 @@ class _Pulse:
         groups: dict[int, list[int]] = {}
         for r, inv in invs.items():
             node = _node_of_rank(old, r)
-            if node in keeps and _node_of_rank(new, r) == node:
+            stays = node in keeps and _node_of_rank(new, r) == node
+            if stays:
                 local[r] = {int(x) for x in inv.get("local", [])}
-                # The durable tier's folder may be the node's own disk: a rank that stays finds it.
+            if stays or shared:
                 disk[r] = {int(x) for x in inv.get("disk", [])}
             if node in keeps:
                 replicas[r] = {int(o): {int(x) for x in st} for o, st in inv.get("replicas", {}).items()}

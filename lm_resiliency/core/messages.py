@@ -171,7 +171,7 @@ class GeminiInventory(Message):
     local: tuple[int, ...]
     replicas: dict[str, tuple[int, ...]]
     disk: tuple[int, ...] = ()
-    certified: tuple[int, ...] = ()  # the steps of `local` SCOUT certified (for the rank's group)
+    certified: tuple[int, ...] = ()  # the steps of `local` and `disk` SCOUT certified (for the rank's group)
 
 
 @register

@@ -38,6 +38,7 @@ from lm_resiliency.config import InMemoryCkptConfig, SCOUTFaultReport
 from lm_resiliency.core.auth import frame_digest
 from lm_resiliency.core.gemini.placement import replica_holders
 from lm_resiliency.core.gemini.recovery import RecoveryPlan, plan_recovery, verified_steps
+from lm_resiliency.core.membership import EventKind, MembershipEvent
 from lm_resiliency.core.messages import GeminiInventory, ReplicaRequest
 from lm_resiliency.core.taxonomy import VERIFIED_KINDS, kind_of
 from lm_resiliency.core.topology import Topology
@@ -239,6 +240,7 @@ class Gemini:
         self.stats = GeminiStats()
         self._replica_backoff = 0.0  # seconds replicas pause after a failed one (0: none failed)
         self._replicate_after = float("-inf")  # monotonic time the pause ends
+        self._holder_back_at = float("-inf")  # monotonic time the holder was last heard again
         self.disk_interval = disk_interval or config.disk_flush_interval
         self.durable = DurableStore(
             disk_folder or config.disk_folder, run_id, rank, keep_last, self._disk_due
@@ -316,6 +318,7 @@ class Gemini:
         self._verified: dict[Path, tuple[SlotHeader, list[bytes]]] = {}
         runtime.add_handler("rreq", self._on_replica_request)
         runtime.add_handler("ginv", self._on_inventory)
+        runtime.add_membership_listener(self._on_membership)
         self._inventories: dict[int, GeminiInventory] = {}
         self._inventory_seq = 0  # inventories computed to announce (see _announce)
         self._announced_at = time.monotonic()  # when one last went to peers (see _reannounce)
@@ -1495,7 +1498,7 @@ class Gemini:
             # replica slots mirror our slots (chosen after SCOUT's verdict, the same on every rank).
             "keeps": str(keeps),
         }
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.monotonic()
         last = self.stats.replication_s_last
         deadline = (
             min(REPLICA_TIMEOUT_S, max(REPLICA_MIN_TIMEOUT_S, 8 * last)) if last > 0 else REPLICA_TIMEOUT_S
@@ -1519,6 +1522,16 @@ class Gemini:
                 return
             if isinstance(exc, PeerLeft):  # the holder's session closed first (the job's end)
                 log.info("rank %d: replica of step %d not sent: %s", self.rank, header.step, exc)
+                return
+            if started < self._holder_back_at:  # sent while the holder was silent; it answers now
+                log.info(
+                    "rank %d: replica of step %d to rank %s failed while it was silent: %r; it is heard "
+                    "again, so replicas go on",
+                    self.rank,
+                    header.step,
+                    self.holder,
+                    exc,
+                )
                 return
             low, high = REPLICA_BACKOFF_S
             self._replica_backoff = min(high, max(low, 2 * self._replica_backoff))
@@ -1545,6 +1558,21 @@ class Gemini:
                 header.step,
                 ack.reason,
             )
+
+    def _on_membership(self, ev: MembershipEvent) -> None:
+        """The holder of this rank's replicas heard again after it was declared dead (its messages
+        were dropped, a link flapped): replicas resume with the next capture. Before, the pause a
+        failed replica began (doubling up to 60 s) ran its course: the holder's copies of this rank
+        stayed behind long after it answered again, and a node lost meanwhile resumed from an old
+        step, or from step 0 when no step older than that was held by every rank (loop thread)."""
+        if ev.kind is not EventKind.REJOINED or ev.peer != self.holder:
+            return
+        with self._lock:
+            paused = time.monotonic() < self._replicate_after
+            self._replicate_after, self._replica_backoff = float("-inf"), 0.0
+            self._holder_back_at = time.monotonic()
+        if paused:
+            log.info("rank %d: rank %d heard again: replicas resume", self.rank, ev.peer)
 
     def _acknowledged(self, fut: Any, timeout: float) -> Any:
         """The holder's acknowledgement of a replica, unless a capture that needs the replica's slot
@@ -1806,8 +1834,13 @@ class Gemini:
             local = tuple(sorted(set(self._own_step.values())))
             replicas = {str(o): tuple(sorted(set(s.values()))) for o, s in self._replica_step.items() if s}
             certifier = self.certifier
-            certified = tuple(s for s in local if certifier is not None and certifier(s))
-        return GeminiInventory(self.rank, local, replicas, tuple(sorted(self._on_disk)), certified)
+            disk = tuple(sorted(self._on_disk))
+            # Durable copies too: the ranks of a group keep different in-memory captures when their
+            # certificates differ (one whose messages were dropped certified what the others judged
+            # without it), and then a disk copy every rank wrote was the only step all of them held;
+            # left uncertified, a recovery-verified restart found none and began from step 0.
+            certified = tuple(s for s in sorted({*local, *disk}) if certifier is not None and certifier(s))
+        return GeminiInventory(self.rank, local, replicas, disk, certified)
 
     def _announce(self) -> None:
         """Hand the inventory on (gossip, the sink). Threads announce concurrently (the worker after a

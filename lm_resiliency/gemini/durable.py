@@ -5,15 +5,19 @@ Format (versioned, loadable with `torch.load(weights_only=True)`):
      "slot": uint8 tensor holding the committed slot file (header, payload, checksums)}
 Files are `<folder>/<run_id>/step-<step>/rank-<rank>.pt`, written to a temporary name, fsynced and
 renamed, so a reader sees a whole file or none. A failing disk raises `DurableError`; the caller
-reports it and training goes on with the memory tiers.
+reports it and training goes on with the memory tiers. The run's folder holds `.store-id`, a random
+id the first writer gave it: ranks on different nodes that report the same id write to the same
+storage, so a rank restarted on another node finds its copies there too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
+import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +30,8 @@ from lm_resiliency.runtime.shm import CorruptSlot, SlotHeader, parse_header
 __all__ = ["FORMAT", "DurableError", "DurableStore", "path_name"]
 
 FORMAT = "lm_resiliency.gemini.slot/1"
+STORE_ID = ".store-id"  # in the run's folder: its id (see DurableStore.store_id)
+log = logging.getLogger(__name__)
 
 
 class DurableError(OSError):
@@ -57,6 +63,34 @@ class DurableStore:
         self.regular = regular if regular is not None else (lambda step: True)
         self.pruned: list[int] = []  # the steps the last write removed
         self._failing: list[int] = []  # errnos the next writes fail with (see fail_writes)
+        self._store_id = ""
+
+    def store_id(self) -> str:
+        """The id of the run's folder, written there by the first rank that wrote a copy into it:
+        the same for every rank whose folder is the same one (shared storage), different for
+        node-local disks; "" while none is known (nothing written, or the folder unreadable)."""
+        if not self._store_id:
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                self._store_id = (self.root / STORE_ID).read_text().strip()
+        return self._store_id
+
+    def _name_store(self) -> None:
+        """The folder's id, unless it has one (`store_id`): a file linked into place, so that of
+        ranks naming it at once (on several nodes of a shared file system) one wins, whole."""
+        target = self.root / STORE_ID
+        if self.store_id():
+            return
+        tmp = self.root / f"{STORE_ID}.tmp{os.getpid()}-{self.rank}"
+        try:
+            tmp.write_text(uuid.uuid4().hex)
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, target)
+        except OSError as exc:  # an id is a hint for restarts on other nodes; the copy is written
+            log.warning("rank %d: cannot name the durable folder %s: %s", self.rank, self.root, exc)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        self.store_id()
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step:010d}" / f"rank-{self.rank:05d}.pt"
@@ -101,6 +135,7 @@ class DurableStore:
                 exc.errno, f"durable checkpoint of step {step} to {final} failed: {exc.strerror or exc}"
             ) from exc
         self.pruned = self._prune(step) if self.regular(step) else []
+        self._name_store()
         return final
 
     @staticmethod

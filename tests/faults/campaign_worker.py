@@ -63,6 +63,7 @@ def main() -> None:
             "skipped_busy": gem.stats.skipped_busy,
             "replication_failures": gem.stats.replication_failures,
             "newest": gem.newest_recoverable_step("latest"),
+            "replicas": {o: list(steps) for o, steps in gem.inventory().replicas.items()},
         }
     session.close()
     out = os.path.join(os.environ["RESULT_DIR"], f"rank{rank}.json")

@@ -673,7 +673,12 @@ def test_replicas_that_get_no_answer_pause_instead_of_stalling_every_capture(
     waiting CAPTURE_WAIT_S for it, and replicas pause while local captures go on: none skipped.
     Before, each transfer pinned its slot until its deadline (120 s once, then 10 s at least),
     and every capture meanwhile waited 2 s for a slot and was skipped (2-3 a rank here): the job
-    crawled, and the ranks' copies fell apart until no step was held by every rank."""
+    crawled, and the ranks' copies fell apart until no step was held by every rank.
+
+    Once rank 0 hears rank 1 again, its replicas go on with the next capture: rank 1 holds rank 0's
+    copies of the last steps. Before, the pause ran its course (5 s, then 10 s after the retry
+    whose acknowledgement the drop took), past the job's end: rank 1's copy of rank 0 stayed
+    hundreds of steps behind, and a node lost then resumed from there."""
     fault = {
         "type": "message_drop",
         "target": {"surface": "process", "rank": 1},
@@ -691,3 +696,5 @@ def test_replicas_that_get_no_answer_pause_instead_of_stalling_every_capture(
     for r in range(2):
         log = (tmp_path / f"rank{r}.log").read_text()
         assert "the next capture needed its slot" in log and "replicas pause for 5 s" in log, log[-3000:]
+    held = json.loads((tmp_path / "rank1.json").read_text())["gemini"]["replicas"]
+    assert max(held.get("0", [-1])) >= 1150, held

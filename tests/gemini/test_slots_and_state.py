@@ -414,6 +414,7 @@ def test_a_flush_never_costs_the_cadence_steps_and_pruning_leaves_no_debris(tmp_
         store.write(step, memoryview(b"x" * 100))
     assert store.steps(partial=True) == [16, 20]
     assert sorted(p.name for p in root.joinpath("run").iterdir()) == [
+        ".store-id",  # the folder's id (shared storage: DurableStore.store_id)
         "step-0000000004",  # rank 1's copies are still in these two
         "step-0000000008",
         "step-0000000016",
@@ -1082,6 +1083,44 @@ def test_with_several_replica_groups_the_capture_kept_is_one_every_group_certifi
         assert gem.inventory().certified == (8, 12)
     finally:
         gem.close()
+
+
+def test_a_durable_copy_of_a_certified_step_is_certified_in_the_inventory(tmp_path: Path) -> None:
+    """Step 4 went to disk and SCOUT certified it; memory holds 5 and 6 by now. The inventory
+    says 4 is certified too: when the ranks of a group keep different captures in memory (one
+    whose messages were dropped certified what the others judged without it), a disk copy every
+    rank wrote may be the only step all of them hold. Before, only steps in memory were said
+    certified, and a recovery-verified restart found none and began from step 0 (an outsider run:
+    a 15 s message drop on one rank, then an SDC on another node)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    gem = lone_gemini(tmp_path, model, None, disk_interval=4)
+    gem.certifier = lambda step: True
+    try:
+        for step in range(1, 7):
+            assert gem.capture(step) and gem.drain(10)
+        inv = gem.inventory()
+        assert inv.disk == (4,) and 4 not in inv.local, inv
+        assert inv.certified == (4, 5, 6), inv
+    finally:
+        gem.close()
+
+
+def test_the_durable_folder_has_one_id_for_every_rank_that_writes_to_it(tmp_path: Path) -> None:
+    """Ranks writing to one folder (shared storage) report one id, whoever wrote first; another
+    folder (a node's own disk) has another. None before anything is written."""
+    from lm_resiliency.gemini.durable import DurableStore
+
+    blob = memoryview(bytes(64))
+    a, b = (DurableStore(str(tmp_path / "shared"), "run", r) for r in (0, 1))
+    other = DurableStore(str(tmp_path / "local"), "run", 0)
+    assert a.store_id() == "" and not (tmp_path / "shared").exists()
+    b.write(4, blob)
+    a.write(4, blob)
+    other.write(4, blob)
+    assert a.store_id() == b.store_id() != "" and other.store_id() not in ("", a.store_id())
+    assert DurableStore(str(tmp_path / "shared"), "run", 2).store_id() == a.store_id()  # a restart
+    assert sorted(p.name for p in (tmp_path / "shared" / "run").iterdir()) == [".store-id", "step-0000000004"]
 
 
 def test_the_restart_note_carries_the_failure_kind_to_the_next_generation(tmp_path: Path) -> None:

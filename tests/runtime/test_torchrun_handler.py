@@ -569,6 +569,41 @@ def test_the_leader_restores_only_a_step_every_replica_group_certified() -> None
     assert plan["checkpoint_step"] == 13, plan
 
 
+@pytest.mark.parametrize(("stores", "step"), [(("s1", "s1"), 50), (("s1", "s2"), -1), (("", ""), -1)])
+def test_a_rank_on_a_new_node_restores_from_a_durable_folder_every_node_shares(
+    stores: tuple[str, str], step: int
+) -> None:
+    """Node b (rank 1) is replaced by standby c after an SDC. The ranks' memory
+    copies hold no step in common (their certificates parted while rank 0's messages were
+    dropped); every rank wrote step 50 to disk. When both nodes' folders carry the same id
+    (shared storage), rank 1's copy there is found from its new node: the restart restores 50.
+    Node-local disks (different ids, or none written) leave it out, as before: no step."""
+    node = {n: rs.NodeInfo(n, i, "127.0.0.1", 1) for i, n in enumerate("abc")}
+    old = rs.RdzvState(
+        "nonce", 2, 3, generation=0, slots=("a", "b"), nodes=node, pending={"failure_kind": "sdc"}
+    )
+    new = dataclasses.replace(old, slots=("a", "c"))
+
+    class Store:
+        def json_get(self, key: str) -> Any:
+            r = int(key.rsplit("/", 1)[1])
+            return {
+                "local": [60, 61] if r == 0 else [15, 61],
+                "replicas": {},
+                "disk": [50],
+                "disk_store": stores[r],
+                "certified": [50, 60] if r == 0 else [15],
+                "scout": True,
+                "group": [0, 1],
+                "topology": "t",
+            }
+
+    plan = tr._Pulse._plan(None, Store(), old, new)  # type: ignore[arg-type]
+    assert plan["checkpoint_step"] == step, plan
+    if step >= 0:
+        assert plan["checkpoint_source"] == "durable" and plan["sources"] == ["disk"], plan
+
+
 def _trail_run() -> tuple[rs.RdzvState, dict[str, Any], dict[str, Any]]:
     """3 active nodes a, b, c (ranks 0-2) and a standby d, generation 0 running; a trail of rank
     states, and one that entered another collective at the second state."""
