@@ -15,7 +15,7 @@ from lm_resiliency.core.scout.replay import (
     stale_verdict,
 )
 from lm_resiliency.core.scout.verdicts import Verdict
-from lm_resiliency.scout.fingerprint import fingerprint, fingerprint_async, zero_parts, zeroed
+from lm_resiliency.scout.fingerprint import device_fold, fingerprint, fingerprint_async, zero_parts, zeroed
 from lm_resiliency.scout.replay import (
     ReplayRecorder,
     optimizer_tensors,
@@ -225,9 +225,16 @@ def test_zero_parts_tell_which_tensors_hold_only_zeros() -> None:
     assert zeroed(fingerprint_async(ts).parts(), zeros) == [0, 2, 3]
     big[-1] = 1e-300
     assert zeroed(fingerprint_async([big, torch.zeros(5)]).parts(), zeros) == []
-    # CUDA tensors' parts: their folds, zero for zeros (the size prefix alone says nothing).
-    cuda = b"\0cuda" + (12).to_bytes(8, "little")
-    assert zeroed([cuda + bytes(16), cuda + b"\1" + bytes(15), cuda], frozenset()) == [0]
+    # CUDA tensors' parts: their size, then their folds (here folded on the CPU, as on the
+    # device), zero for zeros only; the size prefix alone (folds not on the host) says nothing.
+    bit = torch.zeros(70000)
+    bit.view(torch.int32)[12345] = 1
+
+    def on_device(t: torch.Tensor) -> bytes:
+        return b"\0cuda" + t.numel().to_bytes(8, "little") + device_fold(t).numpy().tobytes()
+
+    parts = [on_device(t) for t in (torch.zeros(1000, 77), bit, torch.tensor([-0.0]), torch.ones(3))]
+    assert zeroed([*parts, b"\0cuda" + (12).to_bytes(8, "little")], frozenset()) == [0]
 
 
 def test_a_rank_that_reused_some_tensors_only_is_stale_state() -> None:

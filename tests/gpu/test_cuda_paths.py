@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lm_resiliency.gemini.copier import CudaCopier, copier_for
-from lm_resiliency.scout.fingerprint import device_fold, fingerprint, fingerprint_async
+from lm_resiliency.scout.fingerprint import device_fold, fingerprint, fingerprint_async, zeroed
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -124,6 +124,21 @@ def test_async_fingerprints_equal_the_synchronous_ones_and_never_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert pending.result() == want and pending.ready()
+
+
+def test_device_fingerprints_tell_the_tensors_that_hold_only_zeros() -> None:
+    """A dropped gradient on the device: its folds are zero (SCOUT's `Evidence.zeroed`), those of
+    a tensor with anything else in it (one bit, -0.0, a bfloat16 value) are not."""
+    dev = torch.device("cuda")
+    ts = [
+        torch.zeros(1000, 77, device=dev),
+        torch.ones(3, device=dev),
+        torch.zeros(5, dtype=torch.bfloat16, device=dev),
+    ]
+    bit = torch.zeros(70000, device=dev)
+    bit.view(torch.int32)[12345] = 1
+    ts += [bit, torch.tensor([-0.0], device=dev)]
+    assert zeroed(fingerprint_async(ts).parts(), frozenset()) == [0, 2]
 
 
 def test_cuda_training_killed_and_resumed_is_bitwise_equal(tmp_path) -> None:  # type: ignore[no-untyped-def]
