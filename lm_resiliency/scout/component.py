@@ -602,9 +602,18 @@ class Scout:
         """The step to record for an audit, when the step about to run is one."""
         step = self._session_step() + 1
         interval = self.config.audit_interval
-        if self._audit_state == "off" or step % interval or self._paused():
+        if self._audit_state == "off" or step % interval or self._paused() or self._apart():
             return None
         return step
+
+    def _apart(self) -> bool:
+        """Whether the replicas' parameters disagreed at the newest check judged: until a recovery
+        they stay apart (an SDC after the all-reduce, a dropped gradient), and an auditor replaying
+        a peer's step on its own parameters would find it different whoever is right. Before, each
+        audited step until the restart was named an inconclusive SDC of both replicas (four of
+        them in a campaign whose dropped gradient the job was restarting for)."""
+        params = self._judged_before[1].get("params", {})
+        return len(set(params.values())) > 1
 
     def _dense_due(self, index: int, rounds: int) -> int | None:
         """The step to record for dense unit `index`: every `rounds`-th audited step, the units
@@ -950,7 +959,9 @@ class Scout:
         if self._unreplicated and self._audit_state != "off":
             self._mark_open(self._audits_open, step)  # closed when every peer's result came
         finding, detail = "skipped", "audits off" if self._audit_state == "off" else "peer not live"
-        if target is not None and target in live and self._audit_state != "off":
+        if self._apart():  # (see _audit_due; recorded before the divergence was judged)
+            detail = "the replicas' parameters are apart"
+        elif target is not None and target in live and self._audit_state != "off":
             got = self._await_package(step, target)
             if got is None:
                 detail = "no package arrived"

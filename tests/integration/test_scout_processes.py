@@ -374,6 +374,19 @@ def test_the_rank_that_dropped_its_gradients_is_named_by_their_zeros(
         assert res["faults"][0]["confidence"] == 1.0 and "hold only zeros" in res["faults"][0]["detail"]
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_audits_pause_while_the_replicas_parameters_are_apart(processes, tmp_path: Path, world: int) -> None:  # type: ignore[no-untyped-def]
+    """Every step audited; rank 1 drops its gradients at step 6 and its parameters part from its
+    replicas' for good (nothing restarts this job). The drop is named once. Before, every audit
+    after it replayed a peer's step on parameters that differ and accused someone: an inconclusive
+    SDC of both ranks at each step (two replicas), and with four, rank 1 named again and again,
+    as recurring SDC (a device to quarantine)."""
+    results, _ = _run(processes, tmp_path, "drop", steps=14, culprit=1, at=6, world=world, audit=1)
+    for res in results:
+        faults = [(f["kind"], f["failed_ranks"], f["steps"], f["reason"]) for f in res["faults"]]
+        assert faults == [("sdc", [1], [6], "grads_dropped")], res["faults"]
+
+
 @pytest.mark.parametrize(
     ("world", "scenario", "reason", "interval"),
     [
