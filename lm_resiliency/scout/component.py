@@ -542,6 +542,7 @@ class Scout:
         self._divergence = DivergenceTracker(self.interval)  # disagreements that continue a judged one
         # The last judged step's fingerprints, by what they cover ("grads", "params", "optim").
         self._judged_before: tuple[int, dict[str, dict[int, bytes]]] = (-1, {})
+        self._params_apart = False  # the parameters disagreed at the newest check judged
         # Evidence, audit and replay results and link reports are judged by the replica group
         # alone, phase times and votes by the peer group (its superset): only their members get them
         # (job-wide gossip grows with the job). Progress stays job-wide; hangs are judged among peers
@@ -612,8 +613,7 @@ class Scout:
         a peer's step on its own parameters would find it different whoever is right. Before, each
         audited step until the restart was named an inconclusive SDC of both replicas (four of
         them in a campaign whose dropped gradient the job was restarting for)."""
-        params = self._judged_before[1].get("params", {})
-        return len(set(params.values())) > 1
+        return self._params_apart
 
     def _dense_due(self, index: int, rounds: int) -> int | None:
         """The step to record for dense unit `index`: every `rounds`-th audited step, the units
@@ -760,6 +760,7 @@ class Scout:
             "optim": {r: e.optim for r, e in per_step.items() if e.optim},
         }
         before, self._judged_before = self._judged_before, (step, held)
+        self._params_apart = len(set(held["params"].values())) > 1  # (read by _apart)
         verdict = fingerprint_verdict(step, "grads", held["grads"])
         if verdict is None and self._diverged_at is not None:
             return  # the reduced gradients agree; the rest differs by the script's doing: not judged
