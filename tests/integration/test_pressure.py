@@ -53,6 +53,25 @@ SLOW = {
 }
 
 
+def _pace(ranks: int, delay_ms: int, iterations: int) -> dict[str, Any]:
+    """An incident that makes every rank's step take `delay_ms` longer from iteration 1 for
+    `iterations` iterations, as a real model's steps would take (no straggler: all alike)."""
+    return {
+        "incident_id": "00-pace",
+        "trigger": {"at": [1]},
+        "lifetime": {"iterations": iterations},
+        "faults": [
+            {
+                "fault_id": f"pace{r}",
+                "type": "delay",
+                "target": {"surface": "compute", "rank": r},
+                "parameters": {"delay_ms": delay_ms},
+            }
+            for r in range(ranks)
+        ],
+    }
+
+
 def _orchestrate(
     processes, tmp_path: Path, campaign: dict[str, Any], framework: str = "pytorch", nodes: int = 3
 ) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -120,20 +139,7 @@ def test_a_dropped_gradient_restarts_in_place_and_a_dropped_output_is_found_by_a
     audited until the first restart was named an inconclusive SDC of both ranks). The first
     generation's steps take 300 ms, as a real model's would, so that its restart comes before
     iteration 12 (else the output's fault fell in the generation it rolled back)."""
-    pace = {
-        "incident_id": "00-pace",
-        "trigger": {"at": [1]},
-        "lifetime": {"iterations": 10},
-        "faults": [
-            {
-                "fault_id": f"pace{r}",
-                "type": "delay",
-                "target": {"surface": "compute", "rank": r},
-                "parameters": {"delay_ms": 300},
-            }
-            for r in range(2)
-        ],
-    }
+    pace = _pace(ranks=2, delay_ms=300, iterations=10)
     drops = [
         pace,
         {
@@ -221,20 +227,7 @@ def test_a_node_cut_off_while_it_trains_is_replaced_then_a_lost_rank_resumes_fro
     generation after. Before, the job crawled while its replicas to the silent rank hung, so the
     cut-off came first; once they no longer held it up, the loss came first, and one restart
     covered both.)"""
-    pace = {
-        "incident_id": "00-pace",
-        "trigger": {"at": [1]},
-        "lifetime": {"iterations": 39},
-        "faults": [
-            {
-                "fault_id": f"pace{r}",
-                "type": "delay",
-                "target": {"surface": "compute", "rank": r},
-                "parameters": {"delay_ms": 600},
-            }
-            for r in range(3)
-        ],
-    }
+    pace = _pace(ranks=3, delay_ms=600, iterations=39)
     mute = {
         "incident_id": "01-silent",
         "trigger": {"at": [3]},
