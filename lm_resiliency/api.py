@@ -30,6 +30,8 @@ from lm_resiliency._sigwatch import SigtermWatch
 from lm_resiliency.adapters.base import NUMERICS_KEYS, AdapterTopology, StepTimes, numerics_settings
 from lm_resiliency.adapters.detect import FRAMEWORKS, detect_framework
 from lm_resiliency.config import (
+    DAMAGE_FAILURES,
+    DEFAULT_RESTART_IN_PLACE_ON,
     REPLACE_ONLY_FAILURES,
     DurableCheckpointConfig,
     Environment,
@@ -74,15 +76,15 @@ BACKEND_ACTIONABLE = frozenset(
 )
 
 
-def _actionable(report: dict[str, Any], replace_on: frozenset[str] = frozenset()) -> bool:
+def _actionable(report: dict[str, Any], also_on: frozenset[str] = frozenset()) -> bool:
     """Whether the torchrun backend's leader acts on `report` (it is posted to it): a failure kind,
-    peers waiting on a rank, or a slow-job kind (REPLACE_ONLY_FAILURES) the run's policy replaces
-    nodes for (`replace_on`)."""
+    peers waiting on a rank, or a kind the job trains on through (a slow job, REPLACE_ONLY_FAILURES;
+    damage, DAMAGE_FAILURES) that the run's policy replaces nodes for or restarts on (`also_on`)."""
     kind = report.get("kind")
     reason = str(report.get("reason", ""))
     return (
         kind in BACKEND_ACTIONABLE
-        or kind in replace_on
+        or kind in also_on
         or reason.endswith(PEERS_WAIT)
         # Torch settings drifted on some ranks (a restart starts them as the job's others); not
         # optimizer settings stepped differently by the script, which a restart would repeat.
@@ -444,8 +446,9 @@ class Session:
         self._reports_lock = threading.Lock()
         self._callbacks = _CallbackThread()
         self._control: Any = None  # ControlChannel under the torchrun backend
-        # Slow-job verdict kinds the run's policy replaces a node for: posted to its leader too.
-        self._replace_on: frozenset[str] = frozenset()
+        # Kinds the job trains on through that the run's policy replaces a node for or restarts on
+        # (`[recovery]`): posted to its leader too.
+        self._also_on: frozenset[str] = frozenset(DEFAULT_RESTART_IN_PLACE_ON)
         self._context: dict[str, Any] | None = None  # the backend's restart context, when restarted
         self._closed = False
         self._detection_paused = False
@@ -759,13 +762,19 @@ class Session:
         self._control = channel
         if self.env.worker_config_path:  # the policy every node runs (the agents compared digests)
             try:
-                replace_on = load_policy(self.env.worker_config_path).recovery.replace_node_on
+                recovery = load_policy(self.env.worker_config_path).recovery
             except (OSError, ConfigError) as exc:  # the agent read it at startup: it changed since
                 log.warning(
-                    "rank %d: worker policy unreadable, slow-job verdicts only reported: %s", self.rank, exc
+                    "rank %d: worker policy unreadable, slow-job and damage reports only reported: %s",
+                    self.rank,
+                    exc,
                 )
+                self._also_on = frozenset()
             else:
-                self._replace_on = frozenset(replace_on) & frozenset(REPLACE_ONLY_FAILURES)
+                self._also_on = frozenset((*recovery.replace_node_on, *recovery.restart_in_place_on)) & {
+                    *REPLACE_ONLY_FAILURES,
+                    *DAMAGE_FAILURES,
+                }
         gem = self.gemini
         if gem is None:
             return
@@ -1292,12 +1301,12 @@ class Session:
     def _emit_fault(self, report: dict[str, Any]) -> None:
         with self._reports_lock:
             self._reports.append(report)
-            if _actionable(report, self._replace_on) or report.get("kind") == "process_failure":
+            if _actionable(report, self._also_on) or report.get("kind") == "process_failure":
                 self._last_fatal_report = time.monotonic()
         # Hardware telemetry that is not fatal (thermal, throttling, NVLink counters) is reported,
         # never a reason for the leader to restart or replace a node.
         not_fatal = report.get("kind") == "hardware" and report.get("fatal") is False
-        acted_on = _actionable(report, self._replace_on) and not not_fatal
+        acted_on = _actionable(report, self._also_on) and not not_fatal
         ask = self._orchestration.restart_destination if self._orchestration is not None else None
         # The user's callbacks and the report file, in order, off the runtime's event loop: a slow
         # callback there would stop this rank's heartbeats and its peers would declare it dead.

@@ -340,18 +340,32 @@ FAILURE_ACTIONS = (
     "data_stall",
     "checkpoint_stall",
 )
-# Verdicts on a job that still trains (slowly): reported, and acted on only where the policy says to
-# replace the culprit's node (`recovery.replace_node_on`) and a standby can take its slot; a restart
-# in place would not make the node faster.
+# Verdicts on a job that still trains (slowly): replaced where the policy says to replace the
+# culprit's node (`recovery.replace_node_on`) and a standby can take its slot; otherwise restarted in
+# place once where `recovery.restart_in_place_on` lists them, else only reported.
 REPLACE_ONLY_FAILURES = ("straggler", "data_stall", "checkpoint_stall")
+# Damage the memory tiers outlive (a checkpoint copy that fails its checks, a durable tier that
+# fails, a chunk corrupted in flight): the job trains on. Restarted in place once where
+# `recovery.restart_in_place_on` lists them (the restart recovers from a copy that passes its checks
+# and captures anew), else only reported.
+DAMAGE_FAILURES = ("checkpoint_corruption", "io_error", "payload_corruption")
+# What FAILURES.md's resiliency cycle does for them: a slow rank (a `delay`), a damaged copy, a failing
+# disk, a corrupted payload restart once; a checkpoint-I/O stall is only reported.
+DEFAULT_RESTART_IN_PLACE_ON = ("straggler", "data_stall", *DAMAGE_FAILURES)
 
 
 @dataclass(frozen=True)
 class RecoveryPolicyConfig:
-    """What the torchrun backend's leader does per failure kind: the kinds listed replace the
-    culprit's node with a standby (and quarantine it); every other kind restarts in place, except
-    the slow-job kinds (REPLACE_ONLY_FAILURES: straggler, data_stall, checkpoint_stall), which are
-    only reported unless listed here, and even then only when a standby is parked."""
+    """What the torchrun backend's leader does per failure kind.
+
+    `replace_node_on`: the kinds that replace the culprit's node with a standby (and quarantine
+    it); every other failure restarts in place. A slow-job kind (REPLACE_ONLY_FAILURES: straggler,
+    data_stall, checkpoint_stall) listed there replaces only while a standby is parked.
+
+    `restart_in_place_on`: kinds on which the job still trains (slow-job kinds not replaced, and
+    DAMAGE_FAILURES) that restart the worker group in place, once per run for the same kind and
+    culprit nodes (a recurrence is only reported: a second restart would not fix what the first did
+    not). Unlisted, they are only reported."""
 
     replace_node_on: tuple[str, ...] = (
         "sdc",
@@ -360,12 +374,21 @@ class RecoveryPolicyConfig:
         "network_partition",
         "collective_desync",
     )
+    restart_in_place_on: tuple[str, ...] = DEFAULT_RESTART_IN_PLACE_ON
 
     def __post_init__(self) -> None:
         for kind in self.replace_node_on:
             if kind not in FAILURE_ACTIONS:
                 raise ConfigError(
                     "recovery.replace_node_on", f"unknown failure kind {kind!r} (known: {FAILURE_ACTIONS})"
+                )
+        known = (*REPLACE_ONLY_FAILURES, *DAMAGE_FAILURES)
+        for kind in self.restart_in_place_on:
+            if kind not in known:
+                raise ConfigError(
+                    "recovery.restart_in_place_on",
+                    f"{kind!r} is not a kind the job trains on through (those: {known}; every other "
+                    "failure restarts in place or replaces a node already)",
                 )
 
 

@@ -60,7 +60,7 @@ from torch.distributed.elastic.rendezvous import (  # noqa: E402
 from torch.distributed.elastic.rendezvous.api import RendezvousError  # noqa: E402
 
 from lm_resiliency._proc import continue_stopped_children  # noqa: E402
-from lm_resiliency.config import REPLACE_ONLY_FAILURES  # noqa: E402
+from lm_resiliency.config import DAMAGE_FAILURES, DEFAULT_RESTART_IN_PLACE_ON, REPLACE_ONLY_FAILURES  # noqa: E402
 from lm_resiliency.core.gemini.recovery import memory_checkpoint_id, plan_recovery, verified_steps  # noqa: E402
 from lm_resiliency.core.rendezvous import state as rs  # noqa: E402
 from lm_resiliency.core.scout.replay import DROPPED  # noqa: E402
@@ -153,16 +153,21 @@ def parse_conf(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def policy_digest(path: str | None) -> tuple[str, tuple[str, ...]]:
-    """Digest of the parsed worker policy (whitespace and key order do not matter) and its
-    failure kinds that replace a node."""
+def policy_digest(path: str | None) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """Digest of the parsed worker policy (whitespace and key order do not matter), its failure
+    kinds that replace a node, and the kinds a job trains on through that restart it in place."""
     if not path:
-        return "", DEFAULT_REPLACE_ON
+        return "", DEFAULT_REPLACE_ON, DEFAULT_RESTART_IN_PLACE_ON
     from lm_resiliency.config import load_policy, policy_to_dict
 
     policy = load_policy(path)
     canon = json.dumps(policy_to_dict(policy), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest(), tuple(policy.recovery.replace_node_on)
+    recovery = policy.recovery
+    return (
+        hashlib.sha256(canon.encode()).hexdigest(),
+        tuple(recovery.replace_node_on),
+        tuple(recovery.restart_in_place_on),
+    )
 
 
 def node_identity() -> str:
@@ -346,7 +351,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         self.join_timeout_s = self.conf["lm_resiliency_join_timeout_ms"] / 1000.0
         self.context_path = Path(self.conf["lm_resiliency_restart_context_path"])
         self.worker_config = self.conf.get("lm_resiliency_worker_config")
-        self.policy_digest, self.replace_on = policy_digest(self.worker_config)
+        self.policy_digest, self.replace_on, self.restart_on = policy_digest(self.worker_config)
         self.local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or _nproc_from_argv()
         # Who this agent is, for the node id it claims in the run (see _claim_node_id).
         self.refused_seen = ""  # the last agent refused this node's id that was logged here
@@ -1019,10 +1024,19 @@ class _Pulse:
                 )
                 quarantine = False
             fn: Callable[..., rs.RdzvState] = rs.request_restart
-            if kind in REPLACE_ONLY_FAILURES and not str(v.get("reason", "")).endswith(PEERS_WAIT):
-                # The job still trains: a restart in place would not make the node faster. (A
+            trains_on = kind in DAMAGE_FAILURES or (
+                kind in REPLACE_ONLY_FAILURES and not str(v.get("reason", "")).endswith(PEERS_WAIT)
+            )
+            if trains_on:
+                # The job still trains (slowly, or with a damaged copy the memory tiers outlive): a
+                # standby takes a slow node's slot where the policy says so and one is parked; else
+                # a restart in place, once (`restart_in_place_on`); else it is only reported. (A
                 # stall its peers wait on has stopped the job: that one restarts as a failure.)
-                if not quarantine or len(s.standbys) < len(culprits):
+                if quarantine and len(s.standbys) >= len(culprits) and kind in REPLACE_ONLY_FAILURES:
+                    fn = rs.replace_with_standbys
+                elif kind in h.restart_on and culprits and not rs.restarted_for(s, kind, culprits):
+                    quarantine, dest = False, ""
+                else:
                     seen = (s.generation, kind, tuple(sorted(ranks)))  # every rank posts its copy
                     if s.leader == h.node_id and seen not in self._kept:
                         self._kept.add(seen)
@@ -1032,10 +1046,13 @@ class _Pulse:
                             kind,
                             ranks,
                             sorted(culprits),
-                            "no standby to replace it" if quarantine else "recovery.replace_node_on lacks it",
+                            "restarted for it once already"
+                            if kind in h.restart_on
+                            else "no standby to replace it"
+                            if quarantine
+                            else "recovery.replace_node_on and restart_in_place_on lack it",
                         )
                     continue
-                fn = rs.replace_with_standbys
             log.warning("run %s: verdict %s on ranks %s -> %s", h.run_id, kind, ranks, sorted(culprits))
             error = str(v.get("error", ""))[:2000]
             args = (s.generation, kind, str(v.get("reason", kind)), culprits, quarantine, error, dest)

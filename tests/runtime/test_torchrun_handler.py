@@ -399,21 +399,25 @@ def _restarting(group: _Agents, store: Any) -> rs.RdzvState:
     return s  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("listed", [True, False])
-def test_a_slow_node_is_replaced_only_when_the_policy_lists_its_kind(
-    tmp_path: Path, store: Any, listed: bool
+@pytest.mark.parametrize("policy", ["replace", "default", "report"])
+def test_a_slow_node_is_replaced_or_restarted_as_the_policy_says(
+    tmp_path: Path, store: Any, policy: str
 ) -> None:
-    """A confirmed straggler (the job still trains) is acted on only where the policy says to
-    replace its node: before, workers never posted such verdicts, so `replace_node_on =
-    ["straggler"]` was accepted and did nothing. Unlisted, it is only reported: the data-loader
-    stall posted after it, which its peers wait on (the job stopped), is what restarts the job, in
-    place."""
+    """A confirmed straggler (the job still trains) replaces its node where `replace_node_on` lists
+    its kind and a standby is parked. By default (`restart_in_place_on`, FAILURES.md's action for a
+    `delay`) it restarts the group in place, nobody quarantined: before, it was only reported and
+    the campaign's delay ended in no action. With neither, it is only reported: the data-loader
+    stall posted after it, which its peers wait on (the job stopped), is what restarts the job."""
     from lm_resiliency.runtime.control import ControlChannel
 
-    kinds = "['sdc', 'straggler']" if listed else "['sdc']"
-    policy = tmp_path / "policy.toml"
-    policy.write_text(f"schema_version = 1\n[recovery]\nreplace_node_on = {kinds}\n")
-    group = _Agents(store, tmp_path, lm_resiliency_worker_config=str(policy))
+    text = {
+        "replace": "replace_node_on = ['sdc', 'straggler']\n",
+        "default": "replace_node_on = ['sdc']\n",
+        "report": "replace_node_on = ['sdc']\nrestart_in_place_on = []\n",
+    }[policy]
+    path = tmp_path / "policy.toml"
+    path.write_text(f"schema_version = 1\n[recovery]\n{text}")
+    group = _Agents(store, tmp_path, lm_resiliency_worker_config=str(path))
     ch = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
     try:
         slow = {"kind": "straggler", "straggler_type": "compute", "failed_ranks": [1], "confidence": 1.0}
@@ -422,9 +426,12 @@ def test_a_slow_node_is_replaced_only_when_the_policy_lists_its_kind(
         ch.post_verdict(0, stopped)
         assert ch.flush(10)
         s = _restarting(group, store)
-        if listed:
+        if policy == "replace":
             assert s.pending["failure_kind"] == "straggler" and s.pending["culprits"] == ["b"], s.pending
             assert s.excluded == {"b": "straggler"}
+        elif policy == "default":
+            assert s.pending["failure_kind"] == "straggler" and s.pending["culprits"] == ["b"], s.pending
+            assert s.excluded == {} and not s.pending["quarantine"]
         else:
             assert s.pending["failure_kind"] == "data_stall" and s.pending["culprits"] == ["a"], s.pending
             assert s.excluded == {}
@@ -436,8 +443,9 @@ def test_a_slow_node_is_replaced_only_when_the_policy_lists_its_kind(
     assert group.exits == {"c": 0}
 
 
-def test_workers_post_slow_job_verdicts_only_when_the_policy_replaces_nodes_for_them() -> None:
+def test_workers_post_what_the_job_trains_through_only_where_the_policy_acts_on_it() -> None:
     from lm_resiliency.api import _actionable
+    from lm_resiliency.config import DEFAULT_RESTART_IN_PLACE_ON, ConfigError, RecoveryPolicyConfig
 
     slow = {"kind": "straggler", "failed_ranks": [1], "straggler_type": "compute"}
     assert not _actionable(slow)  # reported to the script's callbacks, not to the leader
@@ -447,6 +455,33 @@ def test_workers_post_slow_job_verdicts_only_when_the_policy_replaces_nodes_for_
     # Ranks left waiting in mismatched collectives: before, no action, and the job waited for the
     # process group's timeout.
     assert _actionable({"kind": "collective_desync", "failed_ranks": [1]})
+    # By default a slow rank, a damaged checkpoint copy, a failing disk and a chunk corrupted in
+    # flight restart in place (FAILURES.md); a slow checkpoint write is only reported.
+    default = frozenset(RecoveryPolicyConfig().restart_in_place_on)
+    assert default == frozenset(DEFAULT_RESTART_IN_PLACE_ON)
+    for kind in ("straggler", "data_stall", "checkpoint_corruption", "io_error", "payload_corruption"):
+        assert _actionable({"kind": kind, "failed_ranks": [1]}, default), kind
+    assert not _actionable({"kind": "checkpoint_stall", "failed_ranks": [1]}, default)
+    with pytest.raises(ConfigError, match=r"restart_in_place_on.*'hang'"):
+        RecoveryPolicyConfig(restart_in_place_on=("hang",))
+
+
+def test_a_kind_the_job_trains_through_restarts_in_place_once_per_culprit() -> None:
+    """A second straggler verdict on the node a restart was already made for is only reported (a
+    restart in place did not make it faster, another will not); another node, or another kind on
+    the same node, restarts."""
+    node = {n: rs.NodeInfo(n, i, "127.0.0.1", 2) for i, n in enumerate("ab")}
+    s = rs.RdzvState("nonce", 2, 2, generation=1, phase=rs.RUNNING, slots=("a", "b"), nodes=node, leader="a")
+    s = dataclasses.replace(
+        s,
+        history=(
+            {"generation": 1, "failure_kind": "straggler", "reason": "compute_straggler", "culprits": ["b"]},
+        ),
+    )
+    assert rs.restarted_for(s, "straggler", {"b"})
+    assert not rs.restarted_for(s, "straggler", {"a"})
+    assert not rs.restarted_for(s, "straggler", {"a", "b"})
+    assert not rs.restarted_for(s, "io_error", {"b"})
 
 
 def test_a_slow_node_without_a_standby_keeps_training() -> None:
@@ -796,7 +831,8 @@ def test_monitor_shows_the_runs_nodes_copies_incidents_and_generations(
         ):
             ch.publish_inventory(r, doc)
             assert ch.flush(10)
-        ch.post_verdict(0, {"kind": "straggler", "failed_ranks": [3], "reason": "slow_compute"})
+        # (a slow checkpoint write: only reported, the run stays as it is)
+        ch.post_verdict(0, {"kind": "checkpoint_stall", "failed_ranks": [3], "reason": "slow_write"})
         assert ch.flush(10)
         assert (
             main(["monitor", endpoint, "--run-id", "unit-run", "--once", "--json", "--interval", "0.3"]) == 0
@@ -820,7 +856,7 @@ def test_monitor_shows_the_runs_nodes_copies_incidents_and_generations(
         assert ranks[2]["newest"] == 5 and ranks[2]["replicated"] == [4] and ranks[2]["node"] == "b"
         assert ranks[1] == {"rank": 1, "node": "a", "inventory": False}
         assert ranks[3]["inventory"] and ranks[3]["local"] == [] and ranks[3]["newest"] == -1
-        assert [(v["kind"], v["failed_ranks"]) for v in snap["incidents"]] == [("straggler", [3])]
+        assert [(v["kind"], v["failed_ranks"]) for v in snap["incidents"]] == [("checkpoint_stall", [3])]
         assert [(d["generation"], d["reason"], d["slots"]) for d in snap["decisions"]] == [
             (0, "startup", ["a", "b"])
         ]
@@ -834,7 +870,7 @@ def test_monitor_shows_the_runs_nodes_copies_incidents_and_generations(
         c_line = [ln for ln in text.splitlines() if ln.startswith("c ")]
         assert not c_line or " SILENT " in c_line[0], text
         assert [ln.split()[:3] for ln in text.splitlines() if ln.startswith("a ")] == [["a", "slot", "0*"]]
-        assert "straggler          ranks 3" in text and "g0: none (startup)" in text
+        assert "checkpoint_stall   ranks 3" in text and "g0: none (startup)" in text
     finally:
         ch.close()
         tr._Control(store, "unit-run").update(rs.close)

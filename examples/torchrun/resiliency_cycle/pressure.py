@@ -280,6 +280,7 @@ def run_campaign(
             "rolled_back_before_found": sum(
                 1 for i in incidents if i["rolled_back_by_generation"] is not None
             ),
+            "actions_as_expected": sum(1 for i in incidents if i["action"] == i["expected_action"]),
         },
         "finished": finished,
         "final_state_bitwise_equal_to_baseline": equal,

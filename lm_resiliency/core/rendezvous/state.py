@@ -480,6 +480,16 @@ def _error_type(pending: Mapping[str, Any]) -> str:
     return str(pending.get("error", "")).split(":", 1)[0][:80]
 
 
+def restarted_for(s: RdzvState, failure_kind: str, culprits: Iterable[str]) -> bool:
+    """Whether a generation of this run was already restarted for `failure_kind` on exactly these
+    nodes (the history's last 64 generations): a kind the job trains on through (a slow rank, a
+    damaged copy) restarts in place once; a second restart would not fix what the first did not."""
+    nodes = sorted(set(culprits))
+    return any(
+        h.get("failure_kind") == failure_kind and sorted(h.get("culprits", ())) == nodes for h in s.history
+    )
+
+
 def repeat_offender(s: RdzvState) -> str | None:
     """The node to quarantine instead of restarting it in place again: the one culprit of this
     restart's process failure, when the restart that published the failing generation was the
