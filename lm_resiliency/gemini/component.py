@@ -83,6 +83,9 @@ CAPTURE_WAIT_S = 2.0  # the longest a capture waits for a free slot before it is
 # peers' until no step was held by every rank. A capture that waited CAPTURE_WAIT_S for the slot a
 # replica pins gives that replica up (see Gemini.capture): the deadline bounds the wait only when no
 # capture needs the slot.
+# Between durable copies, the durable folder is probed with a byte this often (on the commit after it):
+# a disk that turns read-only or full is reported within seconds, not at the next copy.
+DISK_PROBE_S = 2.0
 REPLICA_TIMEOUT_S = 120.0
 REPLICA_MIN_TIMEOUT_S = 10.0
 REPLICA_BACKOFF_S = (5.0, 60.0)
@@ -246,6 +249,10 @@ class Gemini:
             disk_folder or config.disk_folder, run_id, rank, keep_last, self._disk_due
         )
         self._on_disk: set[int] = set()
+        # The durable folder is probed with a byte every DISK_PROBE_S between its copies; a failure
+        # is reported when the last probe or write went well (not every few seconds while it lasts).
+        self._probe_after = time.monotonic() + DISK_PROBE_S
+        self._disk_failing = False
         # Reentrant: the SIGTERM handler runs on the training thread, possibly inside capture().
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
@@ -1478,6 +1485,8 @@ class Gemini:
         self.stats.captures += 1
         if self._disk_due(header.step):
             self._write_durable(slot, header)
+        elif time.monotonic() >= self._probe_after:
+            self._probe_durable()
         self._announce()
         with self._lock:
             self._announced[k] = header.step
@@ -1593,6 +1602,23 @@ class Gemini:
             with self._lock:
                 self._replica_wake = None
 
+    def _probe_durable(self) -> None:
+        """Between copies, whether the durable folder still takes a write (see DurableStore.probe):
+        a disk that turned read-only or full is reported as `io_error` within DISK_PROBE_S of a
+        capture, once until a probe or a copy succeeds again."""
+        self._probe_after = time.monotonic() + DISK_PROBE_S
+        try:
+            self.durable.probe()
+        except DurableError as exc:
+            self.stats.disk_errors += 1
+            self.stats.last_disk_error = str(exc)
+            if not self._disk_failing:
+                self._disk_failing = True
+                log.error("rank %d: %s; memory tiers keep the run recoverable", self.rank, exc)
+                self._fault("io_error", "durable_probe_failed", str(exc), endpoint_id=str(self.durable.root))
+            return
+        self._disk_failing = False
+
     def _write_durable(self, slot: SlotFile, header: SlotHeader) -> bool:
         if header.step in self._on_disk:
             return True
@@ -1612,7 +1638,9 @@ class Gemini:
             self.stats.last_disk_error = str(exc)
             log.error("rank %d: %s; memory tiers keep the run recoverable", self.rank, exc)
             self._fault("io_error", "durable_write_failed", str(exc), endpoint_id=str(self.durable.root))
+            self._disk_failing = True
             return False
+        self._disk_failing = False
         self._on_disk.add(header.step)
         self._on_disk -= set(self.durable.pruned)  # what the write pruned is no longer held
         self.stats.disk_writes += 1

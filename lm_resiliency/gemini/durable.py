@@ -100,6 +100,28 @@ class DurableStore:
         I/O error, confined to this rank's writer (the folder and its files stay as they are)."""
         self._failing += [code] * max(0, count)
 
+    def probe(self) -> None:
+        """Whether the folder takes a write now: a byte written to a file of this rank's, closed and
+        removed (no fsync: microseconds). Raises DurableError naming the folder and the error. A
+        read-only or full file system (or a campaign's I/O error, which a probe consumes as one of
+        the next writes) shows here within seconds instead of at the next copy, which the disk
+        cadence may write only minutes later."""
+        probe = self.root / f".probe-rank-{self.rank:05d}"
+        try:
+            if self._failing:
+                code = self._failing.pop(0)
+                raise OSError(code, f"{os.strerror(code)} (injected)")
+            self.root.mkdir(parents=True, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"\0")
+            probe.unlink()
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                probe.unlink(missing_ok=True)
+            raise DurableError(
+                exc.errno, f"durable folder {self.root} takes no write: {exc.strerror or exc}"
+            ) from exc
+
     def write(self, step: int, slot_bytes: memoryview) -> Path:
         final = self.path(step)
         tmp = final.with_name(final.name + f".tmp{os.getpid()}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import threading
@@ -1525,3 +1526,43 @@ def test_an_inventory_lost_on_the_way_reaches_peers_once_the_rank_stops_capturin
             gem.close()
         for rt in rts:
             rt.close()
+
+
+def test_a_disk_that_fails_between_copies_is_reported_by_the_probe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The durable folder is probed with a byte between copies: a folder that takes no write (a
+    file in its place here, as root writes through permissions; or a campaign's I/O error) is
+    reported as `io_error` at the next capture, once while it lasts, and again after a probe went
+    well. Before, nothing showed until the disk cadence's next copy (100 steps by default)."""
+    import lm_resiliency.gemini.component as component
+    from lm_resiliency.gemini.durable import DurableError, DurableStore
+
+    store = DurableStore(str(tmp_path / "ok"), "r", 3)
+    store.probe()  # a folder that takes writes: nothing left in it
+    assert [p.name for p in store.root.iterdir()] == []
+    store.fail_writes(1)
+    with pytest.raises(DurableError, match="takes no write: Input/output error"):
+        store.probe()
+    store.probe()  # the injected error was the next write's, once
+
+    monkeypatch.setattr(component, "DISK_PROBE_S", 0.0)
+    model = torch.nn.Linear(8, 8)
+    faults: list[dict[str, Any]] = []
+    gem = lone_gemini(tmp_path / "shm", model, None, on_fault=faults.append, disk_interval=100)
+    try:
+        blocked = tmp_path / "blocked"
+        blocked.write_text("not a folder")
+        gem.durable = DurableStore(str(blocked), "r", 0)
+        for step in (1, 2, 3):
+            assert gem.capture(step) and gem.drain(10)
+        assert [(f["kind"], f["reason"]) for f in faults] == [("io_error", "durable_probe_failed")]
+        assert str(blocked) in faults[0]["detail"] and gem.stats.disk_errors == 3
+        gem.durable = DurableStore(str(tmp_path / "fine"), "r", 0)
+        assert gem.capture(4) and gem.drain(10)
+        gem.durable.fail_writes(1, errno.EROFS)
+        assert gem.capture(5) and gem.drain(10)
+        assert [f["reason"] for f in faults] == ["durable_probe_failed"] * 2
+        assert "Read-only file system" in faults[1]["detail"] and gem.inventory().local == (4, 5)
+    finally:
+        gem.close()
