@@ -615,6 +615,8 @@ class Session:
         state, its skipped steps count); a scheduler, whose state could not be restored (recovery
         happened inside enable_resiliency), is named in the log. Once per session."""
         self._first_forward.remove()
+        if self.gemini is not None:  # iterators made from now on are no restored ones made again
+            self.gemini.iterators.first_step()
         try:
             self._adopt_late_state()
         except Exception:  # a look for late objects must never fail the script's forward
@@ -1674,6 +1676,8 @@ class _TimedLoader:
         restored state then goes on: the random numbers after it are the uninterrupted run's."""
         import torch
 
+        from lm_resiliency.gemini.iterators import untracked
+
         began = self._position(self.name, None)  # a restored capture's iterator, once
         after = None
         if began is not None:
@@ -1682,7 +1686,8 @@ class _TimedLoader:
         else:
             began = torch.get_rng_state()
         try:
-            it = iter(self._loader)
+            with untracked():  # (GEMINI's watch of other loaders' iterators leaves this one alone)
+                it = iter(self._loader)
         finally:
             if after is not None:
                 torch.set_rng_state(after)

@@ -46,6 +46,7 @@ from lm_resiliency.errors import CheckpointMismatchError, DiscoveryError, Shared
 from lm_resiliency.gemini.copier import Completion, Copier, SyncCopier, copier_for
 from lm_resiliency.gemini.durable import DurableError, DurableStore, path_name
 from lm_resiliency.gemini.hygiene import owner_pid, reclaim_stale_runs, write_owner
+from lm_resiliency.gemini.iterators import IteratorWatch
 from lm_resiliency.gemini.state import (
     TensorSpec,
     apply_state,
@@ -207,6 +208,10 @@ class Gemini:
         # next iter() (the session's proxy makes it at that state).
         self._fetch_loaders: Callable[[], dict[str, Any]] | None = None
         self.restored_loaders: dict[str, torch.Tensor] = {}
+        # DataLoader iterators the loop makes (not through an instrumented loader): the RNG state
+        # each was made at goes with a capture, and a resumed loop's makes them again at it.
+        self.iterators = IteratorWatch()
+        self.iterators.install()
         self.extra_state_fn, self.load_extra_state_fn = extra_state_fn, load_extra_state_fn
         self.config = config
         self.interval = config.interval or interval
@@ -807,6 +812,7 @@ class Gemini:
             if self.scaler is None and "scaler" in state:  # for one made later (adopt_scaler)
                 self._restored_scaler = scaler_values(state["scaler"])
             self.restored_loaders = loader_positions(state.get("loaders"))
+            self.iterators.restore(state.get("iterators"))
             del state, tensors, payload
         finally:
             if close:
@@ -937,6 +943,9 @@ class Gemini:
         out: dict[str, Any] = {"rng": rng_state()}
         if self.extra_state_fn is not None:
             out["extra"] = copy.deepcopy(self.extra_state_fn())
+        iterators = self.iterators.snapshot()
+        if iterators:
+            out["iterators"] = iterators
         return out
 
     def on_fetch(self, loaders: Callable[[], dict[str, Any]] | None = None) -> None:
@@ -1175,6 +1184,7 @@ class Gemini:
         `end`: parts of the state as they were when the step ended, taken earlier (_volatile_state)."""
 
         t0 = time.perf_counter()
+        self.iterators.first_step(draw=False)  # a step ran since a restore: iterators made now are new
         with self._idle:
             # A slot still being committed or replicated is busy. Wait briefly for one (backpressure
             # when the worker lags), then skip this capture rather than stall training for long.
@@ -1238,6 +1248,10 @@ class Gemini:
             self.model, self.optimizer, self.scheduler, self.extra_state_fn, step, self.scaler
         )
         state.update(end or {})
+        if end is None or "rng" not in end:  # (else taken with the step's end state)
+            iterators = self.iterators.snapshot()
+            if iterators:
+                state["iterators"] = iterators
         if self._fetch_loaders is not None:
             state["loaders"] = self._fetch_loaders()
         skeleton, tensors, specs = flatten(state)
@@ -2044,6 +2058,7 @@ class Gemini:
             return
         self._take_deferred()
         self._closed = True
+        self.iterators.uninstall()
         for h in self._hooks:
             h.remove()
         if self.scheduler is not None:

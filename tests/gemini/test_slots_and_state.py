@@ -1566,3 +1566,35 @@ def test_a_disk_that_fails_between_copies_is_reported_by_the_probe(
         assert "Read-only file system" in faults[1]["detail"] and gem.inventory().local == (4, 5)
     finally:
         gem.close()
+
+
+def test_the_iterator_watch_skips_malformed_records_and_loaders_with_their_own_generator(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A capture's `iterators` entry that is not (shape, RNG state, ended) is left out with a
+    warning, never raised into a restore; a DataLoader with its own `generator=` draws from it, and
+    the watch neither records it nor touches the global RNG around it."""
+    from torch.utils.data import DataLoader
+
+    from lm_resiliency.gemini.iterators import IteratorWatch
+
+    watch = IteratorWatch()
+    watch.install()
+    try:
+        bad = torch.zeros(3, dtype=torch.uint8)  # not an RNG state's size
+        watch.restore([{"shape": 1}, "x", {"shape": "a", "torch": bad}, {"shape": "a", "ended": "no"}])
+        assert caplog.text.count("malformed: not used") == 4
+        watch.first_step()  # nothing made, nothing to draw
+        own = DataLoader(list(range(8)), batch_size=2, generator=torch.Generator().manual_seed(0))
+        before = torch.get_rng_state()
+        kept = iter(own)
+        assert torch.equal(torch.get_rng_state(), before) and watch.snapshot() == []
+        plain = DataLoader(list(range(8)), batch_size=2)
+        it = iter(plain)
+        (entry,) = watch.snapshot()
+        assert torch.equal(entry["torch"], before) and entry["ended"] is False
+        assert entry["shape"] == "list/SequentialSampler/2/4"
+        assert len(list(it)) == 4 and watch.snapshot()[0]["ended"] is True
+        del kept
+    finally:
+        watch.uninstall()

@@ -334,6 +334,63 @@ def test_a_second_open_session_in_one_process_is_refused() -> None:
         assert second.step_count == 0
 
 
+@pytest.mark.parametrize(
+    ("at", "style"),
+    [(4, "skip"), (10, "skip"), (10, "next_epoch")],
+    ids=["mid-epoch", "epoch-end-skipped", "epoch-end"],
+)
+def test_a_plain_data_loader_made_again_on_resume_draws_what_the_uninterrupted_run_drew(
+    tmp_path: Path, at: int, style: str
+) -> None:
+    """The same, for a DataLoader the loop iterates itself (not instrumented), as most scripts do:
+    resumed mid-epoch (the loop makes the epoch's iterator again and skips 4 batches), or where
+    epoch 0 ended (it makes epoch 0's again and skips all of it, or goes on to epoch 1 at once).
+    The uninterrupted run drew once for epoch 1's iterator after the capture; the resumed one draws
+    as often. Before, mid-epoch and epoch-end-skipped drew once more, and dropout shifted."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    data = TensorDataset(torch.randn(40, 8, generator=torch.Generator().manual_seed(0)))
+    ckpt = InMemoryCkptConfig(run_id=f"plain-loader-{at}-{style}", disk_folder=str(tmp_path / "disk"))
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader, DistributedSampler]:  # type: ignore[type-arg]
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, opt, DataLoader(data, batch_size=4, sampler=sampler), sampler
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: list[torch.Tensor]) -> None:
+        loss = model(batch[0]).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    model, opt, loader, sampler = build(0)
+    with enable_resiliency(model, opt, interval=1, checkpoint=ckpt, enable_detection=False) as s:
+        batches = iter(loader)
+        for _ in range(at):
+            step(model, opt, next(batches))
+        assert s.gemini is not None and s.gemini.drain(30)
+    for batch in batches:  # the uninterrupted run goes on: the rest of epoch 0, then epoch 1
+        step(model, opt, batch)
+    sampler.set_epoch(1)
+    for batch in loader:
+        step(model, opt, batch)
+    want = [p.detach().clone() for p in model.parameters()]
+
+    model2, opt2, loader2, sampler2 = build(1)  # another init: everything comes from the capture
+    with enable_resiliency(model2, opt2, interval=1, checkpoint=ckpt, enable_detection=False) as s2:
+        assert s2.recovered_step == at
+        if style == "skip":
+            for i, batch in enumerate(loader2):  # the loop skips to its position
+                if i >= at:
+                    step(model2, opt2, batch)
+        sampler2.set_epoch(1)
+        for batch in loader2:
+            step(model2, opt2, batch)
+    assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
+
+
 def test_a_loop_that_iterates_its_data_loader_again_on_resume_draws_what_it_drew_before(
     tmp_path: Path,
 ) -> None:
