@@ -365,7 +365,7 @@ class RecoveryPolicyConfig:
     `restart_in_place_on`: kinds on which the job still trains (slow-job kinds not replaced, and
     DAMAGE_FAILURES) that restart the worker group in place, once per run for the same kind and
     culprit nodes (a recurrence is only reported: a second restart would not fix what the first did
-    not). Unlisted, they are only reported."""
+    not), and RESTART_IN_PLACE_MAX (3) times per kind at most. Unlisted, they are only reported."""
 
     replace_node_on: tuple[str, ...] = (
         "sdc",

@@ -1046,7 +1046,7 @@ class _Pulse:
                             kind,
                             ranks,
                             sorted(culprits),
-                            "restarted for it once already"
+                            "restarted for it already"
                             if kind in h.restart_on
                             else "no standby to replace it"
                             if quarantine

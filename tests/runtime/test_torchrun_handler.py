@@ -469,7 +469,7 @@ def test_workers_post_what_the_job_trains_through_only_where_the_policy_acts_on_
 def test_a_kind_the_job_trains_through_restarts_in_place_once_per_culprit() -> None:
     """A second straggler verdict on the node a restart was already made for is only reported (a
     restart in place did not make it faster, another will not); another node, or another kind on
-    the same node, restarts."""
+    the same node, restarts, up to RESTART_IN_PLACE_MAX restarts for a kind."""
     node = {n: rs.NodeInfo(n, i, "127.0.0.1", 2) for i, n in enumerate("ab")}
     s = rs.RdzvState("nonce", 2, 2, generation=1, phase=rs.RUNNING, slots=("a", "b"), nodes=node, leader="a")
     s = dataclasses.replace(
@@ -482,6 +482,11 @@ def test_a_kind_the_job_trains_through_restarts_in_place_once_per_culprit() -> N
     assert not rs.restarted_for(s, "straggler", {"a"})
     assert not rs.restarted_for(s, "straggler", {"a", "b"})
     assert not rs.restarted_for(s, "io_error", {"b"})
+    # A folder every node shares turned read-only: each node reports it, in turn. Three restarts
+    # in place for a kind at most, whoever reports it next.
+    entry = {"failure_kind": "io_error", "reason": "durable_probe_failed"}
+    storm = dataclasses.replace(s, history=tuple({**entry, "culprits": [n]} for n in "abc"))
+    assert rs.restarted_for(storm, "io_error", {"d"}) and not rs.restarted_for(storm, "straggler", {"d"})
 
 
 def test_a_slow_node_without_a_standby_keeps_training() -> None:

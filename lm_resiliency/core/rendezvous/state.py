@@ -480,14 +480,20 @@ def _error_type(pending: Mapping[str, Any]) -> str:
     return str(pending.get("error", "")).split(":", 1)[0][:80]
 
 
+# Restarts in place for one kind the job trains on through (RecoveryPolicyConfig.restart_in_place_on),
+# in the history's generations: a durable folder every node shares that turns read-only is reported by
+# every node, and a restart per node would stop a large job again and again.
+RESTART_IN_PLACE_MAX = 3
+
+
 def restarted_for(s: RdzvState, failure_kind: str, culprits: Iterable[str]) -> bool:
-    """Whether a generation of this run was already restarted for `failure_kind` on exactly these
-    nodes (the history's last 64 generations): a kind the job trains on through (a slow rank, a
-    damaged copy) restarts in place once; a second restart would not fix what the first did not."""
+    """Whether a restart in place for `failure_kind` (a kind the job trains on through: a slow
+    rank, a damaged copy) would repeat one: a generation of this run (the history's last 64) was
+    restarted for it on exactly these nodes (a second restart would not fix what the first did
+    not), or RESTART_IN_PLACE_MAX were for it on any nodes."""
     nodes = sorted(set(culprits))
-    return any(
-        h.get("failure_kind") == failure_kind and sorted(h.get("culprits", ())) == nodes for h in s.history
-    )
+    mine = [h for h in s.history if h.get("failure_kind") == failure_kind]
+    return len(mine) >= RESTART_IN_PLACE_MAX or any(sorted(h.get("culprits", ())) == nodes for h in mine)
 
 
 def repeat_offender(s: RdzvState) -> str | None:
