@@ -762,6 +762,9 @@ class Session:
 
         channel = ControlChannel(self.env.control_store, self.env.run_id)
         self._control = channel
+        channel.beat(self.rank)  # peers that find this rank silent on our transport ask the store
+        if self.scout is not None:
+            self.scout.alive_counts = channel.alive
         if self.env.worker_config_path:  # the policy every node runs (the agents compared digests)
             try:
                 recovery = load_policy(self.env.worker_config_path).recovery

@@ -226,6 +226,7 @@ class CampaignInjector:
         runtime: Any = None,
         node_of: Any = None,
         scout: Any = None,
+        control: Any = None,
     ) -> None:
         check_injectable(campaign)
         self.campaign = campaign
@@ -245,6 +246,7 @@ class CampaignInjector:
         self._node_of = node_of
         self._runtime = runtime
         self._scout = scout
+        self._control = control  # the torchrun backend's control channel, when there is one
         self._mine = {
             inc.incident_id: tuple(
                 f
@@ -535,6 +537,10 @@ class CampaignInjector:
                 log.warning("%s: no runtime to silence (a single-process session)", what)
                 return
             self._runtime.mute(float(p.get("duration_s", 60.0)))
+            if f.type == "network_partition" and self._control is not None:
+                # The node is cut off from the network: its line to the control store too (a
+                # message drop is our transport's alone; peers tell the two apart by that line).
+                self._control.mute(float(p.get("duration_s", 60.0)))
         elif f.type == "config_drift":
             _drift(str(p.get("setting", "cudnn_benchmark")))
         elif f.type == "collective_desync":
@@ -775,6 +781,7 @@ def attach_campaign(
         runtime=getattr(session, "_runtime", None),
         node_of=_node_of(session),
         scout=getattr(session, "scout", None),
+        control=getattr(session, "_control", None),
     )
     session.add_component(inj)
     return inj

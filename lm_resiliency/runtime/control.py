@@ -7,18 +7,26 @@ of this channel: callers (the GEMINI worker, SCOUT on the runtime loop) only han
 never block on the network. Only the newest inventory matters, so a newer one replaces one not yet
 sent. Failures are logged once and never stop training: the backend then falls back to the
 workers' own agreement.
+
+A rank that `beats` bumps its counter in the store every BEAT_S: its peers' SCOUT, finding it silent
+on our transport, reads the counters (`alive`) to tell a node that reaches the network and lost
+only its messages on our transport from one cut off.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
+import time
 from collections import deque
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["ControlChannel"]
+__all__ = ["BEAT_S", "ControlChannel"]
+
+BEAT_S = 1.0  # a beating rank's counter in the store goes up this often
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +47,11 @@ class ControlChannel:
         self._sending = False  # the thread took values out and has not finished sending them
         self._closed = False
         self._warned = False
+        self._beat_rank: int | None = None
+        self._next_beat = 0.0
+        self._muted_until = float("-inf")  # monotonic: nothing is sent before (mute)
+        self._reader: Any = None  # a connection of its own for `alive` (a store client is not shared)
+        self._read_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="lm-resiliency-control", daemon=True)
         self._thread.start()
 
@@ -51,6 +64,32 @@ class ControlChannel:
         with self._cond:
             self._verdicts.append((generation, json.dumps(report, sort_keys=True, default=str)))
             self._cond.notify()
+
+    def beat(self, rank: int) -> None:
+        """From now on, bump `rank`'s counter in the store every BEAT_S (on the channel's thread)."""
+        with self._cond:
+            self._beat_rank, self._next_beat = rank, 0.0
+            self._cond.notify()
+
+    def mute(self, seconds: float) -> None:
+        """Send nothing for `seconds` (a fault campaign's network partition cuts this line too);
+        what is handed over meanwhile waits and goes after."""
+        with self._cond:
+            self._muted_until = time.monotonic() + seconds
+            self._cond.notify()
+
+    def alive(self, ranks: list[int]) -> dict[int, int]:
+        """The ranks' beat counters in the store (0: never beat); {} when the store cannot say.
+        Blocks for a store round trip per rank: call it off any event loop."""
+        with self._read_lock:
+            try:
+                if self._reader is None:
+                    self._reader = self._open(timedelta(seconds=2))
+                return {r: int(self._reader.add(f"{self.prefix}alive/{r}", 0)) for r in ranks}
+            except Exception as exc:  # advisory: without it, silence is judged as before
+                log.debug("control store %s unreadable: %s", self.where, exc)
+                self._reader = None
+                return {}
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until everything handed over has been sent (or failed): not only taken by the thread,
@@ -107,18 +146,33 @@ class ControlChannel:
             self._store = self._open()
         return self._store
 
-    def _has_work(self) -> bool:
-        return self._closed or self._inventory is not None or bool(self._verdicts)
+    def _wait_for_work(self) -> bool:
+        """(With the lock held.) Until something is to be sent and the line is not muted, or the
+        channel closed: whether a beat is due."""
+        while not self._closed:
+            now = time.monotonic()
+            if now >= self._muted_until:
+                beat = self._beat_rank is not None and now >= self._next_beat
+                if beat or self._inventory is not None or self._verdicts:
+                    return beat
+                wake = self._next_beat if self._beat_rank is not None else math.inf
+            else:
+                wake = self._muted_until
+            self._cond.wait(None if wake == math.inf else max(0.0, wake - now))
+        return False
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(self._has_work)
+                beat = self._wait_for_work()
                 if self._closed:
                     return
                 verdicts = list(self._verdicts)
                 self._verdicts.clear()
                 inventory, self._inventory = self._inventory, None
+                rank = self._beat_rank
+                if beat:
+                    self._next_beat = time.monotonic() + BEAT_S
                 self._sending = True
             try:
                 store = self._connect()
@@ -127,6 +181,8 @@ class ControlChannel:
                     store.set(f"{self.prefix}verdicts/g{generation}/{i}", raw)
                 if inventory is not None:
                     store.set(f"{self.prefix}inv/{inventory[0]}", inventory[1])
+                if beat and rank is not None:
+                    store.add(f"{self.prefix}alive/{rank}", 1)
             except Exception as exc:  # the store is advisory for workers: log once, keep training
                 if not self._warned:
                     log.warning("control store %s unreachable: %s", self.where, exc)

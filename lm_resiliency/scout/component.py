@@ -364,6 +364,10 @@ class Scout:
         self._stalls = StallDetector(phases)
         # A peer declared dead stays silent one more heartbeat timeout before it is named cut off.
         self._silences = SilenceDetector(heartbeat_timeout_s)
+        # Under the torchrun backend, the beat counters of the control store (ControlChannel.alive):
+        # a peer silent on our transport whose counter still goes up reaches the network.
+        self.alive_counts: Callable[[list[int]], dict[int, int]] | None = None
+        self._beats: dict[int, tuple[int, float, bool]] = {}  # rank -> (first count, read at, heard)
         self._drifts = DriftDetector(4 * heartbeat_s, NUMERICS_KEYS)
         self._node_of = {r: topology.node_of(r) for r in range(topology.world_size)}
         self._evidence: dict[int, dict[int, Evidence]] = {}
@@ -1391,11 +1395,38 @@ class Scout:
                 if drift is not None:
                     self._report(drift, among_peers=True)
             if self.config.enable:
+                heard = await self._heard_elsewhere(now, everyone & self._peer_set)
                 for cut in self._silences.observe(
-                    now, own.step, everyone, self._peer_set, self._node_of, self.rank
+                    now, own.step, everyone, self._peer_set, self._node_of, self.rank, heard
                 ):
                     self._report(cut, among_peers=True)
             await anyio.sleep(self._heartbeat_s)
+
+    async def _heard_elsewhere(self, now: float, silent: frozenset[int] | set[int]) -> set[int]:
+        """The silent peers whose beat counter in the control store went up since they fell silent
+        (read off the loop, each at most every max(1.5 beats, a quarter of the silence hold), and
+        no more once heard: two or three reads a silence)."""
+        from lm_resiliency.runtime.control import BEAT_S
+
+        for r in [r for r in self._beats if r not in silent]:
+            del self._beats[r]
+        fn = self.alive_counts
+        if fn is None or not silent:
+            return set()
+        every = max(1.5 * BEAT_S, self._silences.hold_s / 4)
+        due = sorted(
+            r
+            for r in silent
+            if r not in self._beats or (not self._beats[r][2] and now - self._beats[r][1] >= every)
+        )
+        if due:
+            counts = await anyio.to_thread.run_sync(fn, due)
+            for r in due:
+                if r not in counts:
+                    continue
+                first = self._beats[r][0] if r in self._beats else counts[r]
+                self._beats[r] = (first, now, counts[r] > first)
+        return {r for r, (_, _, heard) in self._beats.items() if heard}
 
     def _health_forever(self) -> None:
         assert self.health is not None

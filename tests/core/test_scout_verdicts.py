@@ -400,6 +400,18 @@ def test_every_rank_of_a_node_silent_is_that_node_cut_off() -> None:
     ]
 
 
+def test_a_silent_node_heard_through_the_control_store_only_lost_its_messages() -> None:
+    """Every rank of node b silent on our transport, but heard through the torchrun backend's
+    control store: the node reaches the network, our transport dropped its messages (FAILURES.md's
+    message_drop: a restart), not its partition (a replacement). Before, a node of one rank whose
+    messages were dropped was replaced."""
+    d = SilenceDetector(hold_s=1.0, min_steps=1)
+    d.observe(0.0, 0, {2, 3}, range(6), NODES, 0, heard={3})
+    (v,) = d.observe(1.0, 1, {2, 3}, range(6), NODES, 0, heard={3})
+    assert (v.ranks, v.reason, v.endpoint) == ((2, 3), "rank_unreachable", "rank:2")
+    assert "heard through the control store" in v.detail and "ranks [3] of node b" in v.detail
+
+
 def test_a_rank_that_hears_too_few_peers_cannot_tell_who_is_cut_off() -> None:
     """Rank 0 hears nobody on nodes b and c (4 of its 5 others): it may be the one cut off. It says
     so (a restart, no node named). In a job of two, each side of a split is in that place."""

@@ -214,16 +214,19 @@ def test_the_megatron_loop_survives_a_campaign_bitwise(processes, tmp_path: Path
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("cut", ["network_partition", "message_drop"])
 def test_a_node_cut_off_while_it_trains_is_replaced_then_a_lost_rank_resumes_from_a_common_step(
-    processes, tmp_path: Path
+    processes, tmp_path: Path, cut: str
 ) -> None:  # type: ignore[no-untyped-def]
-    """Rank 0's messages stop at iteration 3 while its training goes on (its node's only rank: the
-    node is cut off). Before, it was reported and never acted on, and its peers certified the later
-    steps without it; with rank 0's newest copy damaged and its process killed at iteration 36, no
-    step was held by every rank and the job started again from step 0. Now its peers, training on
-    with it, name the node cut off (`network_partition`), the standby takes its slot and restores
-    rank 0 from a peer's replica (or from the shared durable folder, where rank 0's flush at the
-    SIGTERM is newer); the later loss restarts in place from a step every rank kept.
+    """Rank 0's node (its only rank) is cut off at iteration 3 while its training goes on. Before,
+    it was reported and never acted on, and its peers certified the later steps without it; with
+    rank 0's newest copy damaged and its process killed at iteration 36, no step was held by every
+    rank and the job started again from step 0. Now its peers, training on with it, name it
+    `network_partition`: a node cut off (its line to the control store too) is replaced, the
+    standby restoring rank 0 from a peer's replica (or from the shared durable folder, where rank
+    0's flush at the SIGTERM is newer); a node whose messages our transport dropped (its beats
+    still reach the control store: FAILURES.md's `message_drop`) restarts in place (before, it was
+    replaced too). The later loss restarts in place from a step every rank kept.
     (The cut-off is named after 10 s of silence and 10 steps. Every rank's step takes 600 ms until
     then, as a real model's would: it is named around step 20, and the loss at 36 comes in the
     generation after. Before, the job crawled while its replicas to the silent rank hung, so the
@@ -236,7 +239,7 @@ def test_a_node_cut_off_while_it_trains_is_replaced_then_a_lost_rank_resumes_fro
         "faults": [
             {
                 "fault_id": "mute",
-                "type": "message_drop",
+                "type": cut,
                 "target": {"surface": "process", "rank": 0},
                 "parameters": {"duration_s": 60},
             }
@@ -262,11 +265,14 @@ def test_a_node_cut_off_while_it_trains_is_replaced_then_a_lost_rank_resumes_fro
     # Rank 0's copy on the standby: a peer's replica, or (every node of this host writes to one
     # durable folder: shared storage) the capture rank 0 flushed at the SIGTERM, newer than the
     # replicas it could not send while its messages were dropped.
-    assert gens[1]["admitted"] and gens[1]["restored_from"].startswith(("peer:", "disk:")), gens[1]
+    if cut == "network_partition":
+        assert gens[1]["admitted"] and gens[1]["restored_from"].startswith(("peer:", "disk:")), gens[1]
+    else:
+        assert gens[1]["admitted"] == [] and gens[1]["reason_code"] == "rank_unreachable", gens[1]
     # (The silence is first reported as a process failure, at the heartbeat timeout.)
     faults = [i for i in c["incidents"] if not i["occurrence"].startswith("00-pace")]
     assert [(i["localized"], i["kind_match"], i["action"]) for i in faults] == [
-        (True, True, "replace"),
+        (True, True, "replace" if cut == "network_partition" else "restart"),
         (True, True, "restart"),
     ], faults
 

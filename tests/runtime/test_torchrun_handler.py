@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -527,6 +528,35 @@ def test_control_channel_sends_off_the_callers_thread_and_never_blocks_them(stor
     dead.post_verdict(0, {"kind": "sdc"})
     assert time.monotonic() - t0 < 0.1
     dead.close()
+
+
+def test_a_beating_rank_is_heard_through_the_store_until_its_line_is_muted(store: Any) -> None:
+    """A rank that beats bumps its counter in the store every BEAT_S; a peer reads it (`alive`), 0
+    for one that never beat. Muted (a campaign's partition cuts this line too), it sends nothing:
+    no beats, and a verdict handed over waits (flush times out) until the mute ends."""
+    from lm_resiliency.runtime.control import BEAT_S, ControlChannel
+
+    at = f"tcp://127.0.0.1:{store.port}"
+    beating, reader = ControlChannel(at, "unit-run"), ControlChannel(at, "unit-run")
+    try:
+        assert reader.alive([3, 5]) == {3: 0, 5: 0}
+        beating.beat(3)
+        deadline = time.monotonic() + 30
+        while reader.alive([3])[3] < 2:
+            assert time.monotonic() < deadline, "no beats in the store"
+            threading.Event().wait(0.05)
+        beating.mute(60.0)
+        before = reader.alive([3])[3]
+        beating.post_verdict(0, {"kind": "sdc", "failed_ranks": [1]})
+        assert not beating.flush(timeout=2.5 * BEAT_S)
+        assert reader.alive([3])[3] <= before + 1  # (a beat already on its way when muted)
+        assert store.add("lmr/unit-run/verdicts/g0/n", 0) == 0
+        beating.mute(0.0)
+        assert beating.flush(10) and store.add("lmr/unit-run/verdicts/g0/n", 0) == 1
+    finally:
+        beating.close()
+        reader.close()
+    assert ControlChannel("tcp://127.0.0.1:1", "unit-run", timeout_s=1.0).alive([0]) == {}
 
 
 def test_control_channel_flush_waits_for_the_send_not_only_for_the_hand_over() -> None:

@@ -30,9 +30,11 @@ that reports and tests rely on.
   is seen half-flipped for up to a heartbeat: not a drift.)
 - Silence (`SilenceDetector`): a peer whose heartbeats stopped while this rank kept completing steps
   with it (their collectives complete: it lives) is cut off from our transport (`network_partition`).
-  Every rank of a node silent is the node's partition (`node_unreachable`: replaced); some of them,
-  the ranks' endpoints (`rank_unreachable`, a message drop: restarted). A rank that stopped hearing
-  half its peers or more may be the one cut off itself (`unreachable_ambiguous`: restarted).
+  Every rank of a node silent is the node's partition (`node_unreachable`: replaced), unless the
+  node is heard through another channel (the torchrun backend's control store); some of them, or a
+  node heard that way, the ranks' endpoints (`rank_unreachable`, a message drop: restarted). A
+  rank that stopped hearing half its peers or more may be the one cut off itself
+  (`unreachable_ambiguous`: restarted).
 """
 
 from __future__ import annotations
@@ -506,10 +508,14 @@ class SilenceDetector:
         peers: Iterable[int],
         node_of: Mapping[int, str],
         me: int,
+        heard: Iterable[int] = (),
     ) -> list[Verdict]:
         """`silent`: the ranks declared dead (any in the world); `peers`: those whose collectives
-        this rank shares (its steps complete only with them); `node_of`: every rank's node."""
+        this rank shares (its steps complete only with them); `node_of`: every rank's node;
+        `heard`: silent ranks heard meanwhile through another channel (the torchrun backend's
+        control store): their node reaches the network, only our transport lost their messages."""
         silent = frozenset(silent) - {me}
+        heard = frozenset(heard)
         peer_set = frozenset(peers) - {me}
         for r in [r for r in self._since if r not in silent]:
             del self._since[r]
@@ -556,9 +562,15 @@ class SilenceDetector:
         for node in sorted({node_of[r] for r in cut}):
             on_node = {r for r, n in node_of.items() if n == node}
             here = sorted(cut & on_node)
-            if on_node <= silent:
+            if on_node <= silent and not on_node & heard:
                 detail = f"every rank of node {node} ({sorted(on_node)}) {said} them: the node is cut off"
                 out.append(verdict(on_node, "node_unreachable", f"node:{node}", detail))
+            elif on_node <= silent:
+                detail = (
+                    f"ranks {here} {said} them, while ranks {sorted(on_node & heard)} of node {node} are "
+                    "heard through the control store: the node is reachable, messages dropped"
+                )
+                out.append(verdict(here, "rank_unreachable", f"rank:{here[0]}", detail))
             else:
                 detail = f"ranks {here} {said} them while the rest of node {node} is heard: messages dropped"
                 out.append(verdict(here, "rank_unreachable", f"rank:{here[0]}", detail))
