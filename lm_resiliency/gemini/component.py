@@ -86,7 +86,7 @@ CAPTURE_WAIT_S = 2.0  # the longest a capture waits for a free slot before it is
 # capture needs the slot.
 # Between durable copies, the durable folder is probed with a byte this often (on the commit after it):
 # a disk that turns read-only or full is reported within seconds, not at the next copy.
-DISK_PROBE_S = 2.0
+DISK_PROBE_S = 0.5
 REPLICA_TIMEOUT_S = 120.0
 REPLICA_MIN_TIMEOUT_S = 10.0
 REPLICA_BACKOFF_S = (5.0, 60.0)

@@ -620,8 +620,12 @@ def test_an_io_error_fails_the_next_durable_write_and_training_goes_on(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """io_error at iteration 1: the next durable write (step 2) fails with ENOSPC, reported as an
-    io_error; the memory tiers and the later writes (step 4) carry on."""
+    io_error; the memory tiers and the later writes (step 4) carry on. (No probe of the folder
+    between copies here: one would be the next write, test_slots_and_state covers it.)"""
+    import lm_resiliency.gemini.component as component
     from lm_resiliency import InMemoryCkptConfig, enable_resiliency
+
+    monkeypatch.setattr(component, "DISK_PROBE_S", 1e9)
 
     fault = {"type": "io_error", "target": {"surface": "checkpoint"}, "parameters": {"errno": "ENOSPC"}}
     (tmp_path / "c.json").write_text(json.dumps(_campaign(fault, at=1)))
