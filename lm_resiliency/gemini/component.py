@@ -1184,7 +1184,7 @@ class Gemini:
         `end`: parts of the state as they were when the step ended, taken earlier (_volatile_state)."""
 
         t0 = time.perf_counter()
-        self.iterators.first_step(draw=False)  # a step ran since a restore: iterators made now are new
+        self.iterators.first_step()  # a step ran since a restore: iterators made now are new ones
         with self._idle:
             # A slot still being committed or replicated is busy. Wait briefly for one (backpressure
             # when the worker lags), then skip this capture rather than stall training for long.

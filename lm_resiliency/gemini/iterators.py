@@ -10,13 +10,18 @@ other DataLoader the loop iterates.)
 
 While a GEMINI of this process is open, `DataLoader._get_iterator` is watched. A capture records
 each live iterator: the global RNG state it was made at, and whether it had yielded its epoch.
-After a restore, until the first forward, iterators are made without drawing: one the capture
-recorded is made again at its state (the same seed), others at the state now. The first forward
-then draws once for each iterator the uninterrupted run made after the capture: one the capture
-did not record (a loader of another shape), or the next epoch's after one recorded at its end
-(made again and skipped to its end first, or not). A loop resumed mid-epoch thus draws nothing
-more, and one resumed where an epoch ended draws the next epoch's seed, as the uninterrupted run
-did. Loaders with their own `generator=` draw from it, not from the global RNG: left alone.
+After a restore, until the first forward, the iterators the loop makes stand for the captured ones
+in turn (by the loader's shape):
+
+- one captured mid-epoch is made again at its own state, and the restored state goes on after it
+  (no draw: the uninterrupted run made none there);
+- one captured at its epoch's end is made as torch makes it (a draw: the uninterrupted run made the
+  next epoch's iterator after the capture, from the restored state). If the loop skips it to its
+  end (or drops it) and makes another, that one is made from the state before the first: one draw,
+  as the uninterrupted run made. (A loader with persistent workers starts its next epoch without a
+  draw: its iterator is made again as a mid-epoch one.)
+
+Loaders with their own `generator=` draw from it, not from the global RNG, and are left alone.
 """
 
 from __future__ import annotations
@@ -85,9 +90,9 @@ class IteratorWatch:
     def __init__(self) -> None:
         self._made: list[tuple[weakref.ref[Any], str, torch.Tensor]] = []
         # After a restore, until the first forward: the capture's iterators (shape, RNG state, at
-        # its end), and what was made since (the iterator, the record it stands for).
+        # its end), and per shape the one made for a record at its end, with the RNG state before.
         self._records: list[tuple[str, torch.Tensor, bool]] | None = None
-        self._remade: list[tuple[weakref.ref[Any] | None, tuple[str, torch.Tensor, bool] | None]] = []
+        self._undo: dict[str, tuple[weakref.ref[Any] | None, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def install(self) -> None:
@@ -104,25 +109,37 @@ class IteratorWatch:
         with self._lock:
             if _ACTIVE and _ACTIVE[0]() is self:
                 _ACTIVE.clear()
-            self._records, self._remade = None, []
+            self._records, self._undo = None, {}
 
     def made(self, loader: Any, make: Callable[[Any], Any]) -> Any:
         shape = _shape(loader)
+        persistent = bool(getattr(loader, "persistent_workers", False))
+        now = torch.get_rng_state()
+        again: torch.Tensor | None = None  # made at this state, the global one restored after
         with self._lock:
             record = None
             if self._records is not None:
                 at = next((i for i, r in enumerate(self._records) if r[0] == shape), None)
                 record = self._records.pop(at) if at is not None else None
-            resuming = self._records is not None
-        now = torch.get_rng_state()
-        began = record[1] if record is not None else now
-        if resuming:  # made without drawing (see first_step)
-            torch.set_rng_state(began)
+            undo = self._undo.pop(shape, None) if record is None else None
+            if record is not None and (not record[2] or persistent):
+                again = record[1]
+            elif record is not None:
+                self._undo[shape] = (None, now)  # (its iterator filled in below)
+        if again is not None:
+            torch.set_rng_state(again)
             try:
                 it = make(loader)
             finally:
                 torch.set_rng_state(now)
+            began = again
         else:
+            if undo is not None:
+                first = undo[0]() if undo[0] is not None else None
+                if first is None or _ended(first):  # skipped to its end, or dropped: no step used it
+                    now = undo[1]
+                    torch.set_rng_state(now)
+            began = now
             it = make(loader)
         with self._lock:
             self._made = [m for m in self._made if m[0]() is not None][-(_KEEP - 1) :]
@@ -132,8 +149,8 @@ class IteratorWatch:
                 ref = None
             if ref is not None:
                 self._made.append((ref, shape, began))
-            if resuming:
-                self._remade.append((ref, record))
+            if shape in self._undo and self._undo[shape][0] is None:
+                self._undo[shape] = (ref, self._undo[shape][1])
         return it
 
     def snapshot(self) -> list[dict[str, Any]]:
@@ -168,27 +185,10 @@ class IteratorWatch:
             else:
                 log.warning("the capture's RNG state of a DataLoader iterator is malformed: not used")
         with self._lock:
-            self._records, self._remade = records, []
+            self._records, self._undo = records, {}
 
-    def first_step(self, draw: bool = True) -> None:
-        """The restored generation's first forward: the global RNG draws once for each iterator
-        made since the restore that the uninterrupted run made after the capture (see the
-        module's doc); iterators made from now on draw as they are made. `draw=False` where the
-        forward already ran (a capture): nothing is drawn."""
+    def first_step(self) -> None:
+        """The restored generation's first forward (or capture): iterators made from now on are
+        new ones, made as torch makes them."""
         with self._lock:
-            if self._records is None:
-                return
-            remade, self._records, self._remade = self._remade, None, []
-        if not draw:
-            return
-        fresh = 0
-        for ref, record in remade:
-            it = ref() if ref is not None else None
-            if record is None:
-                fresh += 1  # not the capture's: the uninterrupted run made it too
-            elif record[2] and it is not None and not _ended(it):
-                # The next epoch's, after the captured one at its end (the captured one made again
-                # was skipped to its end, or dropped, before this forward: it feeds no step).
-                fresh += 1
-        for _ in range(fresh):
-            torch.empty((), dtype=torch.int64).random_()
+            self._records, self._undo = None, {}
