@@ -19,7 +19,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import secrets
+import socket
+import stat
 import tempfile
 from collections import deque
 from collections.abc import Sequence
@@ -28,6 +31,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import zmq
 import zmq.asyncio
+
+from lm_resiliency._proc import pid_alive
 
 __all__ = ["ALL", "Endpoints", "Incoming", "PeerLeft", "PeerUnavailable", "Transport", "ZmqTransport"]
 
@@ -164,6 +169,8 @@ class ZmqTransport:
 
     def _bind_ipc(self, sock: zmq.asyncio.Socket, what: str) -> str:
         # IPC paths are limited to ~107 bytes: keep them short and unique.
+        if not _SWEPT:
+            _SWEPT.append(sweep_stale_ipc(tempfile.gettempdir()))
         path = os.path.join(tempfile.gettempdir(), f"lmr-{os.getpid()}-{secrets.token_hex(4)}-{what}")
         sock.bind(f"ipc://{path}")
         self._ipc_paths.append(path)
@@ -271,6 +278,46 @@ def _check_topic(topic: bytes) -> None:
 def _has_input(raw: zmq.Socket[Any]) -> bool:
     events = raw.getsockopt(zmq.EVENTS)
     return isinstance(events, int) and bool(events & zmq.POLLIN)
+
+
+_IPC_NAME = re.compile(r"lmr-(\d+)-[0-9a-f]{8}-(?:pub|rtr)")
+_SWEPT: list[int] = []  # once per process: how many leftovers the first IPC bind removed
+
+
+def sweep_stale_ipc(folder: str) -> int:
+    """Remove our IPC socket files in `folder` that nobody listens on any more: those of processes
+    that ended without closing their transport (a SIGKILLed worker leaves two). Only files named as
+    ours whose process is gone and that refuse a connection are removed (a process of another pid
+    namespace sharing the folder still listens on its own). Returns how many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    for name in names:
+        m = _IPC_NAME.fullmatch(name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                continue
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.settimeout(0.2)
+                probe.connect(path)
+                continue  # somebody listens: not ours to remove
+            except ConnectionRefusedError:
+                pass
+            finally:
+                probe.close()
+            os.unlink(path)
+            removed += 1
+        except OSError:  # gone meanwhile, not ours to touch, or a connect that timed out
+            continue
+    if removed:
+        log.info("removed %d IPC socket files of ended processes from %s", removed, folder)
+    return removed
 
 
 def _copy(frames: Sequence[Frame]) -> bool:
