@@ -27,9 +27,29 @@ from pathlib import Path
 from examples.torchrun.resiliency_cycle import cluster
 from examples.torchrun.resiliency_cycle.cluster import children, cmdline, finish, wait_for
 
+# The faulted run's steps take at least this long (a sleep in each; the numerics are unchanged), so
+# the kills, 1.5 s into a generation, land mid-run however fast the machine trains the tiny model.
+# Before, on an idle 2-core machine the 150 steps could end first (2 of 3 runs: exit 1).
+STEP_MS = 25.0
 
-def launch(work: Path, name: str, nodes: int, steps: int) -> tuple[list[subprocess.Popen[bytes]], Path]:
-    return cluster.launch(work, name, nodes, steps, min_nodes=2)
+
+def launch(
+    work: Path, name: str, nodes: int, steps: int, step_ms: float = 0.0
+) -> tuple[list[subprocess.Popen[bytes]], Path]:
+    return cluster.launch(work, name, nodes, steps, min_nodes=2, step_ms=step_ms)
+
+
+def training(procs: list[subprocess.Popen[bytes]]) -> list[tuple[int, list[int]]]:
+    """(node, its workers' pids) for each node whose agent runs workers now: the active ones. Which
+    nodes park as standbys is the order their agents registered in, not the order they started
+    in (before, the demo took node 1 for active and node 0 for the standby's opposite: on a loaded
+    machine node 1 could be the standby, and the kills missed)."""
+    out = []
+    for n, p in enumerate(procs):
+        workers = [c for c in children(p.pid) if b"production_loops" in cmdline(c)]
+        if workers:
+            out.append((n, workers))
+    return out or [(0, [])]
 
 
 def main() -> int:
@@ -47,20 +67,21 @@ def main() -> int:
             print(f"the uninterrupted run failed; logs in {work / 'baseline'}", flush=True)
             return 1
         print("2/2 faulted run (2 active nodes + 1 standby) ...", flush=True)
-        procs, val = launch(work, "faulted", 3, args.steps)
+        procs, val = launch(work, "faulted", 3, args.steps, STEP_MS)
         injected = []
         if wait_for(val / "generation-0.json", procs):
             time.sleep(1.5)
-            victims = [c for c in children(procs[1].pid) if b"production_loops" in cmdline(c)]
+            n, victims = training(procs)[-1]
             for pid in victims:
                 os.kill(pid, signal.SIGKILL)
-            injected.append({"fault": "worker SIGKILL", "node": "demo-faulted-node-1", "pids": victims})
-            print(f"   injected: SIGKILL of node 1's worker {victims}", flush=True)
+            injected.append({"fault": "worker SIGKILL", "node": f"demo-faulted-node-{n}", "pids": victims})
+            print(f"   injected: SIGKILL of node {n}'s worker {victims}", flush=True)
         if wait_for(val / "generation-1.json", procs):
             time.sleep(1.5)
-            os.killpg(procs[0].pid, signal.SIGKILL)
-            injected.append({"fault": "node SIGKILL (agent + worker)", "node": "demo-faulted-node-0"})
-            print("   injected: SIGKILL of node 0 (agent and worker)", flush=True)
+            n = training(procs)[0][0]
+            os.killpg(procs[n].pid, signal.SIGKILL)
+            injected.append({"fault": "node SIGKILL (agent + worker)", "node": f"demo-faulted-node-{n}"})
+            print(f"   injected: SIGKILL of node {n} (agent and worker)", flush=True)
         codes = finish(procs)
         gens = []
         for f in sorted(val.glob("generation-*.json"), key=lambda p: int(p.stem.split("-")[1])):

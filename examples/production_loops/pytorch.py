@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,12 @@ def run(
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--validation-output-dir", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long in every step, as a larger model's step takes (numerics unchanged)",
+    )
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -109,6 +116,8 @@ def run(
         loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if args.step_ms > 0:
+            time.sleep(args.step_ms / 1000.0)
         opt.step()
         sched.step()
     if rank == 0:

@@ -52,9 +52,11 @@ def launch(
     framework: str = "pytorch",
     env: Mapping[str, str] | None = None,
     gpus: list[int] | None = None,
+    step_ms: float = 0.0,
 ) -> tuple[list[subprocess.Popen[bytes]], Path]:
     """Start `nodes` agents (the first `min_nodes` train, the others park as standbys); return them
-    and the validation folder the loop writes to. Node n's files live in `work/name`."""
+    and the validation folder the loop writes to. Node n's files live in `work/name`. `step_ms`:
+    each step of the loop takes that much longer (the loop's `--step-ms`)."""
     port, run_id = free_port(), f"{name}-{os.getpid()}-{time.monotonic_ns() % 1_000_000}"
     min_nodes = nodes if min_nodes is None else min_nodes
     base = work / name
@@ -101,6 +103,7 @@ def launch(
             str(val),
             "--steps",
             str(steps),
+            *(["--step-ms", str(step_ms)] if step_ms > 0 else []),
         ]
         log = open(base / f"agent-{n}.log", "wb")  # noqa: SIM115 - closed by the OS at exit
         procs.append(
