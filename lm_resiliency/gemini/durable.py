@@ -106,7 +106,9 @@ class DurableStore:
         read-only or full file system (or a campaign's I/O error, which a probe consumes as one of
         the next writes) shows here within seconds instead of at the next copy, which the disk
         cadence may write only minutes later."""
-        probe = self.root / f".probe-rank-{self.rank:05d}"
+        probe = (
+            self.root / f".probe-rank-{self.rank:05d}-{os.getpid()}"
+        )  # (a dying worker of the rank may probe too)
         try:
             if self._failing:
                 code = self._failing.pop(0)
