@@ -943,10 +943,14 @@ class Gemini:
         out: dict[str, Any] = {"rng": rng_state()}
         if self.extra_state_fn is not None:
             out["extra"] = copy.deepcopy(self.extra_state_fn())
+        self._add_iterators(out)
+        return out
+
+    def _add_iterators(self, state: dict[str, Any]) -> None:
+        """The live DataLoader iterators' states (see IteratorWatch.snapshot), where there are any."""
         iterators = self.iterators.snapshot()
         if iterators:
-            out["iterators"] = iterators
-        return out
+            state["iterators"] = iterators
 
     def on_fetch(self, loaders: Callable[[], dict[str, Any]] | None = None) -> None:
         """Before `next()` on an instrumented loader (training thread). `loaders`: the RNG states the
@@ -1249,9 +1253,7 @@ class Gemini:
         )
         state.update(end or {})
         if end is None or "rng" not in end:  # (else taken with the step's end state)
-            iterators = self.iterators.snapshot()
-            if iterators:
-                state["iterators"] = iterators
+            self._add_iterators(state)
         if self._fetch_loaders is not None:
             state["loaders"] = self._fetch_loaders()
         skeleton, tensors, specs = flatten(state)
@@ -1624,14 +1626,19 @@ class Gemini:
         try:
             self.durable.probe()
         except DurableError as exc:
-            self.stats.disk_errors += 1
-            self.stats.last_disk_error = str(exc)
-            if not self._disk_failing:
-                self._disk_failing = True
-                log.error("rank %d: %s; memory tiers keep the run recoverable", self.rank, exc)
-                self._fault("io_error", "durable_probe_failed", str(exc), endpoint_id=str(self.durable.root))
+            self._disk_failed(exc, "durable_probe_failed", report=not self._disk_failing)
             return
         self._disk_failing = False
+
+    def _disk_failed(self, exc: DurableError, reason: str, report: bool = True) -> None:
+        """A write to the durable folder failed: counted, and (when `report`) logged and reported
+        as `io_error`; the memory tiers keep the run recoverable."""
+        self.stats.disk_errors += 1
+        self.stats.last_disk_error = str(exc)
+        self._disk_failing = True
+        if report:
+            log.error("rank %d: %s; memory tiers keep the run recoverable", self.rank, exc)
+            self._fault("io_error", reason, str(exc), endpoint_id=str(self.durable.root))
 
     def _write_durable(self, slot: SlotFile, header: SlotHeader) -> bool:
         if header.step in self._on_disk:
@@ -1648,11 +1655,7 @@ class Gemini:
                     why = f"durable checkpoint of step {header.step} reads back damaged: {exc}"
                     raise DurableError(0, why) from exc
         except DurableError as exc:
-            self.stats.disk_errors += 1
-            self.stats.last_disk_error = str(exc)
-            log.error("rank %d: %s; memory tiers keep the run recoverable", self.rank, exc)
-            self._fault("io_error", "durable_write_failed", str(exc), endpoint_id=str(self.durable.root))
-            self._disk_failing = True
+            self._disk_failed(exc, "durable_write_failed")
             return False
         self._disk_failing = False
         self._on_disk.add(header.step)
