@@ -1296,9 +1296,25 @@ class Gemini:
         del view
         dsts = self._slot_views(k, HEADER_SIZE + _align(len(index)), layout, tensors, specs)
         pairs = [(d, t) for d, t in zip(dsts, tensors, strict=True) if d is not None]
-        completion = self._copier.copy(pairs)
+        pairs, first = self._forward_mutable_first(pairs)
+        completion = self._copier.copy(pairs, first)
         self._fence = completion
         return header, completion
+
+    def _forward_mutable_first(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """`pairs` with the copies of the model's device buffers first, and how many there are: the
+        next forward changes them in place (a BatchNorm's running statistics, its batch count), so an
+        asynchronous copy must read them before it runs, not only before the optimizer's step. On the
+        host (SyncCopier) the copies are done when `copy` returns: as they are."""
+        if self._copier is None or not self._copier.asynchronous:
+            return pairs, 0
+        mutable = {b.data_ptr() for b in self.model.buffers()}
+        early = [p for p in pairs if p[1].data_ptr() in mutable]
+        if not early:
+            return pairs, 0
+        return early + [p for p in pairs if p[1].data_ptr() not in mutable], len(early)
 
     def _slot_views(
         self, k: int, base: int, layout: bytes, tensors: list[torch.Tensor], specs: list[TensorSpec]

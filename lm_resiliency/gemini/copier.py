@@ -30,8 +30,13 @@ class Completion(Protocol):
 
 
 class Copier(Protocol):
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Completion:
-        """Copy each source tensor's bytes into its destination (a uint8 view of the slot)."""
+    asynchronous: bool  # whether copies may still be in flight when `copy` returns
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], first: int = 0) -> Completion:
+        """Copy each source tensor's bytes into its destination (a uint8 view of the slot). The
+        first `first` pairs hold what the next forward changes in place (a BatchNorm's running
+        statistics): the compute that follows the call never runs ahead of their copies. The rest
+        must land before `Completion.fence_device` returns (the optimizer's next step)."""
         ...
 
     def register_host(self, buffer: Any, nbytes: int) -> None:
@@ -66,8 +71,10 @@ class SyncCopier:
     """Copies in the calling thread: one `_foreach_copy_` for all of them (a model of a thousand
     tensors would otherwise pay the dispatch of a thousand `copy_` calls in Python)."""
 
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Completion:
-        if not pairs:
+    asynchronous = False
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], first: int = 0) -> Completion:
+        if not pairs:  # (copied before the call returns: `first` needs nothing more)
             return DONE
         try:  # each destination typed and shaped like its source, as a capture's are
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
@@ -96,23 +103,30 @@ class _CudaCompletion:
 
 
 class CudaCopier:
+    asynchronous = True
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self._registered: dict[int, int] = {}
 
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Completion:
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], first: int = 0) -> Completion:
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # the copies read the state as the optimizer left it
         with torch.cuda.stream(self.stream):
-            for dst, src in pairs:
+            for i, (dst, src) in enumerate(pairs):
+                if i == first and first:
+                    # What the next forward changes in place is copied: the compute stream waits for
+                    # those copies only (small), the rest overlaps the forward and backward.
+                    compute.wait_event(_recorded(self.stream))
                 if src.is_cuda:
                     dst.copy_(_source(dst, src), non_blocking=True)
                     src.record_stream(self.stream)  # keep temporaries alive until the copy is done
                 else:
                     dst.copy_(_source(dst, src))
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self.stream)
+            event = _recorded(self.stream)
+        if first >= len(pairs) and first:
+            compute.wait_event(event)
         return _CudaCompletion(event, self.device)
 
     def register_host(self, buffer: Any, nbytes: int) -> None:
@@ -141,6 +155,13 @@ class CudaCopier:
             return
         if self._registered.pop(ptr, None) is not None:
             _cudart().cudaHostUnregister(ptr)
+
+
+def _recorded(stream: Any) -> Any:
+    """A CUDA event recorded on `stream` now."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(stream)
+    return event
 
 
 def _cudart() -> Any:

@@ -3,7 +3,9 @@
 `DeferredCopier` behaves like device-to-host copies on a side stream: `copy()` returns at once and the
 bytes move only later, when `fence_device()` (the optimizer's pre-step fence) or `wait_host()` (the
 worker thread) runs. Tests use it to show that an asynchronous capture is fenced before the optimizer
-mutates the parameters, and waited for before it is checksummed.
+mutates the parameters, and waited for before it is checksummed. The first `first` pairs of a
+`copy()` (what the next forward changes in place) are copied before it returns, as the compute stream
+waits for those copies on a GPU.
 """
 
 from __future__ import annotations
@@ -44,19 +46,25 @@ class _Pending:
 
 
 class DeferredCopier:
+    asynchronous = True
+
     def __init__(self) -> None:
         self.issued = 0
         self.completed = 0
         self.fences = 0
         self.host_waits = 0
         self.registered: list[int] = []
+        self.early: list[int] = []  # each copy's `first`
         self.lock = threading.Lock()
         self.release = threading.Event()
         self.release.set()
 
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> _Pending:
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], first: int = 0) -> _Pending:
         self.issued += 1
-        return _Pending(self, list(pairs))
+        self.early.append(first)
+        for dst, src in pairs[:first]:
+            dst.copy_(_source(dst, src))
+        return _Pending(self, list(pairs[first:]))
 
     def register_host(self, buffer: Any, nbytes: int) -> None:
         self.registered.append(nbytes)

@@ -455,6 +455,40 @@ def test_async_capture_is_fenced_before_the_optimizer_mutates_parameters(tmp_pat
         gem.close()
 
 
+def test_an_async_capture_copies_the_buffers_the_next_forward_changes_before_it_runs(tmp_path: Path) -> None:
+    """A BatchNorm's running statistics change in the next training forward, before the optimizer's
+    fence: an asynchronous capture copies them first and lets the compute wait for those copies only
+    (the rest still lands at the fence). Before, a capture could hold the next step's statistics."""
+    from lm_resiliency.testing.copier import DeferredCopier
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    copier = DeferredCopier()
+    gem = lone_gemini(tmp_path, model, opt, copier=copier)
+    try:
+        model(torch.randn(16, 4)).sum().backward()
+        opt.step()
+        want = {n: v.clone() for n, v in model.state_dict().items()}
+        copier.release.clear()  # the "device" has copied nothing of the rest yet
+        assert gem.capture(1)
+        assert copier.early == [3]  # running_mean, running_var, num_batches_tracked
+        model(torch.randn(16, 4)).sum().backward()  # the next forward updates the statistics
+        assert not torch.equal(want["1.running_mean"], model[1].running_mean)
+        opt.step()  # the fence: the parameters' copies land before the step changes them
+        copier.release.set()
+        assert gem.drain(10)
+        fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+        gem.model, gem.optimizer = fresh, None
+        gem._restore_from(gem._own[next(k for k, s in gem._own_step.items() if s == 1)], 1)
+        got = fresh.state_dict()
+        assert all(torch.equal(v, got[n]) for n, v in want.items()), [
+            n for n, v in want.items() if not torch.equal(v, got[n])
+        ]
+    finally:
+        gem.close()
+
+
 def test_a_restarted_gpu_rank_restores_through_its_page_locked_slot(tmp_path: Path) -> None:
     """A new process restores from its own slot through the mapping its captures will use, page
     locked first (copies to a GPU from pageable memory are staged and slow); the next capture into

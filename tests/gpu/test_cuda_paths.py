@@ -50,6 +50,43 @@ def test_async_copy_lands_the_pre_fence_bytes_even_when_the_tensor_changes_right
     buf.close()
 
 
+def test_a_capture_holds_the_batchnorm_statistics_the_next_forward_replaces(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The capture's copies run on a side stream while the next forward runs on the compute stream:
+    that forward updates a BatchNorm's running statistics in place, so their copies go first and the
+    compute stream waits for them (the parameters' copies still overlap the forward)."""
+    from tests.conftest import lone_gemini
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+
+    def net() -> torch.nn.Module:
+        layers = [torch.nn.Linear(2048, 2048), torch.nn.BatchNorm1d(2048), torch.nn.Linear(2048, 2048)]
+        return torch.nn.Sequential(*layers).to(dev)
+
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gem = lone_gemini(tmp_path, model, opt)
+    try:
+        x = torch.randn(512, 2048, device=dev)
+        model(x).sum().backward()
+        opt.step()
+        torch.cuda.synchronize()
+        want = {n: v.detach().cpu().clone() for n, v in model.state_dict().items()}
+        assert gem.capture(1)
+        assert isinstance(gem._copier, CudaCopier)
+        for _ in range(3):  # forwards queued right behind the copies
+            model(x).sum().backward()
+        opt.step()
+        assert gem.drain(60)
+        fresh = net()
+        gem.model, gem.optimizer = fresh, None
+        gem._restore_from(gem._own[next(k for k, s in gem._own_step.items() if s == 1)], 1)
+        got = {n: v.cpu() for n, v in fresh.state_dict().items()}
+        assert [n for n, v in want.items() if not torch.equal(v, got[n])] == []
+    finally:
+        gem.close()
+
+
 def test_slot_files_are_page_locked_and_a_failed_registration_leaves_no_cuda_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from lm_resiliency.gemini.copier import _cudart
     from lm_resiliency.runtime.shm import SlotFile
