@@ -206,6 +206,10 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
                 idle.waited_between_steps(time.perf_counter() - t0)
         group = kwargs.get("group", _arg(args, group_at, None))
         tracker.enter_collective(_signature(name, args, _group_size(group), sized), waits)
+        if name == "all_reduce" and args and hasattr(args[0], "numel"):
+            note = getattr(tracker, "all_reduced", None)
+            if note is not None:
+                note(args[0].numel(), group)
         try:
             return fn(*args, **kwargs)
         finally:

@@ -36,6 +36,7 @@ __all__ = ["PyTorchAdapter"]
 
 log = logging.getLogger(__name__)
 RECENT_CHAINS = 4  # collective states before the current one that progress gossip carries
+DP_HINT_STEPS = 3  # steps of a plain module in which its script's all-reduces are looked at
 
 
 class PyTorchAdapter:
@@ -108,6 +109,10 @@ class PyTorchAdapter:
         # The DDPs whose comm hook is ours to register at the first forward; those where ours is.
         self._comm_hook_pending: list[Any] = []
         self._comm_hook_ours: set[int] = set()
+        # A plain module's script's all-reduces inside the step, by group (id -> (group, elements)),
+        # in its first steps (None: not looked at; see _data_parallel_hint).
+        self._reduced_in_step: dict[int, tuple[Any, int]] | None = None
+        self._hint_steps = 0
 
     # -- topology ---------------------------------------------------------------------------------
     def topology(self) -> AdapterTopology:
@@ -156,6 +161,10 @@ class PyTorchAdapter:
         if self.group is not None and dist.is_initialized():
             ranks = tuple(sorted(dist.get_process_group_ranks(self.group)))
             return AdapterTopology(ranks, {"dp": ranks}, ("dp",), "group")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # A plain module in a multi-rank job: no replicas unless the script's own collectives
+            # show data parallelism (see _data_parallel_hint): then the log says what to pass.
+            self._reduced_in_step = {}
         return AdapterTopology((rank,), {}, (), "single")
 
     # -- hooks ------------------------------------------------------------------------------------
@@ -372,6 +381,44 @@ class PyTorchAdapter:
         if waits:
             self.wait_collective()
 
+    def all_reduced(self, numel: int, group: Any) -> None:
+        """The script all-reduced `numel` elements over `group` inside the step (tracked only while
+        this plain module's replicas are unknown: see _data_parallel_hint)."""
+        if self._reduced_in_step is not None:
+            key = id(group)
+            held = self._reduced_in_step.get(key)
+            self._reduced_in_step[key] = (group, numel + (held[1] if held else 0))
+
+    def _data_parallel_hint(self) -> None:
+        """End of one of the first steps of a plain module (no DDP, no DTensor) given no `group`:
+        SCOUT compares it with no other rank. When the script all-reduced, over one group of two or
+        more ranks, at least as many elements as the model has trainable parameters, it reduces its
+        gradients itself (data parallelism without DDP): say what to pass, once. Not inferred: ranks
+        that only start alike (an ensemble, local SGD between its syncs) would be taken for corrupted
+        replicas at their first step."""
+        seen, self._reduced_in_step = self._reduced_in_step, {}
+        self._hint_steps += 1
+        if self._hint_steps >= DP_HINT_STEPS:
+            self._reduced_in_step = None
+        if not seen:
+            return
+        total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        for group, numel in seen.values():
+            ranks = tuple(sorted(dist.get_process_group_ranks(group or dist.group.WORLD)))
+            if len(ranks) > 1 and total and numel >= total:
+                self._reduced_in_step = None
+                log.warning(
+                    "rank %d: the model is a plain module (no DDP, FSDP or DTensor) and the script "
+                    "all-reduces its gradients over ranks %s itself, but enable_resiliency was given no "
+                    "group: SCOUT compares this rank's state with no other's, so a silent data corruption "
+                    "goes unseen. Pass group=<that process group> (dist.group.WORLD for all ranks), or "
+                    "parallelism_info={'replica_group': %s}, if these ranks hold the same weights",
+                    dist.get_rank(),
+                    list(ranks),
+                    list(ranks),
+                )
+                return
+
     def _chain(self, signature: str) -> None:
         """One more collective entered: chain its signature (attributes replaced whole, read by the
         runtime thread)."""
@@ -495,6 +542,8 @@ class PyTorchAdapter:
             # peers' wait in them is still the evaluation's.
             self.phase = None
         self._stepping = False
+        if self._reduced_in_step is not None:
+            self._data_parallel_hint()
         self._t_fwd = self._t_opt = self._comm_start = self._comm_end = self._comm_last_call = None
         self._input_s = self._not_input_s = 0.0
         self._eval_started = None

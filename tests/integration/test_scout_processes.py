@@ -787,3 +787,19 @@ def test_replicas_the_script_steps_with_different_learning_rates_are_not_an_sdc(
         assert res["faults"][0]["reason"] == "optimizer_settings_differ", res["faults"]
         assert not any(res["certified"][str(s)] for s in range(7, 13)), res["certified"]
         assert res["crash_decision"]["checkpoint_step"] == 12, res["crash_decision"]
+
+
+def test_a_plain_module_whose_script_reduces_its_gradients_is_named_data_parallel_in_the_log(  # type: ignore[no-untyped-def]
+    processes, tmp_path: Path
+) -> None:
+    """No DDP and no `group=`: SCOUT has no replicas to compare, and a weight corrupted on one rank
+    goes unseen. The script's own all-reduce of every gradient shows data parallelism: the log says
+    to pass `group=`, once. With `group=` (the other scenarios) nothing is said."""
+    hint = "all-reduces its gradients over ranks [0, 1] itself"
+    for sub in ("bare", "named"):
+        (tmp_path / sub).mkdir()
+    _run(processes, tmp_path / "bare", "clean", steps=4, world=2, wrap="plain", extra={"NO_GROUP": "1"})
+    for r in range(2):
+        assert (tmp_path / "bare" / f"rank{r}.log").read_text().count(hint) == 1
+    _run(processes, tmp_path / "named", "clean", steps=4, world=2, wrap="plain")
+    assert hint not in (tmp_path / "named" / "rank0.log").read_text()
