@@ -395,7 +395,7 @@ class PyTorchAdapter:
         more ranks, at least as many elements as the model has trainable parameters, it reduces its
         gradients itself (data parallelism without DDP): say what to pass, once. Not inferred: ranks
         that only start alike (an ensemble, local SGD between its syncs) would be taken for corrupted
-        replicas at their first step."""
+        replicas at their first step. Said by the group's first rank."""
         seen, self._reduced_in_step = self._reduced_in_step, {}
         self._hint_steps += 1
         if self._hint_steps >= DP_HINT_STEPS:
@@ -407,6 +407,8 @@ class PyTorchAdapter:
             ranks = tuple(sorted(dist.get_process_group_ranks(group or dist.group.WORLD)))
             if len(ranks) > 1 and total and numel >= total:
                 self._reduced_in_step = None
+                if dist.get_rank() != ranks[0]:  # one line per group, not one per rank
+                    return
                 log.warning(
                     "rank %d: the model is a plain module (no DDP, FSDP or DTensor) and the script "
                     "all-reduces its gradients over ranks %s itself, but enable_resiliency was given no "
