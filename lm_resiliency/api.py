@@ -22,7 +22,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -191,6 +191,12 @@ def _scheduler_of(optimizer: Any, given: Any) -> Any:
     return parent
 
 
+def _is_process_group(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return isinstance(group, dist.ProcessGroup)
+
+
 def _grad_scaler() -> Any:
     """The job's loss scaler (torch.amp.GradScaler, enabled), when there is exactly one: captured
     with the optimizer and watched for the steps it skips (see adapters.amp)."""
@@ -320,6 +326,33 @@ def enable_resiliency(
     ):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable")
+    if parallelism_info is not None and not isinstance(parallelism_info, Mapping):
+        raise TypeError(
+            "parallelism_info must be a mapping ({'replica_group': [...], 'peer_group': [...], "
+            f"'dims': {{...}}}}), got {type(parallelism_info).__name__}"
+        )
+    if group is not None and not _is_process_group(group):
+        raise TypeError(
+            "group must be a torch.distributed process group (dist.group.WORLD, dist.new_group(...)), "
+            f"got {type(group).__name__}"
+        )
+    if opt_param_scheduler is not None and not callable(getattr(opt_param_scheduler, "step", None)):
+        raise TypeError(
+            "opt_param_scheduler must be a scheduler with a step() (a torch LRScheduler, Megatron's "
+            f"OptimizerParamScheduler), got {type(opt_param_scheduler).__name__}"
+        )
+    if extra_state_fn is not None and load_extra_state_fn is None:
+        warnings.warn(
+            "enable_resiliency: extra_state_fn without load_extra_state_fn: the caller's state is "
+            "captured, but a restart cannot give it back. Pass both.",
+            stacklevel=2,
+        )
+    elif load_extra_state_fn is not None and extra_state_fn is None:
+        warnings.warn(
+            "enable_resiliency: load_extra_state_fn without extra_state_fn: no caller's state is "
+            "captured, so a restart has none to give it. Pass both.",
+            stacklevel=2,
+        )
     mode = RecoveryMode.parse(recovery_mode)
     _check_device(device, model)
     other = open_session()

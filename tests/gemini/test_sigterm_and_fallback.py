@@ -321,6 +321,7 @@ def test_unserialisable_extra_state_fails_at_enable_naming_the_path() -> None:
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
             extra_state_fn=lambda: {"bad": random.Random(0)},  # its getstate() would do
+            load_extra_state_fn=lambda state: None,
         )
 
 
@@ -334,7 +335,14 @@ def test_a_capture_that_cannot_be_taken_is_reported_not_raised_into_training() -
         calls["n"] += 1
         return {"pos": calls["n"]} if calls["n"] < 3 else {"bad": random.Random(0)}  # breaks mid-run
 
-    with enable_resiliency(model, opt, interval=1, fault_callback=reports.append, extra_state_fn=extra) as s:
+    with enable_resiliency(
+        model,
+        opt,
+        interval=1,
+        fault_callback=reports.append,
+        extra_state_fn=extra,
+        load_extra_state_fn=lambda state: None,
+    ) as s:
         for _ in range(4):
             model(torch.randn(4, 2)).sum().backward()
             opt.step()  # from the 2nd step on the capture inside this hook fails: training goes on

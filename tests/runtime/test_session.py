@@ -140,6 +140,9 @@ def test_configured_recovery_mode_wins() -> None:
         ({"fault_callback": 3}, TypeError, "fault_callback"),
         ({"framework": "deepspeed"}, TypeError, "optimizer"),
         ({"framework": "torchtitan"}, TypeError, "optimizer"),
+        ({"parallelism_info": [0, 1]}, TypeError, "parallelism_info must be a mapping"),
+        ({"group": 3}, TypeError, r"group must be a torch.distributed process group \(.*\), got int"),
+        ({"opt_param_scheduler": 5}, TypeError, "opt_param_scheduler must be a scheduler .*got int"),
     ],
 )
 def test_argument_errors(kwargs: dict, error: type[Exception], needle: str) -> None:
@@ -148,6 +151,15 @@ def test_argument_errors(kwargs: dict, error: type[Exception], needle: str) -> N
     with pytest.raises(error, match=needle):
         enable_resiliency(model, opt, **kwargs)
     assert not [t for t in threading.enumerate() if t.name.startswith("lm-resiliency")]
+
+
+@pytest.mark.parametrize("given", ["extra_state_fn", "load_extra_state_fn"])
+def test_one_of_the_caller_state_pair_alone_is_warned_of(given: str) -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fn = (lambda: {"i": 1}) if given == "extra_state_fn" else (lambda state: None)
+    with pytest.warns(UserWarning, match=f"{given} without"):
+        enable_resiliency(model, opt, **{given: fn}).close()
 
 
 def test_a_framework_without_an_adapter_is_named() -> None:

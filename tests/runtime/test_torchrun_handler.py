@@ -556,7 +556,11 @@ def test_a_beating_rank_is_heard_through_the_store_until_its_line_is_muted(store
     finally:
         beating.close()
         reader.close()
-    assert ControlChannel("tcp://127.0.0.1:1", "unit-run", timeout_s=1.0).alive([0]) == {}
+    nobody = ControlChannel("tcp://127.0.0.1:1", "unit-run", timeout_s=1.0)
+    try:
+        assert nobody.alive([0]) == {}
+    finally:
+        nobody.close()  # (its thread would outlive the test)
 
 
 def test_control_channel_flush_waits_for_the_send_not_only_for_the_hand_over() -> None:
