@@ -96,6 +96,8 @@ def _type_problem(value: Any, tp: Any) -> str:
         return "" if ok else f"expected int, {given}"
     if tp is float:
         ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if ok and value != value:  # NaN: every range check (value <= 0, ...) would let it through
+            return "expected a number, got NaN"
         return "" if ok else f"expected a number, {given}"
     if tp is str:
         return "" if isinstance(value, str | os.PathLike) else f"expected string, {given}"

@@ -62,6 +62,8 @@ def test_good_policy(tmp_path: Path) -> None:
         ("schema_version = 1\n[checkpoint]\npin_memory = 1", "checkpoint.pin_memory"),
         ("schema_version = 1\n[checkpoint]\nreplication_jump = 0", "checkpoint.replication_jump"),
         ("schema_version = 1\n[replay]\nstraggler_ratio = 0.5", "replay.straggler_ratio"),
+        ("schema_version = 1\n[replay]\nstraggler_ratio = nan", "replay.straggler_ratio"),
+        ("schema_version = 1\n[runtime]\npublish_coalesce_s = nan", "runtime.publish_coalesce_s"),
         ("schema_version = 1\n[runtime]\nheartbeat_timeout_s = 0.1", "runtime.heartbeat_timeout_s"),
         ("schema_version = 1\ncheckpoint = 3", "checkpoint"),
         ("schema_version = 1\nrecovery_mode = 'newest'", "recovery_mode"),
@@ -104,6 +106,7 @@ def test_dataclasses_validate_directly() -> None:
         (lambda: InMemoryCkptConfig(verify_integrity="yes"), "checkpoint.verify_integrity", "bool"),
         (lambda: DurableCheckpointConfig(interval=True), "durable.interval", "int"),
         (lambda: RuntimeConfig(heartbeat_timeout_s=None), "runtime.heartbeat_timeout_s", "number"),
+        (lambda: ReplayHarnessConfig(straggler_min_ms=float("nan")), "replay.straggler_min_ms", "number"),
     ],
 )
 def test_dataclasses_built_directly_name_a_field_of_the_wrong_type(build, key: str, problem: str) -> None:  # type: ignore[no-untyped-def]
