@@ -133,11 +133,22 @@ def _drift(setting: str) -> None:
         torch.use_deterministic_algorithms(not torch.are_deterministic_algorithms_enabled(), warn_only=True)
 
 
-def check_injectable(campaign: Campaign) -> None:
-    """Refuse a campaign with a fault this version cannot inject, naming it."""
+def check_injectable(campaign: Campaign, world_size: int | None = None, refuse_ranks: bool = True) -> None:
+    """Refuse a campaign with a fault this version cannot inject, naming it; with `world_size`,
+    also one that targets a rank the job does not have (it would never be injected). With
+    `refuse_ranks` False (a later generation of an elastic job, which may have shrunk since the
+    campaign was accepted) that is only logged: the job must not die of it."""
     for i, inc in enumerate(campaign.incidents):
         for j, f in enumerate(inc.faults):
             key = f"incidents[{i}].faults[{j}]"
+            if world_size is not None and f.target.rank is not None and f.target.rank >= world_size:
+                problem = CampaignError(
+                    f"{key}.target.rank",
+                    f"rank {f.target.rank} is not in this job of {world_size} ranks (0..{world_size - 1})",
+                )
+                if refuse_ranks:
+                    raise problem
+                log.warning("fault campaign %r: %s: not injected", campaign.name, problem)
             surfaces = INJECTABLE.get(f.type)
             if surfaces is None:
                 raise CampaignError(
@@ -227,8 +238,9 @@ class CampaignInjector:
         node_of: Any = None,
         scout: Any = None,
         control: Any = None,
+        world_size: int | None = None,
     ) -> None:
-        check_injectable(campaign)
+        check_injectable(campaign, world_size, refuse_ranks=not generation)
         self.campaign = campaign
         self.rank = rank
         self.node = node
@@ -782,6 +794,7 @@ def attach_campaign(
         node_of=_node_of(session),
         scout=getattr(session, "scout", None),
         control=getattr(session, "_control", None),
+        world_size=getattr(session, "world_size", None),
     )
     session.add_component(inj)
     return inj

@@ -271,6 +271,22 @@ def test_a_fault_this_version_cannot_inject_is_refused_at_attach(
     assert info.value.path == problem
 
 
+def test_a_fault_on_a_rank_the_job_does_not_have_is_refused_at_attach(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every rank refuses it alike (none would ever inject it: the campaign would end "not
+    injected" with no word why). A later generation (an elastic job that shrank) only logs it."""
+    c = parse_campaign(_campaign({"type": "hang", "target": {"surface": "process", "rank": 4}}))
+    model = nn.Linear(2, 2)
+    for rank in range(4):
+        with pytest.raises(CampaignError, match=r"rank 4 is not in this job of 4 ranks") as info:
+            CampaignInjector(c, rank, tmp_path, model, None, generation=0, world_size=4)
+        assert info.value.path == "incidents[0].faults[0].target.rank"
+    CampaignInjector(c, 0, tmp_path, model, None, world_size=5).close()
+    CampaignInjector(c, 0, tmp_path, model, None, generation=1, world_size=4).close()
+    assert "incidents[0].faults[0].target.rank: rank 4 is not in this job of 4 ranks" in caplog.text
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("fault", "exit_code", "text", "own_reason"),
