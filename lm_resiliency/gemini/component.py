@@ -652,6 +652,14 @@ class Gemini:
             restored = self.load_fallback(exact_step)
             if isinstance(restored, int) and not isinstance(restored, bool) and restored >= 0:
                 got = restored
+            elif restored is not None and not (type(restored) is int and restored == -1):
+                log.error(
+                    "rank %d: load_fallback returned %r (%s): expected the step it restored (an int "
+                    ">= 0), or -1 or None for none; taken as none, so the run starts fresh",
+                    self.rank,
+                    restored,
+                    type(restored).__name__,
+                )
         # Every rank planned the same (the same inventories): all are here. A step the callers'
         # checkpoints restored on some ranks and not others (a rank's file written halfway, a
         # path per rank) would resume them at different steps: their collectives would pair

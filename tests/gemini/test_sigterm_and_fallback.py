@@ -102,6 +102,23 @@ def test_load_fallback_is_asked_when_no_copy_exists(monkeypatch: pytest.MonkeyPa
         assert s.last_recovery_decision["reason"].startswith("fallback")  # type: ignore[index]
 
 
+def test_a_load_fallback_answer_that_is_no_step_is_named_in_the_log(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fallback that restored its checkpoint but says so as a string (or a float) is taken as
+    nothing restored: the run starts at step 0 with the weights it loaded. The log says why."""
+    monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with enable_resiliency(model, opt, load_fallback=lambda step: "42") as s:
+        assert s.recovered_step == -1
+    assert "load_fallback returned '42' (str): expected the step it restored" in caplog.text
+    caplog.clear()
+    with enable_resiliency(model, opt, load_fallback=lambda step: -1) as s:
+        assert s.recovered_step == -1
+    assert "load_fallback returned" not in caplog.text
+
+
 def test_a_step_a_restart_plan_names_is_reported_at_the_plans_trust_level(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
