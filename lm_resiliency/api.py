@@ -191,6 +191,38 @@ def _scheduler_of(optimizer: Any, given: Any) -> Any:
     return parent
 
 
+class _DeferredSignals:
+    """Python handlers of some signals held back while a signal handler of ours does its work (main
+    thread). torchrun stops a worker by sending SIGTERM to its whole process group: a DataLoader's
+    worker processes die of it too, and the loader's SIGCHLD handler raises in the main thread,
+    into the flush our SIGTERM handler is writing (it was cut short: no copy on disk, half a file)."""
+
+    def __init__(self, signums: tuple[int, ...]) -> None:
+        self.came: list[int] = []
+        self.saved: dict[int, Any] = {}
+        for signum in signums:
+            try:
+                previous = signal.getsignal(signum)
+                if callable(previous):  # (a default or ignored one raises nothing into us)
+                    signal.signal(signum, lambda n, f: self.came.append(n))
+                    self.saved[signum] = previous
+            except (ValueError, OSError):  # not the main thread, or no such signal here
+                continue
+
+    def restore(self) -> Callable[[], None]:
+        """Put the handlers back; returns what delivers the signals that came meanwhile to them
+        (run it last: they may raise, as they would have when the signal came)."""
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
+        came, self.came = sorted(set(self.came)), []
+
+        def deliver() -> None:
+            for signum in came:
+                signal.raise_signal(signum)
+
+        return deliver
+
+
 def _is_process_group(group: Any) -> bool:
     import torch.distributed as dist
 
@@ -1271,12 +1303,17 @@ class Session:
                 # This thread came back from native code after the watcher took the signal over:
                 # it ends the process once it has done the work.
                 threading.Event().wait()
+            deferred = _DeferredSignals((signal.SIGCHLD,))
             try:
                 self._terminating(ends)
             except Exception:  # stopping must go on whatever we failed to do first
                 log.exception("rank %d: handling SIGTERM failed", self.rank)
             finally:
-                pass_on(signum, frame)
+                restore = deferred.restore()
+                try:
+                    pass_on(signum, frame)
+                finally:
+                    restore()
 
         signal.signal(signal.SIGTERM, on_sigterm)
         self._previous_sigterm = (on_sigterm, previous)

@@ -30,8 +30,14 @@ ROOT = Path(__file__).resolve().parents[2]
         ("sigterm_worker.py", "trained"),
         ("sigterm_while_dying_worker.py", "SIGTERM while closing"),
         ("sigterm_worker.py native", "waiting in native code"),
+        ("sigterm_worker.py loader", "loading"),
     ],
-    ids=["while_training", "while_an_exception_ends_the_worker", "while_waiting_in_native_code"],
+    ids=[
+        "while_training",
+        "while_an_exception_ends_the_worker",
+        "while_waiting_in_native_code",
+        "while_its_loader_workers_die_of_it_too",
+    ],
 )
 def test_sigterm_flushes_the_newest_capture_then_terminates(
     tmp_path: Path, worker: str, printed: str
@@ -41,7 +47,10 @@ def test_sigterm_flushes_the_newest_capture_then_terminates(
     collective) with its exit still committing that capture, which the restart must find; and
     while the main thread waits in native code (a hung collective), where Python's handler cannot
     run: a thread of ours takes it over. Before, that worker lived until torchrun's shutdown
-    timeout killed it (30 s, SIGKILL, nothing flushed), here until its 10-minute wait ended."""
+    timeout killed it (30 s, SIGKILL, nothing flushed), here until its 10-minute wait ended. And
+    while its DataLoader's worker processes die of the same SIGTERM (torchrun sends it to the
+    process group): the loader's SIGCHLD handler raised into the flush, which left no copy on disk
+    (an outsider's 4-rank job, preempted, lost one rank's)."""
     env = worker_env({"LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm")})
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests/gemini" / worker.split()[0]), *worker.split()[1:]],
