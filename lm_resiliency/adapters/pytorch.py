@@ -545,7 +545,11 @@ class PyTorchAdapter:
             self.phase = None
         self._stepping = False
         if self._reduced_in_step is not None:
-            self._data_parallel_hint()
+            try:
+                self._data_parallel_hint()
+            except Exception:  # a hint must never fail the script's optimizer step
+                self._reduced_in_step = None
+                log.debug("looking for data parallelism in the script's all-reduces failed", exc_info=True)
         self._t_fwd = self._t_opt = self._comm_start = self._comm_end = self._comm_last_call = None
         self._input_s = self._not_input_s = 0.0
         self._eval_started = None
