@@ -1312,7 +1312,7 @@ class Gemini:
     def _forward_mutable_first(
         self, pairs: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
-        """`pairs` with the copies of the model's device buffers first, and how many there are: the
+        """`pairs` with the copies of the model's buffers first, and how many there are: the
         next forward changes them in place (a BatchNorm's running statistics, its batch count), so an
         asynchronous copy must read them before it runs, not only before the optimizer's step. On the
         host (SyncCopier) the copies are done when `copy` returns: as they are."""

@@ -114,20 +114,23 @@ class CudaCopier:
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)  # the copies read the state as the optimizer left it
         with torch.cuda.stream(self.stream):
-            for i, (dst, src) in enumerate(pairs):
-                if i == first and first:
-                    # What the next forward changes in place is copied: the compute stream waits for
-                    # those copies only (small), the rest overlaps the forward and backward.
-                    compute.wait_event(_recorded(self.stream))
-                if src.is_cuda:
-                    dst.copy_(_source(dst, src), non_blocking=True)
-                    src.record_stream(self.stream)  # keep temporaries alive until the copy is done
-                else:
-                    dst.copy_(_source(dst, src))
+            self._issue(pairs[:first])
+            if first:
+                # What the next forward changes in place is copied: the compute stream waits for
+                # those copies only (small), the rest overlaps the forward and backward.
+                compute.wait_event(_recorded(self.stream))
+            self._issue(pairs[first:])
             event = _recorded(self.stream)
-        if first >= len(pairs) and first:
-            compute.wait_event(event)
         return _CudaCompletion(event, self.device)
+
+    def _issue(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The copies, on the current stream (the side stream)."""
+        for dst, src in pairs:
+            if src.is_cuda:
+                dst.copy_(_source(dst, src), non_blocking=True)
+                src.record_stream(self.stream)  # keep temporaries alive until the copy is done
+            else:
+                dst.copy_(_source(dst, src))
 
     def register_host(self, buffer: Any, nbytes: int) -> None:
         import ctypes
