@@ -194,6 +194,12 @@ def check_injectable(campaign: Campaign, world_size: int | None = None, refuse_r
                     raise CampaignError(f"{key}.parameters.{name}", f"expected a number >= 0, got {v!r}")
 
 
+def _earlier(recorded: int | None, current: int | None) -> bool:
+    """Whether a record of generation `recorded` is of a generation before `current` (unknown
+    generations count as earlier: a job without them replays every record, as before)."""
+    return recorded is None or current is None or recorded < current
+
+
 def read_ground_truth(folder: str | os.PathLike[str]) -> list[GroundTruth]:
     """Every rank's ground-truth records in a folder (a torn last line, from a kill, is skipped)."""
     out = []
@@ -249,8 +255,18 @@ class CampaignInjector:
         self.folder.mkdir(parents=True, exist_ok=True)
         self._file = self.folder / f"ground-truth-rank{rank}.jsonl"
         history = read_ground_truth(self.folder)
+        # What fired before: in earlier generations (every rank's records: a rank on a standby
+        # replays the campaign as the one it replaces would have), and this rank's own (a process
+        # started again within its generation). Not other ranks' of this generation: a peer that
+        # reached the incident's iteration while this rank was still starting had recorded it,
+        # and this rank then never injected its own fault of it (a pace on every rank, not on one).
         self._schedule = Schedule(
-            campaign, {Occurrence(g.incident_id, g.iteration, g.attempt) for g in history}
+            campaign,
+            {
+                Occurrence(g.incident_id, g.iteration, g.attempt)
+                for g in history
+                if g.rank == rank or _earlier(g.generation, generation)
+            },
         )
         self._active: list[_Active] = []
         # A partition cuts off the target rank's whole node, and a config drift is the node's

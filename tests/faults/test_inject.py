@@ -271,6 +271,38 @@ def test_a_fault_this_version_cannot_inject_is_refused_at_attach(
     assert info.value.path == problem
 
 
+def test_a_rank_that_attaches_after_a_peer_injected_the_same_incident_still_injects_its_own(
+    tmp_path: Path,
+) -> None:
+    """An incident with a fault on every rank (a pace): rank 0 reached iteration 1 and recorded its
+    fault while rank 1 was still starting. Rank 1 read that record as the incident having fired and
+    never injected its own: its steps ran unpaced, and its peers were named stragglers. Records of
+    earlier generations, and a rank's own, still count (a restarted generation does not fire a
+    `once` incident again)."""
+    c = parse_campaign(
+        _campaign(
+            *(
+                {"type": "delay", "target": {"surface": "compute", "rank": r}, "parameters": {"delay_ms": 1}}
+                for r in range(2)
+            ),
+            at=1,
+        )
+    )
+    model = nn.Linear(2, 2)
+    first = CampaignInjector(c, 0, tmp_path, model, None, generation=0, world_size=2)
+    model(torch.randn(1, 2))  # rank 0's iteration 1: injected and recorded
+    late = CampaignInjector(c, 1, tmp_path, nn.Linear(2, 2), None, generation=0, world_size=2)
+    late._model(torch.randn(1, 2))
+    first.close()
+    late.close()
+    fired = {(g.rank, g.fault_id, g.generation) for g in read_ground_truth(tmp_path)}
+    assert fired == {(0, "f0", 0), (1, "f1", 0)}
+    again = CampaignInjector(c, 1, tmp_path, nn.Linear(2, 2), None, generation=1, world_size=2)
+    again._model(torch.randn(1, 2))  # the next generation replays iteration 1: `once`, not again
+    again.close()
+    assert len(read_ground_truth(tmp_path)) == 2
+
+
 def test_a_fault_on_a_rank_the_job_does_not_have_is_refused_at_attach(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
