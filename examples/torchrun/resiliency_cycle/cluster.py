@@ -55,8 +55,9 @@ def launch(
     step_ms: float = 0.0,
 ) -> tuple[list[subprocess.Popen[bytes]], Path]:
     """Start `nodes` agents (the first `min_nodes` train, the others park as standbys); return them
-    and the validation folder the loop writes to. Node n's files live in `work/name`. `step_ms`:
-    each step of the loop takes that much longer (the loop's `--step-ms`)."""
+    and the validation folder the loop writes to. Node n's files live in `work/name`, the loop's
+    working folder. `step_ms`: each step of the loop takes that much longer (the loop's
+    `--step-ms`)."""
     port, run_id = free_port(), f"{name}-{os.getpid()}-{time.monotonic_ns() % 1_000_000}"
     min_nodes = nodes if min_nodes is None else min_nodes
     base = work / name
@@ -110,7 +111,10 @@ def launch(
             subprocess.Popen(
                 cmd,
                 env=node_env,
-                cwd=ROOT,
+                # The run's own folder: the loop's relative paths (the durable tier's ./checkpoints,
+                # shared by the run's nodes as shared storage would be) land there, not in the
+                # checkout (every run of the demo or of pressure left its steps in ./checkpoints).
+                cwd=base,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a node's agent and workers: one group to kill
