@@ -150,11 +150,17 @@ class ProcessGroup:
         env: dict[str, str],
         log_path: Path,
         prefix: tuple[str, ...] = (),
-        cwd: Path = ROOT,
+        cwd: Path | None = None,
     ) -> Any:
         """Start `python args...` (after `prefix`, e.g. `ip netns exec NS`, which execs into it) in
-        `cwd`: a job writing relative paths (the default `./checkpoints`) writes them there. Without a
-        prefix, the worker is a fork of the session's zygote (torch already imported)."""
+        `cwd` (default: the log's folder, the test's own): a job writing relative paths (the default
+        `./checkpoints`) writes them there, never in the checkout. A script named relative to the
+        checkout is run from there. Without a prefix, the worker is a fork of the session's zygote
+        (torch already imported)."""
+        if cwd is None:
+            cwd = log_path.parent
+        if args and not args[0].startswith("-") and not os.path.isabs(args[0]) and (ROOT / args[0]).is_file():
+            args = [str(ROOT / args[0]), *args[1:]]
         full_env = worker_env(env)
         # A session of its own: stopping the test's process stops everything it started (torchrun's
         # workers included).
@@ -195,10 +201,15 @@ def processes() -> Iterator[ProcessGroup]:
 
 
 @pytest.fixture(autouse=True)
-def _isolated_checkpoint_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """GEMINI writes to /dev/shm and ./checkpoints by default: keep every test in its own folders."""
+def _isolated_checkpoint_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """GEMINI writes to /dev/shm and ./checkpoints by default: keep every test in its own folders.
+    A test whose processes wrote ./checkpoints into the checkout fails, naming itself."""
     monkeypatch.setenv("LM_RESILIENCY_SHM_DIR", str(tmp_path / "shm"))
     monkeypatch.chdir(tmp_path)
+    stray = ROOT / "checkpoints"
+    before = stray.exists()
+    yield
+    assert before or not stray.exists(), f"this test's processes wrote {stray} into the checkout"
 
 
 def start_runtimes(  # type: ignore[no-untyped-def]
