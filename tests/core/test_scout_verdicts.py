@@ -142,10 +142,12 @@ def test_hang_names_the_rank_that_never_entered_the_collective() -> None:
         0: Progress(9, 40, 3.0),
         1: Progress(9, 40, 3.2),
         2: Progress(9, 36, 0.0),
-        3: Progress(9, 40, 2.9),
+        3: Progress(9, 40, 2.0),
     }
     v = hang_verdict(9, prog, stall_threshold_s=2.5)
     assert v is not None and (v.kind, v.ranks, v.reason) == ("hang", (2,), "never_entered_collective")
+    # Rank 3 entered a moment after its peers: it waits for the same culprit, and the detail says so.
+    assert v.detail.startswith("ranks [0, 1, 3] wait in collective #40 for up to 3.2s; ranks [2] "), v.detail
     assert v.stall_duration_s == 3.2
     # The step the hang happened in: the peers completed 9 and wait in step 10's collective, whatever
     # step the observer is at.
