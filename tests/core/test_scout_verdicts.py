@@ -148,6 +148,10 @@ def test_hang_names_the_rank_that_never_entered_the_collective() -> None:
     assert v is not None and (v.kind, v.ranks, v.reason) == ("hang", (2,), "never_entered_collective")
     # Rank 3 entered a moment after its peers: it waits for the same culprit, and the detail says so.
     assert v.detail.startswith("ranks [0, 1, 3] wait in collective #40 for up to 3.2s; ranks [2] "), v.detail
+    prog[3] = Progress(9, 39, 2.0)  # it issued collective 40 asynchronously and waits in 39
+    v = hang_verdict(9, prog, stall_threshold_s=2.5)
+    assert v is not None and v.ranks == (2,)
+    assert v.detail.startswith("ranks [0, 1, 3] wait in collectives #39-#40 for up to 3.2s; "), v.detail
     assert v.stall_duration_s == 3.2
     # The step the hang happened in: the peers completed 9 and wait in step 10's collective, whatever
     # step the observer is at.

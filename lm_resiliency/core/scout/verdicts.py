@@ -302,9 +302,12 @@ def hang_verdict(
         )
     )
     stall = max(p.in_collective_s for p in waiting.values())
-    # Those the detail names as waiting: every rank inside collective k, not only those past the
-    # threshold (a peer that entered it a moment later waits for the same culprit).
-    in_k = sorted(r for r, p in progress.items() if p.collectives == k and p.in_collective_s > 0)
+    # Those the detail names as waiting: every rank inside a collective, not only those past the
+    # threshold (a peer that entered one a moment later waits for the same culprit), nor only those
+    # in collective k (a peer that issued it asynchronously may still be counted in the one before).
+    waiters = [p.collectives for p in progress.values() if p.in_collective_s > 0]
+    in_k = f"{sorted(r for r, p in progress.items() if p.in_collective_s > 0)} wait in collective"
+    in_k += f" #{k}" if min(waiters) == k else f"s #{min(waiters)}-#{k}"
     if any(p.phase == "stopping" for r, p in progress.items() if r in culprits):
         return None  # being terminated (SIGTERM): its peers name that when it goes, not a hang
     excused = excused_s or {}
@@ -322,7 +325,7 @@ def hang_verdict(
             culprits,
             at,
             f"{reason}{PEERS_WAIT}",
-            f"ranks {in_k} wait in collective #{k} for up to {stall:.1f}s; ranks {list(culprits)} "
+            f"ranks {in_k} for up to {stall:.1f}s; ranks {list(culprits)} "
             f"never entered it: in {PHASE_NAMES[phase]} for "
             f"{max(p.in_phase_s for r, p in progress.items() if r in culprits):.1f}s",
             stall_duration_s=stall,
@@ -338,7 +341,7 @@ def hang_verdict(
             culprits,
             at,
             "never_entered_collective",
-            f"ranks {in_k} wait in collective #{k} for up to {stall:.1f}s; "
+            f"ranks {in_k} for up to {stall:.1f}s; "
             f"ranks {list(culprits)} never entered it" + "".join(where.values()),
             stall_duration_s=stall,
         )
@@ -349,7 +352,7 @@ def hang_verdict(
             went,
             at,
             LEFT,
-            f"ranks {in_k} wait in collective #{k} for up to {stall:.1f}s; ranks {list(went)} "
+            f"ranks {in_k} for up to {stall:.1f}s; ranks {list(went)} "
             "closed their sessions and left before entering it (a loop that ended early?)",
             stall_duration_s=stall,
         )
@@ -360,8 +363,7 @@ def hang_verdict(
             gone,
             at,
             "silent_while_peers_wait",
-            f"ranks {in_k} wait in collective #{k} for up to {stall:.1f}s; "
-            f"ranks {list(gone)} went silent (no heartbeat)",
+            f"ranks {in_k} for up to {stall:.1f}s; ranks {list(gone)} went silent (no heartbeat)",
             stall_duration_s=stall,
         )
     if len(waiting) == len(progress):
