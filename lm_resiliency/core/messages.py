@@ -203,6 +203,10 @@ class Evidence(Message):
     # The torch settings its numerics depend on as the step left them (as `Progress.settings`):
     # compared at the same step on every replica, a drift is told at once (no flip in progress).
     numerics: str = ""
+    # Collectives this rank had entered when its step ended (-1 unknown). Replicas run the same
+    # program: one that entered more at the same step ran a step's collectives without its optimizer
+    # step (it skipped one: behind its replicas), which no corruption does.
+    collectives: int = -1
 
 
 @register

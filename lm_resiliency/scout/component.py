@@ -181,7 +181,7 @@ KEEP_STEPS = 64
 
 # A step's evidence on its way: step, gradients, parameters, optimizer state, its layout, and
 # whether it is sent (not for the step before a check, kept only to count against).
-_Pending = tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None, bytes, bytes, str, bool]
+_Pending = tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None, bytes, bytes, str, int, bool]
 
 
 REUSED_ORDER = ("grads", "params", "optim")  # the states of `Evidence.reused`, in order
@@ -230,11 +230,12 @@ class EvidenceResolver:
         send: bool = True,
         settings: bytes = b"",
         numerics: str = "",
+        collectives: int = -1,
     ) -> None:
         """`send=False`: the step before a checked one, whose fingerprints only serve the next
         evidence's count of tensors as they were (`Evidence.reused`)."""
         if not self._outstanding and all(f is None or f.ready() for f in (grads, params, optim)):
-            ev = self._evidence(step, grads, params, optim, layout, settings, numerics)
+            ev = self._evidence(step, grads, params, optim, layout, settings, numerics, collectives)
             if send:
                 self._submit(ev)
             return
@@ -246,7 +247,7 @@ class EvidenceResolver:
                     target=self._run, name=f"lm-resiliency-evidence{self.rank}", daemon=True
                 )
                 self._thread.start()
-        self._queue.put((step, grads, params, optim, layout, settings, numerics, send))
+        self._queue.put((step, grads, params, optim, layout, settings, numerics, collectives, send))
 
     def _evidence(
         self,
@@ -257,6 +258,7 @@ class EvidenceResolver:
         layout: bytes,
         settings: bytes = b"",
         numerics: str = "",
+        collectives: int = -1,
     ) -> Evidence:
         parts = tuple(f.parts() if f is not None else () for f in (grads, params, optim))
         last, self._last = self._last, (step, parts)
@@ -274,6 +276,7 @@ class EvidenceResolver:
             settings,
             tuple(_which(zeroed(p, zeros)) if p and zeros is not None else (-1, b"") for p in parts),
             numerics,
+            collectives,
         )
 
     def _run(self) -> None:
@@ -541,11 +544,14 @@ class Scout:
         # Whether GEMINI captures a step only when the next begins (its evidence then waits too).
         self.defer_evidence: Callable[[int], bool] | None = None
         # The step, its gradients' fingerprint.
-        self._deferred_evidence: tuple[int, Fingerprint | None] | None = None
+        self._deferred_evidence: tuple[int, Fingerprint | None, int] | None = None
         self._last_params: tuple[int, bytes, bytes] = (-1, b"", b"")  # step, params, optimizer state
         self._divergence = DivergenceTracker(self.interval)  # disagreements that continue a judged one
         # The last judged step's fingerprints, by what they cover ("grads", "params", "optim").
         self._judged_before: tuple[int, dict[str, dict[int, bytes]]] = (-1, {})
+        # The last check that named ranks one optimizer step behind (a step skipped), and them: at
+        # every check after it they disagree the same way, the same incident.
+        self._behind: tuple[int, tuple[int, ...]] = (-1, ())
         self._params_apart = False  # the parameters disagreed at the newest check judged
         # Evidence, audit and replay results and link reports are judged by the replica group
         # alone, phase times and votes by the peer group (its superset): only their members get them
@@ -660,6 +666,8 @@ class Scout:
 
     def on_step(self, session: Any, times: Any) -> None:
         step = session.step_count
+        # Collectives entered by the step's end (the evidence's `collectives`).
+        entered = getattr(self.adapter, "collective_state", (-1, b""))[0]
         if self._rest_check and not self._closed and step % self.config.rest_interval == 0:
             self._rest = (step, self._state_at_rest())
             self._mark_open(self._rests_open, step)
@@ -668,15 +676,15 @@ class Scout:
         if not self._due(step):
             grads, self._grads_fp = self._grads_fp, None
             if grads is not None and self._due(step + 1):
-                self._submit_evidence(step, grads, send=False)
+                self._submit_evidence(step, grads, entered, send=False)
             return
         if self.defer_evidence is not None and self.defer_evidence(step):
             # GEMINI captures this step when the next begins: the parameters are fingerprinted
             # then, with the capture, so that what is certified is what was captured.
-            self._deferred_evidence, self._grads_fp = (step, self._grads_fp), None
+            self._deferred_evidence, self._grads_fp = (step, self._grads_fp, entered), None
             return
         grads, self._grads_fp = self._grads_fp, None
-        self._submit_evidence(step, grads)
+        self._submit_evidence(step, grads, entered)
 
     def _mark_open(self, opened: set[int], step: int) -> None:
         """A check of `step` begins (audit or at rest): open until judged, or KEEP_STEPS steps old
@@ -704,11 +712,13 @@ class Scout:
         """Right before GEMINI captures `step` (training thread): its deferred evidence now."""
         if self._deferred_evidence is None:
             return
-        (deferred, grads), self._deferred_evidence = self._deferred_evidence, None
+        (deferred, grads, entered), self._deferred_evidence = self._deferred_evidence, None
         if not self._closed:
-            self._submit_evidence(deferred, grads)
+            self._submit_evidence(deferred, grads, entered)
 
-    def _submit_evidence(self, step: int, grads: Fingerprint | None, send: bool = True) -> None:
+    def _submit_evidence(
+        self, step: int, grads: Fingerprint | None, entered: int = -1, send: bool = True
+    ) -> None:
         params = fingerprint_async(p for p in self.adapter.model.parameters())
         opt = self.adapter.optimizer
         # The optimizer's state too, where replicas hold the same: corrupted between the step and the
@@ -716,7 +726,7 @@ class Scout:
         # them alone would resume the corruption.
         optim = fingerprint_async(optimizer_tensors(opt)) if self._compare_optim else None
         if not send:
-            self._evidence_out.offer(step, grads, params, optim, send=False)
+            self._evidence_out.offer(step, grads, params, optim, send=False, collectives=entered)
             return
         layout = self._optimizer_layout(opt) if self._compare_optim else b""
         if self._recorder is not None:  # for the between-steps check of a two-replica replay
@@ -726,7 +736,14 @@ class Scout:
         self._refresh_zeros(opt)
         # Gossiped (once the device's folds are on the host), and looped back to our own handlers.
         self._evidence_out.offer(
-            step, grads, params, optim, layout, settings=settings, numerics=numerics_settings()
+            step,
+            grads,
+            params,
+            optim,
+            layout,
+            settings=settings,
+            numerics=numerics_settings(),
+            collectives=entered,
         )
 
     # -- runtime thread ---------------------------------------------------------------------------
@@ -819,12 +836,18 @@ class Scout:
                 else:
                     log.debug("rank %d: %s still diverged at step %d", self.rank, verdict.reason, step)
                 return
+            if what == "grads" and self._behind == (step - self.interval, verdict.ranks):
+                self._behind = (step, verdict.ranks)
+                log.debug("rank %d: ranks %s still a step behind at step %d", self.rank, verdict.ranks, step)
+                return
             # A neighbouring step's tensors (gradients reused, an update not applied): stale state.
             # Zeros where the replicas hold values (a bucket skipped): a dropped tensor.
             verdict = self._as_stale(verdict, held, before, per_step)
             at = REUSED_ORDER.index(what)
             zeroed = {r: e.zeroed[at] for r, e in per_step.items() if len(e.zeroed) > at}
             verdict = dropped_verdict(verdict, sorted(held[what]), zeroed)
+            if verdict.reason == "grads_step_behind":
+                self._behind = (step, verdict.ranks)
             if verdict.kind == "sdc_ambiguous" and self._recorder is not None:
                 self._start_replay(step, what, per_step.get(self.rank))
             else:
@@ -860,7 +883,8 @@ class Scout:
         previous = before[1].get(what, {}) if before[0] == verdict.step - 1 else {}
         at = REUSED_ORDER.index(what)
         reused = {r: e.reused[at] for r, e in per_step.items() if len(e.reused) > at}
-        return stale_verdict(verdict, held[what], previous, reused)
+        entered = {r: e.collectives for r, e in per_step.items() if e.collectives >= 0}
+        return stale_verdict(verdict, held[what], previous, reused, entered)
 
     def _settings_diverged(self, step: int, per_step: dict[int, Evidence]) -> bool:
         """Whether the replicas stepped with different optimizer settings, at this step or before

@@ -171,6 +171,27 @@ def test_a_rank_one_optimizer_step_behind_is_stale_state_at_its_second_check() -
     assert "one optimizer step behind" in v.detail
 
 
+def test_a_rank_that_skipped_its_optimizer_step_is_stale_state_at_once_by_its_collectives() -> None:
+    """Rank 3 ran step 9's collectives (the all-reduce) with no optimizer step after them: at its step
+    8 it holds the others' step 9 and has entered their step 9's collectives too. Told at step 8,
+    with no step before it checked; a flipped gradient enters as many collectives as its replicas."""
+    skipped = _on_grads("sdc", (3,), step=8)
+    v = stale_verdict(skipped, {0: A, 1: A, 2: A, 3: B}, {}, entered={0: 16, 1: 16, 2: 16, 3: 18})
+    assert (v.kind, v.ranks, v.step, v.reason) == ("stale_state", (3,), 8, "grads_step_behind")
+    assert "collectives of a later step" in v.detail
+    flipped = stale_verdict(skipped, {0: A, 1: A, 2: A, 3: B}, {}, entered={0: 16, 1: 16, 2: 16, 3: 16})
+    assert flipped is skipped
+    # Counts the others do not agree on, or unknown ones (-1: an older peer), say nothing.
+    for entered in ({0: 16, 1: 17, 2: 16, 3: 18}, {0: 16, 1: 16, 2: 16}, {}):
+        assert stale_verdict(skipped, {0: A, 1: A, 2: A, 3: B}, {}, entered=entered) is skipped
+    # Two replicas have no majority: the one that entered more collectives skipped, no replay needed.
+    two = _on_grads("sdc_ambiguous", (0, 1), step=8)
+    v = stale_verdict(two, {0: A, 1: B}, {}, entered={0: 16, 1: 18})
+    assert (v.kind, v.ranks, v.reason) == ("stale_state", (1,), "grads_step_behind")
+    for entered in ({0: 16, 1: 16}, {0: 16}):
+        assert stale_verdict(two, {0: A, 1: B}, {}, entered=entered) is two
+
+
 def test_a_rank_holding_zeros_where_its_replicas_hold_values_dropped_them() -> None:
     """A gradient dropped on one rank (its bucket skipped or zeroed): still sdc (the numbers are
     wrong), but named by its reason, on which the leader restarts in place, quarantining no node.

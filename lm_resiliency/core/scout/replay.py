@@ -119,6 +119,7 @@ def stale_verdict(
     held: Mapping[int, bytes],
     before: Mapping[int, bytes],
     reused: Mapping[int, tuple[int, bytes]] | None = None,
+    entered: Mapping[int, int] | None = None,
 ) -> Verdict:
     """`v`, a disagreement at `v.step` on gradients, parameters or optimizer state (its reason's
     prefix), as stale state when the ranks it suspects hold a neighbouring step's tensors rather
@@ -133,6 +134,11 @@ def stale_verdict(
       or optimizer state the step did not update: its update dropped);
     - behind (gradients only): ranks held at the step before the gradients a majority holds now
       (they skipped an optimizer step: each of their steps holds their replicas' next step, forever).
+
+    `entered` (each replica's collectives entered by the step's end, `Evidence.collectives`) tells
+    the skipped step at once, at the step it happened: the suspects entered more collectives by this
+    step than every other replica, which agree (a step's collectives ran with no optimizer step
+    after them); of two replicas, the one that entered more. Corruption changes no count.
 
     A third, per tensor (`reused`: each replica's count of its own tensors that held at `v.step`
     what they held at the step before, and a digest of which; see `Evidence.reused`): ranks with
@@ -169,6 +175,20 @@ def stale_verdict(
                 ],
                 "held at step {prev} the gradients the group holds at step {step}: one optimizer step "
                 "behind their replicas (a step skipped)",
+            )
+        )
+        counts = entered or {}
+        if v.kind == "sdc":  # the count every replica it does not suspect agrees on
+            others = {counts.get(r, -1) for r in members if r not in v.ranks}
+            least = others.pop() if len(others) == 1 else -1
+        else:  # no majority (two replicas): the fewest any replica entered, every count known
+            least = min(counts.get(r, -1) for r in members)
+        signatures.append(
+            (
+                "grads_step_behind",
+                [r for r in v.ranks if least >= 0 and counts.get(r, -1) > least],
+                "entered by step {step} the collectives of a later step, with no optimizer step after "
+                "them: one optimizer step behind their replicas (a step skipped)",
             )
         )
     known, base, some = _more_than_replicas(v, members, reused or {})
