@@ -836,8 +836,13 @@ class Scout:
                 else:
                     log.debug("rank %d: %s still diverged at step %d", self.rank, verdict.reason, step)
                 return
-            if what == "grads" and self._behind == (step - self.interval, verdict.ranks):
-                self._behind = (step, verdict.ranks)
+            # (Two replicas that disagree are both suspects: the one behind is among them.)
+            last, behind = self._behind
+            same = behind == verdict.ranks or (
+                verdict.kind == "sdc_ambiguous" and set(behind) <= set(verdict.ranks)
+            )
+            if what == "grads" and last == step - self.interval and behind and same:
+                self._behind = (step, behind)
                 log.debug("rank %d: ranks %s still a step behind at step %d", self.rank, verdict.ranks, step)
                 return
             # A neighbouring step's tensors (gradients reused, an update not applied): stale state.

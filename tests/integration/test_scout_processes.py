@@ -431,6 +431,17 @@ def test_a_rank_that_skipped_an_optimizer_step_is_stale_state_not_recurring_sdc(
         assert faults == [("stale_state", [3], [6], "grads_step_behind")], res["faults"]
 
 
+def test_of_two_replicas_the_one_that_skipped_an_optimizer_step_is_named_with_no_replay(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Two replicas that disagree have no majority: the one that entered more collectives by the
+    step skipped it. Before, the first check was ambiguous and went to replay."""
+    results, _ = _run(processes, tmp_path, "skip-step", steps=10, culprit=1, at=5, world=2)
+    for res in results:
+        faults = [(f["kind"], f["failed_ranks"], f["steps"], f["reason"]) for f in res["faults"]]
+        assert faults == [("stale_state", [1], [5], "grads_step_behind")], res["faults"]
+
+
 def test_two_replicas_name_the_rank_whose_optimizer_state_changed_between_steps(
     processes, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
