@@ -153,14 +153,18 @@ def _campaign(args: argparse.Namespace) -> int:
         from lm_resiliency.faults.inject import read_ground_truth
         from lm_resiliency.faults.scoring import evaluate, evaluate_clean
 
+        skipped: list[str] = []
         try:
-            truth = read_ground_truth(args.ground_truth)
-            out = evaluate(truth, read_reports(args.reports), window_s=args.window_s)
+            if not os.path.isdir(args.ground_truth):
+                raise FileNotFoundError(f"no ground-truth folder {args.ground_truth}")
+            truth = read_ground_truth(args.ground_truth, skipped)
+            out = evaluate(truth, read_reports(args.reports, skipped), window_s=args.window_s)
             if args.clean:
-                out["clean"] = evaluate_clean([read_reports(d) for d in args.clean])
+                out["clean"] = evaluate_clean([read_reports(d, skipped) for d in args.clean])
         except OSError as exc:
             print(f"lm-resiliency: {exc}", file=sys.stderr)
             return 2
+        _warn_skipped(skipped)
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
     print("lm-resiliency campaign: choose validate, schedule or score", file=sys.stderr)
@@ -200,13 +204,29 @@ def _campaign_run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"lm-resiliency: cannot run {cmd[0]!r}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    skipped: list[str] = []
     ev = evaluate(
-        read_ground_truth(truth) if truth.is_dir() else [], read_reports(str(reports)), args.window_s
+        read_ground_truth(truth, skipped) if truth.is_dir() else [],
+        read_reports(str(reports), skipped),
+        args.window_s,
     )
+    _warn_skipped(skipped)
     ev["campaign"], ev["command_exit_code"] = campaign.name, code
     (out / "evaluation.json").write_text(json.dumps(ev, indent=2, sort_keys=True))
     print(json.dumps(ev, indent=2, sort_keys=True))
     return code if code >= 0 else 128 - code  # a signal, as a shell reports it
+
+
+def _warn_skipped(skipped: list[str], shown: int = 5) -> None:
+    """Lines of the reports or ground truth that were no record, on stderr (a torn last line from
+    a kill is not among them): a damaged file is said, not scored as if nothing were in it."""
+    if not skipped:
+        return
+    print(f"lm-resiliency: {len(skipped)} unreadable line(s) skipped:", file=sys.stderr)
+    for line in skipped[:shown]:
+        print(f"  {line}", file=sys.stderr)
+    if len(skipped) > shown:
+        print(f"  ... and {len(skipped) - shown} more", file=sys.stderr)
 
 
 def _injectable(c: object) -> str:
@@ -230,11 +250,13 @@ def _report(args: argparse.Namespace) -> int:
 
     from lm_resiliency.faults.scoring import read_reports, verdicts
 
+    skipped: list[str] = []
     try:
-        reports = read_reports(args.dir)
+        reports = read_reports(args.dir, skipped)
     except OSError as exc:
         print(f"lm-resiliency: {exc}", file=sys.stderr)
         return 2
+    _warn_skipped(skipped)
     found = verdicts(reports)
     for v in found:
         if args.json:

@@ -53,7 +53,7 @@ from lm_resiliency.faults.campaign import (
     Schedule,
     load_campaign,
 )
-from lm_resiliency.faults.scoring import GroundTruth
+from lm_resiliency.faults.scoring import GroundTruth, jsonl_lines
 
 __all__ = ["INJECTABLE", "CampaignInjector", "InjectedFault", "attach_campaign", "read_ground_truth"]
 
@@ -200,15 +200,19 @@ def _earlier(recorded: int | None, current: int | None) -> bool:
     return recorded is None or current is None or recorded < current
 
 
-def read_ground_truth(folder: str | os.PathLike[str]) -> list[GroundTruth]:
-    """Every rank's ground-truth records in a folder (a torn last line, from a kill, is skipped)."""
+def read_ground_truth(folder: str | os.PathLike[str], skipped: list[str] | None = None) -> list[GroundTruth]:
+    """Every rank's ground-truth records in a folder. A torn last line (from a kill) is skipped;
+    any other line that is no record is skipped too, and named in `skipped` ("<file> line N: why")."""
     out = []
     for path in sorted(Path(folder).glob("ground-truth-rank*.jsonl")):
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        for n, line, torn in jsonl_lines(path):
             try:
                 out.append(GroundTruth.from_dict(json.loads(line)))
-            except (ValueError, TypeError):
-                continue
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:
+                if skipped is not None and not torn:
+                    skipped.append(
+                        f"{path} line {n}: not a ground-truth record ({type(exc).__name__}: {exc})"
+                    )
     return out
 
 

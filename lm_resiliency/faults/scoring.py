@@ -103,21 +103,37 @@ class Verdict:
     generation: int | None = None  # of the workers that reported it (torchrun backend)
 
 
-def read_reports(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every rank's fault reports in a report_dir (`reports-rank<R>.jsonl`; a torn line, from a
-    kill, is skipped). A folder that does not exist: FileNotFoundError."""
+def jsonl_lines(path: Path) -> Iterable[tuple[int, str, bool]]:
+    """(line number, text, whether it may be torn) of each non-blank line of a JSON-lines file that
+    processes append to: only the last line, with no newline after it, may be torn (a kill while it
+    was written)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.splitlines()
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            yield n, line, n == len(lines) and not text.endswith("\n")
+
+
+def read_reports(folder: str | os.PathLike[str], skipped: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every rank's fault reports in a report_dir (`reports-rank<R>.jsonl`). A torn last line (from
+    a kill) is skipped; any other line that is no JSON object is skipped too, and named in `skipped`
+    ("<file> line N: why"). A folder that does not exist: FileNotFoundError."""
     p = Path(folder)
     if not p.is_dir():
         raise FileNotFoundError(f"no report folder {folder}")
     out = []
     for f in sorted(p.glob("reports-rank*.jsonl")):
-        for line in f.read_text(encoding="utf-8", errors="replace").splitlines():
+        for n, line, torn in jsonl_lines(f):
             try:
                 r = json.loads(line)
-            except ValueError:
-                continue
+            except ValueError as exc:
+                r, why = None, f"not JSON ({exc})"
+            else:
+                why = f"a JSON {type(r).__name__}, not an object"
             if isinstance(r, dict):
                 out.append(r)
+            elif skipped is not None and not torn:
+                skipped.append(f"{f} line {n}: {why}")
     return out
 
 

@@ -358,6 +358,48 @@ def test_cli_validates_previews_and_scores(tmp_path: Path, capsys: pytest.Captur
     assert cli(["report", str(tmp_path / "nothing")]) == 2
 
 
+def test_cli_says_which_lines_of_reports_or_ground_truth_it_could_not_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A torn last line (a kill while it was written) is skipped in silence; a damaged line within
+    a file is named, so a damaged ground truth is not scored as if nothing had been injected. A
+    ground-truth folder that does not exist (a typo) is an error, not 0 injections."""
+    from lm_resiliency.cli.main import main as cli
+
+    (tmp_path / "gt").mkdir()
+    record = json.dumps(_gt("a@3", 100.0).to_dict())
+    (tmp_path / "gt" / "ground-truth-rank0.jsonl").write_text(f"{record}\nnot json\n{{}}\n{record}\n{{torn")
+    (tmp_path / "rep").mkdir()
+    report = json.dumps({"time": 101.0, "kind": "sdc", "failed_ranks": [1]})
+    (tmp_path / "rep" / "reports-rank0.jsonl").write_text(f"{report}\n[1, 2]\n{{torn\n{report}\n")
+    args = ["campaign", "score", "--ground-truth", str(tmp_path / "gt"), "--reports", str(tmp_path / "rep")]
+    assert cli(args) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["injected"] == 1
+    err = captured.err
+    assert "4 unreadable line(s) skipped" in err, err
+    assert "ground-truth-rank0.jsonl line 2: not a ground-truth record" in err
+    assert "ground-truth-rank0.jsonl line 3: not a ground-truth record" in err
+    assert "reports-rank0.jsonl line 2: a JSON list, not an object" in err
+    assert "reports-rank0.jsonl line 3: not JSON" in err and "line 5" not in err
+    assert cli(["report", str(tmp_path / "rep")]) == 0
+    assert "2 unreadable line(s) skipped" in capsys.readouterr().err
+    assert (
+        cli(
+            [
+                "campaign",
+                "score",
+                "--ground-truth",
+                str(tmp_path / "typo"),
+                "--reports",
+                str(tmp_path / "rep"),
+            ]
+        )
+        == 2
+    )
+    assert f"no ground-truth folder {tmp_path / 'typo'}" in capsys.readouterr().err
+
+
 def test_a_verdict_goes_to_the_injection_it_explains_not_the_newest() -> None:
     """A delay on rank 1 begins while the SDC rank 0 got a moment before is being found: the SDC
     verdict is the SDC's, and the delay's own straggler verdict the delay's."""
