@@ -179,7 +179,8 @@ log = logging.getLogger(__name__)
 KEEP_STEPS = 64
 
 
-# A step's evidence on its way: step, gradients, parameters, optimizer state, its layout, and
+# A step's evidence on its way: step, gradients, parameters, optimizer state, its layout, the
+# optimizer's settings, the torch numerics settings, the collectives entered by the step's end, and
 # whether it is sent (not for the step before a check, kept only to count against).
 _Pending = tuple[int, Fingerprint | None, Fingerprint, Fingerprint | None, bytes, bytes, str, int, bool]
 
