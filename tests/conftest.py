@@ -155,12 +155,11 @@ class ProcessGroup:
         """Start `python args...` (after `prefix`, e.g. `ip netns exec NS`, which execs into it) in
         `cwd` (default: the log's folder, the test's own): a job writing relative paths (the default
         `./checkpoints`) writes them there, never in the checkout. A script named relative to the
-        checkout is run from there. Without a prefix, the worker is a fork of the session's zygote
-        (torch already imported)."""
+        checkout (python's, or torchrun's) is found there. Without a prefix, the worker is a fork of
+        the session's zygote (torch already imported)."""
         if cwd is None:
             cwd = log_path.parent
-        if args and not args[0].startswith("-") and not os.path.isabs(args[0]) and (ROOT / args[0]).is_file():
-            args = [str(ROOT / args[0]), *args[1:]]
+        args = [str(ROOT / a) if not os.path.isabs(a) and (ROOT / a).is_file() else a for a in args]
         full_env = worker_env(env)
         # A session of its own: stopping the test's process stops everything it started (torchrun's
         # workers included).
