@@ -914,8 +914,11 @@ class Session:
         )
         if not restart:
             gem.reclaim()
+            gem.set_aside_earlier()
             gem.prepare()
             return
+        if self.env.generation == 0 and self.env.checkpoint_step <= 0:
+            gem.durable.forget_earlier()  # a launch that names its run continues all of it
         exchange = discovery.exchange if discovery is not None else (lambda name, value, timeout: {0: value})
         exact = self.env.checkpoint_step if self.env.checkpoint_step > 0 else None
         # Recovery-verified state (and no step named by an orchestrator): only a capture SCOUT

@@ -2182,3 +2182,25 @@ class Gemini:
         """Delete this node's slots of this run (a fresh run must not find an old one's state)."""
         for path in [*self.dir.glob(f"own-r{self.rank}-s*"), *self.dir.glob(f"replica-r*-h{self.rank}-s*")]:
             path.unlink(missing_ok=True)
+
+    def set_aside_earlier(self) -> None:
+        """A fresh start: this rank's copies on disk under this run id are an earlier launch's (the
+        same `--rdzv-id` again). Set aside, so that a restart of this launch never restores them
+        (it restored an earlier experiment's step 15 into a new one that lost a worker at step 8),
+        with a word on how to resume them instead."""
+        try:
+            steps = self.durable.set_aside_earlier()
+        except DurableError as exc:
+            log.warning("rank %d: %s; a restart of this launch may restore them", self.rank, exc)
+            return
+        if steps:
+            (log.warning if self.rank == 0 else log.info)(
+                "rank %d: %s holds this rank's copies of steps %s from an earlier launch of run %r. This "
+                "launch starts afresh (generation 0, the run id not named) and never restores them; to "
+                "resume them instead, launch with LM_RESILIENCY_RUN_ID=%s (or InMemoryCkptConfig.run_id)",
+                self.rank,
+                self.durable.root,
+                steps,
+                self.run_id,
+                self.run_id,
+            )

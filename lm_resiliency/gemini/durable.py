@@ -8,12 +8,20 @@ renamed, so a reader sees a whole file or none. A failing disk raises `DurableEr
 reports it and training goes on with the memory tiers. The run's folder holds `.store-id`, a random
 id the first writer gave it: ranks on different nodes that report the same id write to the same
 storage, so a rank restarted on another node finds its copies there too.
+
+A fresh launch under a run id whose folder holds copies of an earlier launch (the same `--rdzv-id`
+used again, with no explicit run id) sets those aside (`set_aside_earlier`): each rank records its
+files' identities (inode, mtime, size) in `.earlier-launch-rank-<R>.json`, and `steps()` never
+lists them again, so a restart of the new launch cannot restore the earlier launch's state. The
+files stay as they were; a launch that names the run explicitly continues it and lists them again
+(`forget_earlier`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import re
@@ -31,6 +39,7 @@ __all__ = ["FORMAT", "DurableError", "DurableStore", "path_name"]
 
 FORMAT = "lm_resiliency.gemini.slot/1"
 STORE_ID = ".store-id"  # in the run's folder: its id (see DurableStore.store_id)
+EARLIER = ".earlier-launch-rank-{rank:05d}.json"  # a rank's copies of earlier launches, set aside
 log = logging.getLogger(__name__)
 
 
@@ -64,6 +73,7 @@ class DurableStore:
         self.pruned: list[int] = []  # the steps the last write removed
         self._failing: list[int] = []  # errnos the next writes fail with (see fail_writes)
         self._store_id = ""
+        self._earlier: set[tuple[int, int, int]] | None = None  # identities set aside (read lazily)
 
     def store_id(self) -> str:
         """The id of the run's folder, written there by the first rank that wrote a copy into it:
@@ -200,16 +210,70 @@ class DurableStore:
             final.parent.rmdir()
 
     def steps(self, partial: bool = False) -> list[int]:
-        """The steps this rank has a copy of; `partial`: or the leftover of a write killed midway."""
+        """The steps this rank has a copy of (none an earlier launch's, set aside); `partial`: or the
+        leftover of a write killed midway."""
         if not self.root.exists():
             return []
         out = []
         mine = f"rank-{self.rank:05d}.pt"
+        earlier = self._earlier_ids()
         for d in self.root.glob("step-*"):
             m = re.fullmatch(r"step-(\d+)", d.name)
-            if m and ((d / mine).exists() or (partial and any(d.glob(f"{mine}.tmp*")))):
+            try:
+                whole = _identity(d / mine) not in earlier
+            except OSError:  # none (or removed meanwhile)
+                whole = False
+            if m and (whole or (partial and any(d.glob(f"{mine}.tmp*")))):
                 out.append(int(m.group(1)))
         return sorted(out)
+
+    def set_aside_earlier(self) -> list[int]:
+        """A fresh launch under this run id: the copies this rank holds on disk now are an earlier
+        launch's. They are recorded by identity and never listed again (`steps`), the files left as
+        they are; returns their steps. Raises DurableError when the record cannot be written."""
+        steps = self.steps()
+        if not steps:
+            return []
+        marker = self.root / EARLIER.format(rank=self.rank)
+        earlier = self._earlier_ids()
+        for step in steps:
+            with contextlib.suppress(OSError):  # pruned by a node peer meanwhile: gone anyway
+                earlier.add(_identity(self.path(step)))
+        tmp = marker.with_name(f"{marker.name}.tmp{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(sorted(earlier)))
+            os.replace(tmp, marker)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise DurableError(
+                exc.errno, f"cannot record the earlier launch's copies in {marker}: {exc.strerror or exc}"
+            ) from exc
+        return steps
+
+    def forget_earlier(self) -> None:
+        """The run named explicitly at its start continues it: copies set aside are listed again."""
+        with contextlib.suppress(OSError):
+            (self.root / EARLIER.format(rank=self.rank)).unlink(missing_ok=True)
+        self._earlier = set()
+
+    def _earlier_ids(self) -> set[tuple[int, int, int]]:
+        if self._earlier is None:
+            self._earlier = set()
+            try:
+                raw = json.loads((self.root / EARLIER.format(rank=self.rank)).read_text())
+                self._earlier = {(int(a), int(b), int(c)) for a, b, c in raw}
+            except FileNotFoundError:
+                pass
+            except (OSError, ValueError, TypeError) as exc:
+                log.warning(
+                    "rank %d: the record of an earlier launch's copies in %s is unreadable (%s): "
+                    "every copy there is listed",
+                    self.rank,
+                    self.root,
+                    exc,
+                )
+        return self._earlier
 
     def read(self, step: int) -> bytes:
         """The slot bytes of `step`; raises DurableError for a missing or malformed file."""
@@ -239,3 +303,9 @@ class DurableStore:
         if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8 or blob.dim() != 1:
             raise DurableError(0, f"{path}: slot is not a byte tensor")
         return blob
+
+
+def _identity(path: Path) -> tuple[int, int, int]:
+    """A file's identity on its file system: a copy written again at the same path is another."""
+    st = os.stat(path)
+    return (st.st_ino, st.st_mtime_ns, st.st_size)

@@ -659,3 +659,50 @@ def test_a_planned_step_that_cannot_be_restored_is_corrected_in_the_environment(
     with enable_resiliency(m, o, interval=1) as s:
         assert s.step_count == 3
         assert os.environ["LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP"] == "3"
+
+
+def test_a_fresh_launch_never_restores_an_earlier_launchs_disk_copies(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Launch A (its run id not named: torchrun's --rdzv-id, here the default) flushes step 6 to
+    disk and ends. Launch B, another experiment under the same run id, loses its process after step
+    3: its restart resumes B's own step 3. Before, it resumed A's step 6 (another experiment's
+    weights) with no word. B's start says how to resume A instead; a launch naming the run does."""
+
+    def make(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        m = nn.Linear(4, 4)
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def train(m: nn.Module, o: torch.optim.Optimizer, n: int) -> None:
+        for i in range(n):
+            m(torch.full((2, 4), float(i))).square().sum().backward()
+            o.step()
+            o.zero_grad()
+
+    m, o = make(0)
+    with enable_resiliency(m, o, interval=1, enable_detection=False) as s:
+        train(m, o, 6)
+        assert s.flush_for_restart() == 6
+    a6 = [p.detach().clone() for p in m.parameters()]
+    m, o = make(1)
+    with caplog.at_level(logging.WARNING, logger="lm_resiliency"):
+        s = enable_resiliency(m, o, interval=1, enable_detection=False)
+    said = caplog.text
+    train(m, o, 3)
+    assert s.gemini is not None and s.gemini.drain(10)
+    b3 = [p.detach().clone() for p in m.parameters()]
+    s.close()
+    monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")  # B's worker restarted
+    m, o = make(1)
+    with enable_resiliency(m, o, interval=1, enable_detection=False) as s:
+        assert s.recovered_step == 3
+        assert all(torch.equal(a, b) for a, b in zip(b3, m.parameters(), strict=True))
+    assert "copies of steps [6] from an earlier launch of run 'default'" in said
+    assert "LM_RESILIENCY_RUN_ID=default" in said
+    monkeypatch.delenv("LM_RESILIENCY_GENERATION")
+    monkeypatch.setenv("LM_RESILIENCY_RUN_ID", "default")  # a launch that names the run: A goes on
+    m, o = make(2)
+    with enable_resiliency(m, o, interval=1, enable_detection=False) as s:
+        assert s.recovered_step == 6
+        assert all(torch.equal(a, b) for a, b in zip(a6, m.parameters(), strict=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import random
 import threading
@@ -391,6 +392,35 @@ def test_durable_round_trip_pruning_and_failure(tmp_path: Path) -> None:
     # A run id is one folder inside the disk folder, whatever it holds ('..' was the folder above).
     for run_id, name in (("..", "_.."), ("../../etc", ".._.._etc"), ("", "_"), ("a.b-c_1", "a.b-c_1")):
         assert DurableStore(str(tmp_path / "disk"), run_id, 0).root == tmp_path / "disk" / name
+
+
+def test_copies_of_an_earlier_launch_set_aside_stay_unlisted_until_the_run_is_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fresh launch sets aside what the earlier one left (by file identity, in every later store
+    of this rank: a restarted process reads the record); its own copy of the same step, written
+    again, is listed; other ranks' copies are theirs to set aside; a launch naming the run lists
+    them again; a record that cannot be read is said and lists everything."""
+    disk = str(tmp_path / "disk")
+    earlier = DurableStore(disk, "run", rank=0, keep_last=5)
+    for step in (4, 8):
+        earlier.write(step, memoryview(b"old"))
+    DurableStore(disk, "run", rank=1).write(8, memoryview(b"peer"))
+    assert DurableStore(disk, "run", rank=0).set_aside_earlier() == [4, 8]
+    assert DurableStore(disk, "run", rank=0).steps() == [] and DurableStore(disk, "run", rank=1).steps() == [
+        8
+    ]
+    fresh = DurableStore(disk, "run", rank=0, keep_last=5)
+    fresh.write(8, memoryview(b"new"))
+    assert fresh.steps() == [8] and DurableStore(disk, "run", rank=0).steps() == [8]
+    assert DurableStore(disk, "run", rank=0).read(8) == b"new"
+    DurableStore(disk, "run", rank=0).forget_earlier()
+    assert DurableStore(disk, "run", rank=0).steps() == [4, 8]
+    DurableStore(disk, "run", rank=0).set_aside_earlier()
+    (fresh.root / ".earlier-launch-rank-00000.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        assert DurableStore(disk, "run", rank=0).steps() == [4, 8]
+    assert "the record of an earlier launch's copies" in caplog.text and "is unreadable" in caplog.text
 
 
 def test_a_flush_never_costs_the_cadence_steps_and_pruning_leaves_no_debris(tmp_path: Path) -> None:
