@@ -400,6 +400,22 @@ def _spell(path: Any) -> str:
     return str(path) + "".join(reversed(parts))
 
 
+def _plain_hint(obj: Any) -> str:
+    """What to return instead of `obj` (from extra_state_fn, most likely): its plain state."""
+    import dataclasses
+
+    if isinstance(obj, torch.Generator):
+        return "return its get_state() (a tensor) and set_state() it in load_extra_state_fn"
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return "return dataclasses.asdict() of it and rebuild it in load_extra_state_fn"
+    if callable(getattr(obj, "state_dict", None)):
+        return "return its state_dict() and load_state_dict() it in load_extra_state_fn"
+    return (
+        "return plain data (dicts, lists, tuples, sets, str, bytes, numbers, None, tensors, numpy "
+        "arrays) and rebuild the object in load_extra_state_fn"
+    )
+
+
 def flatten(state: Any) -> tuple[bytes, list[torch.Tensor], list[TensorSpec]]:
     """Return (skeleton, tensors, specs). Tensors are detached, contiguous, on their own device."""
     tensors: list[torch.Tensor] = []
@@ -474,7 +490,9 @@ def flatten(state: Any) -> tuple[bytes, list[torch.Tensor], list[TensorSpec]]:
                     )
                 items.append([k, walk(v, (path, "[]", k))])
             return {"__dict": items}
-        raise TypeError(f"{_spell(path)}: objects of type {type(obj).__name__} cannot be checkpointed")
+        raise TypeError(
+            f"{_spell(path)}: objects of type {type(obj).__name__} cannot be checkpointed; {_plain_hint(obj)}"
+        )
 
     tree = walk(state, "state")
     skeleton = msgpack.packb({"v": SKELETON_VERSION, "tree": tree}, use_bin_type=True)

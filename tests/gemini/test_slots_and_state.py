@@ -64,6 +64,31 @@ def _eq(a: object, b: object) -> None:
         assert a == b and type(a) is type(b)
 
 
+def test_state_that_cannot_be_checkpointed_is_named_with_what_to_return_instead() -> None:
+    """Objects a caller's extra_state_fn may return as they are (a generator, a dataclass, a
+    stateful loader): the error names the entry and the plain state to return instead."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Position:
+        epoch: int = 0
+
+    class Loader:
+        def state_dict(self) -> dict[str, int]:
+            return {}
+
+    for obj, hint in (
+        (torch.Generator(), "return its get_state()"),
+        (Position(), "return dataclasses.asdict() of it"),
+        (Loader(), "return its state_dict()"),
+        (object(), "return plain data (dicts, lists"),
+    ):
+        with pytest.raises(TypeError) as err:
+            flatten({"extra": {"data": [obj]}})
+        assert str(err.value).startswith(f"state.extra.data[0]: objects of type {type(obj).__name__} cannot")
+        assert hint in str(err.value), err.value
+
+
 def test_flatten_round_trip_keeps_types_exactly() -> None:
     state = {
         "t": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
