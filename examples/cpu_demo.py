@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,11 +48,18 @@ def worker() -> int:
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     faults: list[dict[str, object]] = []
+    reported = threading.Event()  # the kill's process_failure report came (on the runtime thread)
+
+    def on_fault(report: dict[str, object]) -> None:
+        faults.append(report)
+        if report.get("kind") == "process_failure" and report.get("failed_ranks") == [kill]:
+            reported.set()
+
     session = enable_resiliency(
         model,
         opt,
         interval=1,
-        fault_callback=faults.append,
+        fault_callback=on_fault,
         runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=1.0),
     )
     session.wait_for(lambda v: len(v.live) == world, 10.0)
@@ -86,6 +94,9 @@ def worker() -> int:
         return 1
     t0 = time.monotonic()
     noticed = session.wait_for(lambda v: kill not in v.live, 10.0)
+    after = time.monotonic() - t0
+    # Its report follows the view by a moment (a summary written at once could miss it).
+    reported.wait(10.0)
     gem = session.gemini
     gem.drain(30)
     summary = {
@@ -98,7 +109,7 @@ def worker() -> int:
             "bytes_in_shm_on_node": gem.held_bytes(),
         },
         "noticed_kill": noticed,
-        "noticed_after_s": round(time.monotonic() - t0, 3),
+        "noticed_after_s": round(after, 3),
         "faults": faults,
         "topology": {
             "nodes": list(session.topology.nodes()),
@@ -146,7 +157,9 @@ def main() -> int:
                 "LM_RESILIENCY_SHM_DIR": str(tmp / "shm"),
                 "LM_RESILIENCY_MACHINE_ID_PATH": str(mid),
             }
-            procs.append(subprocess.Popen([sys.executable, "-m", "examples.cpu_demo"], env=env, cwd=ROOT))
+            # In the demo's own folder: GEMINI's durable tier (./checkpoints) lands there, not in
+            # the checkout.
+            procs.append(subprocess.Popen([sys.executable, "-m", "examples.cpu_demo"], env=env, cwd=tmp))
         print(f"started {args.world} ranks on 2 synthetic nodes; training {args.steps} steps", flush=True)
         keys = [f"demo/trained/{r}" for r in range(args.world)]
         deadline = time.monotonic() + 300

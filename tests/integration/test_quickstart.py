@@ -41,3 +41,20 @@ def test_the_readme_torchrun_demo_recovers_a_worker_and_a_node_bitwise() -> None
     kinds = [g["failure_kind"] for g in summary["generations"]]
     assert kinds == ["none", "process_failure", "node_lost"], summary["generations"]
     assert summary["generations"][2]["admitted"] and summary["final_state_bitwise_equal_to_uninterrupted"]
+
+
+def test_the_readme_cpu_demo_names_the_straggler_and_the_kill_on_every_rank() -> None:
+    """The README quickstart's CPU demo, run from the checkout as README says. Before, a survivor
+    sometimes wrote its summary between seeing the killed rank leave its view and receiving the
+    process_failure report, and the demo ended `ok: false` (1 run of 4 here); and its ranks wrote
+    ./checkpoints into the checkout (the autouse fixture fails a test that does)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.cpu_demo"],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert summary["ok"] and len(summary["summaries"]) == 3
