@@ -106,6 +106,21 @@ def test_waiting_for_two_stragglers_is_not_a_communication_straggler() -> None:
     assert [(v.ranks, v.straggler_type) for v in d.observe(2, link)] == [((0,), "communication")]
 
 
+def test_a_rank_that_reaches_the_collective_first_is_no_communication_straggler() -> None:
+    """Rank 3 computes faster than its peers (a lighter batch, a faster device; or jitter as a job
+    starts) and waits in the all-reduce for them as long: no compute straggler among the others
+    (their times agree), and rank 3's long wait is its early arrival, not a slow link. Before, it
+    was named a communication straggler (a clean 4-rank run restarted at its step 3 here). A wait
+    its early arrival does not explain is still named."""
+    d = StragglerDetector(ratio=1.5, min_s=0.02, confirmations=2)
+    early = {0: pt(c=0.10, m=0.02), 1: pt(c=0.10, m=0.02), 2: pt(c=0.10, m=0.02), 3: pt(c=0.04, m=0.08)}
+    for step in range(1, 6):
+        assert d.observe(step, early) == []
+    slow = {**early, 3: pt(c=0.04, m=0.15)}  # 60 ms of its wait explained, 70 ms more not
+    assert d.observe(6, slow) == []
+    assert [(v.ranks, v.straggler_type) for v in d.observe(7, slow)] == [((3,), "communication")]
+
+
 @pytest.mark.parametrize("world", [8, 2])
 def test_jitter_alone_is_never_a_straggler(world: int) -> None:
     rng = random.Random(3)

@@ -222,7 +222,14 @@ class StragglerDetector:
                 others = [o.get(phase) for q, o in times.items() if q != r]
                 base = _median(others)
                 value = t.get(phase)
-                if value > self.ratio * base and value - base > self.min_s:
+                excess = value - base
+                if phase == "communication":
+                    # A rank that reached the collective earlier than its peers (less input and
+                    # compute: a faster device, a lighter batch) waits that much longer in it: that
+                    # is no slow communication. Only what its early arrival does not explain counts.
+                    work = _median([o.input + o.compute for q, o in times.items() if q != r])
+                    excess -= max(0.0, work - (t.input + t.compute))
+                if value > self.ratio * base and excess > self.min_s:
                     slow_now.add((r, phase))
         if any(phase != "communication" for _, phase in slow_now):
             # Waiting in a collective is a symptom of whoever arrives late: with a compute or input
