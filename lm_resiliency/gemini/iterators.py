@@ -21,12 +21,17 @@ in turn (by the loader's shape):
   as the uninterrupted run made. (A loader with persistent workers starts its next epoch without a
   draw: its iterator is made again as a mid-epoch one.)
 
+Without workers, a `RandomSampler` draws its permutation at the iterator's first batch, not as it is
+made: an iterator made again mid-epoch draws it at once (its first batch of indices taken and put
+back, no data fetched), at its own state, as the uninterrupted run drew it right after making it.
+
 Loaders with their own `generator=` draw from it, not from the global RNG, and are left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import weakref
@@ -74,6 +79,25 @@ def _ended(it: Any) -> bool:
         return int(it._num_yielded) >= len(it)
     except (AttributeError, TypeError, ValueError):
         return False
+
+
+def _draw_now(it: Any) -> None:
+    """A single-process iterator of a map-style dataset: its sampler's lazy draw (a RandomSampler's
+    permutation, at the first batch) made now, at the RNG state it was made at. Its first batch of
+    indices is taken and put back in front; no data is fetched."""
+    from torch.utils.data.dataloader import _DatasetKind
+
+    if getattr(it, "_num_workers", None) != 0 or getattr(it, "_dataset_kind", None) != _DatasetKind.Map:
+        return
+    indices = getattr(it, "_sampler_iter", None)
+    if indices is None:
+        return
+    try:
+        first = next(indices)
+    except StopIteration:
+        it._sampler_iter = iter(())
+        return
+    it._sampler_iter = itertools.chain([first], indices)
 
 
 def _get_iterator(loader: Any) -> Any:
@@ -130,6 +154,7 @@ class IteratorWatch:
             torch.set_rng_state(again)
             try:
                 it = make(loader)
+                _draw_now(it)
             finally:
                 torch.set_rng_state(now)
             began = again

@@ -1687,3 +1687,33 @@ def test_the_iterator_watch_skips_malformed_records_and_loaders_with_their_own_g
         del kept
     finally:
         watch.uninstall()
+
+
+def test_a_loader_without_workers_made_again_mid_epoch_draws_its_permutation_where_it_did() -> None:
+    """Without workers a RandomSampler draws its permutation at the iterator's first batch, not as
+    it is made. A loop resumed mid-epoch makes its iterator again and skips to its position: the
+    batches after it, and the random numbers after them, are the uninterrupted run's. Before, the
+    remade iterator drew its permutation from the restored state (a 4-rank outsider job with
+    num_workers=0 ended off the uninterrupted run after a kill, with or without torch.compile)."""
+    from torch.utils.data import DataLoader
+
+    from lm_resiliency.gemini.iterators import IteratorWatch
+
+    watch = IteratorWatch()
+    watch.install()
+    try:
+        torch.manual_seed(0)
+        loader = DataLoader(list(range(16)), batch_size=2, shuffle=True)
+        it = iter(loader)
+        seen = [next(it).tolist() for _ in range(3)]
+        saved, state = watch.snapshot(), torch.get_rng_state()  # a capture at this step
+        rest = [b.tolist() for b in it]
+        after = torch.rand(3)
+        watch.restore(saved)
+        torch.set_rng_state(state)
+        again = iter(loader)
+        assert [next(again).tolist() for _ in range(3)] == seen  # the loop skips to its position
+        assert [b.tolist() for b in again] == rest
+        assert torch.equal(torch.rand(3), after)
+    finally:
+        watch.uninstall()
