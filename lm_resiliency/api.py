@@ -1752,7 +1752,7 @@ class _TimedLoader:
         restored state then goes on: the random numbers after it are the uninterrupted run's."""
         import torch
 
-        from lm_resiliency.gemini.iterators import untracked
+        from lm_resiliency.gemini.iterators import draw_now, untracked
 
         began = self._position(self.name, None)  # a restored capture's iterator, once
         after = None
@@ -1764,6 +1764,8 @@ class _TimedLoader:
         try:
             with untracked():  # (GEMINI's watch of other loaders' iterators leaves this one alone)
                 it = iter(self._loader)
+            if after is not None:
+                draw_now(it)  # (without workers, a RandomSampler draws at its first batch: now)
         finally:
             if after is not None:
                 torch.set_rng_state(after)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["IteratorWatch", "untracked"]
+__all__ = ["IteratorWatch", "draw_now", "untracked"]
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def _ended(it: Any) -> bool:
         return False
 
 
-def _draw_now(it: Any) -> None:
+def draw_now(it: Any) -> None:
     """A single-process iterator of a map-style dataset: its sampler's lazy draw (a RandomSampler's
     permutation, at the first batch) made now, at the RNG state it was made at. Its first batch of
     indices is taken and put back in front; no data is fetched."""
@@ -154,7 +154,7 @@ class IteratorWatch:
             torch.set_rng_state(again)
             try:
                 it = make(loader)
-                _draw_now(it)
+                draw_now(it)
             finally:
                 torch.set_rng_state(now)
             began = again

@@ -408,22 +408,30 @@ def test_a_plain_data_loader_made_again_on_resume_draws_what_the_uninterrupted_r
     assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
 
 
+@pytest.mark.parametrize("sampling", ["distributed", "random"])
 def test_a_loop_that_iterates_its_data_loader_again_on_resume_draws_what_it_drew_before(
-    tmp_path: Path,
+    tmp_path: Path, sampling: str
 ) -> None:
     """`iter(DataLoader)` draws its workers' seed from the global torch RNG. A loop resumed
     mid-epoch calls it once more than the uninterrupted run did (to skip to its position), and every
     random number after it (dropout) shifted: not the uninterrupted run. The first iterator after a
-    restore is made at the RNG state the captured one was made at, and the restored state goes on."""
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    restore is made at the RNG state the captured one was made at, and the restored state goes on.
+    `random`: a RandomSampler without workers draws its permutation at the first batch, not as the
+    iterator is made; the remade one draws it at once, at that state (before, from the restored
+    state: another order)."""
+    from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
     data = TensorDataset(torch.randn(40, 8, generator=torch.Generator().manual_seed(0)))
-    ckpt = InMemoryCkptConfig(run_id="loader-rng", disk_folder=str(tmp_path / "disk"))
+    ckpt = InMemoryCkptConfig(run_id=f"loader-rng-{sampling}", disk_folder=str(tmp_path / "disk"))
 
     def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader]:  # type: ignore[type-arg]
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2))
-        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+        sampler = (
+            DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+            if sampling == "distributed"
+            else RandomSampler(data)
+        )
         return (
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
