@@ -114,7 +114,8 @@ def in_process(state_mib: int, reps: int, tmp: Path, device: torch.device, shm: 
         model,
         opt,
         interval=10**9,
-        checkpoint=InMemoryCkptConfig(disk_flush_interval=10**9),
+        # (the durable tier's folder in the bench's own, not the folder the bench runs from)
+        checkpoint=InMemoryCkptConfig(disk_flush_interval=10**9, disk_folder=str(shm / "checkpoints")),
         runtime=RuntimeConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0),
     )
     gem = session.gemini
@@ -255,7 +256,7 @@ def gpu_throughput(
         opt,
         interval=1,
         enable_detection=False,
-        checkpoint=InMemoryCkptConfig(disk_flush_interval=10**9),
+        checkpoint=InMemoryCkptConfig(disk_flush_interval=10**9, disk_folder=str(tmp / "checkpoints")),
         runtime=RuntimeConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=30.0),
     )
     gem = session.gemini

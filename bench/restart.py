@@ -96,7 +96,11 @@ def run(backend: str, kill: str, tmp: Path, heartbeat_ms: int, steps: int) -> di
         log = open(tmp / f"agent{n}.log", "wb")  # noqa: SIM115
         procs.append(
             (
-                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
+                # In the bench's folder: the durable tier's ./checkpoints lands there, not where the
+                # bench was started (the checkout).
+                subprocess.Popen(
+                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp
+                ),
                 log,
             )
         )
