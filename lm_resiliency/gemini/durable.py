@@ -128,11 +128,7 @@ class DurableStore:
                 f.write(b"\0")
             probe.unlink()
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                probe.unlink(missing_ok=True)
-            raise DurableError(
-                exc.errno, f"durable folder {self.root} takes no write: {exc.strerror or exc}"
-            ) from exc
+            raise _failed(exc, probe, f"durable folder {self.root} takes no write") from exc
 
     def write(self, step: int, slot_bytes: memoryview) -> Path:
         final = self.path(step)
@@ -162,12 +158,8 @@ class DurableStore:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
-        except OSError as exc:
-            with contextlib.suppress(OSError):  # the disk is failing; the error below says so
-                tmp.unlink(missing_ok=True)
-            raise DurableError(
-                exc.errno, f"durable checkpoint of step {step} to {final} failed: {exc.strerror or exc}"
-            ) from exc
+        except OSError as exc:  # the disk is failing; the error says so
+            raise _failed(exc, tmp, f"durable checkpoint of step {step} to {final} failed") from exc
         self.pruned = self._prune(step) if self.regular(step) else []
         self._name_store()
         return final
@@ -244,11 +236,7 @@ class DurableStore:
             tmp.write_text(json.dumps(sorted(earlier)))
             os.replace(tmp, marker)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            raise DurableError(
-                exc.errno, f"cannot record the earlier launch's copies in {marker}: {exc.strerror or exc}"
-            ) from exc
+            raise _failed(exc, tmp, f"cannot record the earlier launch's copies in {marker}") from exc
         return steps
 
     def forget_earlier(self) -> None:
@@ -309,3 +297,11 @@ def _identity(path: Path) -> tuple[int, int, int]:
     """A file's identity on its file system: a copy written again at the same path is another."""
     st = os.stat(path)
     return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _failed(exc: OSError, leftover: Path, what: str) -> DurableError:
+    """`exc` as the DurableError saying `what` failed, once `leftover` (a temporary file of the
+    failed write) is removed."""
+    with contextlib.suppress(OSError):
+        leftover.unlink(missing_ok=True)
+    return DurableError(exc.errno, f"{what}: {exc.strerror or exc}")
