@@ -541,8 +541,9 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
 
     def _wait_for_assignment(self, control: _Control, t0: float) -> rs.RdzvState:
         announced = False
+        role = "unknown"
         while True:
-            got = control.read()
+            got = self._read_while_waiting(control, role)
             if got is None:
                 raise RendezvousError("the rendezvous state vanished from the control store")
             s = got[1]
@@ -574,6 +575,45 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
                     f"{self.run_id} within lm_resiliency_join_timeout_ms"
                 )
             time.sleep(self.poll_s / 4)
+
+    def _read_while_waiting(self, control: _Control, role: str) -> tuple[bytes, rs.RdzvState] | None:
+        """The state, read by an agent waiting for its part. Its store may be gone: the store host
+        exits a few seconds after the run closes, and an agent that was not answering then (stopped,
+        swapped out) wakes to find it gone. A standby has no workers whose outcome it owes: it says
+        so and exits 0. An agent whose workers ran cannot tell how the run ended: it fails, saying
+        so. A store that still answers on its port is retried until the read timeout."""
+        deadline: float | None = None
+        while True:
+            try:
+                return control.read()
+            except Exception as exc:  # torch's DistNetworkError / DistStoreError, RuntimeError
+                now = time.monotonic()
+                deadline = (
+                    deadline if deadline is not None else now + float(self.conf.get("read_timeout", 60.0))
+                )
+                if self._store_answers() and now < deadline:
+                    time.sleep(self.poll_s)
+                    continue
+                why = (
+                    f"the control store at {self.params.endpoint} is gone ({type(exc).__name__}: {exc}); "
+                    f"it closes a few seconds after the run ends, so run {self.run_id} ended, or its "
+                    f"store host died, while node {self.node_id} was not answering"
+                )
+                self._stop()
+                if role in ("standby", "quarantined"):
+                    log.warning(
+                        "%s: node %s was parked as %s with no workers; it exits", why, self.node_id, role
+                    )
+                    raise SystemExit(0) from None
+                raise RendezvousError(
+                    f"{why}. This node cannot tell how run {self.run_id} ended: the other nodes' logs say"
+                ) from exc
+
+    def _store_answers(self) -> bool:
+        if self.conf["store_type"] != "tcp":
+            return os.path.exists(self.params.endpoint)
+        host, _, port = self.params.endpoint.rpartition(":")
+        return _port_open(host, int(port))
 
     def _assign(self, control: _Control, s: rs.RdzvState, t0: float) -> RendezvousInfo:
         slot = s.slot_of(self.node_id)
@@ -818,11 +858,22 @@ class _Pulse:
             log.exception("the rendezvous pulse cannot reach the control store")
             return
         self._control = _Control(store, h.run_id)
+        failing = 0  # ticks failed in a row: the first is logged with its traceback, the rest counted
         while not self._stop_evt.is_set():
             try:
                 self._tick(time.monotonic())
-            except Exception:  # the store may be briefly unreachable; keep beating
-                log.warning("rendezvous pulse failed", exc_info=True)
+            except Exception as exc:  # the store may be briefly unreachable; keep beating
+                if not failing:
+                    log.warning("rendezvous pulse failed", exc_info=True)
+                else:
+                    log.debug("rendezvous pulse failed again: %s", exc)
+                failing += 1
+            else:
+                if failing:
+                    log.info(
+                        "rendezvous pulse reaches the control store again after %d failed beats", failing
+                    )
+                failing = 0
             # While a generation forms, decide at 5x the pace: the restart's latency, not the
             # store's load, matters then.
             s = self.state

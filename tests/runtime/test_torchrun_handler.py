@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -964,3 +966,52 @@ def test_monitor_exits_1_on_a_run_that_gave_up(store: Any, capsys: pytest.Captur
     )
     out = capsys.readouterr().out
     assert "phase closed" in out and "gave up: slots [0] had no node" in out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_agents_waiting_on_a_store_that_vanished_say_so_and_the_standby_exits_cleanly(
+    tmp_path: Path, processes: Any
+) -> None:
+    """The control store's host exits a few seconds after the run closes. A standby that was not
+    answering then (SIGSTOPped, or swapped out) wakes to a store that is gone: before, it died with
+    a DistNetworkError traceback and rc 1 after a run that ended well. A standby has no workers
+    whose outcome it must report: it says the store is gone and exits 0. An agent that had workers
+    in the run cannot tell how it ended: it fails, saying so."""
+    port = _free_port()
+    host = processes.start(
+        ["-m", "lm_resiliency.runtime.store_host", "127.0.0.1", str(port), "unit-run"],
+        {},
+        tmp_path / "host.log",
+    )
+    deadline = time.monotonic() + 30
+    while not tr._port_open("127.0.0.1", port):
+        assert time.monotonic() < deadline and host.poll() is None, (tmp_path / "host.log").read_text()
+        threading.Event().wait(0.05)
+    client = TCPStore(
+        "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+    group = _Agents(client, tmp_path)
+    try:
+        assert sorted(group.infos) == ["a", "b"] and group.threads["c"].is_alive()
+        ta = group.again("a")  # a's workers failed: its agent waits for the next generation
+        for _ in range(200):
+            if tr._Control(client, "unit-run").read()[1].phase == rs.RESTARTING:  # type: ignore[index]
+                break
+            threading.Event().wait(0.05)
+        os.killpg(host.pid, signal.SIGKILL)
+        host.wait(timeout=30)
+        group.threads["c"].join(30)
+        ta.join(30)
+        assert not group.threads["c"].is_alive() and not ta.is_alive()
+        assert group.exits["c"] == 0, group.exits
+        err = group.exits["a"]
+        assert isinstance(err, RendezvousError), group.exits
+        assert f"control store at 127.0.0.1:{port} is gone" in str(err)
+        assert "cannot tell how run unit-run ended" in str(err)
+    finally:
+        group.shutdown()
