@@ -366,7 +366,8 @@ class Gemini:
             "local": sorted(set(local)),
             "replicas": {str(o): sorted(set(s)) for o, s in replicas.items()},
             "disk": disk,
-            "certified": sorted(self.carried_certificates),
+            # (a copy on disk SCOUT certified counts, for a relaunch whose node memory is gone)
+            "certified": sorted(self.carried_certificates | (self.durable.certified() & set(disk))),
             "mode": self.noted_restart_mode() or "",
             "kind": self.noted_failure_kind() or "",
             "elsewhere": sorted(self._elsewhere),
@@ -466,8 +467,7 @@ class Gemini:
         it found, or its `prepare_recovery`), on any rank. The note is consumed once the restore is
         done (a rank that dies restoring keeps it for the next try)."""
         out = self._recover(exchange, exact_step, timeout, verified_only)
-        with contextlib.suppress(OSError):
-            self._mode_path().unlink(missing_ok=True)
+        self._forget_note()
         return out
 
     def _recover(
@@ -1050,8 +1050,20 @@ class Gemini:
                     held = True
                     self._on_own_slot(k, lambda slot: slot.mark_certified(step))
             self._idle.notify_all()  # a capture may be waiting for this verdict
+            digest = self._held_digest(step) if held and step in self._on_disk else None
+        if digest is not None:  # (written before the certificate came: the record says so now)
+            self._durable_trust(lambda: self.durable.certify(step, digest), f"the certificate of step {step}")
         if held and len(self._groups) > 1:
             self._announce()  # the other replica groups keep what every group certified (_certified)
+
+    def _held_digest(self, step: int) -> bytes | None:
+        """(lock held) The header digest of the own slot holding `step`."""
+        got: list[bytes] = []
+        for k, s in self._own_step.items():
+            if s == step:
+                with contextlib.suppress(CorruptSlot, OSError):
+                    self._on_own_slot(k, lambda slot: got.append(slot.header_digest()))
+        return got[0] if got else None
 
     def revoke(self, from_step: int, kind: str = "sdc") -> None:
         """SDC (or stale state: `kind`) found at `from_step`: no capture from it on is
@@ -1063,6 +1075,7 @@ class Gemini:
                 if s >= from_step and not self._closed:
                     self._on_own_slot(k, SlotFile.clear_certificate)
             self._idle.notify_all()  # an SDC: no capture waits for a verdict any more
+        self._durable_trust(lambda: self.durable.revoke(from_step), f"the revocation from step {from_step}")
         self.note_restart_mode("recovery_verified", kind)
         # The inventory again: its certified steps go to the torchrun backend's leader, which picks
         # the restart step from them (a certificate an audit revoked would restore the corruption).
@@ -1078,16 +1091,32 @@ class Gemini:
         rank's `recover` (its recovery decision names the kind)."""
         path = self._mode_path()
         tmp = path.with_name(path.name + ".tmp")
+        note = f"{mode} {kind}" if kind else mode
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(f"{mode} {kind}" if kind else mode)
+            tmp.write_text(note)
             os.replace(tmp, path)
         except OSError as exc:  # the slots' own folder: a failure here shows up there too
             log.warning("rank %d: cannot note the restart's recovery mode at %s: %s", self.rank, path, exc)
+        # And with the copies on disk: a relaunch on nodes whose memory is gone reads it there.
+        self._durable_trust(lambda: self.durable.note_mode(note), "the restart's recovery mode")
+
+    def _durable_trust(self, write: Callable[[], None], what: str) -> None:
+        try:
+            write()
+        except DurableError as exc:  # a relaunch from disk alone then takes no copy as verified
+            log.warning("rank %d: %s is not recorded on disk: %s", self.rank, what, exc)
+
+    def _forget_note(self) -> None:
+        with contextlib.suppress(OSError):
+            self._mode_path().unlink(missing_ok=True)
+        self._durable_trust(lambda: self.durable.note_mode(""), "the consumed recovery mode")
 
     def _note(self) -> list[str]:
         try:
             return self._mode_path().read_text().split()
+        except FileNotFoundError:
+            return self.durable.noted_mode().split()  # a relaunch whose node memory is gone
         except (OSError, UnicodeDecodeError):
             return []
 
@@ -1685,6 +1714,11 @@ class Gemini:
         self._on_disk.add(header.step)
         self._on_disk -= set(self.durable.pruned)  # what the write pruned is no longer held
         self.stats.disk_writes += 1
+        if slot.certified(header):
+            digest = slot.header_digest()
+            self._durable_trust(
+                lambda: self.durable.certify(header.step, digest), f"the certificate of step {header.step}"
+            )
         return True
 
     def _file_chunks(
@@ -2033,8 +2067,12 @@ class Gemini:
             self._flushing.update(k for k, _ in held)
         try:
             written = []
+            # A restart that must restore a recovery-verified step (an SDC was found) needs the
+            # older one, certified, whoever holds the newest: after an SDC at step 16 every rank
+            # flushed 17 and some not 15, and a relaunch on fresh nodes restored the corruption.
+            verified_next = self.noted_restart_mode() == "recovery_verified"
             for i, (k, step) in enumerate(held):
-                if i and self.cluster_plan().step >= held[0][1]:
+                if i and not verified_next and self.cluster_plan().step >= held[0][1]:
                     break  # (gossip says every rank holds the newest: the restart needs no other)
 
                 def write(slot: SlotFile, step: int = step) -> None:
@@ -2182,6 +2220,8 @@ class Gemini:
         """Delete this node's slots of this run (a fresh run must not find an old one's state)."""
         for path in [*self.dir.glob(f"own-r{self.rank}-s*"), *self.dir.glob(f"replica-r*-h{self.rank}-s*")]:
             path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # an earlier run's trust level is not this one's
+            self._mode_path().unlink(missing_ok=True)
 
     def set_aside_earlier(self) -> None:
         """A fresh start: this rank's copies on disk under this run id are an earlier launch's (the

@@ -15,6 +15,12 @@ files' identities (inode, mtime, size) in `.earlier-launch-rank-<R>.json`, and `
 lists them again, so a restart of the new launch cannot restore the earlier launch's state. The
 files stay as they were; a launch that names the run explicitly continues it and lists them again
 (`forget_earlier`).
+
+What a restart needs to trust a copy survives with the copies, for a relaunch on machines whose
+memory is gone: each rank's `.trust-rank-<R>.json` holds the copies SCOUT certified (by step and
+the capture's header digest; an SDC's revocation drops them) and the trust level its next restart needs (an
+SDC found, or `prepare_recovery`'s decision). Before, both lived only in the node's shared memory,
+and a relaunch on fresh nodes after an SDC restored the newest flushed copy: the corrupted one.
 """
 
 from __future__ import annotations
@@ -29,17 +35,18 @@ import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
-from lm_resiliency.runtime.shm import CorruptSlot, SlotHeader, parse_header
+from lm_resiliency.runtime.shm import CorruptSlot, SlotHeader, header_digest, parse_header
 
 __all__ = ["FORMAT", "DurableError", "DurableStore", "path_name"]
 
 FORMAT = "lm_resiliency.gemini.slot/1"
 STORE_ID = ".store-id"  # in the run's folder: its id (see DurableStore.store_id)
 EARLIER = ".earlier-launch-rank-{rank:05d}.json"  # a rank's copies of earlier launches, set aside
+TRUST = ".trust-rank-{rank:05d}.json"  # a rank's certified copies and its next restart's trust level
 log = logging.getLogger(__name__)
 
 
@@ -223,6 +230,8 @@ class DurableStore:
         """A fresh launch under this run id: the copies this rank holds on disk now are an earlier
         launch's. They are recorded by identity and never listed again (`steps`), the files left as
         they are; returns their steps. Raises DurableError when the record cannot be written."""
+        with contextlib.suppress(DurableError):
+            self.note_mode("")  # the earlier launch's trust level is not this one's
         steps = self.steps()
         if not steps:
             return []
@@ -262,6 +271,79 @@ class DurableStore:
                     exc,
                 )
         return self._earlier
+
+    # -- trust: certificates and the next restart's mode, kept with the copies ----------------------
+    def _trust(self) -> dict[str, Any]:
+        path = self.root / TRUST.format(rank=self.rank)
+        try:
+            doc = json.loads(path.read_text())
+            certified = {int(k): bytes.fromhex(v) for k, v in doc.get("certified", {}).items()}
+            mode = doc.get("mode", "")
+            if not isinstance(mode, str):
+                raise TypeError(f"mode is a {type(mode).__name__}")
+        except FileNotFoundError:
+            return {"certified": {}, "mode": ""}
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            log.warning(
+                "rank %d: %s is unreadable (%s): no copy on disk is taken as recovery-verified",
+                self.rank,
+                path,
+                exc,
+            )
+            return {"certified": {}, "mode": ""}
+        return {"certified": certified, "mode": mode}
+
+    def _write_trust(self, certified: dict[int, bytes], mode: str) -> None:
+        path = self.root / TRUST.format(rank=self.rank)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        doc = {"certified": {str(k): v.hex() for k, v in sorted(certified.items())}, "mode": mode}
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise _failed(exc, tmp, f"cannot record what the copies in {self.root} are trusted for") from exc
+
+    def _digest(self, step: int) -> bytes | None:
+        """The header digest of this rank's copy of `step` on disk (None: none, or unreadable)."""
+        with contextlib.suppress(DurableError):
+            return header_digest(self._slot(step, mmap=True).numpy().data)
+        return None
+
+    def certify(self, step: int, digest: bytes) -> None:
+        """SCOUT certified this rank's capture of `step` whose header digest is `digest`: recorded
+        when the copy of `step` on disk is that capture (not an earlier lineage's copy of the same
+        step, one a restart before went past). Raises DurableError when it cannot be recorded."""
+        if self._digest(step) != digest:
+            return
+        doc = self._trust()
+        live = {s: d for s, d in doc["certified"].items() if s != step and self._digest(s) == d}
+        self._write_trust({**live, step: digest}, doc["mode"])
+
+    def revoke(self, from_step: int) -> None:
+        """No copy from `from_step` on is recovery-verified any more (an SDC found at it)."""
+        doc = self._trust()
+        kept = {s: d for s, d in doc["certified"].items() if s < from_step}
+        if len(kept) != len(doc["certified"]):
+            self._write_trust(kept, doc["mode"])
+
+    def certified(self) -> set[int]:
+        """The steps of this rank's copies on disk that SCOUT certified (each the capture that was
+        certified: its header digest the same)."""
+        if not self.root.exists():
+            return set()
+        listed = set(self.steps())
+        return {s for s, d in self._trust()["certified"].items() if s in listed and self._digest(s) == d}
+
+    def note_mode(self, note: str) -> None:
+        """The trust level (and failure kind) the next restart needs, "" when none. Raises
+        DurableError when it cannot be written."""
+        doc = self._trust()
+        if doc["mode"] != note:
+            self._write_trust(doc["certified"], note)
+
+    def noted_mode(self) -> str:
+        return str(self._trust()["mode"]) if self.root.exists() else ""
 
     def read(self, step: int) -> bytes:
         """The slot bytes of `step`; raises DurableError for a missing or malformed file."""

@@ -38,6 +38,7 @@ __all__ = [
     "SlotFile",
     "SlotHeader",
     "chunk_digests",
+    "header_digest",
     "parse_header",
     "verify_image",
 ]
@@ -112,6 +113,12 @@ def chunk_digests(payload: memoryview, chunk_size: int, pool: Executor | None = 
 
 def n_chunks(payload_len: int, chunk_size: int) -> int:
     return max(1, -(-payload_len // chunk_size))
+
+
+def header_digest(image: bytes | memoryview | mmap.mmap) -> bytes:
+    """The committed header's digest: of its fields and its chunks' checksums, so of the whole
+    capture (a certificate names it; `parse_header` first, for an image that may not be one)."""
+    return bytes(image[_FMT.size : _FMT.size + _DIGEST])
 
 
 def parse_header(name: str, image: bytes | memoryview | mmap.mmap, size: int) -> SlotHeader:
@@ -231,6 +238,9 @@ class SlotFile:
         page = bytearray(self._require()[:HEADER_SIZE])
         page[CERT_OFFSET : CERT_OFFSET + _CERT.size] = bytes(_CERT.size)
         return memoryview(page)
+
+    def header_digest(self) -> bytes:
+        return header_digest(self._require())
 
     def clear_certificate(self) -> None:
         mm = self._require()

@@ -1717,3 +1717,87 @@ def test_a_loader_without_workers_made_again_mid_epoch_draws_its_permutation_whe
         assert torch.equal(torch.rand(3), after)
     finally:
         watch.uninstall()
+
+
+def test_what_a_restart_trusts_is_kept_with_the_durable_copies(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Certificates and the next restart's trust level live beside the copies on disk, for a
+    relaunch whose node memory is gone. A certificate names its capture by the header digest: a
+    copy of the same step from another lineage (a restart that went past it, or a copy written
+    again) is not certified by it. An SDC's revocation drops the steps from it on; a fresh launch's
+    set-aside drops the earlier launch's trust level; a damaged record is said and trusts nothing."""
+    from lm_resiliency.runtime.shm import header_digest
+
+    disk = str(tmp_path / "disk")
+    store = DurableStore(disk, "run", rank=0, keep_last=5)
+
+    def image(tag: int) -> bytes:
+        return bytes([tag]) * 8192
+
+    for step in (4, 8, 9):
+        store.write(step, memoryview(image(step)))
+    store.certify(4, header_digest(image(4)))
+    store.certify(8, header_digest(image(99)))  # another capture of step 8 was certified: not this copy
+    store.certify(9, header_digest(image(9)))
+    store.certify(12, header_digest(image(12)))  # no copy on disk: nothing to record
+    assert DurableStore(disk, "run", rank=0).certified() == {4, 9}
+    assert DurableStore(disk, "run", rank=1).certified() == set()  # each rank its own record
+    store.write(4, memoryview(image(44)))  # written again, by another capture
+    assert store.certified() == {9}
+    store.revoke(9)
+    assert store.certified() == set()
+    store.certify(8, header_digest(image(8)))
+    store.note_mode("recovery_verified sdc")
+    assert DurableStore(disk, "run", rank=0).noted_mode() == "recovery_verified sdc"
+    assert DurableStore(disk, "run", rank=0).certified() == {8}
+    DurableStore(disk, "run", rank=0).set_aside_earlier()
+    assert store.noted_mode() == "" and DurableStore(disk, "run", rank=0).certified() == set()
+    DurableStore(disk, "run", rank=0).forget_earlier()
+    assert store.certified() == {8}
+    (store.root / ".trust-rank-00000.json").write_text('{"certified": {"8": "zz"}}')
+    with caplog.at_level(logging.WARNING):
+        assert store.certified() == set() and store.noted_mode() == ""
+    assert ".trust-rank-00000.json is unreadable" in caplog.text
+
+
+def test_a_relaunch_whose_memory_is_gone_after_an_sdc_restores_the_certified_copy_from_disk(
+    tmp_path: Path,
+) -> None:
+    """An SDC at step 9; the script asks `flush_for_restart()` and the job is relaunched on nodes
+    whose memory is gone (found by an outsider script: plain torchrun, every rank flushed after the
+    SDC report). Before, the flush wrote only the newest capture (every rank held it), the trust
+    level lived in the lost memory, and the relaunch restored step 10: the corruption. Now the
+    certified step 8 is flushed too, with its certificate and the trust level beside it, and the
+    relaunch restores 8; the note is consumed by that restore."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    folder = str(tmp_path / "disk")
+    gem = lone_gemini(tmp_path / "a", model, None, disk_interval=10**6, disk_folder=folder)
+    gem.certifier = lambda step: step <= 8
+    weights = {}
+    try:
+        for step in range(1, 11):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            weights[step] = model.weight.detach().clone()
+            assert gem.capture(step) and gem.drain(10)
+            if step <= 8:
+                gem.certify(step)
+            if step == 9:
+                gem.revoke(9)
+        assert sorted(gem._own_step.values()) == [8, 10]
+        assert gem.flush_for_restart(replicate=False) == 10
+        assert gem.durable.steps() == [8, 10] and gem.durable.certified() == {8}
+    finally:
+        gem.close()
+    exchange = lambda key, blob, timeout: {0: blob}  # noqa: E731 (one rank: its own inventory)
+    fresh = torch.nn.Linear(16, 16)
+    gem = lone_gemini(tmp_path / "b", fresh, None, disk_interval=10**6, disk_folder=folder)
+    try:
+        step, reason = gem.recover(exchange, None, timeout=10, verified_only=None)
+        assert step == 8 and reason.startswith("disk"), reason
+        assert torch.equal(fresh.weight, weights[8]) and gem.noted_kind == "sdc"
+        assert gem.durable.noted_mode() == ""
+    finally:
+        gem.close()
