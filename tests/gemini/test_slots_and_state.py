@@ -1801,3 +1801,26 @@ def test_a_relaunch_whose_memory_is_gone_after_an_sdc_restores_the_certified_cop
         assert gem.durable.noted_mode() == ""
     finally:
         gem.close()
+
+
+def test_a_fresh_start_drops_the_trust_level_an_earlier_run_noted(tmp_path: Path) -> None:
+    """An earlier run of this run id found an SDC and ended without a restart: its note (verified
+    restore, kind sdc) stayed in the node's memory and on disk. A fresh start reclaims the slots and
+    sets the disk copies aside: the note goes with them. Before, the fresh run's first restart (a
+    crash) restored only certified steps and was reported as recovering from an SDC."""
+    model = torch.nn.Linear(4, 4)
+    folder = str(tmp_path / "disk")
+    gem = lone_gemini(tmp_path / "a", model, None, disk_interval=1, disk_folder=folder)
+    try:
+        assert gem.capture(1) and gem.drain(10)
+        gem.revoke(1)
+        assert gem.noted_restart_mode() == "recovery_verified" and gem.noted_failure_kind() == "sdc"
+    finally:
+        gem.close()
+    gem = lone_gemini(tmp_path / "a", model, None, disk_interval=1, disk_folder=folder)
+    try:
+        gem.reclaim()
+        gem.set_aside_earlier()
+        assert gem.noted_restart_mode() is None and gem.noted_failure_kind() is None
+    finally:
+        gem.close()
