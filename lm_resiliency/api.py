@@ -517,6 +517,7 @@ class Session:
         self._context: dict[str, Any] | None = None  # the backend's restart context, when restarted
         self._closed = False
         self._detection_paused = False
+        self._uneven_from: int | None = None  # the first step inside DDP's Join (see _on_step)
         self._previous_excepthook: Any = None
         self._previous_sigterm: Any = None  # (our handler, the one before it)
         self._sigterm_watch: SigtermWatch | None = None  # a SIGTERM the main thread cannot take
@@ -1015,7 +1016,7 @@ class Session:
         scout = Scout(
             health=health,
             step_source=lambda: self.step_count,
-            paused=lambda: self._detection_paused,
+            paused=lambda: self._detection_paused or self._uneven_from is not None,
             rank=self.rank,
             topology=self._topology,
             runtime=self._runtime,
@@ -1064,11 +1065,32 @@ class Session:
         For side-by-side overhead measurements and maintenance windows."""
         self._detection_paused = paused
 
+    def _uneven_at(self, step: int) -> None:
+        """A step inside DDP's `Join` (uneven inputs): the ranks that run out of batches shadow the
+        others' all-reduces without optimizer steps, so from here the ranks' step counts and states
+        differ by the script's design. SCOUT's comparisons of the replicas' steps (fingerprints,
+        collectives entered, step times) would name healthy ranks: they stop for good, the same on
+        every rank (every rank enters the Join). Before, a 3-rank job with 10, 13 and 16 batches an
+        epoch had healthy ranks named `stale_state` twice in its second epoch."""
+        self._uneven_from = step
+        (log.warning if self.rank == 0 else log.info)(
+            "rank %d: step %d runs inside DDP's Join (uneven inputs): ranks take different numbers of "
+            "optimizer steps from here, so SCOUT compares no step evidence across ranks any more "
+            "(fingerprints, collectives, step times) and certifies no step; process failures and "
+            "hangs are still caught. GEMINI's copies are per step count: with inputs that are uneven "
+            "indeed, a restore takes each rank's copy of one step count, which is not one point of "
+            "the training for every rank",
+            self.rank,
+            step,
+        )
+
     def _on_step(self, times: StepTimes) -> None:
         self._steps += 1
         step = self._step_offset + self._steps
         rt = self._runtime
-        if self._detection_paused:
+        if self._uneven_from is None and getattr(self._adapter, "uneven_inputs", bool)():
+            self._uneven_at(step)
+        if self._detection_paused or self._uneven_from is not None:
             for c in self._components:
                 if getattr(c, "name", "") != "scout":
                     c.on_step(self, times)

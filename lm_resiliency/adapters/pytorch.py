@@ -115,6 +115,17 @@ class PyTorchAdapter:
         self._hint_steps = 0
 
     # -- topology ---------------------------------------------------------------------------------
+
+    def uneven_inputs(self) -> bool:
+        """Whether the step runs inside DDP's `Join` context (uneven inputs): ranks that run out of
+        batches shadow the others' all-reduces, so ranks take different numbers of optimizer steps
+        and their states stop being replicas (torch's optimizers step only where data was)."""
+        for ddp in [self._ddp] if self._ddp is not None else self._inner_ddps:
+            config = getattr(ddp, "_join_config", None)
+            if config is not None and getattr(config, "enable", False):
+                return True
+        return False
+
     def topology(self) -> AdapterTopology:
         rank = dist.get_rank() if dist.is_initialized() else 0
         info = self.parallelism_info

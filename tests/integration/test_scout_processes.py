@@ -417,6 +417,28 @@ def test_a_rank_that_steps_with_the_previous_steps_gradients_is_stale_state(
         assert res["faults"][0]["confidence"] == 1.0 and f"step {at - 1}" in res["faults"][0]["detail"]
 
 
+def test_uneven_inputs_under_ddp_join_are_not_taken_for_a_fault(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Three ranks with 4, 7 and 10 batches an epoch under DDP's Join: the ranks that run out
+    shadow the others' all-reduces, so their step counts and optimizer states differ by design.
+    Before, healthy ranks were named `stale_state` (they had entered the collectives of later
+    steps), on which the torchrun backend restarts the job. SCOUT stops comparing steps across
+    ranks once a step runs inside the Join, and says so."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"WORLD_SIZE": "3", "STORE_PORT": str(store.port), "RESULT_DIR": str(tmp_path), "EPOCHS": "3"}
+    procs = [
+        processes.start(
+            ["tests/integration/workers/join_worker.py"], {**env, "RANK": str(r)}, tmp_path / f"rank{r}.log"
+        )
+        for r in range(3)
+    ]
+    for r, p in enumerate(procs):
+        assert p.wait(120) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [res["steps"] for res in results] == [12, 21, 30]
+    assert all(res["faults"] == [] for res in results), [res["faults"] for res in results]
+    assert "runs inside DDP's Join (uneven inputs)" in (tmp_path / "rank0.log").read_text()
+
+
 def test_a_rank_that_skipped_an_optimizer_step_is_stale_state_not_recurring_sdc(
     processes, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
