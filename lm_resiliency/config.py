@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 MiB = 1 << 20
+GiB = 1 << 30
 DEFAULT_SHM_DIR = "/dev/shm/lm_resiliency"  # GEMINI's slots, unless LM_RESILIENCY_SHM_DIR names another
 T = TypeVar("T")
 
@@ -139,6 +140,11 @@ class InMemoryCkptConfig:
         _check_types(self, "checkpoint.")
         _positive("checkpoint.interval", self.interval)
         _positive("checkpoint.replication_chunk_size", self.replication_chunk_size, allow_none=False)
+        if self.replication_chunk_size > 4 * GiB:  # a chunk is one message and one checksum
+            raise ConfigError(
+                "checkpoint.replication_chunk_size",
+                f"must be at most 4 GiB, got {self.replication_chunk_size}",
+            )
         _positive("checkpoint.disk_flush_interval", self.disk_flush_interval, allow_none=False)
         if self.replication_jump == 0 or self.replication_jump < -1:
             raise ConfigError(

@@ -89,6 +89,8 @@ def test_missing_file() -> None:
 def test_dataclasses_validate_directly() -> None:
     with pytest.raises(ConfigError, match=r"checkpoint\.interval"):
         InMemoryCkptConfig(interval=0)
+    with pytest.raises(ConfigError, match=r"checkpoint\.replication_chunk_size: must be at most 4 GiB"):
+        InMemoryCkptConfig(replication_chunk_size=10**30)  # (before: every capture failed, packing it)
     with pytest.raises(ConfigError, match="recovery_mode"):
         RecoveryMode.parse("bogus")
     assert RecoveryMode.parse("latest") is RecoveryMode.LATEST
