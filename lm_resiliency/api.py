@@ -27,7 +27,13 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from lm_resiliency._sigwatch import SigtermWatch
-from lm_resiliency.adapters.base import NUMERICS_KEYS, AdapterTopology, StepTimes, numerics_settings
+from lm_resiliency.adapters.base import (
+    NUMERICS_KEYS,
+    AdapterTopology,
+    StepTimes,
+    live_instances,
+    numerics_settings,
+)
 from lm_resiliency.adapters.detect import FRAMEWORKS, detect_framework
 from lm_resiliency.config import (
     DAMAGE_FAILURES,
@@ -156,6 +162,37 @@ def _warn_of_parameters_outside(model: Any, optimizer: Any) -> None:
             "(an nn.ModuleDict of every model), or keep them in extra_state_fn.",
             stacklevel=3,
         )
+
+
+def _warn_of_other_optimizers(model: Any, optimizer: Any) -> None:
+    """Another optimizer stepping parameters of the model (Muon for the matrices and AdamW for the
+    rest, a GAN's two): only the one passed is captured, so a restart resumes the other's state
+    (momentum, step counts) from fresh and the run is not the one it would have been, silently."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        return
+    inside = set()  # the passed optimizer's own (ZeroRedundancyOptimizer's inner one, a wrapper's)
+    todo = [optimizer]
+    while todo:
+        obj = todo.pop()
+        if id(obj) not in inside:
+            inside.add(id(obj))
+            todo += [v for v in vars(obj).values() if isinstance(v, torch.optim.Optimizer)]
+    mine = {id(p) for p in model.parameters()}
+    for other in live_instances(torch.optim.Optimizer):
+        if id(other) in inside:
+            continue
+        held = [p for group in getattr(other, "param_groups", ()) for p in group.get("params", ())]
+        shared = sum(id(p) in mine for p in held)
+        if shared:
+            warnings.warn(
+                f"enable_resiliency: another optimizer ({type(other).__name__}) steps {shared} "
+                f"parameters of the model, and only the one passed ({type(optimizer).__name__}) is "
+                "captured: a restart resumes the other's state (momentum, step counts) from fresh. "
+                "Keep its state_dict() in extra_state_fn and load it in load_extra_state_fn.",
+                stacklevel=3,
+            )
 
 
 def _scheduler_of(optimizer: Any, given: Any) -> Any:
@@ -430,6 +467,7 @@ def enable_resiliency(
     grad_scaler = None
     if optimizer is not None:
         _warn_of_parameters_outside(model, optimizer)
+        _warn_of_other_optimizers(model, optimizer)
         opt_param_scheduler = _scheduler_of(optimizer, opt_param_scheduler)
         grad_scaler = _grad_scaler()
     adapter = PyTorchAdapter(model, optimizer, group=group, parallelism_info=parallelism_info)

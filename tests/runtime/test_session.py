@@ -122,6 +122,36 @@ def test_an_optimizer_stepping_parameters_the_model_lacks_is_warned_of() -> None
             pass
 
 
+def test_another_optimizer_stepping_the_models_parameters_is_warned_of() -> None:
+    """Muon for the matrices and AdamW for the rest: only the optimizer passed is captured, so a
+    restart resumed the other's momentum from fresh, silently. Said now, with the way to keep it.
+    A ZeroRedundancyOptimizer-like wrapper's own inner optimizer is the one passed, not another."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    adamw = torch.optim.AdamW(model[1].parameters(), lr=0.1)
+    muon_like = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
+    with (
+        pytest.warns(UserWarning, match=r"another optimizer \(SGD\) steps 2 parameters of the model"),
+        enable_resiliency(model, adamw),
+    ):
+        pass
+    del muon_like
+
+    class Wrapper(torch.optim.Optimizer):
+        def __init__(self, params: list[nn.Parameter]) -> None:
+            self.optim = torch.optim.SGD(params, lr=0.1)
+            super().__init__(params, {})
+
+        def step(self, closure: object = None) -> None:
+            self.optim.step()
+
+    solo = nn.Linear(2, 2)
+    wrapped = Wrapper(list(solo.parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with enable_resiliency(solo, wrapped):
+            pass
+
+
 def test_configured_recovery_mode_wins() -> None:
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
