@@ -14,6 +14,7 @@ the shape and placements are the ones captured: a rank restores exactly its own 
 
 from __future__ import annotations
 
+import io
 import logging
 import random
 import sys
@@ -400,10 +401,15 @@ def _spell(path: Any) -> str:
     return str(path) + "".join(reversed(parts))
 
 
-def _plain_hint(obj: Any) -> str:
+def _plain_hint(obj: Any, where: str = "") -> str:
     """What to return instead of `obj` (from extra_state_fn, most likely): its plain state."""
     import dataclasses
 
+    if "._extra_state" in where:  # a module's get_extra_state(), not the caller's extra_state_fn
+        return (
+            "return plain data from the module's get_extra_state() (dicts, lists, numbers, str, "
+            "bytes, tensors, io.BytesIO) and rebuild the object in its set_extra_state()"
+        )
     if isinstance(obj, torch.Generator):
         return "return its get_state() (a tensor) and set_state() it in load_extra_state_fn"
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -470,6 +476,10 @@ def flatten(state: Any) -> tuple[bytes, list[torch.Tensor], list[TensorSpec]]:
             return {"__np": walk(torch.from_numpy(np.ascontiguousarray(obj)), path)}
         if isinstance(obj, np.generic):
             return walk(obj.item(), path)
+        if isinstance(obj, io.BytesIO):
+            # A module's get_extra_state() may return one (TransformerEngine's FP8 metadata, as
+            # torch's distributed checkpoint takes it): its bytes, restored as a new one at 0.
+            return {"__bytesio": obj.getvalue()}
         if isinstance(obj, (tuple, list)):
             if _plain_numbers(obj):
                 items = list(obj)  # fast path: Python's RNG state is 625 ints, walked every capture
@@ -491,7 +501,8 @@ def flatten(state: Any) -> tuple[bytes, list[torch.Tensor], list[TensorSpec]]:
                 items.append([k, walk(v, (path, "[]", k))])
             return {"__dict": items}
         raise TypeError(
-            f"{_spell(path)}: objects of type {type(obj).__name__} cannot be checkpointed; {_plain_hint(obj)}"
+            f"{_spell(path)}: objects of type {type(obj).__name__} cannot be checkpointed; "
+            f"{_plain_hint(obj, _spell(path))}"
         )
 
     tree = walk(state, "state")
@@ -534,6 +545,8 @@ def unflatten(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
                 return {k: walk(v) for k, v in obj["__dict"]}
             if "__bigint" in obj:
                 return int(obj["__bigint"])
+            if "__bytesio" in obj:
+                return io.BytesIO(obj["__bytesio"])
             return {k: walk(v) for k, v in obj.items()}
         return obj
 

@@ -89,6 +89,38 @@ def test_state_that_cannot_be_checkpointed_is_named_with_what_to_return_instead(
         assert hint in str(err.value), err.value
 
 
+def test_a_modules_extra_state_in_a_bytesio_is_checkpointed_and_other_objects_name_the_module() -> None:
+    """A module's get_extra_state() may return an io.BytesIO (TransformerEngine's FP8 metadata; torch's
+    distributed checkpoint takes it). Before, the capture refused it, telling the caller to rebuild it
+    in load_extra_state_fn, which never sees a module's extra state. Now its bytes round-trip into a
+    new BytesIO at 0; an object that cannot be checkpointed there names the module's own methods."""
+    import io
+
+    class Fp8Linear(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(2, 2)
+            self.meta = {"amax": [1.0, 2.0]}
+
+        def get_extra_state(self) -> io.BytesIO:
+            buf = io.BytesIO()
+            torch.save(self.meta, buf)
+            return buf  # (left at its end, as a writer leaves it)
+
+        def set_extra_state(self, state: io.BytesIO) -> None:
+            state.seek(0)
+            self.meta = torch.load(state, weights_only=True)
+
+    a, b = Fp8Linear(), Fp8Linear()
+    a.meta = {"amax": [3.0, 4.5]}
+    skeleton, tensors, _ = flatten({"model": a.state_dict()})
+    b.load_state_dict(unflatten(skeleton, tensors)["model"])
+    assert b.meta == {"amax": [3.0, 4.5]} and torch.equal(b.weight, a.weight)
+    with pytest.raises(
+        TypeError, match=r"state\.model\._extra_state: .* from the module's get_extra_state\(\)"
+    ):
+        flatten({"model": {"_extra_state": object()}})
+
+
 def test_flatten_round_trip_keeps_types_exactly() -> None:
     state = {
         "t": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
