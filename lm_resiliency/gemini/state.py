@@ -376,7 +376,23 @@ def apply_state(
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     if load_extra_state_fn is not None and "extra" in state:
-        load_extra_state_fn(state["extra"])
+        try:
+            load_extra_state_fn(state["extra"])
+        except Exception as exc:  # the caller's code: its error, with where it came from
+            if hasattr(exc, "add_note"):  # (Python 3.11+)
+                exc.add_note(
+                    f"raised by load_extra_state_fn, restoring step {state.get('step', '?')}: it was "
+                    f"given what extra_state_fn returned then ({_shape_of(state['extra'])})"
+                )
+            raise
+
+
+def _shape_of(obj: Any) -> str:
+    """A short account of a restored value: its type, and a dict's keys."""
+    if isinstance(obj, dict):
+        keys = list(obj)
+        return f"a dict with keys {keys[:8]}{' ...' if len(keys) > 8 else ''}"
+    return f"a {type(obj).__name__}"
 
 
 def _plain_numbers(items: tuple[Any, ...] | list[Any]) -> bool:

@@ -495,3 +495,44 @@ def test_a_loop_that_iterates_its_data_loader_again_on_resume_draws_what_it_drew
         for batch in resumed:
             step(model2, opt2, batch)
     assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
+
+
+def test_an_error_of_load_extra_state_fn_says_it_came_from_there_and_what_it_was_given() -> None:
+    """The caller's restore code fails (a key its new version expects): the error is its own, with
+    a note naming the hook, the step and what it was given (before: a bare KeyError from inside the
+    restore)."""
+    import sys
+
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with enable_resiliency(
+        model,
+        opt,
+        interval=1,
+        checkpoint=InMemoryCkptConfig(run_id="extra"),
+        extra_state_fn=lambda: {"pos": 3},
+        load_extra_state_fn=lambda state: None,
+    ) as s:
+        for _ in range(2):
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+        assert s.flush_for_restart() == 2
+
+    def load(state: dict[str, int]) -> None:
+        raise KeyError("epoch")
+
+    again = nn.Linear(2, 2)
+    with pytest.raises(KeyError, match="epoch") as err:
+        enable_resiliency(
+            again,
+            torch.optim.SGD(again.parameters(), lr=0.1),
+            interval=1,
+            checkpoint=InMemoryCkptConfig(run_id="extra"),
+            extra_state_fn=lambda: {"pos": 0},
+            load_extra_state_fn=load,
+        )
+    if sys.version_info >= (3, 11):
+        assert err.value.__notes__ == [
+            "raised by load_extra_state_fn, restoring step 2: it was given what extra_state_fn returned "
+            "then (a dict with keys ['pos'])"
+        ]
