@@ -178,7 +178,7 @@ def _warn_of_other_optimizers(model: Any, optimizer: Any) -> None:
         obj = todo.pop()
         if id(obj) not in inside:
             inside.add(id(obj))
-            todo += [v for v in vars(obj).values() if isinstance(v, torch.optim.Optimizer)]
+            todo += [v for v in getattr(obj, "__dict__", {}).values() if isinstance(v, torch.optim.Optimizer)]
     mine = {id(p) for p in model.parameters()}
     for other in live_instances(torch.optim.Optimizer):
         if id(other) in inside:

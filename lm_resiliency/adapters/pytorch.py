@@ -114,8 +114,6 @@ class PyTorchAdapter:
         self._reduced_in_step: dict[int, tuple[Any, int]] | None = None
         self._hint_steps = 0
 
-    # -- topology ---------------------------------------------------------------------------------
-
     def uneven_inputs(self) -> bool:
         """Whether the step runs inside DDP's `Join` context (uneven inputs): ranks that run out of
         batches shadow the others' all-reduces, so ranks take different numbers of optimizer steps
@@ -126,6 +124,7 @@ class PyTorchAdapter:
                 return True
         return False
 
+    # -- topology ---------------------------------------------------------------------------------
     def topology(self) -> AdapterTopology:
         rank = dist.get_rank() if dist.is_initialized() else 0
         info = self.parallelism_info

@@ -18,9 +18,10 @@ files stay as they were; a launch that names the run explicitly continues it and
 
 What a restart needs to trust a copy survives with the copies, for a relaunch on machines whose
 memory is gone: each rank's `.trust-rank-<R>.json` holds the copies SCOUT certified (by step and
-the capture's header digest; an SDC's revocation drops them) and the trust level its next restart needs (an
-SDC found, or `prepare_recovery`'s decision). Before, both lived only in the node's shared memory,
-and a relaunch on fresh nodes after an SDC restored the newest flushed copy: the corrupted one.
+the capture's header digest; an SDC's revocation drops them) and the trust level its next restart
+needs (an SDC found, or `prepare_recovery`'s decision). Before, both lived only in the node's
+shared memory, and a relaunch on fresh nodes after an SDC restored the newest flushed copy: the
+corrupted one.
 """
 
 from __future__ import annotations
