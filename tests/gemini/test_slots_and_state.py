@@ -820,6 +820,23 @@ def test_a_restart_offers_the_durable_copies_whose_headers_hold(tmp_path: Path) 
         gem.close()
 
 
+def _train_with_an_sdc_at_9(gem: Any, model: torch.nn.Linear, steps: int) -> dict[int, torch.Tensor]:
+    """Steps 1..`steps` captured, each adding 1 to the weight; SCOUT certifies steps up to 8 and
+    finds an SDC at 9 (the slot of step 8 is kept from then on). Returns each step's weight."""
+    gem.certifier = lambda step: step <= 8  # SCOUT's certificates
+    weights = {}
+    for step in range(1, steps + 1):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        weights[step] = model.weight.detach().clone()
+        assert gem.capture(step) and gem.drain(10)
+        if step <= 8:
+            gem.certify(step)
+        if step == 9:
+            gem.revoke(9)
+    return weights
+
+
 def test_a_restore_drops_the_copies_of_later_steps_a_restart_would_otherwise_take(tmp_path: Path) -> None:
     """An SDC at step 9: the restart restores the certified step 8. The copies of steps 9 to 12
     (memory, disk) are of the corrupted run. Kept, the next restart after a node lost its memory
@@ -828,18 +845,8 @@ def test_a_restore_drops_the_copies_of_later_steps_a_restart_would_otherwise_tak
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 32)
     gem = lone_gemini(tmp_path / "a", model, None, disk_interval=4, disk_folder=str(tmp_path / "disk"))
-    gem.certifier = lambda step: step <= 8  # SCOUT's certificates
-    weights = {}
     try:
-        for step in range(1, 13):
-            with torch.no_grad():
-                model.weight.add_(1.0)
-            weights[step] = model.weight.detach().clone()
-            assert gem.capture(step) and gem.drain(10)
-            if step <= 8:
-                gem.certify(step)
-            if step == 9:
-                gem.revoke(9)  # SCOUT: SDC; the slot of step 8 is kept from now on
+        weights = _train_with_an_sdc_at_9(gem, model, 12)
         assert sorted(gem._on_disk) == [8, 12] and gem.durable.steps() == [8, 12]
         assert sorted(gem._own_step.values()) == [8, 12]
     finally:
@@ -1806,18 +1813,8 @@ def test_a_relaunch_whose_memory_is_gone_after_an_sdc_restores_the_certified_cop
     model = torch.nn.Linear(16, 16)
     folder = str(tmp_path / "disk")
     gem = lone_gemini(tmp_path / "a", model, None, disk_interval=10**6, disk_folder=folder)
-    gem.certifier = lambda step: step <= 8
-    weights = {}
     try:
-        for step in range(1, 11):
-            with torch.no_grad():
-                model.weight.add_(1.0)
-            weights[step] = model.weight.detach().clone()
-            assert gem.capture(step) and gem.drain(10)
-            if step <= 8:
-                gem.certify(step)
-            if step == 9:
-                gem.revoke(9)
+        weights = _train_with_an_sdc_at_9(gem, model, 10)
         assert sorted(gem._own_step.values()) == [8, 10]
         assert gem.flush_for_restart(replicate=False) == 10
         assert gem.durable.steps() == [8, 10] and gem.durable.certified() == {8}
