@@ -164,7 +164,7 @@ def _warn_of_parameters_outside(model: Any, optimizer: Any) -> None:
         )
 
 
-def _warn_of_other_optimizers(model: Any, optimizer: Any) -> None:
+def _warn_of_other_optimizers(model: Any, optimizer: Any, live: list[Any]) -> None:
     """Another optimizer stepping parameters of the model (Muon for the matrices and AdamW for the
     rest, a GAN's two): only the one passed is captured, so a restart resumes the other's state
     (momentum, step counts) from fresh and the run is not the one it would have been, silently."""
@@ -180,8 +180,8 @@ def _warn_of_other_optimizers(model: Any, optimizer: Any) -> None:
             inside.add(id(obj))
             todo += [v for v in getattr(obj, "__dict__", {}).values() if isinstance(v, torch.optim.Optimizer)]
     mine = {id(p) for p in model.parameters()}
-    for other in live_instances(torch.optim.Optimizer):
-        if id(other) in inside:
+    for other in live:
+        if not isinstance(other, torch.optim.Optimizer) or id(other) in inside:
             continue
         held = [p for group in getattr(other, "param_groups", ()) for p in group.get("params", ())]
         shared = sum(id(p) in mine for p in held)
@@ -195,7 +195,7 @@ def _warn_of_other_optimizers(model: Any, optimizer: Any) -> None:
             )
 
 
-def _scheduler_of(optimizer: Any, given: Any) -> Any:
+def _scheduler_of(optimizer: Any, given: Any, live: list[Any]) -> Any:
     """The scheduler to capture with `optimizer`: the one given, or the one found stepping it. One
     given that is part of a SequentialLR or ChainedScheduler is replaced by that one, whose state
     holds the schedule's position (and whose step() the loop calls)."""
@@ -203,7 +203,7 @@ def _scheduler_of(optimizer: Any, given: Any) -> Any:
 
     if given is not None and not hasattr(given, "state_dict"):
         return given  # not a torch scheduler: taken as given
-    found, outer = find_scheduler(optimizer)
+    found, outer = find_scheduler(optimizer, live)
     if given is None:
         if found is not None:
             log.info("captured with the optimizer: its %s (opt_param_scheduler)", type(found).__name__)
@@ -467,8 +467,13 @@ def enable_resiliency(
     grad_scaler = None
     if optimizer is not None:
         _warn_of_parameters_outside(model, optimizer)
-        _warn_of_other_optimizers(model, optimizer)
-        opt_param_scheduler = _scheduler_of(optimizer, opt_param_scheduler)
+        from torch.optim import Optimizer
+        from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+        # One scan of the collector's objects for both (a large program's heap takes a while).
+        live = live_instances(Optimizer, LRScheduler, ReduceLROnPlateau)
+        _warn_of_other_optimizers(model, optimizer, live)
+        opt_param_scheduler = _scheduler_of(optimizer, opt_param_scheduler, live)
         grad_scaler = _grad_scaler()
     adapter = PyTorchAdapter(model, optimizer, group=group, parallelism_info=parallelism_info)
     session = Session(

@@ -657,18 +657,18 @@ def _fsdp1_topology(model: nn.Module, rank: int) -> AdapterTopology | None:
     return AdapterTopology(replicas, {"shard": shard, "replicate": replicas}, ("replicate",), "fsdp", peers)
 
 
-def find_scheduler(optimizer: Any) -> tuple[Any, list[Any]]:
+def find_scheduler(optimizer: Any, live: list[Any] | None = None) -> tuple[Any, list[Any]]:
     """The learning-rate scheduler stepping `optimizer`: (the one, or None, and all found). A
     scheduler's state (its step count) is training state: a restart without it sets the learning
     rate back to the schedule's start. Looked up once among the objects the garbage collector
-    tracks; schedulers inside a SequentialLR or ChainedScheduler count as that one."""
+    tracks (`live`: those of a scan the caller made already); schedulers inside a SequentialLR or
+    ChainedScheduler count as that one."""
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-    found = [
-        obj
-        for obj in live_instances(LRScheduler, ReduceLROnPlateau)
-        if getattr(obj, "optimizer", None) is optimizer
-    ]
+    if live is None:
+        live = live_instances(LRScheduler, ReduceLROnPlateau)
+    kinds = (LRScheduler, ReduceLROnPlateau)
+    found = [obj for obj in live if isinstance(obj, kinds) and getattr(obj, "optimizer", None) is optimizer]
     inner = {id(child) for obj in found for child in getattr(obj, "_schedulers", ())}
     outer = [obj for obj in found if id(obj) not in inner]
     return (outer[0] if len(outer) == 1 else None), outer

@@ -318,7 +318,8 @@ class DurableStore:
         if self._digest(step) != digest:
             return
         doc = self._trust()
-        live = {s: d for s, d in doc["certified"].items() if s != step and self._digest(s) == d}
+        listed = set(self.steps())  # (entries of pruned copies go; a rewritten one fails `certified`)
+        live = {s: d for s, d in doc["certified"].items() if s != step and s in listed}
         self._write_trust({**live, step: digest}, doc["mode"])
 
     def revoke(self, from_step: int) -> None:

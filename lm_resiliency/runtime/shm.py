@@ -230,7 +230,7 @@ class SlotFile:
         raw = bytes(mm[: _FMT.size + _DIGEST])
         if raw[:8] != MAGIC or _FMT.unpack_from(raw)[3] != step:
             return
-        mm[CERT_OFFSET : CERT_OFFSET + _CERT.size] = _CERT.pack(CERT_MAGIC, step, raw[_FMT.size :])
+        mm[CERT_OFFSET : CERT_OFFSET + _CERT.size] = _CERT.pack(CERT_MAGIC, step, header_digest(raw))
 
     def header_page(self) -> memoryview:
         """A copy of the header page without the certificate, for sending: SCOUT may mark the slot
@@ -250,8 +250,7 @@ class SlotFile:
         """True when the slot carries a certificate for exactly this committed capture."""
         mm = self._require()
         magic, step, digest = _CERT.unpack_from(bytes(mm[CERT_OFFSET : CERT_OFFSET + _CERT.size]))
-        own = bytes(mm[_FMT.size : _FMT.size + _DIGEST])
-        return bool(magic == CERT_MAGIC and step == header.step and digest == own)
+        return bool(magic == CERT_MAGIC and step == header.step and digest == header_digest(mm))
 
     def view(self) -> memoryview:
         return memoryview(self._require())
