@@ -172,8 +172,10 @@ def _warn_of_other_optimizers(model: Any, optimizer: Any, live: list[Any]) -> No
 
     if not isinstance(model, torch.nn.Module):
         return
-    inside = set()  # the passed optimizer's own (ZeroRedundancyOptimizer's inner one, a wrapper's)
-    todo = [optimizer]
+    from lm_resiliency.adapters.chain import members_of
+
+    inside = set()  # the passed optimizers' own (ZeroRedundancyOptimizer's inner one, a wrapper's)
+    todo = list(members_of(optimizer))
     while todo:
         obj = todo.pop()
         if id(obj) not in inside:
@@ -188,11 +190,28 @@ def _warn_of_other_optimizers(model: Any, optimizer: Any, live: list[Any]) -> No
         if shared:
             warnings.warn(
                 f"enable_resiliency: another optimizer ({type(other).__name__}) steps {shared} "
-                f"parameters of the model, and only the one passed ({type(optimizer).__name__}) is "
-                "captured: a restart resumes the other's state (momentum, step counts) from fresh. "
-                "Keep its state_dict() in extra_state_fn and load it in load_extra_state_fn.",
+                f"parameters of the model, and only the one passed ({optimizer!r}) is captured: a "
+                "restart resumes the other's state (momentum, step counts) from fresh. Pass them "
+                "all, as a list: optimizer=[first, second].",
                 stacklevel=3,
             )
+
+
+def _schedulers_of_chain(chain: Any, given: Any, live: list[Any]) -> Any:
+    """The schedulers to capture with an `OptimizerChain`: those given (one or a list), and for
+    each member none of them steps, the one found stepping it; several as one `SchedulerChain`."""
+    from lm_resiliency.adapters.chain import SchedulerChain
+
+    given = list(given) if isinstance(given, (list, tuple)) else ([] if given is None else [given])
+    out: list[Any] = []
+    for m in chain.members:
+        mine = [s for s in given if getattr(s, "optimizer", None) is m]
+        out += [_scheduler_of(m, s, live) for s in mine] if mine else [_scheduler_of(m, None, live)]
+    out += [s for s in given if not any(getattr(s, "optimizer", None) is m for m in chain.members)]
+    unique = list({id(s): s for s in out if s is not None}.values())
+    if len(unique) <= 1:
+        return unique[0] if unique else None
+    return SchedulerChain(unique)
 
 
 def _scheduler_of(optimizer: Any, given: Any, live: list[Any]) -> Any:
@@ -405,11 +424,16 @@ def enable_resiliency(
             "group must be a torch.distributed process group (dist.group.WORLD, dist.new_group(...)), "
             f"got {type(group).__name__}"
         )
-    if opt_param_scheduler is not None and not callable(getattr(opt_param_scheduler, "step", None)):
-        raise TypeError(
-            "opt_param_scheduler must be a scheduler with a step() (a torch LRScheduler, Megatron's "
-            f"OptimizerParamScheduler), got {type(opt_param_scheduler).__name__}"
-        )
+    schedulers = (
+        opt_param_scheduler if isinstance(opt_param_scheduler, (list, tuple)) else [opt_param_scheduler]
+    )
+    for sched in schedulers:
+        if sched is not None and not callable(getattr(sched, "step", None)):
+            raise TypeError(
+                "opt_param_scheduler must be a scheduler with a step() (a torch LRScheduler, Megatron's "
+                f"OptimizerParamScheduler), or a list of them for a list of optimizers; got "
+                f"{type(sched).__name__}"
+            )
     if extra_state_fn is not None and load_extra_state_fn is None:
         warnings.warn(
             "enable_resiliency: extra_state_fn without load_extra_state_fn: the caller's state is "
@@ -431,8 +455,7 @@ def enable_resiliency(
             f"model {type(other._adapter.model).__name__}); one per process: two would keep their "
             "in-memory checkpoints in the same slots and announce the same rank to its peers. "
             "Close the other first, or give one session a module holding every model (an "
-            "nn.ModuleDict) and the optimizer that ends each step; another optimizer's state "
-            "can travel in extra_state_fn / load_extra_state_fn"
+            "nn.ModuleDict) and every optimizer, as a list (optimizer=[first, second])"
         )
     fw = detect_framework(model) if framework == "auto" else framework
     given = {"optimizer": optimizer, "opt_param_scheduler": opt_param_scheduler}
@@ -450,12 +473,22 @@ def enable_resiliency(
         from lm_resiliency.adapters.megatron import model_chunks, refuse_megatron_optimizer
 
         model = model_chunks(model)
-        refuse_megatron_optimizer(optimizer)
+        for member in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+            refuse_megatron_optimizer(member)
     elif isinstance(model, (list, tuple)):
         raise TypeError(
             "framework 'pytorch' takes one nn.Module; a list of model chunks is framework 'megatron' "
             "(or 'auto')"
         )
+    if isinstance(optimizer, (list, tuple)):  # Muon and AdamW, a GAN's two: held as one
+        from lm_resiliency.adapters.chain import OptimizerChain
+
+        optimizer = OptimizerChain(optimizer) if len(optimizer) != 1 else optimizer[0]
+    if isinstance(opt_param_scheduler, (list, tuple)) and not hasattr(optimizer, "members"):
+        from lm_resiliency.adapters.chain import SchedulerChain
+
+        few = list(opt_param_scheduler)  # for one optimizer: one, none, or several as one
+        opt_param_scheduler = (few[0] if few else None) if len(few) <= 1 else SchedulerChain(few)
     if optimizer is not None and not hasattr(optimizer, "register_step_post_hook"):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if optimizer is None:
@@ -470,10 +503,16 @@ def enable_resiliency(
         from torch.optim import Optimizer
         from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+        from lm_resiliency.adapters.chain import OptimizerChain
+
         # One scan of the collector's objects for both (a large program's heap takes a while).
         live = live_instances(Optimizer, LRScheduler, ReduceLROnPlateau)
         _warn_of_other_optimizers(model, optimizer, live)
-        opt_param_scheduler = _scheduler_of(optimizer, opt_param_scheduler, live)
+        opt_param_scheduler = (
+            _schedulers_of_chain(optimizer, opt_param_scheduler, live)
+            if isinstance(optimizer, OptimizerChain)
+            else _scheduler_of(optimizer, opt_param_scheduler, live)
+        )
         grad_scaler = _grad_scaler()
     adapter = PyTorchAdapter(model, optimizer, group=group, parallelism_info=parallelism_info)
     session = Session(
@@ -740,9 +779,10 @@ class Session:
                 if gem is not None:
                     gem.adopt_scaler(scaler)
         if gem is not None and gem.scheduler is None:
+            from lm_resiliency.adapters.chain import members_of
             from lm_resiliency.adapters.pytorch import find_scheduler
 
-            _, late = find_scheduler(self._adapter.optimizer)
+            late = [s for m in members_of(self._adapter.optimizer) for s in find_scheduler(m)[1]]
             if late:
                 log.warning(
                     "rank %d: %s steps the optimizer but was made after enable_resiliency: its state "
@@ -1689,6 +1729,9 @@ class Session:
             self._first_forward.remove()
         if self._scaler_watch is not None:
             self._scaler_watch.remove()
+        remove_hooks = getattr(self._adapter.optimizer, "remove_hooks", None)
+        if remove_hooks is not None:  # an OptimizerChain's own, on its members
+            remove_hooks()
         for c in reversed(self._components):
             try:
                 c.close()

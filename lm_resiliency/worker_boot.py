@@ -113,17 +113,21 @@ def _data_parallel(module: Any, outermost: bool) -> bool:
 
 def auto_instrument(policy_path: str) -> None:
     """Note optimizers; enable the session at a data-parallel model's first forward."""
+    import itertools
     import weakref
 
     import torch
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-    optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+    # In the order they were made: the same on every rank and every restart (a chain of several
+    # is captured in its members' order).
+    optimizers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+    made = itertools.count()
     opt_init = torch.optim.Optimizer.__init__
 
     def noting_opt_init(self: Any, *args: Any, **kwargs: Any) -> None:
         opt_init(self, *args, **kwargs)
-        optimizers.add(self)
+        optimizers[self] = next(made)
 
     torch.optim.Optimizer.__init__ = noting_opt_init  # type: ignore[method-assign]
     state: dict[str, Any] = {"done": False, "handles": [], "depth": 0}
@@ -143,9 +147,15 @@ def auto_instrument(policy_path: str) -> None:
             # ModuleDict of a GAN's pair, Megatron-style chunks), whose own modules are unmarked.
             return
         ids = {id(p) for p in module.parameters()}
-        opt = next(
-            (o for o in optimizers if ids & {id(p) for g in o.param_groups for p in g["params"]}), None
-        )
+        # Every optimizer stepping its parameters (Muon and AdamW: held as one, see adapters/chain.py).
+        from lm_resiliency.adapters.chain import outermost
+
+        order = sorted(optimizers.items(), key=lambda kv: kv[1])
+        mine = outermost([o for o, _ in order if ids & {id(p) for g in o.param_groups for p in g["params"]}])
+        stepped = [id(p) for o in mine for g in o.param_groups for p in g["params"]]
+        if len(set(stepped)) != len(stepped):  # two step the same parameters: not a chain; the first
+            mine = mine[:1]
+        opt: Any = mine if len(mine) > 1 else next(iter(mine), None)
         from lm_resiliency.api import enable_resiliency
         from lm_resiliency.config import load_policy, policy_kwargs
 
@@ -176,13 +186,15 @@ def _warn_uncovered(module: Any, opt: Any, optimizers: Any) -> None:
     from lm_resiliency.adapters.base import live_instances
 
     models = [m for m in live_instances(DistributedDataParallel) if m is not module]
-    others = [o for o in optimizers if o is not opt]
+    held = opt if isinstance(opt, list) else [opt]
+    others = [o for o in optimizers if not any(o is h for h in held)]
     if models or others:
         sys.stderr.write(
-            f"lm_resiliency: automatic instrumentation holds one model (the DDP first called) and its "
-            f"optimizer; this script also has {len(models)} other DDP model(s) and {len(others)} other "
-            "optimizer(s), which a restart would start afresh. Call enable_resiliency yourself with "
-            "one nn.ModuleDict of every model, and the other optimizers' state in extra_state_fn\n"
+            f"lm_resiliency: automatic instrumentation holds one model (the DDP first called) and the "
+            f"optimizers stepping it; this script also has {len(models)} other DDP model(s) and "
+            f"{len(others)} other optimizer(s), which a restart would start afresh. Call "
+            "enable_resiliency yourself with one nn.ModuleDict of every model and the list of "
+            "every optimizer\n"
         )
 
 

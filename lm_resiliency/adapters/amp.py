@@ -112,16 +112,20 @@ class ScalerWatch:
     what pickling a scaler saves); `remove()` puts it back."""
 
     def __init__(self, scaler: Any, optimizer: Any, on_update: Callable[[], None] | None = None) -> None:
+        from lm_resiliency.adapters.chain import members_of
+
         self.scaler, self.optimizer = scaler, optimizer
         self.on_update = on_update
         self.skipped = 0  # steps the scaler skipped since the watch began
         self._stepped = False
-        self._handle = optimizer.register_step_post_hook(self._mark_stepped)
+        # An OptimizerChain's members are stepped by the scaler one by one: each is watched.
+        members = members_of(optimizer)
+        self._handles = [m.register_step_post_hook(self._mark_stepped) for m in members]
         base = type(scaler)
         watch = self
 
         def step(this: Any, opt: Any, *args: Any, **kwargs: Any) -> Any:
-            if opt is not watch.optimizer or not this.is_enabled():
+            if not any(opt is m for m in members) or not this.is_enabled():
                 return super(watched, this).step(opt, *args, **kwargs)  # type: ignore[misc, arg-type]
             watch._stepped = False
             out = super(watched, this).step(opt, *args, **kwargs)  # type: ignore[misc, arg-type]
@@ -147,7 +151,8 @@ class ScalerWatch:
     def remove(self) -> None:
         """Stop watching (idempotent). The subclass lives on until the garbage collector takes it:
         it must not keep the scaler alive (a later session would find two)."""
-        self._handle.remove()
+        for h in self._handles:
+            h.remove()
         if self.scaler is not None and type(self.scaler).__bases__ == (self._base,):
             self.scaler.__class__ = self._base
         self.scaler = self.optimizer = self.on_update = None

@@ -34,6 +34,7 @@ import torch
 from lm_resiliency._proc import pid_alive
 from lm_resiliency.adapters.amp import load_scaler_state, mark_ours, scaler_values
 from lm_resiliency.adapters.base import collector_paused
+from lm_resiliency.adapters.chain import members_of
 from lm_resiliency.config import InMemoryCkptConfig, SCOUTFaultReport
 from lm_resiliency.core.auth import frame_digest
 from lm_resiliency.core.gemini.placement import replica_holders
@@ -116,6 +117,18 @@ def _typed(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return part.view(like.dtype).view(like.shape)
     except RuntimeError:
         return part
+
+
+def _observed(base: type, take: Callable[[str], None], name: str) -> type:
+    """A subclass of the scheduler class `base` whose step() calls `take(name)` after it."""
+
+    def step(this: Any, *args: Any, **kwargs: Any) -> Any:
+        result = super(observed, this).step(*args, **kwargs)  # type: ignore[arg-type]
+        take(name)
+        return result
+
+    observed = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
+    return observed
 
 
 class ReplicaAbandoned(Exception):
@@ -874,8 +887,8 @@ class Gemini:
 
     def _trailers(self) -> set[str]:
         """The calls that end a step after the optimizer's: the capture waits for them."""
-        trailers = (("scheduler", self.scheduler), ("scaler", self.scaler if self._scaler_trails else None))
-        return {name for name, obj in trailers if obj is not None}
+        names = {"scheduler" if i == 0 else f"scheduler{i}" for i, _ in enumerate(self._restore_schedulers)}
+        return names | ({"scaler"} if self.scaler is not None and self._scaler_trails else set())
 
     def will_defer(self, step: int) -> bool:
         """Whether the capture of `step`, which has just ended, will be taken later: when the
@@ -919,7 +932,7 @@ class Gemini:
         (a scheduler that did not step this iteration: its pending capture is taken now)."""
         step, self._pending = self._pending, None
         end, self._step_end = self._step_end, None
-        if step is not None and "scheduler" in self._due and not self._scheduler_skips:
+        if step is not None and self._due - {"scaler"} and not self._scheduler_skips:
             self._scheduler_skips = True
             log.info(
                 "rank %d: the scheduler did not step after step %d: captures waiting for it keep the "
@@ -1004,22 +1017,15 @@ class Gemini:
         self._hooks.append(
             self.model.register_forward_pre_hook(lambda module, args: self._step_begins(), prepend=True)
         )
-        if self.scheduler is None:
-            return
         # Observe scheduler.step() through a per-instance subclass: patching the instance would put a
-        # function into scheduler.state_dict() (it returns the instance __dict__).
-        sched = self.scheduler
-        base = type(sched)
-        take = self._take_pending
-
-        def step(this: Any, *args: Any, **kwargs: Any) -> Any:
-            result = super(boundary, this).step(*args, **kwargs)  # type: ignore[misc, arg-type]
-            take("scheduler")
-            return result
-
-        boundary = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
-        sched.__class__ = boundary
-        self._restore_scheduler = base
+        # function into scheduler.state_dict() (it returns the instance __dict__). A SchedulerChain's
+        # members are each observed: the step ends when every one has stepped.
+        self._restore_schedulers: list[tuple[Any, type]] = []
+        for i, sched in enumerate(members_of(self.scheduler) if self.scheduler is not None else ()):
+            self._restore_schedulers.append((sched, type(sched)))
+            sched.__class__ = _observed(
+                type(sched), self._take_pending, "scheduler" if i == 0 else f"scheduler{i}"
+            )
 
     def adopt_scaler(self, scaler: Any) -> None:
         """A loss scaler made after enable_resiliency, found before the first forward (before it
@@ -2126,8 +2132,8 @@ class Gemini:
         self.iterators.uninstall()
         for h in self._hooks:
             h.remove()
-        if self.scheduler is not None:
-            self.scheduler.__class__ = self._restore_scheduler
+        for sched, base in self._restore_schedulers:
+            sched.__class__ = base
         self.drain(timeout=10.0)
         self._jobs.put(None)
         self._worker.join(timeout=5.0)

@@ -164,6 +164,9 @@ def _into(value: Any, live: Any, device: torch.device | None = None) -> Any:
 def _state_device(optimizer: Any, param: Any) -> torch.device | None:
     """Where `optimizer.load_state_dict` puts a parameter's state (other than "step"): the
     parameter's device, for optimizers that keep torch's own loading policy; None otherwise."""
+    member_of = getattr(optimizer, "member_of", None)
+    if member_of is not None and param is not None:  # an OptimizerChain: its member loads it
+        optimizer = member_of(param)
     if param is None or type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict:
         return None
     to_local = getattr(param, "to_local", None)
@@ -210,7 +213,12 @@ def load_optimizer_state(optimizer: Any, saved: Any) -> None:
     a float32 master copy or moment that an optimizer keeps for a bfloat16 parameter came back
     bfloat16, and the resumed run (or a replay of the step) was not the uninterrupted one. The
     state keeps the dtype it was saved in (a copy, on the device the load chose). Optimizers that
-    load their own way are left alone."""
+    load their own way are left alone. An `OptimizerChain` loads each member's part so."""
+    split = getattr(optimizer, "split", None)
+    if split is not None and hasattr(optimizer, "members"):
+        for member, part in zip(optimizer.members, split(saved), strict=True):
+            load_optimizer_state(member, part)
+        return
     optimizer.load_state_dict(saved)
     if type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict:
         return

@@ -160,6 +160,8 @@ class ReplayRecorder:
         problem = ""
         if any(is_dtensor(p) for p in mparams):
             problem = "DTensor parameters are not replayed"
+        elif hasattr(opt, "members"):
+            problem = "several optimizers (an OptimizerChain) are not replayed"
         elif zero_partition(opt) is not None:
             problem = "ZeroRedundancyOptimizer shards the optimizer state over the replicas: not replayed"
         elif any(id(p) not in where for p in oparams):

@@ -152,6 +152,64 @@ def test_another_optimizer_stepping_the_models_parameters_is_warned_of() -> None
             pass
 
 
+def test_two_optimizers_passed_as_a_list_are_captured_and_restored_with_their_schedulers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Muon for the matrices and AdamW for the rest, each with a schedule found by the session:
+    a step is the iteration (both stepped), and a restart restores both optimizers and both
+    schedules, so the resumed run ends bitwise the uninterrupted one. No warning of another
+    optimizer."""
+
+    def make() -> tuple[nn.Module, list[torch.optim.Optimizer], list[torch.optim.lr_scheduler.LRScheduler]]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+        muon = torch.optim.Muon([p for p in m.parameters() if p.ndim == 2], lr=0.02)
+        adamw = torch.optim.AdamW([p for p in m.parameters() if p.ndim == 1], lr=0.01)
+        scheds = [
+            torch.optim.lr_scheduler.LambdaLR(muon, lambda i: 0.9**i),
+            torch.optim.lr_scheduler.StepLR(adamw, 2),
+        ]
+        return m, [muon, adamw], scheds
+
+    def train(s: object, m: nn.Module, opts: list, scheds: list, until: int) -> None:  # type: ignore[type-arg]
+        g = torch.Generator().manual_seed(7)
+        for step in range(until):
+            x = torch.randn(3, 4, generator=g)
+            if step < s.step_count:  # type: ignore[attr-defined]
+                continue  # (the data of the steps the restart resumed after)
+            loss = m(x).pow(2).mean()
+            for o in opts:
+                o.zero_grad()
+            loss.backward()
+            for o in opts:
+                o.step()
+            for sc in scheds:
+                sc.step()
+
+    m, opts, scheds = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = enable_resiliency(m, opts, interval=1)
+    with s:
+        train(s, m, opts, scheds, 6)
+        assert s.step_count == 6
+    want = [p.detach().clone() for p in m.parameters()]
+    m, opts, scheds = make()
+    with enable_resiliency(m, opts, interval=1) as s:
+        train(s, m, opts, scheds, 4)
+        assert s.gemini.drain(10)
+    monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
+    m, opts, scheds = make()
+    with enable_resiliency(m, opts, interval=1) as s:
+        assert s.recovered_step == s.step_count == 4
+        assert [sc.last_epoch for sc in scheds] == [4, 4] and opts[1].param_groups[0]["lr"] == pytest.approx(
+            1e-4
+        )
+        assert all(len(o.state) == len(o.param_groups[0]["params"]) for o in opts)  # both restored
+        train(s, m, opts, scheds, 6)
+    assert all(torch.equal(a, b) for a, b in zip(want, m.parameters(), strict=True))
+
+
 def test_configured_recovery_mode_wins() -> None:
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

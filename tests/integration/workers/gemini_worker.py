@@ -64,12 +64,21 @@ def main() -> int:
         model = nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    optimizers, schedulers = [opt], [sched]
+    if os.environ.get("TWO_OPTIMIZERS") == "1":
+        # Muon for the matrices and AdamW for the rest, each with its schedule, passed as a list
+        # (the schedulers are found).
+        muon = torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.ndim != 2], lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        optimizers = [muon, opt]
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(muon, lambda s: 1.0 / (1 + s)), sched]
     seen = {"batches": 0}
     faults: list[dict[str, object]] = []
     session = enable_resiliency(
         model,
-        opt,
-        opt_param_scheduler=sched,
+        optimizers if len(optimizers) > 1 else opt,
+        opt_param_scheduler=None if len(optimizers) > 1 else sched,
         interval=1,
         checkpoint=InMemoryCkptConfig(
             replication_chunk_size=1 << 16, verify_integrity=os.environ.get("VERIFY_INTEGRITY") == "1"
@@ -134,10 +143,13 @@ def main() -> int:
         now["step"] = step
         seen["batches"] += 1
         loss = (model(x) - x).pow(2).mean()
-        opt.zero_grad()
+        for o in optimizers:
+            o.zero_grad()
         loss.backward()
-        opt.step()
-        sched.step()
+        for o in optimizers:
+            o.step()
+        for sc in schedulers:
+            sc.step()
         if (
             generation == 0
             and rank == flip_rank
@@ -182,7 +194,11 @@ def main() -> int:
     deadline = time.monotonic() + 10
     while gem.cluster_plan().step < steps and time.monotonic() < deadline:
         time.sleep(0.01)  # waiting for gossip to arrive; bounded
-    final = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+    final = {
+        "model": model.state_dict(),
+        "optimizer": [o.state_dict() for o in optimizers],
+        "scheduler": [sc.state_dict() for sc in schedulers],
+    }
     if fsdp:  # this rank's shards, as plain tensors
         final = torch.utils._pytree.tree_map(lambda v: v.to_local() if hasattr(v, "to_local") else v, final)
     torch.save(final, os.path.join(result_dir, f"final-rank{rank}.pt"))
