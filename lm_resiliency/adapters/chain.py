@@ -106,9 +106,10 @@ class OptimizerChain:
                         )
         self.members = tuple(members)
         self._owner = owner  # id(param) -> member index
-        # (OrderedDicts, as torch's own hook tables: a RemovableHandle holds a weak reference)
-        self._pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        # Named and typed as torch's own hook tables (a RemovableHandle holds a weak reference to
+        # it; a fault injector moves its hook to the front of it, a skipped step runs ours in it).
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._stepped: set[int] = set()  # members stepped since the last end of a step
         self._lone = [0] * len(members)  # each member's steps since the last end
         self._lone_said = False
@@ -157,19 +158,19 @@ class OptimizerChain:
     # -- hooks --------------------------------------------------------------------------------------
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
         """`hook(chain, args, kwargs)` before the first member of an iteration steps."""
-        handle = RemovableHandle(self._pre_hooks)
-        self._pre_hooks[handle.id] = hook
+        handle = RemovableHandle(self._optimizer_step_pre_hooks)
+        self._optimizer_step_pre_hooks[handle.id] = hook
         return handle
 
     def register_step_post_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
         """`hook(chain, args, kwargs)` once every member has stepped since the last time."""
-        handle = RemovableHandle(self._post_hooks)
-        self._post_hooks[handle.id] = hook
+        handle = RemovableHandle(self._optimizer_step_post_hooks)
+        self._optimizer_step_post_hooks[handle.id] = hook
         return handle
 
     def _member_pre(self, i: int, args: Any, kwargs: Any) -> None:
         if not self._stepped:
-            for hook in list(self._pre_hooks.values()):
+            for hook in list(self._optimizer_step_pre_hooks.values()):
                 hook(self, args, kwargs)
 
     def _member_post(self, i: int, args: Any, kwargs: Any) -> None:
@@ -192,7 +193,7 @@ class OptimizerChain:
             return
         self._stepped.clear()
         self._lone = [0] * len(self.members)
-        for hook in list(self._post_hooks.values()):
+        for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, args, kwargs)
 
     def remove_hooks(self) -> None:

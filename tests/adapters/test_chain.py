@@ -175,3 +175,17 @@ def test_a_step_the_loss_scaler_skips_for_one_member_still_ends_the_step() -> No
         assert ends == [1, 1, 1] and watch.skipped == 1
     finally:
         watch.remove()
+
+
+def test_the_hook_tables_are_torchs_a_hook_moved_to_the_front_runs_first() -> None:
+    """A fault injector moves its pre-hook to the front of the table (a gradient damaged after its
+    reduction is what every later reader sees, SCOUT's fingerprints included)."""
+    net = _net()
+    muon, adamw = _pair(net)
+    chain = OptimizerChain([muon, adamw])
+    order: list[str] = []
+    chain.register_step_pre_hook(lambda opt, args, kwargs: order.append("fingerprint"))
+    first = chain.register_step_pre_hook(lambda opt, args, kwargs: order.append("inject"))
+    chain._optimizer_step_pre_hooks.move_to_end(first.id, last=False)
+    _train(net, [muon, adamw], 1)
+    assert order == ["inject", "fingerprint"]

@@ -70,7 +70,9 @@ def main() -> int:
         # (the schedulers are found).
         matrices = [p for p in model.parameters() if p.ndim == 2]
         # (Muon orthogonalizes whole matrices: not FSDP2's shards; SGD with momentum there.)
-        muon = torch.optim.SGD(matrices, lr=0.02, momentum=0.9) if fsdp else torch.optim.Muon(matrices, lr=0.02)
+        muon = (
+            torch.optim.SGD(matrices, lr=0.02, momentum=0.9) if fsdp else torch.optim.Muon(matrices, lr=0.02)
+        )
         opt = torch.optim.AdamW([p for p in model.parameters() if p.ndim != 2], lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
         optimizers = [muon, opt]
