@@ -462,14 +462,23 @@ def enable_resiliency(
     bad = [k for k in _FORBIDDEN_OPTIONS[fw] if given.get(k) is not None]
     if bad:
         raise TypeError(f"framework {fw!r} cannot take {', '.join(bad)}: the {fw} object owns them")
-    if fw not in ("pytorch", "megatron"):
+    if fw not in ("pytorch", "megatron", "deepspeed"):
         raise UnsupportedFrameworkError(
             f"framework {fw!r} was recognised but this version has no {fw} adapter yet; "
             "wrap the underlying torch modules and optimizer with framework='pytorch'"
         )
     from lm_resiliency.adapters.pytorch import PyTorchAdapter
 
-    if fw == "megatron":  # model chunks: one module whose hooks fan out to every chunk
+    step_ends: list[Any] = []
+    if fw == "deepspeed":  # the engine's module, optimizer, scheduler, group and counters
+        from lm_resiliency.adapters.deepspeed import engine_parts, with_progress
+
+        parts = engine_parts(model)
+        model, optimizer, opt_param_scheduler = parts.module, parts.optimizer, parts.scheduler
+        group = group if group is not None else parts.group
+        extra_state_fn, load_extra_state_fn = with_progress(parts.engine, extra_state_fn, load_extra_state_fn)
+        step_ends.append(parts.engine)  # (a capture waits for engine.step() to return)
+    elif fw == "megatron":  # model chunks: one module whose hooks fan out to every chunk
         from lm_resiliency.adapters.megatron import model_chunks, refuse_megatron_optimizer
 
         model = model_chunks(model)
@@ -536,6 +545,7 @@ def enable_resiliency(
             "load_extra_state_fn": load_extra_state_fn,
             "load_fallback": load_fallback,
             "opt_param_scheduler": opt_param_scheduler,
+            "step_ends": step_ends,
             "grad_scaler": grad_scaler,
             "health_source": health_source,
         },
@@ -985,6 +995,7 @@ class Session:
             disk_folder=durable.folder if durable else None,
             disk_interval=durable.interval if durable else None,
             keep_last=durable.keep_last if durable else 2,
+            step_ends=self.settings.get("step_ends", ()),
         )
         self._components.append(gem)
         gem.claim()

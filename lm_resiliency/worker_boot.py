@@ -105,6 +105,8 @@ def _data_parallel(module: Any, outermost: bool) -> bool:
 
     if isinstance(module, DistributedDataParallel):
         return True
+    if outermost and "DeepSpeedEngine" in {c.__name__ for c in type(module).__mro__}:
+        return True  # (its optimizer, scheduler and group are the engine's: adapters/deepspeed.py)
     fsdp = sys.modules.get("torch.distributed.fsdp")
     names = ("FullyShardedDataParallel", "FSDPModule")
     kinds = tuple(k for k in (getattr(fsdp, n, None) for n in names) if k is not None)
@@ -146,27 +148,43 @@ def auto_instrument(policy_path: str) -> None:
             # The script enabled it itself: on this model, or on an object holding it (a
             # ModuleDict of a GAN's pair, Megatron-style chunks), whose own modules are unmarked.
             return
-        ids = {id(p) for p in module.parameters()}
-        # Every optimizer stepping its parameters (Muon and AdamW: held as one, see adapters/chain.py).
         from lm_resiliency.adapters.chain import outermost
+        from lm_resiliency.api import enable_resiliency
+        from lm_resiliency.config import load_policy, policy_kwargs
+        from lm_resiliency.errors import UnsupportedFrameworkError
 
+        # A DeepSpeed engine owns its optimizer and scheduler (adapters/deepspeed.py); for another
+        # model, every optimizer stepping its parameters (Muon and AdamW: held as one, see
+        # adapters/chain.py), found in the order they were made.
+        engine = "DeepSpeedEngine" in {c.__name__ for c in type(module).__mro__}
+        ids = {id(p) for p in module.parameters()}
         order = sorted(optimizers.items(), key=lambda kv: kv[1])
-        mine = outermost([o for o, _ in order if ids & {id(p) for g in o.param_groups for p in g["params"]}])
+        mine = (
+            []
+            if engine
+            else outermost(
+                [o for o, _ in order if ids & {id(p) for g in o.param_groups for p in g["params"]}]
+            )
+        )
         stepped = [id(p) for o in mine for g in o.param_groups for p in g["params"]]
         if len(set(stepped)) != len(stepped):  # two step the same parameters: not a chain; the first
             mine = mine[:1]
         opt: Any = mine if len(mine) > 1 else next(iter(mine), None)
-        from lm_resiliency.api import enable_resiliency
-        from lm_resiliency.config import load_policy, policy_kwargs
-
         before = set(module._forward_pre_hooks)
         # The scheduler stepping `opt` is found by enable_resiliency (a SequentialLR as one).
-        session = enable_resiliency(module, opt, **policy_kwargs(load_policy(policy_path)))
+        try:
+            session = enable_resiliency(
+                module, *([] if engine else [opt]), **policy_kwargs(load_policy(policy_path))
+            )
+        except UnsupportedFrameworkError as exc:  # (a ZeRO stage not captured yet): the job runs on
+            sys.stderr.write(f"lm_resiliency: not instrumented: {exc}\n")
+            return None
         sys.stderr.write(
             f"lm_resiliency: instrumented automatically (rank {session.rank}, "
-            f"resumed at step {session.step_count})\n"
+            f"{'DeepSpeed engine, ' if engine else ''}resumed at step {session.step_count})\n"
         )
-        _warn_uncovered(module, opt, optimizers)
+        if not engine:
+            _warn_uncovered(module, opt, optimizers)
         return _run_added_pre_hooks(module, args, before)
 
     def after_forward(module: Any, args: Any, output: Any) -> None:

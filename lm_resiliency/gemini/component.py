@@ -22,7 +22,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,7 +120,7 @@ def _typed(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _observed(base: type, take: Callable[[str], None], name: str) -> type:
-    """A subclass of the scheduler class `base` whose step() calls `take(name)` after it."""
+    """A subclass of `base` (a scheduler's class, an engine's) whose step() calls `take(name)` after it."""
 
     def step(this: Any, *args: Any, **kwargs: Any) -> Any:
         result = super(observed, this).step(*args, **kwargs)  # type: ignore[arg-type]
@@ -206,8 +206,12 @@ class Gemini:
         disk_folder: str | None = None,
         disk_interval: int | None = None,
         keep_last: int = 2,
+        step_ends: Sequence[Any] = (),
     ) -> None:
         self.rank, self.world_size = rank, world_size
+        # Objects besides the scheduler whose step() ends a step after the optimizer's (a DeepSpeed
+        # engine, which bumps its counters after its optimizer and scheduler stepped).
+        self._step_ends = list(step_ends)
         self.run_id = run_id
         self.topology = topology
         self.runtime = runtime
@@ -887,7 +891,7 @@ class Gemini:
 
     def _trailers(self) -> set[str]:
         """The calls that end a step after the optimizer's: the capture waits for them."""
-        names = {"scheduler" if i == 0 else f"scheduler{i}" for i, _ in enumerate(self._restore_schedulers)}
+        names = {name for _, _, name in self._observed_steps}
         return names | ({"scaler"} if self.scaler is not None and self._scaler_trails else set())
 
     def will_defer(self, step: int) -> bool:
@@ -932,7 +936,11 @@ class Gemini:
         (a scheduler that did not step this iteration: its pending capture is taken now)."""
         step, self._pending = self._pending, None
         end, self._step_end = self._step_end, None
-        if step is not None and self._due - {"scaler"} and not self._scheduler_skips:
+        if (
+            step is not None
+            and {n for n in self._due if n.startswith("scheduler")}
+            and not self._scheduler_skips
+        ):
             self._scheduler_skips = True
             log.info(
                 "rank %d: the scheduler did not step after step %d: captures waiting for it keep the "
@@ -1019,13 +1027,15 @@ class Gemini:
         )
         # Observe scheduler.step() through a per-instance subclass: patching the instance would put a
         # function into scheduler.state_dict() (it returns the instance __dict__). A SchedulerChain's
-        # members are each observed: the step ends when every one has stepped.
-        self._restore_schedulers: list[tuple[Any, type]] = []
-        for i, sched in enumerate(members_of(self.scheduler) if self.scheduler is not None else ()):
-            self._restore_schedulers.append((sched, type(sched)))
-            sched.__class__ = _observed(
-                type(sched), self._take_pending, "scheduler" if i == 0 else f"scheduler{i}"
-            )
+        # members are each observed, and the objects in step_ends: the step ends when every one of
+        # them has stepped.
+        schedulers = members_of(self.scheduler) if self.scheduler is not None else ()
+        names = ["scheduler" if i == 0 else f"scheduler{i}" for i in range(len(schedulers))]
+        names += [f"end{i}" for i in range(len(self._step_ends))]
+        self._observed_steps: list[tuple[Any, type, str]] = []
+        for obj, name in zip([*schedulers, *self._step_ends], names, strict=True):
+            self._observed_steps.append((obj, type(obj), name))
+            obj.__class__ = _observed(type(obj), self._take_pending, name)
 
     def adopt_scaler(self, scaler: Any) -> None:
         """A loss scaler made after enable_resiliency, found before the first forward (before it
@@ -2132,8 +2142,8 @@ class Gemini:
         self.iterators.uninstall()
         for h in self._hooks:
             h.remove()
-        for sched, base in self._restore_schedulers:
-            sched.__class__ = base
+        for obj, base, _ in self._observed_steps:
+            obj.__class__ = base
         self.drain(timeout=10.0)
         self._jobs.put(None)
         self._worker.join(timeout=5.0)
