@@ -18,25 +18,43 @@ DeepSpeed's gradient all-reduce goes through `torch.distributed` (its communicat
 it), so SCOUT sees it as the step's collective: its time is the step's communication, and a rank
 that never enters it is named by the hang check.
 
-Not yet: ZeRO stages 1-3 (each rank holds a partition of the optimizer state in flat buffers, and
-gradients are reduce-scattered into them), fp16 and bf16 (the engine's optimizer wrappers keep fp32
-master weights outside the torch optimizer) and the pipeline engine (`train_batch()`). They are
-refused by name, naming what works, rather than captured without part of their state. Detection is
-duck-typed: DeepSpeed is never imported here.
+ZeRO stages 1 and 2 (`ZeroView`): each rank holds a partition of the optimizer state and of the fp32
+master weights in flat buffers. Each rank's capture holds its own partition (its `state_dict()`
+but for what is no plain data: its loss scaler object, which in fp32 is the static one, and the
+slice mappings of universal checkpoints), and a restore gives each rank its own back
+(`load_from_fp32_weights`, so the master weights are the saved ones, not rounded from the model's).
+The step the session sees is the ZeRO optimizer's whole `step()`, which ends after the updated
+partitions were gathered into every rank's parameters: SCOUT compares those (replicated), not the
+gradients or the optimizer state (partitions, different on every rank).
+
+Not yet: ZeRO stage 3 (the parameters are partitioned too), fp16 and bf16 (the engine's optimizer
+wrappers keep fp32 master weights and a dynamic loss scale outside what is captured here), an
+elastic ZeRO checkpoint layout (`elastic_checkpoint`: a restore needs every rank's partition) and
+the pipeline engine (`train_batch()`). They are refused by name, naming what works, rather than
+captured without part of their state. Detection is duck-typed: DeepSpeed is never imported here.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lm_resiliency.errors import UnsupportedFrameworkError
 
-__all__ = ["ENGINE_COUNTERS", "EngineParts", "engine_parts", "engine_progress", "restore_progress"]
+__all__ = [
+    "ENGINE_COUNTERS",
+    "EngineParts",
+    "ZeroView",
+    "engine_parts",
+    "engine_progress",
+    "restore_progress",
+]
 
 # The engine's counters of the training's progress (DeepSpeed's own checkpoints keep the first
 # three); `_unmanaged_backward_count` only exists where the caller owns the accumulation boundary.
@@ -56,7 +74,7 @@ _KEY = "deepspeed_engine"
 class EngineParts:
     engine: Any
     module: nn.Module
-    optimizer: torch.optim.Optimizer | None
+    optimizer: Any  # a torch optimizer (ZeRO stage 0) or a ZeroView (stages 1 and 2)
     scheduler: Any
     group: Any  # the data-parallel process group (None: the default group)
 
@@ -75,17 +93,16 @@ def engine_parts(engine: Any) -> EngineParts:
             f"{type(engine).__name__}"
         )
     works = (
-        "this version captures DeepSpeed's data-parallel engine in fp32 with ZeRO stage 0 and a torch "
-        "optimizer; or wrap the torch module and optimizer with framework='pytorch'"
+        "this version captures DeepSpeed's data-parallel engine in fp32 with ZeRO stage 0, 1 or 2 and "
+        "a torch optimizer; or wrap the torch module and optimizer with framework='pytorch'"
     )
     if "PipelineEngine" in _names(engine):
         raise UnsupportedFrameworkError(f"DeepSpeed's pipeline engine is not captured yet: {works}")
     zero_stage = getattr(engine, "zero_optimization_stage", None)
     stage = int(zero_stage()) if callable(zero_stage) else 0
-    if stage:
+    if stage > 2:
         raise UnsupportedFrameworkError(
-            f"DeepSpeed ZeRO stage {stage} is not captured yet (each rank's optimizer state is a "
-            f"partition in flat buffers): {works}"
+            f"DeepSpeed ZeRO stage {stage} is not captured yet (the parameters are partitioned too): {works}"
         )
     for what in ("fp16", "bfloat16"):
         enabled = getattr(engine, f"{what}_enabled", None)
@@ -95,7 +112,14 @@ def engine_parts(engine: Any) -> EngineParts:
                 f"weights outside the torch optimizer): {works}"
             )
     opt = getattr(engine, "optimizer", None)
-    if opt is not None and not isinstance(opt, torch.optim.Optimizer):
+    if stage and opt is not None:
+        if getattr(opt, "elastic_checkpoint", False):
+            raise UnsupportedFrameworkError(
+                "DeepSpeed ZeRO with zero_optimization.elastic_checkpoint is not captured yet (a "
+                f"restore of that layout needs every rank's partition): {works}"
+            )
+        opt = ZeroView(opt)
+    elif opt is not None and not isinstance(opt, torch.optim.Optimizer):
         raise UnsupportedFrameworkError(
             f"the engine's optimizer is a {type(opt).__name__}, not a torch optimizer: {works}"
         )
@@ -106,6 +130,97 @@ def engine_parts(engine: Any) -> EngineParts:
         scheduler=getattr(engine, "lr_scheduler", None),
         group=getattr(engine, "data_parallel_group", None),
     )
+
+
+# What a ZeRO-1/2 optimizer's state_dict() holds that is no plain data, or not needed to resume on
+# the same ranks: its loss scaler object (static in fp32) and the universal checkpoint's mappings.
+_NOT_CAPTURED = ("loss_scaler", "param_slice_mappings", "universal_checkpoint_info")
+
+
+class ZeroView:
+    """A DeepSpeed ZeRO stage 1 or 2 optimizer as the session holds an optimizer (see the module).
+
+    Its step hooks run around the ZeRO optimizer's whole `step()` (observed through a per-instance
+    subclass, as GEMINI observes a scheduler): before it, and after it gathered the updated
+    partitions into the parameters. `partitioned`: SCOUT compares no optimizer state or gradients
+    (its `param_groups` hold no parameters; its `state` is empty); its parameter groups' settings
+    are the inner optimizer's (the learning rate a scheduler sets)."""
+
+    partitioned = True
+
+    def __init__(self, zero: Any) -> None:
+        self.zero = zero
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        view, base = self, type(zero)
+
+        def step(this: Any, *args: Any, **kwargs: Any) -> Any:
+            for hook in list(view._optimizer_step_pre_hooks.values()):
+                hook(view, args, kwargs)
+            out = super(observed, this).step(*args, **kwargs)  # type: ignore[misc, arg-type]
+            for hook in list(view._optimizer_step_post_hooks.values()):
+                hook(view, args, kwargs)
+            return out
+
+        observed = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
+        zero.__class__ = observed
+        self._base = base
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in self.zero.param_groups
+        ]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return {}
+
+    def rest_tensors(self) -> list[torch.Tensor]:
+        """This rank's partition: its fp32 master weights and its optimizer state (SCOUT checks
+        them at rest, between two steps: no replica holds them)."""
+        state = self.zero.optimizer.state
+        moments = [t for st in state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        return list(self.zero.single_partition_of_fp32_groups) + moments
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        handle = RemovableHandle(self._optimizer_step_pre_hooks)
+        self._optimizer_step_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        handle = RemovableHandle(self._optimizer_step_post_hooks)
+        self._optimizer_step_post_hooks[handle.id] = hook
+        return handle
+
+    def remove_hooks(self) -> None:
+        """Stop observing the ZeRO optimizer's step (the session closed)."""
+        if type(self.zero).__bases__ == (self._base,):
+            self.zero.__class__ = self._base
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's partition: the ZeRO optimizer's `state_dict()` as plain data."""
+        out = {k: v for k, v in self.zero.state_dict().items() if k not in _NOT_CAPTURED}
+        if "zero_stage" in out:
+            out["zero_stage"] = int(out["zero_stage"])  # (an IntEnum)
+        return out
+
+    def load_state_dict(self, saved: Any) -> None:
+        """This rank's partition back, its fp32 master weights the saved ones."""
+        import torch.distributed as dist
+
+        if not isinstance(saved, Mapping) or "single_partition_of_fp32_groups" not in saved:
+            raise ValueError(
+                "deepspeed: the checkpoint holds no ZeRO partition (it was taken with another "
+                "optimizer than this engine's ZeRO stage 1 or 2)"
+            )
+        group = self.zero.dp_process_group
+        ranks: list[Any] = [None] * dist.get_world_size(group=group)
+        ranks[dist.get_rank(group=group)] = dict(saved)
+        self.zero.load_state_dict(ranks, load_optimizer_states=True, load_from_fp32_weights=True)
+
+    def __repr__(self) -> str:
+        return f"ZeroView({self._base.__name__})"
 
 
 def engine_progress(engine: Any) -> dict[str, int]:

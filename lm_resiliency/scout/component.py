@@ -398,7 +398,10 @@ class Scout:
         if opt is not None:
             self._handles.append(mark_ours(opt.register_step_pre_hook(self._before_step)))
         # Replicas hold the same optimizer state, except a ZeroRedundancyOptimizer's partitions.
-        self._compare_optim = opt is not None and zero_partition(opt) is None
+        # (Not where each rank holds a partition of it: ZeRO's, torch's or DeepSpeed's.)
+        self._compare_optim = (
+            opt is not None and zero_partition(opt) is None and not getattr(opt, "partitioned", False)
+        )
         self._optim_sharded = False  # replicas' optimizer layouts differed (said once)
         self._diverged_at: int | None = None  # replicas' optimizer settings differed from this step
         self._layout: tuple[Any, bytes] = (None, b"")  # (what it was computed for, the layout)
@@ -512,10 +515,13 @@ class Scout:
         # steps its state is fingerprinted as the optimizer step left it and again before the next;
         # every peer says whether its own changed (`StepTelemetry.extra`), and one that changed
         # while the others' did not is named (`rest_verdict`). The windows still open, by step.
+        # A partition of the optimizer state and master weights on each rank (DeepSpeed ZeRO) is
+        # checked so too: no replica holds it, and a flip in it reaches every replica's parameters
+        # alike through the next gather, where no fingerprint disagrees.
         self._rest_check = (
             config.enable
             and config.rest_interval > 0
-            and len(self.group) == 1
+            and (len(self.group) == 1 or getattr(opt, "partitioned", False))
             and len(self.peers) > 1
             and opt is not None
         )
@@ -637,7 +643,10 @@ class Scout:
     def _state_at_rest(self) -> Fingerprint:
         opt = self.adapter.optimizer
         params = (p for g in opt.param_groups for p in g["params"])
-        return fingerprint_async(list(params) + list(optimizer_tensors(opt)))
+        partition = getattr(opt, "rest_tensors", None)  # (a ZeroView's partition)
+        return fingerprint_async(
+            list(params) + list(optimizer_tensors(opt)) + (list(partition()) if partition else [])
+        )
 
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         step = self._session_step() + 1

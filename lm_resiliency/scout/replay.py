@@ -162,6 +162,8 @@ class ReplayRecorder:
             problem = "DTensor parameters are not replayed"
         elif hasattr(opt, "members"):
             problem = "several optimizers (an OptimizerChain) are not replayed"
+        elif getattr(opt, "partitioned", False):
+            problem = "DeepSpeed ZeRO partitions the optimizer state over the replicas: not replayed"
         elif zero_partition(opt) is not None:
             problem = "ZeroRedundancyOptimizer shards the optimizer state over the replicas: not replayed"
         elif any(id(p) not in where for p in oparams):

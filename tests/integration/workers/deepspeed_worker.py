@@ -85,7 +85,11 @@ def main() -> int:
         assert engine.global_steps == session.step_count == step, (engine.global_steps, session.step_count)
         if generation == 0 and rank == flip_rank and step == flip_at:
             with torch.no_grad():  # silent data corruption of one weight, after the step
-                net[0].weight.view(-1).view(torch.int32)[5] ^= 1 << 22
+                if int(os.environ.get("ZERO_STAGE", "0")):  # in this rank's partition of the master weights
+                    flipped = engine.optimizer.single_partition_of_fp32_groups[0]
+                else:
+                    flipped = net[0].weight
+                flipped.view(-1).view(torch.int32)[5] ^= 1 << 22
         if generation == 0 and rank == pause_rank and step == pause_at:
             session.gemini.drain(30)
             store.set(f"test/paused/{rank}", b"1")
@@ -98,7 +102,12 @@ def main() -> int:
     dist.barrier()
     final = {
         "module": net.state_dict(),
-        "optimizer": engine.optimizer.state_dict(),
+        # (ZeRO's: this rank's partition of the state and of the fp32 master weights)
+        "optimizer": {
+            k: v
+            for k, v in engine.optimizer.state_dict().items()
+            if k in ("state", "param_groups", "base_optimizer_state", "single_partition_of_fp32_groups")
+        },
         "scheduler": engine.lr_scheduler.state_dict(),
         "counters": [engine.global_steps, engine.global_samples, engine.micro_steps, engine.skipped_steps],
     }
@@ -107,7 +116,7 @@ def main() -> int:
         "rank": rank,
         "recovered_step": session.recovered_step,
         "decision": session.last_recovery_decision,
-        "faults": [{k: f.get(k) for k in ("kind", "failed_ranks", "steps", "reason_code")} for f in faults],
+        "faults": [{k: f.get(k) for k in ("kind", "failed_ranks", "steps", "reason")} for f in faults],
         "replica_group": list(session.scout.group),
     }
     with open(os.path.join(out, f"report-g{generation}-rank{rank}.json"), "w") as f:
