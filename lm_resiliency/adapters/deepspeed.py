@@ -27,8 +27,13 @@ The step the session sees is the ZeRO optimizer's whole `step()`, which ends aft
 partitions were gathered into every rank's parameters: SCOUT compares those (replicated), not the
 gradients or the optimizer state (partitions, different on every rank).
 
-Not yet: ZeRO stage 3 (the parameters are partitioned too), fp16 and bf16 (the engine's optimizer
-wrappers keep fp32 master weights and a dynamic loss scale outside what is captured here), an
+In bf16 the same holds (the master weights and state are fp32 partitions, the parameters bf16); a
+`BF16_Optimizer` (which DeepSpeed may use for bf16 without ZeRO) partitions them as ZeRO-1 does and is
+held the same way.
+
+Not yet: ZeRO stage 3 (the parameters are partitioned too), fp16 (a dynamic loss scale and fp32
+master weights in the engine's optimizer wrapper), bf16 with ZeRO stage 0 where the engine keeps
+its fp32 master weights in an `FP16_UnfusedOptimizer`, an
 elastic ZeRO checkpoint layout (`elastic_checkpoint`: a restore needs every rank's partition) and
 the pipeline engine (`train_batch()`). They are refused by name, naming what works, rather than
 captured without part of their state. Detection is duck-typed: DeepSpeed is never imported here.
@@ -74,7 +79,7 @@ _KEY = "deepspeed_engine"
 class EngineParts:
     engine: Any
     module: nn.Module
-    optimizer: Any  # a torch optimizer (ZeRO stage 0) or a ZeroView (stages 1 and 2)
+    optimizer: Any  # a torch optimizer (ZeRO stage 0 in fp32) or a ZeroView (a partitioned one)
     scheduler: Any
     group: Any  # the data-parallel process group (None: the default group)
 
@@ -93,8 +98,9 @@ def engine_parts(engine: Any) -> EngineParts:
             f"{type(engine).__name__}"
         )
     works = (
-        "this version captures DeepSpeed's data-parallel engine in fp32 with ZeRO stage 0, 1 or 2 and "
-        "a torch optimizer; or wrap the torch module and optimizer with framework='pytorch'"
+        "this version captures DeepSpeed's data-parallel engine with a torch optimizer, in fp32 with "
+        "ZeRO stage 0, 1 or 2, or in bf16 with ZeRO stage 1 or 2; or wrap the torch module and "
+        "optimizer with framework='pytorch'"
     )
     if "PipelineEngine" in _names(engine):
         raise UnsupportedFrameworkError(f"DeepSpeed's pipeline engine is not captured yet: {works}")
@@ -104,15 +110,22 @@ def engine_parts(engine: Any) -> EngineParts:
         raise UnsupportedFrameworkError(
             f"DeepSpeed ZeRO stage {stage} is not captured yet (the parameters are partitioned too): {works}"
         )
+    opt = getattr(engine, "optimizer", None)
+    # bf16 is held where its fp32 master weights are partitions (ZeRO-1/2's optimizer, or the
+    # BF16_Optimizer DeepSpeed may use without ZeRO); not in its FP16_UnfusedOptimizer.
+    partitioned = stage > 0 or "BF16_Optimizer" in _names(opt)
     for what in ("fp16", "bfloat16"):
         enabled = getattr(engine, f"{what}_enabled", None)
-        if callable(enabled) and enabled():
+        if callable(enabled) and enabled() and (what == "fp16" or not partitioned):
             raise UnsupportedFrameworkError(
-                f"DeepSpeed with {what} is not captured yet (its optimizer wrapper keeps fp32 master "
-                f"weights outside the torch optimizer): {works}"
+                f"DeepSpeed with {what}{' and ZeRO stage 0' if what == 'bfloat16' else ''} is not "
+                f"captured yet (its {type(opt).__name__} keeps fp32 master weights"
+                f"{' and a dynamic loss scale' if what == 'fp16' else ''} outside what is captured "
+                f"here): {works}"
             )
-    opt = getattr(engine, "optimizer", None)
-    if stage and opt is not None:
+    # ZeRO-1/2's optimizer, or in bf16 without ZeRO DeepSpeed's BF16_Optimizer (which partitions its
+    # fp32 master weights and state over the data-parallel ranks as ZeRO-1 does)
+    if opt is not None and partitioned:
         if getattr(opt, "elastic_checkpoint", False):
             raise UnsupportedFrameworkError(
                 "DeepSpeed ZeRO with zero_optimization.elastic_checkpoint is not captured yet (a "
@@ -137,8 +150,15 @@ def engine_parts(engine: Any) -> EngineParts:
 _NOT_CAPTURED = ("loss_scaler", "param_slice_mappings", "universal_checkpoint_info")
 
 
+def _fp32_partitions(zero: Any) -> list[torch.Tensor]:
+    """This rank's partitions of the fp32 master weights (ZeRO-1/2's, or BF16_Optimizer's)."""
+    found = getattr(zero, "single_partition_of_fp32_groups", None)
+    return list(found if found is not None else zero.fp32_groups_flat_partition)
+
+
 class ZeroView:
-    """A DeepSpeed ZeRO stage 1 or 2 optimizer as the session holds an optimizer (see the module).
+    """A DeepSpeed ZeRO stage 1 or 2 optimizer (or a BF16_Optimizer: stage 0 in bf16) as the session
+    holds an optimizer (see the module).
 
     Its step hooks run around the ZeRO optimizer's whole `step()` (observed through a per-instance
     subclass, as GEMINI observes a scheduler): before it, and after it gathered the updated
@@ -181,7 +201,7 @@ class ZeroView:
         them at rest, between two steps: no replica holds them)."""
         state = self.zero.optimizer.state
         moments = [t for st in state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-        return list(self.zero.single_partition_of_fp32_groups) + moments
+        return list(_fp32_partitions(self.zero)) + moments
 
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
         handle = RemovableHandle(self._optimizer_step_pre_hooks)
@@ -212,7 +232,7 @@ class ZeroView:
         if not isinstance(saved, Mapping) or "single_partition_of_fp32_groups" not in saved:
             raise ValueError(
                 "deepspeed: the checkpoint holds no ZeRO partition (it was taken with another "
-                "optimizer than this engine's ZeRO stage 1 or 2)"
+                "optimizer than this engine's partitioned one)"
             )
         group = self.zero.dp_process_group
         ranks: list[Any] = [None] * dist.get_world_size(group=group)

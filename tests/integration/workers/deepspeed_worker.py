@@ -54,6 +54,8 @@ def main() -> int:
         "zero_optimization": {"stage": int(os.environ.get("ZERO_STAGE", "0"))},
         "steps_per_print": 10**9,
     }
+    if os.environ.get("BF16") == "1":
+        config["bf16"] = {"enabled": True}
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
     faults: list[dict[str, object]] = []
     seen = {"micro_batches": 0}
@@ -78,6 +80,8 @@ def main() -> int:
         for micro in range(2):
             g = torch.Generator().manual_seed(rank * 100_003 + step * 10 + micro)
             x = torch.randn(4, 16, generator=g)
+            if os.environ.get("BF16") == "1":
+                x = x.to(torch.bfloat16)
             loss = (engine(x) - x).pow(2).mean()
             engine.backward(loss)
             seen["micro_batches"] += 1
