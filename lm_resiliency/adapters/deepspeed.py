@@ -27,9 +27,9 @@ The step the session sees is the ZeRO optimizer's whole `step()`, which ends aft
 partitions were gathered into every rank's parameters: SCOUT compares those (replicated), not the
 gradients or the optimizer state (partitions, different on every rank).
 
-In bf16 the same holds (the master weights and state are fp32 partitions, the parameters bf16); a
-`BF16_Optimizer` (which DeepSpeed may use for bf16 without ZeRO) partitions them as ZeRO-1 does and is
-held the same way.
+In bf16 the same holds (the master weights and state are fp32 partitions, the parameters bf16); the
+`BF16_Optimizer` DeepSpeed steps for ZeRO-1 in bf16 with fp32 gradient accumulation partitions them
+as ZeRO-1 does and is held the same way.
 
 Not yet: ZeRO stage 3 (the parameters are partitioned too), fp16 (a dynamic loss scale and fp32
 master weights in the engine's optimizer wrapper), bf16 with ZeRO stage 0 where the engine keeps
@@ -112,7 +112,7 @@ def engine_parts(engine: Any) -> EngineParts:
         )
     opt = getattr(engine, "optimizer", None)
     # bf16 is held where its fp32 master weights are partitions (ZeRO-1/2's optimizer, or the
-    # BF16_Optimizer DeepSpeed may use without ZeRO); not in its FP16_UnfusedOptimizer.
+    # BF16_Optimizer of ZeRO-1 with fp32 gradient accumulation); not in an FP16_UnfusedOptimizer.
     partitioned = stage > 0 or "BF16_Optimizer" in _names(opt)
     for what in ("fp16", "bfloat16"):
         enabled = getattr(engine, f"{what}_enabled", None)
@@ -123,8 +123,6 @@ def engine_parts(engine: Any) -> EngineParts:
                 f"{' and a dynamic loss scale' if what == 'fp16' else ''} outside what is captured "
                 f"here): {works}"
             )
-    # ZeRO-1/2's optimizer, or in bf16 without ZeRO DeepSpeed's BF16_Optimizer (which partitions its
-    # fp32 master weights and state over the data-parallel ranks as ZeRO-1 does)
     if opt is not None and partitioned:
         if getattr(opt, "elastic_checkpoint", False):
             raise UnsupportedFrameworkError(

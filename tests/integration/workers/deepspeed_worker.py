@@ -56,6 +56,8 @@ def main() -> int:
     }
     if os.environ.get("BF16") == "1":
         config["bf16"] = {"enabled": True}
+    if os.environ.get("FP32_GRADS") == "1":  # (with bf16 and ZeRO-1: DeepSpeed's BF16_Optimizer)
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
     faults: list[dict[str, object]] = []
     seen = {"micro_batches": 0}
