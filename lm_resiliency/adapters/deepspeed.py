@@ -155,7 +155,7 @@ def _fp32_partitions(zero: Any) -> list[torch.Tensor]:
 
 
 class ZeroView:
-    """A DeepSpeed ZeRO stage 1 or 2 optimizer (or a BF16_Optimizer: stage 0 in bf16) as the session
+    """A DeepSpeed ZeRO stage 1 or 2 optimizer (or the BF16_Optimizer of ZeRO-1 in bf16) as the session
     holds an optimizer (see the module).
 
     Its step hooks run around the ZeRO optimizer's whole `step()` (observed through a per-instance
