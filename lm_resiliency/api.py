@@ -1741,7 +1741,7 @@ class Session:
         if self._scaler_watch is not None:
             self._scaler_watch.remove()
         remove_hooks = getattr(self._adapter.optimizer, "remove_hooks", None)
-        if remove_hooks is not None:  # an OptimizerChain's own, on its members
+        if remove_hooks is not None:  # an OptimizerChain's on its members, a ZeroView's on ZeRO's step
             remove_hooks()
         for c in reversed(self._components):
             try:

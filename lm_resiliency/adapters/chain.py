@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["OptimizerChain", "SchedulerChain", "members_of", "outermost"]
+__all__ = ["OptimizerChain", "SchedulerChain", "StepHooks", "members_of", "outermost"]
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,37 @@ class _States(Mapping[Any, Any]):
         return sum(len(m.state) for m in self._members)
 
 
-class OptimizerChain:
-    """Torch optimizers stepped once each per iteration, as one optimizer (see the module)."""
+class StepHooks:
+    """Step pre- and post-hook tables, named and typed as torch's own (a RemovableHandle holds a
+    weak reference to one; a fault injector moves its hook to the front of one, a loss scaler's
+    skipped step runs ours in them), for an object the session holds as its optimizer."""
+
+    def __init__(self) -> None:
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        """`hook(self, args, kwargs)` before the step."""
+        handle = RemovableHandle(self._optimizer_step_pre_hooks)
+        self._optimizer_step_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        """`hook(self, args, kwargs)` after the step."""
+        handle = RemovableHandle(self._optimizer_step_post_hooks)
+        self._optimizer_step_post_hooks[handle.id] = hook
+        return handle
+
+    def _run_hooks(self, table: OrderedDict[int, Callable[..., Any]], args: Any, kwargs: Any) -> None:
+        for hook in list(table.values()):
+            hook(self, args, kwargs)
+
+
+class OptimizerChain(StepHooks):
+    """Torch optimizers stepped once each per iteration, as one optimizer (see the module).
+
+    Its step pre-hooks run before the first member of an iteration steps, its post-hooks once
+    every member has stepped since the last time."""
 
     def __init__(self, optimizers: Sequence[Any]) -> None:
         from lm_resiliency.adapters.amp import mark_ours
@@ -104,12 +133,9 @@ class OptimizerChain:
                             f"optimizer[{owner[id(p)]}] and optimizer[{i}] both step a parameter of "
                             f"shape {tuple(p.shape)}: each parameter is stepped by one optimizer"
                         )
+        super().__init__()
         self.members = tuple(members)
         self._owner = owner  # id(param) -> member index
-        # Named and typed as torch's own hook tables (a RemovableHandle holds a weak reference to
-        # it; a fault injector moves its hook to the front of it, a skipped step runs ours in it).
-        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._stepped: set[int] = set()  # members stepped since the last end of a step
         self._lone = [0] * len(members)  # each member's steps since the last end
         self._lone_said = False
@@ -155,23 +181,10 @@ class OptimizerChain:
         for m in self.members:
             m.zero_grad(set_to_none=set_to_none)
 
-    # -- hooks --------------------------------------------------------------------------------------
-    def register_step_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
-        """`hook(chain, args, kwargs)` before the first member of an iteration steps."""
-        handle = RemovableHandle(self._optimizer_step_pre_hooks)
-        self._optimizer_step_pre_hooks[handle.id] = hook
-        return handle
-
-    def register_step_post_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
-        """`hook(chain, args, kwargs)` once every member has stepped since the last time."""
-        handle = RemovableHandle(self._optimizer_step_post_hooks)
-        self._optimizer_step_post_hooks[handle.id] = hook
-        return handle
-
+    # -- hooks ------------------------------------------------------------------------------------
     def _member_pre(self, i: int, args: Any, kwargs: Any) -> None:
         if not self._stepped:
-            for hook in list(self._optimizer_step_pre_hooks.values()):
-                hook(self, args, kwargs)
+            self._run_hooks(self._optimizer_step_pre_hooks, args, kwargs)
 
     def _member_post(self, i: int, args: Any, kwargs: Any) -> None:
         self._stepped.add(i)
@@ -193,8 +206,7 @@ class OptimizerChain:
             return
         self._stepped.clear()
         self._lone = [0] * len(self.members)
-        for hook in list(self._optimizer_step_post_hooks.values()):
-            hook(self, args, kwargs)
+        self._run_hooks(self._optimizer_step_post_hooks, args, kwargs)
 
     def remove_hooks(self) -> None:
         """Take the chain's own hooks off its members (the session closed)."""

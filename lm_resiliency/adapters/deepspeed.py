@@ -41,15 +41,14 @@ captured without part of their state. Detection is duck-typed: DeepSpeed is neve
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
+from lm_resiliency.adapters.chain import StepHooks
 from lm_resiliency.errors import UnsupportedFrameworkError
 
 __all__ = [
@@ -154,7 +153,7 @@ def _fp32_partitions(zero: Any) -> list[torch.Tensor]:
     return list(found if found is not None else zero.fp32_groups_flat_partition)
 
 
-class ZeroView:
+class ZeroView(StepHooks):
     """A DeepSpeed ZeRO stage 1 or 2 optimizer (or the BF16_Optimizer of ZeRO-1 in bf16) as the session
     holds an optimizer (see the module).
 
@@ -167,17 +166,14 @@ class ZeroView:
     partitioned = True
 
     def __init__(self, zero: Any) -> None:
+        super().__init__()
         self.zero = zero
-        self._optimizer_step_pre_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         view, base = self, type(zero)
 
         def step(this: Any, *args: Any, **kwargs: Any) -> Any:
-            for hook in list(view._optimizer_step_pre_hooks.values()):
-                hook(view, args, kwargs)
+            view._run_hooks(view._optimizer_step_pre_hooks, args, kwargs)
             out = super(observed, this).step(*args, **kwargs)  # type: ignore[misc, arg-type]
-            for hook in list(view._optimizer_step_post_hooks.values()):
-                hook(view, args, kwargs)
+            view._run_hooks(view._optimizer_step_post_hooks, args, kwargs)
             return out
 
         observed = type(base.__name__, (base,), {"step": step, "__module__": base.__module__})
@@ -200,16 +196,6 @@ class ZeroView:
         state = self.zero.optimizer.state
         moments = [t for st in state.values() for t in st.values() if isinstance(t, torch.Tensor)]
         return list(_fp32_partitions(self.zero)) + moments
-
-    def register_step_pre_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
-        handle = RemovableHandle(self._optimizer_step_pre_hooks)
-        self._optimizer_step_pre_hooks[handle.id] = hook
-        return handle
-
-    def register_step_post_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
-        handle = RemovableHandle(self._optimizer_step_post_hooks)
-        self._optimizer_step_post_hooks[handle.id] = hook
-        return handle
 
     def remove_hooks(self) -> None:
         """Stop observing the ZeRO optimizer's step (the session closed)."""

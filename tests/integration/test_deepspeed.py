@@ -130,6 +130,18 @@ def test_a_weight_flipped_on_one_deepspeed_rank_is_named_as_sdc(  # type: ignore
         ), sdc
 
 
-def test_a_zero_stage_not_captured_yet_is_refused_by_name(processes, tmp_path: Path, shm_root: Path) -> None:  # type: ignore[no-untyped-def]
-    (rep,) = _run(processes, tmp_path, "run", shm_root, 0, world=1, ZERO_STAGE="3")
-    assert rep["refused"].startswith("DeepSpeed ZeRO stage 3 is not captured yet"), rep
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"ZERO_STAGE": "3"}, "DeepSpeed ZeRO stage 3 is not captured yet"),
+        (
+            {"BF16": "1"},
+            "DeepSpeed with bfloat16 and ZeRO stage 0 is not captured yet (its FP16_UnfusedOptimizer",
+        ),
+    ],
+)
+def test_what_this_version_does_not_capture_is_refused_by_name(  # type: ignore[no-untyped-def]
+    processes, tmp_path: Path, shm_root: Path, env: dict[str, str], said: str
+) -> None:
+    (rep,) = _run(processes, tmp_path, "run", shm_root, 0, world=1, **env)
+    assert rep["refused"].startswith(said) and "or in bf16 with ZeRO stage 1 or 2" in rep["refused"], rep
