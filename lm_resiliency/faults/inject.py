@@ -417,6 +417,27 @@ class CampaignInjector:
                 a.snapshot = self._previous(a, iteration, fresh)
                 if not a.snapshot:
                     continue
+            if (
+                a.fault.type in _TENSOR_TYPES
+                and a.fault.target.surface != "output"
+                and not self._tensors(a.fault)
+            ):
+                # Nothing to damage here: neither injected nor recorded (the ground truth would name
+                # a fault nobody could find); the fault waits for a call that has one, in its lifetime.
+                log.warning(
+                    "campaign %s: %s (%s of a %s) not injected at iteration %d: this rank holds no such "
+                    "tensor now (%s)",
+                    self.campaign.name,
+                    a.occurrence.occurrence_id,
+                    a.fault.type,
+                    a.fault.target.surface,
+                    iteration,
+                    "a parameter without a gradient: frozen, unused this step, or its gradient kept in "
+                    "a partition (DeepSpeed ZeRO-2)"
+                    if a.fault.target.surface == "gradient"
+                    else "no optimizer state for it: none yet, or a partitioned optimizer (DeepSpeed ZeRO)",
+                )
+                continue
             a.calls += 1
             if not a.recorded:
                 a.recorded = True
@@ -534,12 +555,8 @@ class CampaignInjector:
                 # The forward sees the damaged values; the backward is the undamaged one's.
                 self._output = (out - out.detach()) + bad  # exactly `bad`
                 return
-            tensors = self._tensors(f)
-            if not tensors:
-                log.warning("%s: no tensor on surface %s to corrupt", what, f.target.surface)
-                return
-            with torch.no_grad():
-                _tamper(f.type, tensors[0], p, rng)
+            with torch.no_grad():  # (there is one: see _run)
+                _tamper(f.type, self._tensors(f)[0], p, rng)
         elif f.type == "resource_unavailable":
             # The device reported lost by hardware telemetry (what NVML says of a GPU that fell
             # off the bus), through the path a real health event takes.

@@ -162,6 +162,31 @@ def test_a_gradient_corruption_lands_before_the_optimizer_of_its_iteration(tmp_p
     assert set(_differing(got[2], ref[2])) == {"1.weight"}  # the third parameter, iteration 3's update
 
 
+def test_a_tensor_fault_with_nothing_to_damage_is_neither_injected_nor_recorded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gradient fault on a parameter that has no gradient (frozen here; a DeepSpeed ZeRO-2 job
+    keeps them in its partitions): before, the ground truth named an SDC nobody could find, and
+    scoring counted it missed. Now the log says why and nothing is recorded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 2))
+    model[0].weight.requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    c = _campaign(
+        {"type": "tensor_corruption", "target": {"surface": "gradient", "module_path": "0.weight"}}, at=2
+    )
+    inj = CampaignInjector(parse_campaign(c), 0, tmp_path, model, opt, node="n0", generation=0)
+    s = _Session()
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+        s.step_count += 1
+        inj.on_step(s, None)
+    assert read_ground_truth(tmp_path) == []
+    assert "i@2 (tensor_corruption of a gradient) not injected at iteration 2" in caplog.text
+
+
 def test_stale_state_undoes_its_iteration_on_this_rank(tmp_path: Path) -> None:
     ref, _ = _train(None, 4, tmp_path)
     got, _ = _train(
