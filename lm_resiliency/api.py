@@ -197,6 +197,22 @@ def _warn_of_other_optimizers(model: Any, optimizer: Any, live: list[Any]) -> No
             )
 
 
+def _refuse_an_engines_module(model: Any, live: list[Any]) -> None:
+    """The module of a DeepSpeed engine passed with the engine's optimizer: the engine's scheduler
+    and step counters would not be captured, and a restart would resume them from the start (its
+    ZeRO optimizer is no torch optimizer at all). The engine is what to pass."""
+    for obj in live:
+        if (
+            "DeepSpeedEngine" in {c.__name__ for c in type(obj).__mro__}
+            and getattr(obj, "module", None) is model
+        ):
+            raise TypeError(
+                "enable_resiliency: the model is a DeepSpeed engine's module; pass the engine "
+                "(enable_resiliency(engine)): it owns the optimizer, the scheduler and the step "
+                "counters a restart must restore"
+            )
+
+
 def _schedulers_of_chain(chain: Any, given: Any, live: list[Any]) -> Any:
     """The schedulers to capture with an `OptimizerChain`: those given (one or a list), and for
     each member none of them steps, the one found stepping it; several as one `SchedulerChain`."""
@@ -514,8 +530,11 @@ def enable_resiliency(
 
         from lm_resiliency.adapters.chain import OptimizerChain
 
-        # One scan of the collector's objects for both (a large program's heap takes a while).
-        live = live_instances(Optimizer, LRScheduler, ReduceLROnPlateau)
+        # One scan of the collector's objects for all (a large program's heap takes a while).
+        engine_cls = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
+        engines = (engine_cls,) if isinstance(engine_cls, type) and fw != "deepspeed" else ()
+        live = live_instances(Optimizer, LRScheduler, ReduceLROnPlateau, *engines)
+        _refuse_an_engines_module(model, live)
         _warn_of_other_optimizers(model, optimizer, live)
         opt_param_scheduler = (
             _schedulers_of_chain(optimizer, opt_param_scheduler, live)

@@ -4,7 +4,8 @@ WarmupLR, 2 micro-batches a step) with lm-resiliency passed the engine.
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, the LM_RESILIENCY_* variables of the test;
 PAUSE_RANK/PAUSE_AT: that rank says so at that step and waits to be killed; FLIP_RANK/FLIP_AT: that
 rank flips a bit of a weight after that step; ZERO_STAGE: the engine's ZeRO stage (a stage this
-version does not capture is refused: the refusal is written as the report). Writes the final
+version does not capture is refused: the refusal is written as the report; PASS_MODULE=1 passes
+the engine's module and optimizer instead of the engine, which is refused too). Writes the final
 module, optimizer, scheduler and engine counters to RESULT_DIR/final-rank<r>.pt and a JSON report.
 """
 
@@ -61,9 +62,11 @@ def main() -> int:
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
     faults: list[dict[str, object]] = []
     seen = {"micro_batches": 0}
+    # PASS_MODULE=1: the engine's module and optimizer passed, as for plain PyTorch (refused)
+    given = (net, engine.optimizer) if os.environ.get("PASS_MODULE") == "1" else (engine,)
     try:
         session = enable_resiliency(
-            engine,
+            *given,
             interval=1,
             checkpoint=InMemoryCkptConfig(replication_chunk_size=1 << 16),
             extra_state_fn=lambda: dict(seen),
@@ -71,7 +74,7 @@ def main() -> int:
             fault_callback=faults.append,
             runtime=RuntimeConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=5.0),
         )
-    except UnsupportedFrameworkError as exc:
+    except (UnsupportedFrameworkError, TypeError) as exc:
         with open(os.path.join(out, f"report-g{generation}-rank{rank}.json"), "w") as f:
             json.dump({"refused": str(exc)}, f)
         return 0
