@@ -12,6 +12,7 @@ module, optimizer, scheduler and engine counters to RESULT_DIR/final-rank<r>.pt 
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import logging
 import os
@@ -41,6 +42,11 @@ def main() -> int:
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     import deepspeed  # (after the process group: the engine takes the one made)
+
+    # Its shared-memory all-reduce serves inference only (`inference_all_reduce`); building it is a
+    # C++ compile of ~25 s in each fresh environment, which is not what these tests are about. (The
+    # module by its name: `deepspeed.comm.torch` as an attribute is the torch package.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 16))
