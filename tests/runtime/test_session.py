@@ -210,6 +210,25 @@ def test_two_optimizers_passed_as_a_list_are_captured_and_restored_with_their_sc
     assert all(torch.equal(a, b) for a, b in zip(want, m.parameters(), strict=True))
 
 
+def test_schedulers_passed_as_a_list_go_with_their_optimizers() -> None:
+    """One optimizer in a list is that optimizer (its checkpoints stay a plain optimizer's), with
+    its scheduler from a list of one; with two, the one passed for the first and the one found
+    stepping the second are captured together."""
+    from lm_resiliency.adapters.chain import SchedulerChain
+
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    a = torch.optim.SGD(m[0].parameters(), lr=0.1)
+    b = torch.optim.AdamW(m[1].parameters(), lr=0.1)
+    sa, sb = torch.optim.lr_scheduler.StepLR(a, 2), torch.optim.lr_scheduler.LambdaLR(b, lambda i: 1.0)
+    with enable_resiliency(nn.Sequential(m[0]), [a], opt_param_scheduler=[sa], enable_detection=False) as s:
+        assert s._adapter.optimizer is a and s.gemini.scheduler is sa
+    with enable_resiliency(m, [a, b], opt_param_scheduler=sa, enable_detection=False) as s:
+        both = s.gemini.scheduler
+        assert isinstance(both, SchedulerChain) and both.members == (sa, sb)
+    with pytest.raises(TypeError, match="a list of them for a list of optimizers; got int"):
+        enable_resiliency(m, [a, b], opt_param_scheduler=[sa, 3])
+
+
 def test_configured_recovery_mode_wins() -> None:
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
