@@ -204,8 +204,11 @@ def _warn_uncovered(module: Any, opt: Any, optimizers: Any) -> None:
     from lm_resiliency.adapters.base import live_instances
 
     models = [m for m in live_instances(DistributedDataParallel) if m is not module]
+    from lm_resiliency.adapters.chain import outermost
+
     held = opt if isinstance(opt, list) else [opt]
-    others = [o for o in optimizers if not any(o is h for h in held)]
+    # (a held ZeroRedundancyOptimizer's inner one is no other)
+    others = [o for o in outermost(list(optimizers)) if not any(o is h for h in held)]
     if models or others:
         sys.stderr.write(
             f"lm_resiliency: automatic instrumentation holds one model (the DDP first called) and the "
