@@ -505,13 +505,11 @@ def enable_resiliency(
             "framework 'pytorch' takes one nn.Module; a list of model chunks is framework 'megatron' "
             "(or 'auto')"
         )
+    from lm_resiliency.adapters.chain import OptimizerChain, SchedulerChain
+
     if isinstance(optimizer, (list, tuple)):  # Muon and AdamW, a GAN's two: held as one
-        from lm_resiliency.adapters.chain import OptimizerChain
-
         optimizer = OptimizerChain(optimizer) if len(optimizer) != 1 else optimizer[0]
-    if isinstance(opt_param_scheduler, (list, tuple)) and not hasattr(optimizer, "members"):
-        from lm_resiliency.adapters.chain import SchedulerChain
-
+    if isinstance(opt_param_scheduler, (list, tuple)) and not isinstance(optimizer, OptimizerChain):
         few = list(opt_param_scheduler)  # for one optimizer: one, none, or several as one
         opt_param_scheduler = (few[0] if few else None) if len(few) <= 1 else SchedulerChain(few)
     if optimizer is not None and not hasattr(optimizer, "register_step_post_hook"):
@@ -527,8 +525,6 @@ def enable_resiliency(
         _warn_of_parameters_outside(model, optimizer)
         from torch.optim import Optimizer
         from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-
-        from lm_resiliency.adapters.chain import OptimizerChain
 
         # One scan of the collector's objects for all (a large program's heap takes a while).
         engine_cls = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)

@@ -938,7 +938,7 @@ class Gemini:
         end, self._step_end = self._step_end, None
         if (
             step is not None
-            and {n for n in self._due if n.startswith("scheduler")}
+            and any(n.startswith("scheduler") for n in self._due)
             and not self._scheduler_skips
         ):
             self._scheduler_skips = True

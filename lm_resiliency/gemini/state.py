@@ -28,6 +28,7 @@ import torch
 
 from lm_resiliency.adapters.amp import load_scaler_state, scaler_state
 from lm_resiliency.adapters.base import uncompiled, zero_partition
+from lm_resiliency.adapters.chain import OptimizerChain
 from lm_resiliency.errors import CheckpointMismatchError
 
 __all__ = [
@@ -164,9 +165,8 @@ def _into(value: Any, live: Any, device: torch.device | None = None) -> Any:
 def _state_device(optimizer: Any, param: Any) -> torch.device | None:
     """Where `optimizer.load_state_dict` puts a parameter's state (other than "step"): the
     parameter's device, for optimizers that keep torch's own loading policy; None otherwise."""
-    member_of = getattr(optimizer, "member_of", None)
-    if member_of is not None and param is not None:  # an OptimizerChain: its member loads it
-        optimizer = member_of(param)
+    if isinstance(optimizer, OptimizerChain) and param is not None:  # its member loads it
+        optimizer = optimizer.member_of(param)
     if param is None or type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict:
         return None
     to_local = getattr(param, "to_local", None)
@@ -214,9 +214,8 @@ def load_optimizer_state(optimizer: Any, saved: Any) -> None:
     bfloat16, and the resumed run (or a replay of the step) was not the uninterrupted one. The
     state keeps the dtype it was saved in (a copy, on the device the load chose). Optimizers that
     load their own way are left alone. An `OptimizerChain` loads each member's part so."""
-    split = getattr(optimizer, "split", None)
-    if split is not None and hasattr(optimizer, "members"):
-        for member, part in zip(optimizer.members, split(saved), strict=True):
+    if isinstance(optimizer, OptimizerChain):
+        for member, part in zip(optimizer.members, optimizer.split(saved), strict=True):
             load_optimizer_state(member, part)
         return
     optimizer.load_state_dict(saved)
