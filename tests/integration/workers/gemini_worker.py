@@ -190,6 +190,12 @@ def main() -> int:
             store.set(f"test/certified/{rank}", b"1")
         if generation == 0 and rank == pause_rank and step == pause_at:
             session.gemini.drain(30)
+            # Its peers' copies of the step too: each rank's is held on the other node (a peer that
+            # certified the step may still be sending it when the test kills the job, and a
+            # restart without node 1's memory would then resume a step back).
+            deadline = time.monotonic() + 30
+            while not _held_off_node(session, pause_at) and time.monotonic() < deadline:
+                time.sleep(0.01)  # inventories arrive by gossip on the runtime thread; bounded
             store.set(f"test/paused/{rank}", b"1")
             store.wait(["test/never"], datetime.timedelta(seconds=300))  # killed here
     gem = session.gemini
@@ -231,6 +237,16 @@ def main() -> int:
     session.close()
     dist.destroy_process_group()
     return 0
+
+
+def _held_off_node(session, step: int) -> bool:  # type: ignore[no-untyped-def]
+    """Whether every rank's capture of `step` is held by a rank on another node (2 ranks a node),
+    as the inventories heard so far say."""
+    inv = session.gemini.cluster_inventory()
+    return all(
+        any(step in i.replicas.get(str(r), ()) for h, i in inv.items() if h // 2 != r // 2)
+        for r in range(session.gemini.world_size)
+    )
 
 
 if __name__ == "__main__":
