@@ -539,6 +539,10 @@ def enable_resiliency(
         )
         grad_scaler = _grad_scaler()
     adapter = PyTorchAdapter(model, optimizer, group=group, parallelism_info=parallelism_info)
+    if fw == "deepspeed":  # its gradients before its own all-reduce, for SCOUT's replay
+        from lm_resiliency.adapters.deepspeed import tap_contributions
+
+        tap_contributions(parts.engine, adapter)
     session = Session(
         adapter=adapter,
         framework=fw,

@@ -66,10 +66,36 @@ def main() -> int:
 def run(
     doc: str, build: Callable[[torch.device], tuple[Any, Callable[[torch.Tensor], torch.Tensor], nn.Module]]
 ) -> int:
-    """The loop of every production example. `build(device)`, called after the seed is set,
-    returns what `enable_resiliency` takes as the model, the forward (tokens -> logits) and the
-    module whose state is saved as `final.pt`."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The loop of the PyTorch and Megatron-style examples. `build(device)`, called after the seed
+    is set, returns what `enable_resiliency` takes as the model, the forward (tokens -> logits) and
+    the module whose state is saved as `final.pt`."""
+    args, rank, device = setup(doc)
+    model, forward, saved = build(device)
+    opt = torch.optim.AdamW([p for p in saved.parameters()], lr=3e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
+    session = enable_resiliency(model, opt, opt_param_scheduler=sched, **policy_settings())
+    start = record_generation(session, rank, args.validation_output_dir)
+    loss = torch.tensor(0.0)
+    for step in range(start + 1, args.steps + 1):
+        tokens = batch(rank, step, device)
+        logits = forward(tokens[:, :-1])
+        loss = lm_loss(logits, tokens)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.step_ms > 0:
+            time.sleep(args.step_ms / 1000.0)
+        opt.step()
+        sched.step()
+    return finish(session, rank, args, saved, loss)
+
+
+def setup(
+    doc: str, parser: argparse.ArgumentParser | None = None
+) -> tuple[argparse.Namespace, int, torch.device]:
+    """Every example's start: its options (`parser`, when given, holds the example's own), the
+    process group (NCCL on GPUs, gloo otherwise), this rank's device, the seed."""
+    ap = parser or argparse.ArgumentParser()
+    ap.description, ap.formatter_class = doc, argparse.RawDescriptionHelpFormatter
     ap.add_argument("--validation-output-dir", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument(
@@ -81,23 +107,32 @@ def run(
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model, forward, saved = build(device)
-    opt = torch.optim.AdamW([p for p in saved.parameters()], lr=3e-3)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
+    return args, dist.get_rank(), device
+
+
+def policy_settings() -> dict[str, Any]:
+    """`enable_resiliency`'s settings from the policy the backend names (`LM_RESILIENCY_WORKER_CONFIG`);
+    a capture and a check every step without one."""
     policy_path = os.environ.get("LM_RESILIENCY_WORKER_CONFIG")
-    settings = policy_kwargs(load_policy(policy_path)) if policy_path else {"interval": 1}
-    session = enable_resiliency(model, opt, opt_param_scheduler=sched, **settings)
+    return policy_kwargs(load_policy(policy_path)) if policy_path else {"interval": 1}
+
+
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+
+
+def record_generation(session: Any, rank: int, out: Path) -> int:
+    """The step this generation starts at (the session's `step_count`); rank 0 writes
+    `generation-<g>.json` with it, the recovery decision and the restart context."""
     generation = int(os.environ.get("LM_RESILIENCY_GENERATION", "0"))
-    start = session.step_count
+    start = int(session.step_count)
     planned = int(os.environ.get("LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", "0"))
     if planned and planned != start:
         print(f"rank {rank}: the backend planned step {planned}, the session resumed at {start}", flush=True)
-    out = args.validation_output_dir
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         ctx_path = os.environ.get("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT")
@@ -109,19 +144,14 @@ def run(
             "restart_context": json.loads(Path(ctx_path).read_text()) if ctx_path else None,
         }
         (out / f"generation-{generation}.json").write_text(json.dumps(doc, indent=2))
-    loss = torch.tensor(0.0)
-    for step in range(start + 1, args.steps + 1):
-        tokens = batch(rank, step, device)
-        logits = forward(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.step_ms > 0:
-            time.sleep(args.step_ms / 1000.0)
-        opt.step()
-        sched.step()
+    return start
+
+
+def finish(session: Any, rank: int, args: argparse.Namespace, saved: nn.Module, loss: torch.Tensor) -> int:
+    """Rank 0 saves `saved`'s state as `final.pt`; the session and the process group close."""
     if rank == 0:
-        torch.save({k: v.detach().cpu() for k, v in saved.state_dict().items()}, out / "final.pt")
+        state = {k: v.detach().cpu() for k, v in saved.state_dict().items()}
+        torch.save(state, args.validation_output_dir / "final.pt")
         print(f"rank 0: finished {args.steps} steps, last loss {float(loss.detach()):.4f}", flush=True)
     session.close()
     dist.destroy_process_group()

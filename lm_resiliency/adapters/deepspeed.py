@@ -58,6 +58,7 @@ __all__ = [
     "engine_parts",
     "engine_progress",
     "restore_progress",
+    "tap_contributions",
 ]
 
 # The engine's counters of the training's progress (DeepSpeed's own checkpoints keep the first
@@ -269,3 +270,44 @@ def with_progress(
             put(saved["caller"])
 
     return get_both, put_both
+
+
+class _ContributionTap:
+    """Held by an engine whose gradients `tap_contributions` hands on; the adapter is the current
+    session's (a later session on the same engine takes it over)."""
+
+    def __init__(self, adapter: Any) -> None:
+        self.adapter = adapter
+
+
+def tap_contributions(engine: Any, adapter: Any) -> None:
+    """Hand this rank's gradients to `adapter.contribution_tap` just before the engine all-reduces
+    them, as the PyTorch adapter's DDP comm hook does (SCOUT's replay record: two replicas that
+    disagree on the reduced gradients are told apart by re-adding both contributions).
+
+    Only where the engine reduces the gradients whole (`buffered_allreduce_fallback`, ZeRO stage 0
+    with a torch optimizer, no MoE layers): a ZeRO optimizer reduces its partitions itself, and
+    they are not replayed. Each parameter's contribution is its `.grad` as the engine sends it (a
+    missing one: the zeros the engine reduces in its place)."""
+    if getattr(engine, "has_moe_layers", False) or not isinstance(
+        getattr(engine, "optimizer", None), torch.optim.Optimizer
+    ):
+        return
+    held = engine.__dict__.get("_lm_resiliency_contributions")
+    if isinstance(held, _ContributionTap):  # already wrapped by an earlier session
+        held.adapter = adapter
+        return
+    cell = _ContributionTap(adapter)
+    original = engine.buffered_allreduce_fallback
+
+    def buffered_allreduce_fallback(*args: Any, **kwargs: Any) -> Any:
+        tap = getattr(cell.adapter, "contribution_tap", None)
+        grads = kwargs.get("grads", args[0] if args else None)
+        if tap is not None and grads is None:
+            params = [p for p in engine.module.parameters() if p.requires_grad and p.numel()]
+            tap(params, [torch.zeros_like(p) if p.grad is None else p.grad for p in params])
+        return original(*args, **kwargs)
+
+    # On the instance (an nn.Module keeps plain attributes in its __dict__): this engine only.
+    engine.__dict__["_lm_resiliency_contributions"] = cell
+    engine.__dict__["buffered_allreduce_fallback"] = buffered_allreduce_fallback

@@ -214,6 +214,31 @@ def test_the_megatron_loop_survives_a_campaign_bitwise(processes, tmp_path: Path
 
 
 @pytest.mark.multiprocess
+def test_the_deepspeed_loop_survives_a_campaign_bitwise(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`--framework deepspeed`: the model as a DeepSpeed engine (ZeRO stage 0, two micro-batches a
+    step, DeepSpeed's scheduler). An exception restarts in place; a bit flip in rank 0's reduced
+    gradient makes the two replicas disagree, and the replay of the reduction (each rank's gradients
+    as the engine sent them to its own all-reduce) names rank 0, whose node is replaced; the end is
+    bitwise the uninterrupted run's. (Before, the engine's contributions were not recorded: the
+    replay was inconclusive, both ranks were named and the job restarted in place.)"""
+    pytest.importorskip("deepspeed")
+    c = _orchestrate(processes, tmp_path, _campaign([CRASH, SDC], total_steps=14), framework="deepspeed")
+    assert c["exit_code"] == 0 and c["passed"] and c["final_state_bitwise_equal_to_baseline"], c["log"]
+    gens = c["generations"]
+    assert [(g["failure_kind"], g["reason_code"]) for g in gens] == [
+        ("none", "startup"),
+        ("process_failure", "uncaught_exception"),
+        ("sdc", "grads_replay_mismatch"),
+    ], gens
+    assert [len(g["admitted"]) for g in gens[1:]] == [0, 1]
+    assert [(i["occurrence"], i["localized"], i["action"]) for i in c["incidents"]] == [
+        ("01-exception@4", True, "restart"),
+        ("02-sdc@10", True, "replace"),
+    ]
+    assert all(g["restored_as_selected"] for g in gens)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("cut", ["network_partition", "message_drop"])
 def test_a_node_cut_off_while_it_trains_is_replaced_then_a_lost_rank_resumes_from_a_common_step(
     processes, tmp_path: Path, cut: str
@@ -331,10 +356,22 @@ def test_a_rank_that_issues_a_collective_alone_is_replaced_and_the_job_ends_bitw
             [],
             "collective_desync is injected on ['collective', 'process'], not 'weight'",
         ),
+        (_campaign([CRASH], zero_stage=1), [], "metadata.zero_stage and metadata.bf16 set the DeepSpeed"),
+        (
+            _campaign([CRASH], zero_stage=3),
+            ["--framework", "deepspeed"],
+            "zero_stage must be 0, 1 or 2, got 3",
+        ),
+        (
+            _campaign([CRASH], bf16=True),
+            ["--framework", "deepspeed"],
+            "bf16 needs metadata.zero_stage 1 or 2",
+        ),
+        (_campaign([CRASH], bf16="yes"), ["--framework", "deepspeed"], "bf16 must be true or false"),
         (
             _campaign([CRASH]),
-            ["--framework", "deepspeed"],
-            "not shipped by this version (shipped: pytorch, megatron)",
+            ["--framework", "torchtitan"],
+            "not shipped by this version (shipped: pytorch, megatron, deepspeed)",
         ),
     ],
 )

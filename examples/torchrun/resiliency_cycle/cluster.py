@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -53,11 +53,12 @@ def launch(
     env: Mapping[str, str] | None = None,
     gpus: list[int] | None = None,
     step_ms: float = 0.0,
+    loop_args: Sequence[str] = (),
 ) -> tuple[list[subprocess.Popen[bytes]], Path]:
     """Start `nodes` agents (the first `min_nodes` train, the others park as standbys); return them
     and the validation folder the loop writes to. Node n's files live in `work/name`, the loop's
     working folder. `step_ms`: each step of the loop takes that much longer (the loop's
-    `--step-ms`)."""
+    `--step-ms`); `loop_args`: more of the loop's options (DeepSpeed's `--zero-stage 1`)."""
     port, run_id = free_port(), f"{name}-{os.getpid()}-{time.monotonic_ns() % 1_000_000}"
     min_nodes = nodes if min_nodes is None else min_nodes
     base = work / name
@@ -105,6 +106,7 @@ def launch(
             "--steps",
             str(steps),
             *(["--step-ms", str(step_ms)] if step_ms > 0 else []),
+            *loop_args,
         ]
         log = open(base / f"agent-{n}.log", "wb")  # noqa: SIM115 - closed by the OS at exit
         procs.append(

@@ -28,6 +28,7 @@ campaign passed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import sys
@@ -43,7 +44,9 @@ from lm_resiliency.faults.inject import check_injectable, read_ground_truth
 from lm_resiliency.faults.scoring import evaluate, read_reports
 
 FRAMEWORKS = ("pytorch", "deepspeed", "megatron", "torchtitan")
-SHIPPED = ("pytorch", "megatron")
+SHIPPED = ("pytorch", "megatron", "deepspeed")
+# Loops that need a framework installed beside torch: (the module it imports, how to get it).
+NEEDS = {"deepspeed": ("deepspeed", "pip install deepspeed")}
 
 
 class UsageError(Exception):
@@ -82,6 +85,25 @@ def shape(c: Campaign, nodes: int, standby_default: int, steps_default: int) -> 
                     f"but the job has ranks 0..{active - 1}"
                 )
     return active, standby, steps
+
+
+def loop_args(c: Campaign, framework: str) -> tuple[str, ...]:
+    """The loop's own options a campaign's metadata sets: `zero_stage` (0, 1 or 2) and `bf16`
+    (true: with ZeRO 1 or 2) for the DeepSpeed loop, which runs ZeRO stage 0 in fp32 otherwise."""
+    stage = _int_meta(c, "zero_stage")
+    bf16 = c.metadata.get("bf16", False)
+    if not isinstance(bf16, bool):
+        raise UsageError(f"campaign {c.name!r}: metadata.bf16 must be true or false, got {bf16!r}")
+    if (stage is not None or bf16) and framework != "deepspeed":
+        raise UsageError(
+            f"campaign {c.name!r}: metadata.zero_stage and metadata.bf16 set the DeepSpeed loop's "
+            f"engine; this run's framework is {framework!r}"
+        )
+    if stage is not None and stage > 2:
+        raise UsageError(f"campaign {c.name!r}: metadata.zero_stage must be 0, 1 or 2, got {stage}")
+    if bf16 and not stage:
+        raise UsageError(f"campaign {c.name!r}: metadata.bf16 needs metadata.zero_stage 1 or 2")
+    return (*(("--zero-stage", str(stage)) if stage is not None else ()), *(("--bf16",) if bf16 else ()))
 
 
 def expected_occurrences(c: Campaign, steps: int) -> list[tuple[str, int]]:
@@ -196,6 +218,7 @@ def run_campaign(
     framework: str,
     gpus: list[int] | None,
     timeout: float,
+    options: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     name = f"campaign-{c.name}"
     base = out / name
@@ -213,6 +236,7 @@ def run_campaign(
         framework=framework,
         env=env,
         gpus=gpus,
+        loop_args=options,
     )
     codes = cluster.finish(procs, timeout)
     wall = time.monotonic() - t0
@@ -297,6 +321,15 @@ def orchestrate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.framework in NEEDS:
+        module, install = NEEDS[args.framework]
+        if importlib.util.find_spec(module) is None:
+            print(
+                f"pressure: framework {args.framework!r}: examples.production_loops.{args.framework} "
+                f"needs {module!r}, which this Python cannot import ({install})",
+                file=sys.stderr,
+            )
+            return 2
     gpus = None
     if args.gpus is not None:
         try:
@@ -316,7 +349,7 @@ def orchestrate(args: argparse.Namespace) -> int:
         plans = []
         for c in campaigns:
             check_injectable(c)
-            plans.append((c, *shape(c, nodes, standby_default, args.steps)))
+            plans.append((c, *shape(c, nodes, standby_default, args.steps), loop_args(c, args.framework)))
     except (CampaignError, UsageError) as exc:
         print(f"pressure: {exc}", file=sys.stderr)
         return 2
@@ -325,14 +358,20 @@ def orchestrate(args: argparse.Namespace) -> int:
     files = {c.name: str(f.resolve()) for c, f in zip(campaigns, paths, strict=True)}
     out = Path(args.output_dir) if args.output_dir else Path(tempfile.mkdtemp(prefix="lmr-pressure-"))
     out.mkdir(parents=True, exist_ok=True)
-    baselines: dict[tuple[int, int], Path] = {}
+    baselines: dict[tuple[int, int, tuple[str, ...]], Path] = {}
     results = []
-    for c, active, standby, steps in plans:
-        key = (active, steps)
+    for c, active, standby, steps, options in plans:
+        key = (active, steps, options)
         if key not in baselines:
-            print(f"baseline: {active} nodes, {steps} steps ...", flush=True)
+            print(f"baseline: {active} nodes, {steps} steps {' '.join(options)}...", flush=True)
             procs, val = cluster.launch(
-                out, f"baseline-{active}x{steps}", active, steps, framework=args.framework, gpus=gpus
+                out,
+                f"baseline-{active}x{steps}{''.join(options).replace('--', '-')}",
+                active,
+                steps,
+                framework=args.framework,
+                gpus=gpus,
+                loop_args=options,
             )
             codes = cluster.finish(procs, args.timeout_s)
             if any(code != 0 for code in codes) or not (val / "final.pt").exists():
@@ -356,6 +395,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             args.framework,
             gpus,
             args.timeout_s,
+            options,
         )
         results.append(r)
         for g in r["generations"]:
