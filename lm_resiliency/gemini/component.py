@@ -228,6 +228,7 @@ class Gemini:
         # DataLoader iterators the loop makes (not through an instrumented loader): the RNG state
         # each was made at goes with a capture, and a resumed loop's makes them again at it.
         self.iterators = IteratorWatch()
+        self.iterators.on_fetch = self._on_loader_fetch
         self.iterators.install()
         self.extra_state_fn, self.load_extra_state_fn = extra_state_fn, load_extra_state_fn
         self.config = config
@@ -994,6 +995,16 @@ class Gemini:
         finally:
             self._fetch_loaders = None
         self._fetched = True
+
+    def _on_loader_fetch(self) -> None:
+        """A DataLoader iterator the loop made itself (no instrumented loader) is about to fetch a
+        batch: on the training thread, the same moment as an instrumented loader's fetch, so a loop
+        that iterates a DataLoader every step has its steps captured as the next one begins (a
+        counter it bumps after `optimizer.step()` then goes with the step, as it expects on
+        resume). A fetch on another thread (a prefetching thread of the loop's) says nothing of
+        where the training thread is."""
+        if not self._closed and threading.get_ident() == getattr(self, "_training_thread", None):
+            self.on_fetch()
 
     def _capture_from_hook(
         self, step: int, wait_for_verdict: bool = True, end: dict[str, Any] | None = None

@@ -26,6 +26,11 @@ made: an iterator made again mid-epoch draws it at once (its first batch of indi
 back, no data fetched), at its own state, as the uninterrupted run drew it right after making it.
 
 Loaders with their own `generator=` draw from it, not from the global RNG, and are left alone.
+
+Every iterator made while a watch is open (its own `generator=` or not) also says when it is about
+to fetch a batch (`IteratorWatch.on_fetch`): GEMINI then takes a capture it left for the next
+step's beginning, as for an instrumented loader, so what the loop does after the optimizer's step
+(a position it counts) goes with that step.
 """
 
 from __future__ import annotations
@@ -103,9 +108,37 @@ def draw_now(it: Any) -> None:
 def _get_iterator(loader: Any) -> Any:
     make = _ORIGINAL[0]
     watch = _ACTIVE[0]() if _ACTIVE else None
-    if watch is None or getattr(_BYPASS, "on", False) or getattr(loader, "generator", None) is not None:
+    if watch is None or getattr(_BYPASS, "on", False):
         return make(loader)
-    return watch.made(loader, make)
+    it = make(loader) if getattr(loader, "generator", None) is not None else watch.made(loader, make)
+    return _observed(it)
+
+
+_FETCHING: dict[type, type] = {}  # iterator class -> its subclass that says when it fetches
+
+
+def _observed(it: Any) -> Any:
+    """`it`, its `__next__` first telling the open watch a batch is about to be fetched (see
+    IteratorWatch.on_fetch). Through a subclass made per iterator class (the instance's class is
+    swapped): other iterators of that class are untouched."""
+    base = type(it)
+    if base in _FETCHING.values():
+        return it
+    sub = _FETCHING.get(base)
+    if sub is None:
+
+        def __next__(self: Any) -> Any:
+            watch = _ACTIVE[0]() if _ACTIVE else None
+            fetch = watch.on_fetch if watch is not None else None
+            if fetch is not None:
+                fetch()
+            return base.__next__(self)
+
+        sub = type(base.__name__, (base,), {"__next__": __next__, "__module__": base.__module__})
+        _FETCHING[base] = sub
+    with contextlib.suppress(TypeError):  # (instances that cannot change class: left as they are)
+        it.__class__ = sub
+    return it
 
 
 class IteratorWatch:
@@ -118,6 +151,9 @@ class IteratorWatch:
         self._records: list[tuple[str, torch.Tensor, bool]] | None = None
         self._undo: dict[str, tuple[weakref.ref[Any] | None, torch.Tensor]] = {}
         self._lock = threading.Lock()
+        # Called before each batch an iterator made while this watch is open fetches (GEMINI's
+        # capture of a step left for the next step's beginning; see GeminiComponent.on_fetch).
+        self.on_fetch: Callable[[], None] | None = None
 
     def install(self) -> None:
         from torch.utils.data import DataLoader

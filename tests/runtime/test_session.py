@@ -6,6 +6,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -512,6 +513,88 @@ def test_a_plain_data_loader_made_again_on_resume_draws_what_the_uninterrupted_r
         sampler2.set_epoch(1)
         for batch in loader2:
             step(model2, opt2, batch)
+    assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
+
+
+@pytest.mark.parametrize("at", [7, 10], ids=["mid-epoch", "epoch-end"])
+def test_a_position_the_loop_advances_after_the_step_goes_with_the_step_it_ends(
+    tmp_path: Path, at: int
+) -> None:
+    """Most loops count their data position after `optimizer.step()` and `scheduler.step()` and
+    read a DataLoader they iterate themselves (not instrumented). Each step is now captured as the
+    loop fetches the next batch, so the position bumped after the step is in that step's capture;
+    before, the capture was taken at the scheduler's step, the position came back one batch behind,
+    the resumed loop trained that batch again and ended off the uninterrupted run. The job dies
+    after fetching the batch of the step after `at` (its capture of `at` taken), then resumes at
+    its saved position (dropout, a scheduler, the epoch's iterator made again and skipped to it):
+    bitwise the uninterrupted run."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    data = TensorDataset(torch.randn(40, 8, generator=torch.Generator().manual_seed(0)))
+    ckpt = InMemoryCkptConfig(run_id=f"position-after-step-{at}", disk_folder=str(tmp_path / "disk"))
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any, DataLoader, DistributedSampler]:  # type: ignore[type-arg]
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return model, opt, sched, DataLoader(data, batch_size=4, sampler=sampler), sampler
+
+    def train(model, opt, sched, loader, sampler, pos, until: int, fetched=None) -> None:  # type: ignore[no-untyped-def]
+        while pos["step"] < until:
+            sampler.set_epoch(pos["step"] // len(loader))
+            for i, batch in enumerate(loader):
+                if i < pos["step"] % len(loader):
+                    continue  # (resumed mid-epoch: to its position)
+                if fetched is not None:
+                    fetched(pos["step"])
+                loss = model(batch[0]).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+                pos["step"] += 1  # after the step, as most loops count
+                if pos["step"] == until:
+                    return
+
+    model, opt, sched, loader, sampler = build(0)
+    pos = {"step": 0}
+    s = enable_resiliency(
+        model,
+        opt,
+        opt_param_scheduler=sched,
+        interval=1,
+        checkpoint=ckpt,
+        enable_detection=False,
+        extra_state_fn=lambda: dict(pos),
+        load_extra_state_fn=pos.update,
+    )
+
+    def fetched(step: int) -> None:
+        if step == at:  # the batch of the step after `at` fetched: the capture of `at` is taken
+            assert s.gemini is not None and s.gemini.settle(30)
+            assert s.gemini.newest_recoverable_step(RecoveryMode.LATEST) == at
+            s.close()  # the job dies here; the uninterrupted run goes on (without a session)
+
+    train(model, opt, sched, loader, sampler, pos, 16, fetched)
+    want = [p.detach().clone() for p in model.parameters()]
+
+    model2, opt2, sched2, loader2, sampler2 = build(1)  # another init: everything comes from the capture
+    pos2 = {"step": -1}
+    with enable_resiliency(
+        model2,
+        opt2,
+        opt_param_scheduler=sched2,
+        interval=1,
+        checkpoint=ckpt,
+        enable_detection=False,
+        extra_state_fn=lambda: dict(pos2),
+        load_extra_state_fn=pos2.update,
+    ) as s2:
+        assert s2.recovered_step == at
+        assert pos2 == {"step": at}
+        train(model2, opt2, sched2, loader2, sampler2, pos2, 16)
     assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
 
 
