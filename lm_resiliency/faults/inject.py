@@ -5,6 +5,9 @@ Attached by `enable_resiliency` when `LM_RESILIENCY_FAULT_CAMPAIGN` names a camp
 iterations as the session does (iteration i is the optimizer step that makes `step_count` i) and
 acts at the point of the step a fault's surface names:
 
+- before anything else of the first training forward of iteration i, in its input (the time
+  SCOUT counts as the step's input, what a slow data loader takes): `delay` on the input or data
+  surface;
 - the first training forward of iteration i: `delay` on the compute surface;
 - a watched module's output in the forward of iteration i: `tensor_corruption`, `drop`,
   `duplicate`, `reorder`, and `stale_state` (the output of the same call in iteration i - 1, where
@@ -13,7 +16,7 @@ acts at the point of the step a fault's surface names:
   `duplicate`, `reorder` of a gradient, `stale_state` of a gradient (iteration i - 1's reduced
   gradient reused), the parameters' snapshot for `stale_state` of a weight or bias;
 - after the optimizer of iteration i (after GEMINI captured it): `hang`, `timeout`, `exception`,
-  `process_termination`, `resource_exhaustion`, `delay` on the input surface, `tensor_corruption`
+  `process_termination`, `resource_exhaustion`, `tensor_corruption`
   of a weight, bias or optimizer state, `stale_state` (the step undone on this rank),
   `collective_desync` (a collective its peers do not issue), and the checkpoint faults on this
   rank's newest committed in-memory copy (captures in flight committed first).
@@ -89,7 +92,7 @@ _NODE_TYPES = ("network_partition", "config_drift")  # injected on every rank of
 # config_drift's `setting`: a process-wide torch setting replicas must share, set the other way.
 _DRIFTS = ("cudnn_benchmark", "matmul_precision", "deterministic")
 
-_PRE_FORWARD, _OUTPUT, _PRE_OPTIMIZER, _POST = "forward", "output", "pre_optimizer", "post"
+_INPUT, _PRE_FORWARD, _OUTPUT, _PRE_OPTIMIZER, _POST = "input", "forward", "output", "pre_optimizer", "post"
 _TENSOR_TYPES = ("tensor_corruption", "drop", "duplicate", "reorder")
 _REUSED = ("gradient", "output")  # stale_state surfaces whose previous iteration's values are kept
 
@@ -113,6 +116,8 @@ def _point(fault: Fault) -> str:
     s = fault.target.surface
     if fault.type == "delay" and s == "compute":
         return _PRE_FORWARD
+    if fault.type == "delay":  # (input, data)
+        return _INPUT
     if s == "output":
         return _OUTPUT
     if (fault.type in _TENSOR_TYPES or fault.type == "stale_state") and s == "gradient":
@@ -293,6 +298,7 @@ class CampaignInjector:
         self._output: torch.Tensor | None = None  # a watched module's output, while its hook runs
         self._step = step  # completed steps (the session's step_count)
         self._iteration = -1  # the iteration whose schedule was read
+        self._input_of = -1  # the iteration whose input (its first training forward) began
         self._handles: list[Any] = []
         # stale_state of a gradient or an output reuses the previous iteration's values: while such a
         # fault of this rank may come, each iteration's are kept (the targeted tensors only), by
@@ -340,6 +346,11 @@ class CampaignInjector:
             self._handles.append(module.register_forward_hook(self._output_hook(name)))
         if model is not None and hasattr(model, "register_forward_pre_hook"):
             self._handles.append(model.register_forward_pre_hook(self._on_forward))
+            # First of all the model's pre-hooks (SCOUT's timing of the step's forward among them):
+            # a delay there is the step's input, as a slow data loader's would be. (After the
+            # optimizer's step it fell inside the session's own step-end work, counted as nobody's
+            # phase: an input straggler the campaign made was never named.)
+            self._handles.append(model.register_forward_pre_hook(self._on_input, prepend=True))
         if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
             handle = optimizer.register_step_pre_hook(self._on_pre_optimizer)
             self._handles.append(handle)
@@ -378,6 +389,12 @@ class CampaignInjector:
     def _on_forward(self, module: Any, args: Any) -> None:
         if torch.is_grad_enabled():
             self._run(self._step + 1, _PRE_FORWARD)
+
+    def _on_input(self, module: Any, args: Any) -> None:
+        """The first training forward of an iteration (what comes before it is its input)."""
+        if torch.is_grad_enabled() and self._input_of != self._step + 1:
+            self._input_of = self._step + 1
+            self._run(self._step + 1, _INPUT)
 
     def _output_hook(self, name: str) -> Any:
         def hook(module: Any, args: Any, output: Any) -> Any:

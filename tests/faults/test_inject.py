@@ -426,6 +426,30 @@ def test_a_gradient_bit_flip_from_a_campaign_is_localized_by_scout(processes, tm
 
 
 @pytest.mark.multiprocess
+def test_a_slow_input_from_a_campaign_is_named_an_input_straggler(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`delay` on the input surface: rank 1's steps 3 to 6 each wait 150 ms before their forward,
+    as behind a slow data loader. SCOUT names rank 1 an input straggler. (Before, the delay was
+    injected after the optimizer's step, inside the session's own step-end work, which counts as
+    no phase: the straggler the campaign made was never named.)"""
+    c = _campaign(
+        {"type": "delay", "target": {"surface": "input", "rank": 1}, "parameters": {"delay_ms": 150}},
+        at=3,
+        lifetime={"iterations": 4},
+    )
+    procs, _store = _start_pair(processes, tmp_path, c, 9, AWAIT_REPORT_S="30")
+    for r, p in enumerate(procs):
+        assert p.wait(90) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
+    truth = read_ground_truth(tmp_path / "ground-truth" / "t")
+    assert [(g.rank, g.iteration) for g in truth] == [(1, 3)]
+    reports = _all_reports(tmp_path)
+    assert {(r["kind"], r.get("straggler_type"), tuple(r["failed_ranks"])) for r in reports} == {
+        ("straggler", "input", (1,))
+    }, reports
+    ev = evaluate(truth, reports)
+    assert ev["localized"] == 1 and ev["kind_matched"] == 1 and ev["false_positives"] == 0, ev
+
+
+@pytest.mark.multiprocess
 def test_a_gradient_reused_from_the_previous_step_by_a_campaign_is_stale_state(
     processes, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
