@@ -521,6 +521,7 @@ def enable_resiliency(
             stacklevel=2,
         )
     grad_scaler = None
+    data_iterators: list[weakref.ref[Any]] = []
     if optimizer is not None:
         _warn_of_parameters_outside(model, optimizer)
         from torch.optim import Optimizer
@@ -529,7 +530,13 @@ def enable_resiliency(
         # One scan of the collector's objects for all (a large program's heap takes a while).
         engine_cls = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
         engines = (engine_cls,) if isinstance(engine_cls, type) and fw != "deepspeed" else ()
-        live = live_instances(Optimizer, LRScheduler, ReduceLROnPlateau, *engines)
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        live = live_instances(Optimizer, LRScheduler, ReduceLROnPlateau, _BaseDataLoaderIter, *engines)
+        # DataLoader iterators the loop made before this call (`it = iter(loader)` then `next(it)`
+        # in the loop): GEMINI sees their fetches too (iterators made later it sees being made).
+        data_iterators = [weakref.ref(o) for o in live if isinstance(o, _BaseDataLoaderIter)]
+        live = [o for o in live if not isinstance(o, _BaseDataLoaderIter)]
         _refuse_an_engines_module(model, live)
         _warn_of_other_optimizers(model, optimizer, live)
         opt_param_scheduler = (
@@ -565,6 +572,7 @@ def enable_resiliency(
             "load_fallback": load_fallback,
             "opt_param_scheduler": opt_param_scheduler,
             "step_ends": step_ends,
+            "data_iterators": data_iterators,
             "grad_scaler": grad_scaler,
             "health_source": health_source,
         },
@@ -1017,6 +1025,7 @@ class Session:
             step_ends=self.settings.get("step_ends", ()),
         )
         self._components.append(gem)
+        gem.iterators.observe(r() for r in self.settings.get("data_iterators", ()))
         gem.claim()
         # Resume only when this is a restart (or the caller named the run): a fresh job that happens
         # to share a default run id must not silently load another job's state.

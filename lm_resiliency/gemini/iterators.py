@@ -40,7 +40,7 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -163,6 +163,13 @@ class IteratorWatch:
                 _ORIGINAL.append(DataLoader._get_iterator)
                 DataLoader._get_iterator = _get_iterator  # type: ignore[method-assign,assignment]
             _ACTIVE[:] = [weakref.ref(self)]
+
+    def observe(self, iterators: Iterable[Any]) -> None:
+        """DataLoader iterators made before this watch opened: their fetches are seen too (their
+        RNG states at making are not known: not recorded for a resumed loop)."""
+        for it in iterators:
+            if it is not None:
+                _observed(it)
 
     def uninstall(self) -> None:
         """This watch stops (the DataLoader method stays patched, inert without a watch)."""

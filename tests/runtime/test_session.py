@@ -598,6 +598,55 @@ def test_a_position_the_loop_advances_after_the_step_goes_with_the_step_it_ends(
     assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
 
 
+def test_a_data_loader_iterator_made_before_the_session_ends_steps_at_its_fetches_too(
+    tmp_path: Path,
+) -> None:
+    """`it = iter(loader)` before `enable_resiliency`, `next(it)` in the loop, the position counted
+    after the step: the session finds the iterator and sees its fetches as well, so the capture of
+    step 5 (taken at the fetch of step 6's batch) holds position 5 (before: 4)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.randn(40, 8)), batch_size=4)
+    ckpt = InMemoryCkptConfig(run_id="iterator-made-before", disk_folder=str(tmp_path / "disk"))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    it = iter(loader)
+    pos = {"batches": 0}
+    with enable_resiliency(
+        model,
+        opt,
+        interval=1,
+        checkpoint=ckpt,
+        enable_detection=False,
+        extra_state_fn=lambda: dict(pos),
+        load_extra_state_fn=pos.update,
+    ) as s:
+        for _ in range(6):
+            (x,) = next(it)
+            if pos["batches"] == 5:  # step 6's batch fetched: step 5's capture is taken
+                assert s.gemini is not None and s.gemini.settle(30)
+                break
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            pos["batches"] += 1
+        s.close()
+    pos2 = {"batches": -1}
+    with enable_resiliency(
+        model,
+        opt,
+        interval=1,
+        checkpoint=ckpt,
+        enable_detection=False,
+        extra_state_fn=lambda: dict(pos2),
+        load_extra_state_fn=pos2.update,
+    ) as s2:
+        assert s2.recovered_step == 5
+        assert pos2 == {"batches": 5}
+
+
 @pytest.mark.parametrize("sampling", ["distributed", "random"])
 def test_a_loop_that_iterates_its_data_loader_again_on_resume_draws_what_it_drew_before(
     tmp_path: Path, sampling: str
