@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from lm_resiliency.adapters.base import is_dtensor
 from lm_resiliency.faults.campaign import (
     Campaign,
     CampaignError,
@@ -716,16 +717,22 @@ class CampaignInjector:
         else:
             picked = [p for _, p in named if p.is_floating_point()][f.target.index or 0 :][:1]
         if f.target.surface == "gradient":
-            return [p.grad for p in picked if p.grad is not None]
-        if f.target.surface == "optimizer_state":
+            found = [p.grad for p in picked if p.grad is not None]
+        elif f.target.surface == "optimizer_state":
             state = getattr(self._optimizer, "state", {})
-            return [
-                v
-                for p in picked
-                for v in state.get(p, {}).values()
-                if isinstance(v, torch.Tensor) and v.numel() > 1
-            ]
-        return [p.data for p in picked]
+            found = [v for p in picked for v in state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+            found = [v for v in map(_local, found) if v.numel() > 1]  # (not a step count)
+        else:
+            found = [p.data for p in picked]
+        # A sharded tensor (FSDP2's DTensor) is damaged in this rank's shard, in place; a rank whose
+        # shard is empty has nothing to damage. (Whole, an unevenly sharded one could not even be
+        # flattened: the injection raised in the training step.)
+        return [t for t in map(_local, found) if t.numel() > 0]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (sharing its storage); any other tensor as it is."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def _vm_size() -> int:

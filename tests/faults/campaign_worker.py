@@ -1,6 +1,6 @@
 """A plain DDP job that knows nothing of faults: a campaign reaches it through
 LM_RESILIENCY_FAULT_CAMPAIGN. Env: RANK, WORLD_SIZE, STORE_PORT, STEPS, RESULT_DIR, REPORT_DIR;
-CHECKPOINT=1 (GEMINI on), AWAIT_REPORT_S (wait that long for a report after the loop),
+CHECKPOINT=1 (GEMINI on), FSDP=1 (the model sharded by FSDP2 instead), AWAIT_REPORT_S (wait that long for a report after the loop),
 WAIT_FOR_RANK0=1 (stay until rank 0 wrote its result). Writes rank<R>.json (steps done, fault
 reports) when its loop ends."""
 
@@ -28,7 +28,13 @@ def main() -> None:
         "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
     )
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)))
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    if os.environ.get("FSDP") == "1":  # FSDP2: each rank holds a shard (64 rows over 3: uneven)
+        from torch.distributed.fsdp import fully_shard
+
+        model: nn.Module = fully_shard(net)
+    else:
+        model = nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     session = enable_resiliency(
         model,

@@ -426,6 +426,33 @@ def test_a_gradient_bit_flip_from_a_campaign_is_localized_by_scout(processes, tm
 
 
 @pytest.mark.multiprocess
+def test_a_weight_flip_in_an_unevenly_sharded_fsdp2_parameter_hits_the_ranks_shard(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """FSDP2 over 3 ranks shards a 64-row weight unevenly (22, 22, 20 rows). A campaign's bit flip
+    in it is made in rank 1's shard, which SCOUT finds changed at rest; before, the injector
+    flattened the whole DTensor, which raised in the training step and killed the rank."""
+    c = _campaign(
+        {
+            "type": "tensor_corruption",
+            "target": {"surface": "weight", "rank": 1, "module_path": "0.weight"},
+            "parameters": {"magnitude": "large"},
+        },
+        at=3,
+    )
+    procs, _store = _start_pair(processes, tmp_path, c, 6, world=3, FSDP="1", AWAIT_REPORT_S="30")
+    for r, p in enumerate(procs):
+        assert p.wait(90) == 0, (tmp_path / f"rank{r}.log").read_text()[-3000:]
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text())["steps"] for r in range(3)] == [6] * 3
+    truth = read_ground_truth(tmp_path / "ground-truth" / "t")
+    assert [(g.rank, g.iteration) for g in truth] == [(1, 3)]
+    reports = _all_reports(tmp_path)
+    assert {(r["kind"], r["reason"], tuple(r["failed_ranks"])) for r in reports} == {
+        ("sdc", "state_changed_at_rest", (1,))
+    }, reports
+
+
+@pytest.mark.multiprocess
 def test_a_slow_input_from_a_campaign_is_named_an_input_straggler(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """`delay` on the input surface: rank 1's steps 3 to 6 each wait 150 ms before their forward,
     as behind a slow data loader. SCOUT names rank 1 an input straggler. (Before, the delay was
