@@ -1,8 +1,8 @@
 """A plain DDP job that knows nothing of faults: a campaign reaches it through
 LM_RESILIENCY_FAULT_CAMPAIGN. Env: RANK, WORLD_SIZE, STORE_PORT, STEPS, RESULT_DIR, REPORT_DIR;
-CHECKPOINT=1 (GEMINI on), FSDP=1 (the model sharded by FSDP2 instead), AWAIT_REPORT_S (wait that long for a report after the loop),
-WAIT_FOR_RANK0=1 (stay until rank 0 wrote its result). Writes rank<R>.json (steps done, fault
-reports) when its loop ends."""
+CHECKPOINT=1 (GEMINI on), FSDP=1 (the model sharded by FSDP2 instead), AWAIT_REPORT_S (wait that
+long for a report after the loop), WAIT_FOR_RANK0=1 (stay until rank 0 wrote its result). Writes
+rank<R>.json (steps done, fault reports) when its loop ends."""
 
 from __future__ import annotations
 
