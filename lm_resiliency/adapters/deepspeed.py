@@ -192,11 +192,32 @@ class ZeroView(StepHooks):
         return {}
 
     def rest_tensors(self) -> list[torch.Tensor]:
-        """This rank's partition: its fp32 master weights and its optimizer state (SCOUT checks
-        them at rest, between two steps: no replica holds them)."""
+        """This rank's partition (its fp32 master weights and its optimizer state) and its copy of
+        the parameters, which SCOUT checks at rest, between two steps: no replica holds the
+        partition, and a flip in a rank's parameters there is overwritten by the next gather,
+        after its forward and backward used it (its gradients averaged into every rank's)."""
         state = self.zero.optimizer.state
         moments = [t for st in state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-        return list(_fp32_partitions(self.zero)) + moments
+        return list(_fp32_partitions(self.zero)) + moments + self._parameters()
+
+    def _parameters(self) -> list[torch.Tensor]:
+        groups = getattr(self.zero, "bit16_groups", None) or getattr(self.zero, "bf16_groups", None) or []
+        return [p for g in groups for p in g]
+
+    def state_fragments(self, param: torch.Tensor) -> list[torch.Tensor]:
+        """Views of this rank's part of `param`'s optimizer state (each moment's fragment in the
+        flat partition); none when its partition holds none of `param`, or no state yet."""
+        mapping = getattr(param, "_hp_mapping", None)  # (DeepSpeed links each parameter to its fragment)
+        if mapping is None:
+            return []
+        address, group = mapping.get_hp_fragment_address(), mapping.param_group_index
+        flat = _fp32_partitions(self.zero)[group]
+        state = self.zero.optimizer.state.get(flat, {})
+        return [
+            v.narrow(0, address.start, address.numel)
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.shape == flat.shape
+        ]
 
     def remove_hooks(self) -> None:
         """Stop observing the ZeRO optimizer's step (the session closed)."""

@@ -453,7 +453,8 @@ class CampaignInjector:
                     "a parameter without a gradient: frozen, unused this step, or its gradient kept in "
                     "a partition (DeepSpeed ZeRO-2)"
                     if a.fault.target.surface == "gradient"
-                    else "no optimizer state for it: none yet, or a partitioned optimizer (DeepSpeed ZeRO)",
+                    else "no optimizer state for it: none yet, or another rank's partition holds it "
+                    "(DeepSpeed ZeRO)",
                 )
                 continue
             a.calls += 1
@@ -721,6 +722,9 @@ class CampaignInjector:
         elif f.target.surface == "optimizer_state":
             state = getattr(self._optimizer, "state", {})
             found = [v for p in picked for v in state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+            fragments = getattr(self._optimizer, "state_fragments", None)
+            if not found and fragments is not None:  # a partition (DeepSpeed ZeRO): this rank's part
+                found = [v for p in picked for v in fragments(p)]
             found = [v for v in map(_local, found) if v.numel() > 1]  # (not a step count)
         else:
             found = [p.data for p in picked]

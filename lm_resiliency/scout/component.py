@@ -528,6 +528,9 @@ class Scout:
         self._unreplicated = (
             config.enable and len(self.group) == 1 and (bool(self._auditors) or self._rest_check)
         )
+        # Replicas each holding a partition (DeepSpeed ZeRO): certificates wait for the checks at
+        # rest too (see _rest_pending), and come when those close.
+        self._partition_rest = self._rest_check and not self._unreplicated
         self._audits_open: set[int] = set()
         self._rest: tuple[int, Fingerprint] | None = None  # the last step, its state as it left it
         self._rest_found: list[tuple[int, Fingerprint, Fingerprint]] = []  # checked, to send
@@ -819,7 +822,7 @@ class Scout:
                 elif absent:
                     self._partial.add(step)
                     self._partial = {s for s in self._partial if s > step - KEEP_STEPS}
-            if certified:
+            if certified and self.certified(step):  # (else when its check at rest closes)
                 self._certificate_hook(self.on_certified, step)
             elif absent and absent != self._partial_named:
                 log.warning(
@@ -1268,7 +1271,7 @@ class Scout:
 
     def _certify_held(self, step: int) -> None:
         """A check up to `step` closed: the captures committed meanwhile may be certified now."""
-        if not self._unreplicated:
+        if not (self._unreplicated or self._partition_rest):
             return
         for s in range(step, self._session_step() + 1):
             if self.certified(s):
@@ -1635,7 +1638,15 @@ class Scout:
         with self._lock:
             if self._unreplicated:
                 return self._audited(step)
-            return step in self._agreed
+            return step in self._agreed and not self._rest_pending(step)
+
+    def _rest_pending(self, step: int) -> bool:
+        """(lock held) A partition no replica holds (DeepSpeed ZeRO) has a check at rest up to
+        `step` still open: its capture of `step` may hold a change the check is about to find
+        (the capture is taken after the step's fingerprints), so its parameters' agreement alone
+        does not certify it. (Certified anyway, a flip found at rest after step s left only the
+        captures of s and s+1, both revoked, and the restart began again from step 0.)"""
+        return self._rest_check and any(t <= step for t in self._rests_open)
 
     def _audited(self, step: int) -> bool:
         """(lock held) `step` of a rank no replica holds: its peers' audits and checks at rest found
@@ -1675,7 +1686,7 @@ class Scout:
             return (
                 self._sdc_from is None
                 and self._diverged_at is None
-                and step not in self._agreed
+                and (step not in self._agreed or self._rest_pending(step))
                 and step not in self._partial
             )
 

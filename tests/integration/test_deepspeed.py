@@ -113,21 +113,84 @@ def test_a_killed_deepspeed_job_resumes_bitwise_from_memory_and_peer_replicas(  
         assert rep["decision"]["reason"].startswith("local" if rep["rank"] < 2 else "peer"), rep
 
 
-@pytest.mark.parametrize("stage", ["0", "2"])
+@pytest.mark.parametrize(("stage", "what"), [("0", "weight"), ("2", "master"), ("2", "weight")])
 def test_a_weight_flipped_on_one_deepspeed_rank_is_named_as_sdc(  # type: ignore[no-untyped-def]
-    processes, tmp_path: Path, shm_root: Path, stage: str
+    processes, tmp_path: Path, shm_root: Path, stage: str, what: str
 ) -> None:
     """Without ZeRO, a weight flipped after step 5 on rank 2: its parameters disagree with its
     replicas'. With ZeRO-2, a bit of rank 2's partition of the fp32 master weights: the next gather
     would give every replica the same wrong weight, so no fingerprint disagrees; the check at rest
-    of each rank's partition (as the step left it, and before the next) names it."""
-    reports = _run(processes, tmp_path, "run", shm_root, 0, FLIP_RANK="2", FLIP_AT="5", ZERO_STAGE=stage)
+    of each rank's partition (as the step left it, and before the next) names it. With ZeRO-2, a
+    bit of rank 2's copy of a weight: its forward and backward use it, then the next gather
+    overwrites it, so nothing disagrees after that step either; the check at rest covers each
+    rank's parameters too and names it (before, it was never seen)."""
+    reports = _run(
+        processes,
+        tmp_path,
+        "run",
+        shm_root,
+        0,
+        FLIP_RANK="2",
+        FLIP_AT="5",
+        ZERO_STAGE=stage,
+        FLIP_WHAT=what,
+    )
     for rep in reports:
         sdc = [f for f in rep["faults"] if f["kind"] == "sdc"]
         assert sdc and sdc[0]["failed_ranks"] == [2], rep["faults"]
         assert sdc[0]["reason"] == (
             "state_changed_at_rest" if stage == "2" else "params_fingerprint_minority"
         ), sdc
+
+
+def test_a_campaigns_optimizer_state_flip_lands_in_the_ranks_zero_partition(  # type: ignore[no-untyped-def]
+    processes, tmp_path: Path, shm_root: Path
+) -> None:
+    """A campaign's `optimizer_state` bit flip on rank 1 under ZeRO-1: the ZeRO optimizer keys its
+    state by flat partitions, not by parameters, so the injector finds rank 1's fragment of the
+    named parameter's moments in its partition and flips it there; the check at rest names rank 1.
+    (Before, the fault was never injected: no state keyed by the parameter.) The capture of step 4
+    holds the flip (taken as engine.step() returns, after it): step 3 stays the newest certified
+    capture on every rank. (Before, step 4 was certified by its parameters' agreement before the
+    check at rest closed, step 3 was overwritten, then step 4 revoked: no certified step was left,
+    and a recovery-verified restart began again from step 0.)"""
+    campaign = {
+        "schema_version": 1,
+        "name": "zero",
+        "seed": 1,
+        "incidents": [
+            {
+                "incident_id": "moment",
+                "trigger": {"at": [4]},
+                "faults": [
+                    {
+                        "fault_id": "flip",
+                        "type": "tensor_corruption",
+                        "target": {"surface": "optimizer_state", "rank": 1, "module_path": "0.weight"},
+                        "parameters": {"operation": "single_bitflip", "magnitude": "large"},
+                    }
+                ],
+            }
+        ],
+    }
+    (tmp_path / "c.json").write_text(json.dumps(campaign))
+    reports = _run(
+        processes,
+        tmp_path,
+        "run",
+        shm_root,
+        0,
+        ZERO_STAGE="1",
+        AWAIT_SDC="1",
+        LM_RESILIENCY_FAULT_CAMPAIGN=str(tmp_path / "c.json"),
+        LM_RESILIENCY_FAULT_GROUND_TRUTH=str(tmp_path / "truth"),
+    )
+    truth = [json.loads(x) for f in (tmp_path / "truth").rglob("*.jsonl") for x in f.read_text().splitlines()]
+    assert [(t["rank"], t["iteration"], t["surface"]) for t in truth] == [(1, 4, "optimizer_state")]
+    for rep in reports:
+        sdc = [f for f in rep["faults"] if f["kind"] == "sdc"]
+        assert sdc and sdc[0]["failed_ranks"] == [1] and sdc[0]["reason"] == "state_changed_at_rest", rep
+        assert rep["certified"] == [3], rep
 
 
 @pytest.mark.parametrize(

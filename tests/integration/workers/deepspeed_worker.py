@@ -3,7 +3,9 @@ WarmupLR, 2 micro-batches a step) with lm-resiliency passed the engine.
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, the LM_RESILIENCY_* variables of the test;
 PAUSE_RANK/PAUSE_AT: that rank says so at that step and waits to be killed; FLIP_RANK/FLIP_AT: that
-rank flips a bit of a weight after that step; ZERO_STAGE: the engine's ZeRO stage (a stage this
+rank flips a bit of a weight after that step (with ZeRO: of its master weights' partition, or of its
+copy of the weight with FLIP_WHAT=weight); AWAIT_SDC=1: every rank waits for an SDC verdict (a
+campaign's) at the end; ZERO_STAGE: the engine's ZeRO stage (a stage this
 version does not capture is refused: the refusal is written as the report; PASS_MODULE=1 passes
 the engine's module and optimizer instead of the engine, which is refused too). Writes the final
 module, optimizer, scheduler and engine counters to RESULT_DIR/final-rank<r>.pt and a JSON report.
@@ -100,16 +102,17 @@ def main() -> int:
         assert engine.global_steps == session.step_count == step, (engine.global_steps, session.step_count)
         if generation == 0 and rank == flip_rank and step == flip_at:
             with torch.no_grad():  # silent data corruption of one weight, after the step
-                if int(os.environ.get("ZERO_STAGE", "0")):  # in this rank's partition of the master weights
+                zero = int(os.environ.get("ZERO_STAGE", "0"))
+                if zero and os.environ.get("FLIP_WHAT") != "weight":  # its partition of the master weights
                     flipped = engine.optimizer.single_partition_of_fp32_groups[0]
-                else:
+                else:  # its copy of a weight (with ZeRO: the next gather overwrites it)
                     flipped = net[0].weight
                 flipped.view(-1).view(torch.int32)[5] ^= 1 << 22
         if generation == 0 and rank == pause_rank and step == pause_at:
             session.gemini.drain(30)
             store.set(f"test/paused/{rank}", b"1")
             store.wait(["test/never"], datetime.timedelta(seconds=300))  # killed here
-    if flip_rank >= 0:  # every rank waits (bounded) for SCOUT's verdict on the flip
+    if flip_rank >= 0 or os.environ.get("AWAIT_SDC") == "1":  # every rank waits (bounded) for the verdict
         deadline = time.monotonic() + 30
         while not any(f["kind"] == "sdc" for f in faults) and time.monotonic() < deadline:
             time.sleep(0.01)  # the verdict arrives on the runtime thread
@@ -133,6 +136,7 @@ def main() -> int:
         "decision": session.last_recovery_decision,
         "faults": [{k: f.get(k) for k in ("kind", "failed_ranks", "steps", "reason")} for f in faults],
         "replica_group": list(session.scout.group),
+        "certified": list(session.gemini.inventory().certified),
     }
     with open(os.path.join(out, f"report-g{generation}-rank{rank}.json"), "w") as f:
         json.dump(report, f, default=str)
