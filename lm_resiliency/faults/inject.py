@@ -725,7 +725,7 @@ class CampaignInjector:
             fragments = getattr(self._optimizer, "state_fragments", None)
             if not found and fragments is not None:  # a partition (DeepSpeed ZeRO): this rank's part
                 found = [v for p in picked for v in fragments(p)]
-            found = [v for v in map(_local, found) if v.numel() > 1]  # (not a step count)
+            found = [v for v in found if v.numel() > 1]  # (not a step count)
         else:
             found = [p.data for p in picked]
         # A sharded tensor (FSDP2's DTensor) is damaged in this rank's shard, in place; a rank whose

@@ -152,7 +152,7 @@ class IteratorWatch:
         self._undo: dict[str, tuple[weakref.ref[Any] | None, torch.Tensor]] = {}
         self._lock = threading.Lock()
         # Called before each batch an iterator made while this watch is open fetches (GEMINI's
-        # capture of a step left for the next step's beginning; see GeminiComponent.on_fetch).
+        # capture of a step left for the next step's beginning; see Gemini._on_loader_fetch).
         self.on_fetch: Callable[[], None] | None = None
 
     def install(self) -> None:
