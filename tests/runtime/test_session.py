@@ -34,6 +34,20 @@ def _train(session, model, opt, steps: int, loader=None) -> None:  # type: ignor
         opt.step()
 
 
+def _keeping(state: dict[str, int], model: nn.Module, opt: Any, ckpt: InMemoryCkptConfig, **kw: Any) -> Any:
+    """A session capturing every step, no detection, the caller's `state` captured and restored."""
+    return enable_resiliency(
+        model,
+        opt,
+        interval=1,
+        checkpoint=ckpt,
+        enable_detection=False,
+        extra_state_fn=lambda: dict(state),
+        load_extra_state_fn=state.update,
+        **kw,
+    )
+
+
 def test_single_process_session_surface() -> None:
     model = nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -560,16 +574,7 @@ def test_a_position_the_loop_advances_after_the_step_goes_with_the_step_it_ends(
 
     model, opt, sched, loader, sampler = build(0)
     pos = {"step": 0}
-    s = enable_resiliency(
-        model,
-        opt,
-        opt_param_scheduler=sched,
-        interval=1,
-        checkpoint=ckpt,
-        enable_detection=False,
-        extra_state_fn=lambda: dict(pos),
-        load_extra_state_fn=pos.update,
-    )
+    s = _keeping(pos, model, opt, ckpt, opt_param_scheduler=sched)
 
     def fetched(step: int) -> None:
         if step == at:  # the batch of the step after `at` fetched: the capture of `at` is taken
@@ -582,16 +587,7 @@ def test_a_position_the_loop_advances_after_the_step_goes_with_the_step_it_ends(
 
     model2, opt2, sched2, loader2, sampler2 = build(1)  # another init: everything comes from the capture
     pos2 = {"step": -1}
-    with enable_resiliency(
-        model2,
-        opt2,
-        opt_param_scheduler=sched2,
-        interval=1,
-        checkpoint=ckpt,
-        enable_detection=False,
-        extra_state_fn=lambda: dict(pos2),
-        load_extra_state_fn=pos2.update,
-    ) as s2:
+    with _keeping(pos2, model2, opt2, ckpt, opt_param_scheduler=sched2) as s2:
         assert s2.recovered_step == at
         assert pos2 == {"step": at}
         train(model2, opt2, sched2, loader2, sampler2, pos2, 16)
@@ -613,15 +609,7 @@ def test_a_data_loader_iterator_made_before_the_session_ends_steps_at_its_fetche
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     it = iter(loader)
     pos = {"batches": 0}
-    with enable_resiliency(
-        model,
-        opt,
-        interval=1,
-        checkpoint=ckpt,
-        enable_detection=False,
-        extra_state_fn=lambda: dict(pos),
-        load_extra_state_fn=pos.update,
-    ) as s:
+    with _keeping(pos, model, opt, ckpt) as s:
         for _ in range(6):
             (x,) = next(it)
             if pos["batches"] == 5:  # step 6's batch fetched: step 5's capture is taken
@@ -634,15 +622,7 @@ def test_a_data_loader_iterator_made_before_the_session_ends_steps_at_its_fetche
             pos["batches"] += 1
         s.close()
     pos2 = {"batches": -1}
-    with enable_resiliency(
-        model,
-        opt,
-        interval=1,
-        checkpoint=ckpt,
-        enable_detection=False,
-        extra_state_fn=lambda: dict(pos2),
-        load_extra_state_fn=pos2.update,
-    ) as s2:
+    with _keeping(pos2, model, opt, ckpt) as s2:
         assert s2.recovered_step == 5
         assert pos2 == {"batches": 5}
 
