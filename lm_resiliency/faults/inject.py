@@ -787,6 +787,11 @@ def _tamper(kind: str, t: torch.Tensor, params: Any, rng: random.Random, rows: b
 
 def corrupt(t: torch.Tensor, params: Any, rng: random.Random) -> None:
     """Corrupt a floating-point tensor in place as `params` says (operation, scope, magnitude)."""
+    if not t.is_contiguous():  # a channels_last or transposed weight: its elements in logical order
+        work = t.contiguous()
+        corrupt(work, params, rng)
+        t.copy_(work)
+        return
     op = params.get("operation", "single_bitflip")
     scope = params.get("scope", "single")
     magnitude = params.get("magnitude", "large")

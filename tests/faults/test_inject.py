@@ -507,6 +507,17 @@ def test_corrupt_covers_each_operation_and_scope() -> None:
                 assert 1 <= changed <= n, (op, scope, dtype, changed)
 
 
+def test_corrupt_damages_a_channels_last_weight_in_place_by_its_logical_rows() -> None:
+    import random
+
+    w = (torch.rand(6, 4, 3, 3) + 1.0).to(memory_format=torch.channels_last)  # a conv weight
+    before = w.clone()
+    corrupt(w, {"operation": "set_value", "scope": "row", "magnitude": "large"}, random.Random(2))
+    assert w.is_contiguous(memory_format=torch.channels_last)  # the weight itself, still as it was laid out
+    rows = (w != before).flatten(1).any(1)
+    assert int(rows.sum()) == 1 and bool((w[rows] != before[rows]).all())  # one whole output channel
+
+
 @pytest.mark.parametrize("kind", ["checkpoint_corruption", "checkpoint_truncation", "checkpoint_missing"])
 def test_a_damaged_newest_copy_is_never_restored(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: str
