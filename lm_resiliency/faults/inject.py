@@ -768,7 +768,10 @@ def _named_modules(model: Any) -> Iterable[tuple[str, Any]]:
 def _tamper(kind: str, t: torch.Tensor, params: Any, rng: random.Random, rows: bool = False) -> None:
     """In place: `drop` zeroes the tensor (a skipped bucket or output), `duplicate` repeats it (a
     gradient counted twice; an output's first row over its second, a repeated sample), `reorder`
-    rolls it by one along its leading dimension; `tensor_corruption` as `corrupt` says."""
+    rolls it by one along its leading dimension; `tensor_corruption` as `corrupt` says. A sparse
+    gradient (an `Embedding(sparse=True)`'s) is damaged in its entries: the rows it holds."""
+    if t.layout == torch.sparse_coo:
+        t = t._values()
     if kind == "drop":
         t.zero_()
     elif kind == "duplicate":
@@ -787,6 +790,8 @@ def _tamper(kind: str, t: torch.Tensor, params: Any, rng: random.Random, rows: b
 
 def corrupt(t: torch.Tensor, params: Any, rng: random.Random) -> None:
     """Corrupt a floating-point tensor in place as `params` says (operation, scope, magnitude)."""
+    if t.layout == torch.sparse_coo:  # its entries (the rows it holds)
+        t = t._values()
     if not t.is_contiguous():  # a channels_last or transposed weight: its elements in logical order
         work = t.contiguous()
         corrupt(work, params, rng)

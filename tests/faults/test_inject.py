@@ -507,6 +507,22 @@ def test_corrupt_covers_each_operation_and_scope() -> None:
                 assert 1 <= changed <= n, (op, scope, dtype, changed)
 
 
+@pytest.mark.parametrize("kind", ["tensor_corruption", "drop", "duplicate", "reorder"])
+def test_a_sparse_gradient_is_damaged_in_the_rows_it_holds(kind: str) -> None:
+    import random
+
+    from lm_resiliency.faults.inject import _tamper
+
+    emb = torch.nn.Embedding(50, 4, sparse=True)
+    emb(torch.tensor([3, 17, 3, 40])).sum().backward()  # an Embedding(sparse=True)'s gradient
+    g = emb.weight.grad.coalesce()
+    before = g.to_dense().clone()
+    _tamper(kind, g, {"operation": "single_bitflip", "magnitude": "large"}, random.Random(3))
+    after = g.to_dense()
+    assert g.layout == torch.sparse_coo and not torch.equal(after, before)
+    assert set((after != before).any(1).nonzero().flatten().tolist()) <= {3, 17, 40}  # rows it holds
+
+
 def test_corrupt_damages_a_channels_last_weight_in_place_by_its_logical_rows() -> None:
     import random
 
