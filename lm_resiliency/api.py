@@ -12,6 +12,7 @@ import collections
 import contextlib
 import dataclasses
 import gc
+import inspect
 import json
 import logging
 import os
@@ -162,6 +163,23 @@ def _warn_of_parameters_outside(model: Any, optimizer: Any) -> None:
             "(an nn.ModuleDict of every model), or keep them in extra_state_fn.",
             stacklevel=3,
         )
+
+
+def _check_callable(name: str, fn: Any, takes: str) -> None:
+    """A caller's function must take the arguments it will be called with (`takes`: one positional
+    argument by that name, or none). Most are called only on a fault or a restart: a wrong one
+    would first raise then, inside the recovery, so it is refused here, naming it."""
+    if not callable(fn):
+        raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: not checkable
+        return
+    try:
+        sig.bind(*([None] if takes else []))
+    except TypeError:
+        called = f"one argument ({name}({takes}))" if takes else f"no arguments ({name}())"
+        raise TypeError(f"{name} is called with {called}, but its signature is {sig}") from None
 
 
 def _warn_of_other_optimizers(model: Any, optimizer: Any, live: list[Any]) -> None:
@@ -422,14 +440,18 @@ def enable_resiliency(
     ):
         if value is not None and not isinstance(value, cls):
             raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
-    for name, fn in (
-        ("fault_callback", fault_callback),
-        ("extra_state_fn", extra_state_fn),
-        ("load_extra_state_fn", load_extra_state_fn),
-        ("load_fallback", load_fallback),
+    hooks = orchestration or OrchestrationHooks()
+    for name, fn, takes in (
+        ("fault_callback", fault_callback, "report"),
+        ("extra_state_fn", extra_state_fn, ""),
+        ("load_extra_state_fn", load_extra_state_fn, "state"),
+        ("load_fallback", load_fallback, "step"),
+        ("orchestration.report_fault", hooks.report_fault, "report"),
+        ("orchestration.report_recovery", hooks.report_recovery, "decision"),
+        ("orchestration.restart_destination", hooks.restart_destination, "report"),
     ):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"{name} must be callable")
+        if fn is not None:
+            _check_callable(name, fn, takes)
     if parallelism_info is not None and not isinstance(parallelism_info, Mapping):
         raise TypeError(
             "parallelism_info must be a mapping ({'replica_group': [...], 'peer_group': [...], "

@@ -15,6 +15,7 @@ from torch import nn
 from lm_resiliency import (
     ConfigError,
     InMemoryCkptConfig,
+    OrchestrationHooks,
     RecoveryMode,
     ResiliencySession,
     UnsupportedFrameworkError,
@@ -260,6 +261,30 @@ def test_configured_recovery_mode_wins() -> None:
         ({"checkpoint": {"interval": 3}}, TypeError, "InMemoryCkptConfig"),
         ({"recovery_mode": "newest"}, ConfigError, "recovery_mode"),
         ({"fault_callback": 3}, TypeError, "fault_callback"),
+        # Called only on a restart or a fault: a wrong signature is refused now, not in the recovery.
+        (
+            {"load_fallback": lambda: None},
+            TypeError,
+            r"load_fallback is called with one argument \(load_fallback\(step\)\), but its signature is \(\)",
+        ),
+        (
+            {"load_extra_state_fn": lambda: None, "extra_state_fn": dict},
+            TypeError,
+            r"load_extra_state_fn is called with one argument",
+        ),
+        (
+            {"extra_state_fn": lambda pos: pos, "load_extra_state_fn": print},
+            TypeError,
+            r"extra_state_fn is called with no arguments \(extra_state_fn\(\)\), "
+            r"but its signature is \(pos\)",
+        ),
+        ({"fault_callback": lambda a, b: None}, TypeError, r"fault_callback is called with one argument"),
+        (
+            {"orchestration": OrchestrationHooks(report_recovery=lambda: None)},
+            TypeError,
+            r"orchestration\.report_recovery is called with one argument "
+            r"\(orchestration\.report_recovery\(decision\)\)",
+        ),
         ({"framework": "deepspeed"}, TypeError, "optimizer"),
         ({"framework": "torchtitan"}, TypeError, "optimizer"),
         ({"parallelism_info": [0, 1]}, TypeError, "parallelism_info must be a mapping"),
