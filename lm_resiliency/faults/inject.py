@@ -648,17 +648,25 @@ class CampaignInjector:
     def _damage_checkpoint(self, kind: str, what: str, rng: random.Random) -> None:
         """Damage this rank's newest committed in-memory copy: a flipped payload byte, the file cut
         to half its payload, or the file deleted. GEMINI finds it by its checksums (at once with
-        `verify_integrity`, else at the restore that needs it) and uses another copy."""
-        from lm_resiliency.runtime.shm import HEADER_SIZE, CorruptSlot, SlotFile
-
+        `verify_integrity`, else at the restore that needs it) and uses another copy. A capture of
+        the step that still waits for the loop's work after the step (its scheduler, its next
+        fetch or back edge) is not taken early, which would change what it holds: the damage
+        waits for it, and hits that step's copy."""
         gem = self._gemini
         if gem is None:
             log.warning("%s: no GEMINI in this job (enable_checkpoint=False): nothing to damage", what)
             return
+        if gem.capture_waiting():
+            gem.after_capture(lambda: self._damage_newest(kind, what, rng))
+        else:
+            self._damage_newest(kind, what, rng)
+
+    def _damage_newest(self, kind: str, what: str, rng: random.Random) -> None:
+        from lm_resiliency.runtime.shm import HEADER_SIZE, CorruptSlot, SlotFile
+
+        gem = self._gemini
         # Captures in flight committed first (damage to one being written would be checksummed
-        # with it: a silent corruption, restored). A capture still waiting for the loop's
-        # post-step work is not taken early (that would change what it holds): the newest
-        # committed copy may be the step before. Bounded: a replication stuck on an unreachable
+        # with it: a silent corruption, restored). Bounded: a replication stuck on an unreachable
         # holder keeps GEMINI busy for minutes, and a committed copy is what gets damaged anyway
         # (one being sent then fails its checksums at the holder, as a damaged copy should).
         gem.settle(5.0)

@@ -48,6 +48,7 @@ from lm_resiliency.gemini.copier import Completion, Copier, SyncCopier, copier_f
 from lm_resiliency.gemini.durable import DurableError, DurableStore, path_name
 from lm_resiliency.gemini.hygiene import owner_pid, reclaim_stale_runs, write_owner
 from lm_resiliency.gemini.iterators import IteratorWatch
+from lm_resiliency.gemini.loopwatch import LoopWatch
 from lm_resiliency.gemini.state import (
     TensorSpec,
     apply_state,
@@ -328,6 +329,12 @@ class Gemini:
         self._scheduler_skips = False
         self._step_end: dict[str, Any] | None = None  # set and taken with _pending
         self._deferred: int | None = None  # a step whose capture waits for the next to begin (_boundary)
+        # A loop that reads no DataLoader ends its step at its back edge (see LoopWatch); should
+        # something else come first (the next forward, an optimizer step, a flush), the capture
+        # keeps the random numbers and loader positions of the step's end (_deferred_end).
+        self._loop = LoopWatch()
+        self._deferred_end: dict[str, Any] | None = None
+        self._after_capture: list[Callable[[], None]] = []  # see after_capture
         self._waiting: int | None = None  # a step whose capture waits for a verdict (see capture)
         # (thread, slot) of a capture between taking its slot and handing it to the worker: a
         # signal handler that runs on that thread meanwhile must not wait for it (see flush_for_restart)
@@ -887,8 +894,23 @@ class Gemini:
         certificate covers what the loop's code after the step left in them."""
         if self._defers():
             self._deferred = step
+        elif self._watches_loop() and self._loop.arm(self._on_loop_edge):
+            self._deferred = step
+            self._deferred_end = {"rng": rng_state()}
+            self._add_iterators(self._deferred_end)
         else:
             self._capture_from_hook(step)
+
+    def _watches_loop(self) -> bool:
+        """A loop that reads no DataLoader every step has its step end at its back edge (see
+        LoopWatch): on the training thread, while no other tracer runs."""
+        return not self._closed and threading.get_ident() == self._training_thread and LoopWatch.available()
+
+    def _on_loop_edge(self) -> None:
+        """The loop came back around after the step: what its code did after the step is the
+        step's, and nothing of the next step has run (see LoopWatch)."""
+        self._deferred_end = None
+        self._take_deferred()
 
     def _trailers(self) -> set[str]:
         """The calls that end a step after the optimizer's: the capture waits for them."""
@@ -902,7 +924,9 @@ class Gemini:
         the state right before the capture: what the loop changes in between (a moment of the
         optimizer written wrongly, a weight it edits) is then judged with what is captured."""
         self._count_fetches(step)
-        return step % self.interval == 0 and (self._defers() or bool(self._trailers()))
+        return step % self.interval == 0 and (
+            self._defers() or self._watches_loop() or bool(self._trailers())
+        )
 
     def _count_fetches(self, step: int) -> None:
         """Count `step` (once, whoever asks first) into the steps in a row that read a loader."""
@@ -929,8 +953,10 @@ class Gemini:
         if self._deferred is None or threading.get_ident() != self._training_thread:
             return
         step, self._deferred = self._deferred, None
+        end, self._deferred_end = self._deferred_end, None
+        self._loop.disarm()
         if not self._closed:
-            self._capture_from_hook(step)
+            self._capture_from_hook(step, end=end)
 
     def _step_begins(self) -> None:
         """The model's forward or the optimizer's step: nothing of the last step may wait longer
@@ -1026,6 +1052,21 @@ class Gemini:
                     exc,
                 )
                 self._fault("checkpoint_capture_failed", "capture_failed", str(exc))
+        then, self._after_capture = self._after_capture, []
+        for fn in then:
+            try:
+                fn()
+            except Exception:  # (a campaign's damage to the copy: never into training)
+                log.exception("rank %d: a call waiting for the capture of step %d failed", self.rank, step)
+
+    def capture_waiting(self) -> bool:
+        """A step's capture waits for the loop's work after the step (its scheduler, its next
+        fetch, its back edge): see on_step."""
+        return self._pending is not None or self._deferred is not None
+
+    def after_capture(self, fn: Callable[[], None]) -> None:
+        """Call `fn` on the training thread once the waiting capture is taken (see capture_waiting)."""
+        self._after_capture.append(fn)
 
     def _install_boundary_hooks(self) -> None:
         self._pending = None

@@ -619,6 +619,103 @@ def test_a_position_the_loop_advances_after_the_step_goes_with_the_step_it_ends(
     assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
 
 
+@pytest.mark.parametrize("loop", ["for", "while"])
+def test_a_loop_without_a_data_loader_has_its_work_after_the_step_captured_with_the_step(
+    tmp_path: Path, loop: str
+) -> None:
+    """A loop that draws its batches from the global RNG and keeps an EMA of the weights and a
+    counter, both updated after `optimizer.step()` and `scheduler.step()` (an outsider's SimCLR
+    script): the capture waits for the loop's back edge, so it holds the EMA and the counter of its
+    step and the random numbers before the next step's draws. Before, it was taken at the
+    scheduler's step: the resumed EMA missed an update and the run ended off its uninterrupted one.
+    The job dies as the step after `at` begins (its capture of `at` taken); the resumed run (another
+    init) ends bitwise the uninterrupted one, EMA included."""
+    at = 4
+    ckpt = InMemoryCkptConfig(run_id=f"work-after-step-{loop}", disk_folder=str(tmp_path / "disk"))
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any, dict[str, torch.Tensor]]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return model, opt, sched, ema
+
+    def one(
+        model: nn.Module, opt: Any, sched: Any, ema: dict[str, torch.Tensor], pos: dict[str, int]
+    ) -> None:
+        loss = model(torch.randn(4, 8)).pow(2).mean()  # the batch: drawn from the global RNG
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        with torch.no_grad():  # after the step, as EMA loops do
+            for k, v in model.state_dict().items():
+                ema[k].mul_(0.9).add_(v, alpha=0.1)
+        pos["step"] += 1
+
+    def train(model, opt, sched, ema, pos, until: int, began=None) -> None:  # type: ignore[no-untyped-def]
+        if loop == "for":
+            for _ in range(pos["step"], until):
+                if began is not None:
+                    began(pos["step"])
+                one(model, opt, sched, ema, pos)
+        else:
+            while pos["step"] < until:
+                if began is not None:
+                    began(pos["step"])
+                one(model, opt, sched, ema, pos)
+
+    model, opt, sched, ema = build(0)
+    pos = {"step": 0}
+
+    def extra() -> dict[str, Any]:
+        return {"pos": dict(pos), "ema": ema}
+
+    s = enable_resiliency(
+        model,
+        opt,
+        opt_param_scheduler=sched,
+        interval=1,
+        checkpoint=ckpt,
+        enable_detection=False,
+        extra_state_fn=extra,
+        load_extra_state_fn=lambda state: None,
+    )
+
+    def began(step: int) -> None:
+        if step == at:  # `at` steps done, the next begins: the capture of `at` is taken
+            assert s.gemini is not None and s.gemini.settle(30)
+            assert s.gemini.newest_recoverable_step(RecoveryMode.LATEST) == at
+            s.close()  # the job dies here; the uninterrupted run goes on (without a session)
+
+    train(model, opt, sched, ema, pos, 10, began)
+    want = [p.detach().clone() for p in model.parameters()] + [v.clone() for v in ema.values()]
+
+    model2, opt2, sched2, ema2 = build(1)  # another init: everything comes from the capture
+    pos2 = {"step": -1}
+
+    def load(state: dict[str, Any]) -> None:
+        pos2.update(state["pos"])
+        for k, v in state["ema"].items():
+            ema2[k].copy_(v)
+
+    with enable_resiliency(
+        model2,
+        opt2,
+        opt_param_scheduler=sched2,
+        interval=1,
+        checkpoint=ckpt,
+        enable_detection=False,
+        extra_state_fn=lambda: {"pos": dict(pos2), "ema": ema2},
+        load_extra_state_fn=load,
+    ) as s2:
+        assert s2.recovered_step == at and pos2 == {"step": at}
+        train(model2, opt2, sched2, ema2, pos2, 10)
+    got = [p.detach() for p in model2.parameters()] + list(ema2.values())
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_a_data_loader_iterator_made_before_the_session_ends_steps_at_its_fetches_too(
     tmp_path: Path,
 ) -> None:
