@@ -993,6 +993,18 @@ class Gemini:
                 self.before_capture(step)
         self._take_deferred()
 
+    def _forward_begins(self, module: Any) -> None:
+        """The model's forward. One that does not train (under `no_grad` or `inference_mode`, or the
+        model in eval mode: an evaluation, a metric) while a capture waits for the next fetch or
+        the loop's back edge is the step's own work after the step, as what follows it is (an EMA
+        updated after the evaluation): the capture keeps waiting. A training forward begins the
+        next step. (Before, an evaluation between the step and an EMA update took the capture
+        early, and the resumed EMA was one update behind.)"""
+        training = torch.is_grad_enabled() and getattr(module, "training", True)
+        if not training and self._deferred is not None and self._pending is None:
+            return
+        self._step_begins()
+
     def _volatile_state(self) -> dict[str, Any]:
         """What the loop's own code may change before the next forward: the random numbers and
         the caller's state (a copy: the loop may change it in place)."""
@@ -1075,7 +1087,9 @@ class Gemini:
             self._hooks.append(mark_ours(self.optimizer.register_step_pre_hook(self._fence_before_step)))
         # First among the model's forward pre-hooks: before FSDP's unshard, the state is the step's.
         self._hooks.append(
-            self.model.register_forward_pre_hook(lambda module, args: self._step_begins(), prepend=True)
+            self.model.register_forward_pre_hook(
+                lambda module, args: self._forward_begins(module), prepend=True
+            )
         )
         # Observe scheduler.step() through a per-instance subclass: patching the instance would put a
         # function into scheduler.state_dict() (it returns the instance __dict__). A SchedulerChain's

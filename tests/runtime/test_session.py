@@ -619,7 +619,7 @@ def test_a_position_the_loop_advances_after_the_step_goes_with_the_step_it_ends(
     assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
 
 
-@pytest.mark.parametrize("loop", ["for", "while"])
+@pytest.mark.parametrize("loop", ["for", "while", "for, evaluating"])
 def test_a_loop_without_a_data_loader_has_its_work_after_the_step_captured_with_the_step(
     tmp_path: Path, loop: str
 ) -> None:
@@ -629,7 +629,9 @@ def test_a_loop_without_a_data_loader_has_its_work_after_the_step_captured_with_
     step and the random numbers before the next step's draws. Before, it was taken at the
     scheduler's step: the resumed EMA missed an update and the run ended off its uninterrupted one.
     The job dies as the step after `at` begins (its capture of `at` taken); the resumed run (another
-    init) ends bitwise the uninterrupted one, EMA included."""
+    init) ends bitwise the uninterrupted one, EMA included. Evaluating (eval mode, `no_grad`)
+    between the step and the EMA update is the step's work too: such a forward does not begin the
+    next step (before, it took the capture early and the EMA came back one update behind)."""
     at = 4
     ckpt = InMemoryCkptConfig(run_id=f"work-after-step-{loop}", disk_folder=str(tmp_path / "disk"))
 
@@ -649,13 +651,18 @@ def test_a_loop_without_a_data_loader_has_its_work_after_the_step_captured_with_
         loss.backward()
         opt.step()
         sched.step()
+        if loop.endswith("evaluating"):
+            model.eval()
+            with torch.no_grad():
+                model(torch.ones(2, 8))
+            model.train()
         with torch.no_grad():  # after the step, as EMA loops do
             for k, v in model.state_dict().items():
                 ema[k].mul_(0.9).add_(v, alpha=0.1)
         pos["step"] += 1
 
     def train(model, opt, sched, ema, pos, until: int, began=None) -> None:  # type: ignore[no-untyped-def]
-        if loop == "for":
+        if loop.startswith("for"):
             for _ in range(pos["step"], until):
                 if began is not None:
                     began(pos["step"])
