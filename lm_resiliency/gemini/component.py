@@ -132,6 +132,11 @@ def _observed(base: type, take: Callable[[str], None], name: str) -> type:
     return observed
 
 
+def _evaluating(module: Any) -> bool:
+    """No training runs: gradients are off, or the module is in eval mode."""
+    return not torch.is_grad_enabled() or not getattr(module, "training", True)
+
+
 class ReplicaAbandoned(Exception):
     """A replica given up before its deadline: a capture needed its slot."""
 
@@ -1000,8 +1005,7 @@ class Gemini:
         updated after the evaluation): the capture keeps waiting. A training forward begins the
         next step. (Before, an evaluation between the step and an EMA update took the capture
         early, and the resumed EMA was one update behind.)"""
-        training = torch.is_grad_enabled() and getattr(module, "training", True)
-        if not training and self._deferred is not None and self._pending is None:
+        if _evaluating(module) and self._deferred is not None and self._pending is None:
             return
         self._step_begins()
 
@@ -1022,7 +1026,11 @@ class Gemini:
 
     def on_fetch(self, loaders: Callable[[], dict[str, Any]] | None = None) -> None:
         """Before `next()` on an instrumented loader (training thread). `loaders`: the RNG states the
-        instrumented loaders' current iterators were made at, for a capture taken now."""
+        instrumented loaders' current iterators were made at, for a capture taken now. A fetch
+        under `no_grad` or `inference_mode`, or with the model in eval mode, is an evaluation's:
+        the step's own work (see _forward_begins), neither a capture's moment nor a training fetch."""
+        if _evaluating(self.model):
+            return
         self._fetch_loaders = loaders
         try:
             # The scheduler did not step before the next fetch: the step ended here all the same.

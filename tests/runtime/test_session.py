@@ -619,7 +619,7 @@ def test_a_position_the_loop_advances_after_the_step_goes_with_the_step_it_ends(
     assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
 
 
-@pytest.mark.parametrize("loop", ["for", "while", "for, evaluating"])
+@pytest.mark.parametrize("loop", ["for", "while", "for, evaluating", "for, evaluating a loader"])
 def test_a_loop_without_a_data_loader_has_its_work_after_the_step_captured_with_the_step(
     tmp_path: Path, loop: str
 ) -> None:
@@ -632,8 +632,13 @@ def test_a_loop_without_a_data_loader_has_its_work_after_the_step_captured_with_
     init) ends bitwise the uninterrupted one, EMA included. Evaluating (eval mode, `no_grad`)
     between the step and the EMA update is the step's work too: such a forward does not begin the
     next step (before, it took the capture early and the EMA came back one update behind)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
     at = 4
-    ckpt = InMemoryCkptConfig(run_id=f"work-after-step-{loop}", disk_folder=str(tmp_path / "disk"))
+    ckpt = InMemoryCkptConfig(
+        run_id=f"work-after-step-{loop.replace(' ', '')}", disk_folder=str(tmp_path / "disk")
+    )
+    val = DataLoader(TensorDataset(torch.ones(4, 8)), batch_size=2)
 
     def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any, dict[str, torch.Tensor]]:
         torch.manual_seed(seed)
@@ -651,10 +656,11 @@ def test_a_loop_without_a_data_loader_has_its_work_after_the_step_captured_with_
         loss.backward()
         opt.step()
         sched.step()
-        if loop.endswith("evaluating"):
+        if "evaluating" in loop:
             model.eval()
             with torch.no_grad():
-                model(torch.ones(2, 8))
+                for (batch,) in val if loop.endswith("loader") else [(torch.ones(2, 8),)]:
+                    model(batch)  # (a fetch of an evaluation is not the next step's either)
             model.train()
         with torch.no_grad():  # after the step, as EMA loops do
             for k, v in model.state_dict().items():
