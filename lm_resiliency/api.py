@@ -544,6 +544,7 @@ def enable_resiliency(
         )
     grad_scaler = None
     data_iterators: list[weakref.ref[Any]] = []
+    data_loaders: list[weakref.ref[Any]] = []
     if optimizer is not None:
         _warn_of_parameters_outside(model, optimizer)
         from torch.optim import Optimizer
@@ -552,13 +553,19 @@ def enable_resiliency(
         # One scan of the collector's objects for all (a large program's heap takes a while).
         engine_cls = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
         engines = (engine_cls,) if isinstance(engine_cls, type) and fw != "deepspeed" else ()
+        from torch.utils.data import DataLoader
         from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-        live = live_instances(Optimizer, LRScheduler, ReduceLROnPlateau, _BaseDataLoaderIter, *engines)
+        live = live_instances(
+            Optimizer, LRScheduler, ReduceLROnPlateau, _BaseDataLoaderIter, DataLoader, *engines
+        )
         # DataLoader iterators the loop made before this call (`it = iter(loader)` then `next(it)`
-        # in the loop): GEMINI sees their fetches too (iterators made later it sees being made).
+        # in the loop; a zero-import script's, whose session opens at its first forward): GEMINI
+        # sees their fetches too (iterators made later it sees being made), and a restore matches
+        # them to the capture's (IteratorWatch.observe).
         data_iterators = [weakref.ref(o) for o in live if isinstance(o, _BaseDataLoaderIter)]
-        live = [o for o in live if not isinstance(o, _BaseDataLoaderIter)]
+        data_loaders = [weakref.ref(o) for o in live if isinstance(o, DataLoader)]
+        live = [o for o in live if not isinstance(o, (_BaseDataLoaderIter, DataLoader))]
         _refuse_an_engines_module(model, live)
         _warn_of_other_optimizers(model, optimizer, live)
         opt_param_scheduler = (
@@ -595,6 +602,7 @@ def enable_resiliency(
             "opt_param_scheduler": opt_param_scheduler,
             "step_ends": step_ends,
             "data_iterators": data_iterators,
+            "data_loaders": data_loaders,
             "grad_scaler": grad_scaler,
             "health_source": health_source,
         },
@@ -1047,7 +1055,10 @@ class Session:
             step_ends=self.settings.get("step_ends", ()),
         )
         self._components.append(gem)
-        gem.iterators.observe(r() for r in self.settings.get("data_iterators", ()))
+        gem.iterators.observe(
+            (r() for r in self.settings.get("data_iterators", ())),
+            [dl for dl in (r() for r in self.settings.get("data_loaders", ())) if dl is not None],
+        )
         gem.claim()
         # Resume only when this is a restart (or the caller named the run): a fresh job that happens
         # to share a default run id must not silently load another job's state.

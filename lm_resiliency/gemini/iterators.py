@@ -145,11 +145,14 @@ class IteratorWatch:
     """The DataLoader iterators of this process (see the module's doc); one per GEMINI."""
 
     def __init__(self) -> None:
-        self._made: list[tuple[weakref.ref[Any], str, torch.Tensor]] = []
+        # (iterator, its loader's shape, the RNG state it was made at: None for one made before)
+        self._made: list[tuple[weakref.ref[Any], str, torch.Tensor | None]] = []
         # After a restore, until the first forward: the capture's iterators (shape, RNG state, at
         # its end), and per shape the one made for a record at its end, with the RNG state before.
-        self._records: list[tuple[str, torch.Tensor, bool]] | None = None
+        self._records: list[tuple[str, torch.Tensor | None, bool]] | None = None
         self._undo: dict[str, tuple[weakref.ref[Any] | None, torch.Tensor]] = {}
+        # Iterators the loop made before this watch opened, with their loaders (see observe)
+        self._premade: list[tuple[weakref.ref[Any], weakref.ref[Any]]] = []
         self._lock = threading.Lock()
         # Called before each batch an iterator made while this watch is open fetches (GEMINI's
         # capture of a step left for the next step's beginning; see Gemini._on_loader_fetch).
@@ -164,12 +167,19 @@ class IteratorWatch:
                 DataLoader._get_iterator = _get_iterator  # type: ignore[method-assign,assignment]
             _ACTIVE[:] = [weakref.ref(self)]
 
-    def observe(self, iterators: Iterable[Any]) -> None:
+    def observe(self, iterators: Iterable[Any], loaders: Iterable[Any] = ()) -> None:
         """DataLoader iterators made before this watch opened: their fetches are seen too (their
-        RNG states at making are not known: not recorded for a resumed loop)."""
+        RNG states at making are not known: not recorded for a resumed loop), and those of the
+        `loaders` given are matched to a restored capture's iterators (see restore)."""
+        by_sampler = {id(getattr(dl, "_index_sampler", None)): dl for dl in loaders}
         for it in iterators:
             if it is not None:
                 _observed(it)
+                loader = by_sampler.get(id(getattr(it, "_index_sampler", None)))
+                if loader is not None:
+                    with contextlib.suppress(TypeError), self._lock:
+                        self._premade.append((weakref.ref(it), weakref.ref(loader)))
+                        self._made.append((weakref.ref(it), _shape(loader), None))
 
     def uninstall(self) -> None:
         """This watch stops (the DataLoader method stays patched, inert without a watch)."""
@@ -193,6 +203,8 @@ class IteratorWatch:
                 again = record[1]
             elif record is not None:
                 self._undo[shape] = (None, now)  # (its iterator filled in below)
+        if record is not None and record[1] is None and (not record[2] or persistent):
+            again = now  # (made at a state not known: made again without a draw, as none was made)
         if again is not None:
             torch.set_rng_state(again)
             try:
@@ -230,7 +242,8 @@ class IteratorWatch:
         for ref, shape, began in made:
             it = ref()
             if it is not None:
-                out.append({"shape": shape, "torch": began.clone(), "ended": _ended(it)})
+                rng = began.clone() if began is not None else None
+                out.append({"shape": shape, "torch": rng, "ended": _ended(it)})
         return out
 
     def restore(self, saved: Any) -> None:
@@ -242,18 +255,55 @@ class IteratorWatch:
         for entry in saved if isinstance(saved, list) else ([] if saved is None else [saved]):
             e = entry if isinstance(entry, dict) else {}
             shape, rng, ended = e.get("shape"), e.get("torch"), e.get("ended", False)
-            if (
-                isinstance(shape, str)
-                and isinstance(rng, torch.Tensor)
-                and rng.dtype == torch.uint8
-                and rng.shape == (size,)
-                and isinstance(ended, bool)
-            ):
-                records.append((shape, rng.clone(), ended))
+            known = isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8 and rng.shape == (size,)
+            if isinstance(shape, str) and (rng is None or known) and isinstance(ended, bool):
+                records.append((shape, rng.clone() if rng is not None else None, ended))
             else:
                 log.warning("the capture's RNG state of a DataLoader iterator is malformed: not used")
+        records = self._made_before(records)
         with self._lock:
             self._records, self._undo = records, {}
+
+    def _made_before(
+        self, records: list[tuple[str, torch.Tensor | None, bool]]
+    ) -> list[tuple[str, torch.Tensor | None, bool]]:
+        """Records of iterators the loop has already made (before the session opened: a
+        zero-import script's session opens at its first forward, after the loop made the epoch's
+        iterator and fetched its first batch) are taken by them, not by iterators made later.
+
+        One captured at its epoch's end stands for the next epoch's iterator, which the
+        uninterrupted run made after the capture, from the state just restored: the draws of its
+        making (its workers' seed; without workers, a RandomSampler's permutation, as at its first
+        batch) are made again now from that state, and the loop's iterator takes its seed. Before,
+        they had been drawn before the restore, and every random number after it (dropout) was one
+        draw off the uninterrupted run's. (A RandomSampler's own order, drawn before the restore,
+        stays as it was: give the loader a `generator=` or a DistributedSampler.) Loaders with
+        workers or their own generator draw nothing from the global RNG that stays: left alone."""
+        premade, self._premade = self._premade, []
+        left = list(records)
+        for it_ref, loader_ref in premade:
+            it, loader = it_ref(), loader_ref()
+            if (
+                it is None
+                or loader is None
+                or _ended(it)  # (an iterator of an earlier run in this process, say)
+                or int(getattr(it, "_num_yielded", 0)) > 1
+                or getattr(loader, "num_workers", 0) != 0
+                or getattr(loader, "generator", None) is not None
+                or not _ORIGINAL
+            ):
+                continue
+            shape = _shape(loader)
+            at = next((i for i, r in enumerate(left) if r[0] == shape and r[2]), None)
+            if at is None:
+                continue
+            left.pop(at)
+            with untracked():
+                again = _ORIGINAL[0](loader)
+            draw_now(again)
+            if hasattr(again, "_base_seed"):
+                it._base_seed = again._base_seed
+        return left
 
     def first_step(self) -> None:
         """The restored generation's first forward (or capture): iterators made from now on are

@@ -729,6 +729,60 @@ def test_a_loop_without_a_data_loader_has_its_work_after_the_step_captured_with_
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+def test_an_epochs_iterator_made_before_a_restore_at_its_epochs_start_draws_after_it(tmp_path: Path) -> None:
+    """A zero-import script's session opens at its first forward: on resume the loop has already
+    made the epoch's DataLoader iterator and fetched its first batch. Restored at an epoch's end
+    (the capture taken at the fetch that ended epoch 0), the uninterrupted run made epoch 1's
+    iterator after the capture, from the restored state; the resumed one made it before the
+    restore. Its draw is made again from the restored state, so dropout draws what the
+    uninterrupted run drew. Before, the run resumed at an epoch's start ended off its
+    uninterrupted one (an outsider's zero-import DDP and FSDP2 jobs restarted after a hang at the
+    epoch's last step)."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    data = TensorDataset(torch.randn(40, 8, generator=torch.Generator().manual_seed(0)))
+    ckpt = InMemoryCkptConfig(run_id="premade-epoch-iterator", disk_folder=str(tmp_path / "disk"))
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader, DistributedSampler]:  # type: ignore[type-arg]
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
+        return (
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            DataLoader(data, batch_size=4, sampler=sampler),
+            sampler,
+        )
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    model, opt, loader, sampler = build(0)
+    with enable_resiliency(model, opt, interval=1, checkpoint=ckpt, enable_detection=False) as s:
+        for (x,) in loader:  # epoch 0: its last step's capture is taken at the fetch that ends it
+            step(model, opt, x)
+        assert s.gemini is not None and s.gemini.drain(30)
+        assert s.gemini.newest_recoverable_step(RecoveryMode.LATEST) == len(loader)
+    sampler.set_epoch(1)
+    for (x,) in loader:  # the uninterrupted run goes on with epoch 1
+        step(model, opt, x)
+    want = [p.detach().clone() for p in model.parameters()]
+
+    model2, opt2, loader2, sampler2 = build(1)
+    sampler2.set_epoch(1)  # the resumed loop's epoch, its iterator and first batch before the session
+    batches = iter(loader2)
+    (x,) = next(batches)
+    with enable_resiliency(model2, opt2, interval=1, checkpoint=ckpt, enable_detection=False) as s2:
+        assert s2.recovered_step == len(loader2)
+        step(model2, opt2, x)
+        for (x,) in batches:
+            step(model2, opt2, x)
+    assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
+
+
 def test_a_data_loader_iterator_made_before_the_session_ends_steps_at_its_fetches_too(
     tmp_path: Path,
 ) -> None:
