@@ -86,6 +86,15 @@ def _ended(it: Any) -> bool:
         return False
 
 
+def _datapipe(loader: Any) -> bool:
+    """A loader of a datapipe: making its iterator creates a process group (a collective)."""
+    try:
+        from torch.utils.data.datapipes.datapipe import IterDataPipe
+    except ImportError:  # (a torch without datapipes: none)
+        return False
+    return isinstance(getattr(loader, "dataset", None), IterDataPipe)
+
+
 def draw_now(it: Any) -> None:
     """A single-process iterator of a map-style dataset: its sampler's lazy draw (a RandomSampler's
     permutation, at the first batch) made now, at the RNG state it was made at. Its first batch of
@@ -290,6 +299,7 @@ class IteratorWatch:
                 or int(getattr(it, "_num_yielded", 0)) > 1
                 or getattr(loader, "num_workers", 0) != 0
                 or getattr(loader, "generator", None) is not None
+                or _datapipe(loader)
                 or not _ORIGINAL
             ):
                 continue
