@@ -1005,7 +1005,7 @@ class Gemini:
         updated after the evaluation): the capture keeps waiting. A training forward begins the
         next step. (Before, an evaluation between the step and an EMA update took the capture
         early, and the resumed EMA was one update behind.)"""
-        if _evaluating(module) and self._deferred is not None and self._pending is None:
+        if self._deferred is not None and self._pending is None and _evaluating(module):
             return
         self._step_begins()
 
