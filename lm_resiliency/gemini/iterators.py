@@ -209,11 +209,10 @@ class IteratorWatch:
                 record = self._records.pop(at) if at is not None else None
             undo = self._undo.pop(shape, None) if record is None else None
             if record is not None and (not record[2] or persistent):
-                again = record[1]
+                # (one made at a state not known: made again without a draw, as none was made)
+                again = record[1] if record[1] is not None else now
             elif record is not None:
                 self._undo[shape] = (None, now)  # (its iterator filled in below)
-        if record is not None and record[1] is None and (not record[2] or persistent):
-            again = now  # (made at a state not known: made again without a draw, as none was made)
         if again is not None:
             torch.set_rng_state(again)
             try:
@@ -276,9 +275,10 @@ class IteratorWatch:
     def _made_before(
         self, records: list[tuple[str, torch.Tensor | None, bool]]
     ) -> list[tuple[str, torch.Tensor | None, bool]]:
-        """Records of iterators the loop has already made (before the session opened: a
-        zero-import script's session opens at its first forward, after the loop made the epoch's
-        iterator and fetched its first batch) are taken by them, not by iterators made later.
+        """A record of an iterator captured at its epoch's end is taken by an iterator the loop has
+        already made (before the session opened: a zero-import script's session opens at its first
+        forward, after the loop made the epoch's iterator and fetched its first batch), not by one
+        made later.
 
         One captured at its epoch's end stands for the next epoch's iterator, which the
         uninterrupted run made after the capture, from the state just restored: the draws of its
@@ -286,8 +286,9 @@ class IteratorWatch:
         batch) are made again now from that state, and the loop's iterator takes its seed. Before,
         they had been drawn before the restore, and every random number after it (dropout) was one
         draw off the uninterrupted run's. (A RandomSampler's own order, drawn before the restore,
-        stays as it was: give the loader a `generator=` or a DistributedSampler.) Loaders with
-        workers or their own generator draw nothing from the global RNG that stays: left alone."""
+        stays as it was: give the loader a `generator=` or a DistributedSampler.) Left alone:
+        loaders with their own generator (nothing drawn from the global RNG), with workers (a
+        throwaway iterator would start them) and of datapipes (one would create a process group)."""
         premade, self._premade = self._premade, []
         left = list(records)
         for it_ref, loader_ref in premade:
