@@ -22,8 +22,11 @@ in turn (by the loader's shape):
   draw: its iterator is made again as a mid-epoch one.)
 
 Without workers, a `RandomSampler` draws its permutation at the iterator's first batch, not as it is
-made: an iterator made again mid-epoch draws it at once (its first batch of indices taken and put
-back, no data fetched), at its own state, as the uninterrupted run drew it right after making it.
+made: the RNG state at that first batch goes with a capture too, and an iterator made again
+mid-epoch draws it at once (its first batch of indices taken and put back, no data fetched), at that
+state. (Not at the state it was made at: a loop that reads two loaders made the second's iterator,
+which drew its workers' seed, between the first's making and its first batch.) One captured before
+its first batch draws it at its first batch, as the uninterrupted run did.
 
 Loaders with their own `generator=` draw from it, not from the global RNG, and are left alone.
 
@@ -53,6 +56,7 @@ _BYPASS = threading.local()
 _ACTIVE: list[weakref.ref[IteratorWatch]] = []  # the watch of the newest open GEMINI
 _ORIGINAL: list[Callable[[Any], Any]] = []
 _KEEP = 8  # iterators tracked at most (the newest): a loop has one or two live at a time
+_UNKNOWN = "unknown"  # the RNG state at an iterator's first batch, when it was not seen
 
 
 @contextlib.contextmanager
@@ -138,6 +142,8 @@ def _observed(it: Any) -> Any:
 
         def __next__(self: Any) -> Any:
             watch = _ACTIVE[0]() if _ACTIVE else None
+            if watch is not None and getattr(self, "_num_yielded", None) == 0:
+                watch.fetching_first(self)
             fetch = watch.on_fetch if watch is not None else None
             if fetch is not None:
                 fetch()
@@ -150,15 +156,23 @@ def _observed(it: Any) -> Any:
     return it
 
 
+# A restored capture's iterator: its loader's shape, the RNG state it was made at (None: not known),
+# whether it had yielded its epoch, and the RNG state at its first batch (None: not fetched yet;
+# _UNKNOWN: not recorded)
+_Record = tuple[str, torch.Tensor | None, bool, Any]
+
+
 class IteratorWatch:
     """The DataLoader iterators of this process (see the module's doc); one per GEMINI."""
 
     def __init__(self) -> None:
-        # (iterator, its loader's shape, the RNG state it was made at: None for one made before)
-        self._made: list[tuple[weakref.ref[Any], str, torch.Tensor | None]] = []
+        # [iterator, its loader's shape, the RNG state it was made at (None: made before this
+        # watch), the RNG state at its first batch (None: not fetched yet; _UNKNOWN: not seen)]
+        self._made: list[list[Any]] = []
         # After a restore, until the first forward: the capture's iterators (shape, RNG state, at
-        # its end), and per shape the one made for a record at its end, with the RNG state before.
-        self._records: list[tuple[str, torch.Tensor | None, bool]] | None = None
+        # its end, RNG state at its first batch), and per shape the one made for a record at its
+        # end, with the RNG state before.
+        self._records: list[_Record] | None = None
         self._undo: dict[str, tuple[weakref.ref[Any] | None, torch.Tensor]] = {}
         # Iterators the loop made before this watch opened, with their loaders (see observe)
         self._premade: list[tuple[weakref.ref[Any], weakref.ref[Any]]] = []
@@ -186,9 +200,20 @@ class IteratorWatch:
                 _observed(it)
                 loader = by_sampler.get(id(getattr(it, "_index_sampler", None)))
                 if loader is not None:
+                    first = None if getattr(it, "_num_yielded", None) == 0 else _UNKNOWN
                     with contextlib.suppress(TypeError), self._lock:
                         self._premade.append((weakref.ref(it), weakref.ref(loader)))
-                        self._made.append((weakref.ref(it), _shape(loader), None))
+                        self._made.append([weakref.ref(it), _shape(loader), None, first])
+
+    def fetching_first(self, it: Any) -> None:
+        """`it` is about to fetch its first batch: the RNG state now is where a single-process
+        RandomSampler draws its permutation (see draw_now), kept for a capture."""
+        with self._lock:
+            for entry in self._made:
+                if entry[0]() is it:
+                    if entry[3] is None:
+                        entry[3] = torch.get_rng_state()
+                    return
 
     def uninstall(self) -> None:
         """This watch stops (the DataLoader method stays patched, inert without a watch)."""
@@ -202,6 +227,7 @@ class IteratorWatch:
         persistent = bool(getattr(loader, "persistent_workers", False))
         now = torch.get_rng_state()
         again: torch.Tensor | None = None  # made at this state, the global one restored after
+        first: Any = None  # a record's RNG state at its first batch (see _Record)
         with self._lock:
             record = None
             if self._records is not None:
@@ -211,13 +237,18 @@ class IteratorWatch:
             if record is not None and (not record[2] or persistent):
                 # (one made at a state not known: made again without a draw, as none was made)
                 again = record[1] if record[1] is not None else now
+                first = record[3]
             elif record is not None:
                 self._undo[shape] = (None, now)  # (its iterator filled in below)
         if again is not None:
             torch.set_rng_state(again)
             try:
                 it = make(loader)
-                draw_now(it)
+                if first is _UNKNOWN:  # (drawn as the making left the state: a capture of old)
+                    first = torch.get_rng_state()
+                if first is not None:  # (None: the capture was before its first batch, as now)
+                    torch.set_rng_state(first)
+                    draw_now(it)
             finally:
                 torch.set_rng_state(now)
             began = again
@@ -236,7 +267,7 @@ class IteratorWatch:
             except TypeError:  # (an iterator that takes no weak reference)
                 ref = None
             if ref is not None:
-                self._made.append((ref, shape, began))
+                self._made.append([ref, shape, began, first])
             if shape in self._undo and self._undo[shape][0] is None:
                 self._undo[shape] = (ref, self._undo[shape][1])
         return it
@@ -245,13 +276,16 @@ class IteratorWatch:
         """For a capture: each live iterator's shape, RNG state it was made at, and whether it
         yielded its epoch, oldest first."""
         with self._lock:
-            made = list(self._made)
+            made = [list(m) for m in self._made]
         out = []
-        for ref, shape, began in made:
+        for ref, shape, began, first in made:
             it = ref()
             if it is not None:
                 rng = began.clone() if began is not None else None
-                out.append({"shape": shape, "torch": rng, "ended": _ended(it)})
+                entry = {"shape": shape, "torch": rng, "ended": _ended(it)}
+                if first is not _UNKNOWN:
+                    entry["first"] = first.clone() if first is not None else None
+                out.append(entry)
         return out
 
     def restore(self, saved: Any) -> None:
@@ -263,18 +297,32 @@ class IteratorWatch:
         for entry in saved if isinstance(saved, list) else ([] if saved is None else [saved]):
             e = entry if isinstance(entry, dict) else {}
             shape, rng, ended = e.get("shape"), e.get("torch"), e.get("ended", False)
-            known = isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8 and rng.shape == (size,)
-            if isinstance(shape, str) and (rng is None or known) and isinstance(ended, bool):
-                records.append((shape, rng.clone() if rng is not None else None, ended))
+            first = e.get("first", _UNKNOWN)  # (a capture of an older version: not recorded)
+
+            def state(x: Any) -> bool:
+                return isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and x.shape == (size,)
+
+            if (
+                isinstance(shape, str)
+                and (rng is None or state(rng))
+                and isinstance(ended, bool)
+                and (first is None or first is _UNKNOWN or state(first))
+            ):
+                records.append(
+                    (
+                        shape,
+                        rng.clone() if rng is not None else None,
+                        ended,
+                        first.clone() if isinstance(first, torch.Tensor) else first,
+                    )
+                )
             else:
                 log.warning("the capture's RNG state of a DataLoader iterator is malformed: not used")
         records = self._made_before(records)
         with self._lock:
             self._records, self._undo = records, {}
 
-    def _made_before(
-        self, records: list[tuple[str, torch.Tensor | None, bool]]
-    ) -> list[tuple[str, torch.Tensor | None, bool]]:
+    def _made_before(self, records: list[_Record]) -> list[_Record]:
         """A record of an iterator captured at its epoch's end is taken by an iterator the loop has
         already made (before the session opened: a zero-import script's session opens at its first
         forward, after the loop made the epoch's iterator and fetched its first batch), not by one

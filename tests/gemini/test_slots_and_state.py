@@ -1699,7 +1699,7 @@ def test_a_disk_that_fails_between_copies_is_reported_by_the_probe(
 def test_the_iterator_watch_skips_malformed_records_and_loaders_with_their_own_generator(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A capture's `iterators` entry that is not (shape, RNG state, ended) is left out with a
+    """A capture's `iterators` entry that is not (shape, RNG states, ended) is left out with a
     warning, never raised into a restore; a DataLoader with its own `generator=` draws from it, and
     the watch neither records it nor touches the global RNG around it."""
     from torch.utils.data import DataLoader
@@ -1710,8 +1710,16 @@ def test_the_iterator_watch_skips_malformed_records_and_loaders_with_their_own_g
     watch.install()
     try:
         bad = torch.zeros(3, dtype=torch.uint8)  # not an RNG state's size
-        watch.restore([{"shape": 1}, "x", {"shape": "a", "torch": bad}, {"shape": "a", "ended": "no"}])
-        assert caplog.text.count("malformed: not used") == 4
+        watch.restore(
+            [
+                {"shape": 1},
+                "x",
+                {"shape": "a", "torch": bad},
+                {"shape": "a", "ended": "no"},
+                {"shape": "a", "torch": None, "first": bad},
+            ]
+        )
+        assert caplog.text.count("malformed: not used") == 5
         watch.first_step()  # nothing made, nothing to draw
         own = DataLoader(list(range(8)), batch_size=2, generator=torch.Generator().manual_seed(0))
         before = torch.get_rng_state()
@@ -1754,6 +1762,49 @@ def test_a_loader_without_workers_made_again_mid_epoch_draws_its_permutation_whe
         assert [next(again).tolist() for _ in range(3)] == seen  # the loop skips to its position
         assert [b.tolist() for b in again] == rest
         assert torch.equal(torch.rand(3), after)
+    finally:
+        watch.uninstall()
+
+
+@pytest.mark.parametrize("captured", ["mid-epoch", "before its first batch"])
+def test_two_loaders_made_again_mid_epoch_draw_their_permutations_where_they_did(captured: str) -> None:
+    """A multi-task loop reads two loaders without workers. It makes the auxiliary loader's
+    iterator, then the main one's (which draws its seed from the global RNG), then fetches from
+    both: the auxiliary RandomSampler draws its permutation at its first batch, after the main
+    iterator's making. Made again mid-epoch, it draws where it drew (the state at its first batch),
+    not at the state it was made at; captured before its first batch, it draws at that batch as
+    the uninterrupted run did. Before, an outsider's multi-task job resumed with another
+    auxiliary order after a kill and ended off its uninterrupted run."""
+    from torch.utils.data import DataLoader
+
+    from lm_resiliency.gemini.iterators import IteratorWatch
+
+    watch = IteratorWatch()
+    watch.install()
+    try:
+        torch.manual_seed(0)
+        aux = DataLoader(list(range(16)), batch_size=2, shuffle=True)
+        main = DataLoader(list(range(100, 124)), batch_size=3, shuffle=True)
+
+        def fetch(its: list[Any], n: int) -> list[list[int]]:
+            return [next(it).tolist() for it in its for _ in range(n)]
+
+        a, m = iter(aux), iter(main)
+        seen = fetch([a, m], 2) if captured == "mid-epoch" else []
+        saved, state = watch.snapshot(), torch.get_rng_state()  # a capture at this step
+        assert [e["first"] is None for e in saved] == [captured != "mid-epoch"] * 2
+        rest = fetch([a, m], 3)
+        after = torch.rand(3)
+        watch.restore(saved)
+        torch.set_rng_state(state)
+        a2, m2 = iter(aux), iter(main)  # the resumed loop makes both again, in the same order
+        assert fetch([a2, m2], 2 if captured == "mid-epoch" else 0) == seen  # skipped to its position
+        assert fetch([a2, m2], 3) == rest
+        assert torch.equal(torch.rand(3), after)
+        del a, m
+        again = watch.snapshot()  # the remade iterators keep where they drew, for the next capture
+        if captured == "mid-epoch":
+            assert all(torch.equal(x["first"], y["first"]) for x, y in zip(again, saved, strict=True))
     finally:
         watch.uninstall()
 
