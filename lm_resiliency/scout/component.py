@@ -415,8 +415,11 @@ class Scout:
             and opt is not None
             and model is not None
         ):
-            # Parameters, gradients, contributions and (Adam-like) two moments, in host memory.
-            record_bytes = 5 * sum(p.numel() * p.element_size() for p in model.parameters())
+            # Parameters, gradients, contributions and (Adam-like) two moments, in host memory
+            # (of a DTensor, its local shard: what is recorded).
+            record_bytes = 5 * sum(
+                (p.to_local() if is_dtensor(p) else p).numel() * p.element_size() for p in model.parameters()
+            )
             if record_bytes > config.replay_record_max_mib << 20:
                 log.info(
                     "rank %d: replay records would take %.0f MiB per checked step (limit %d MiB): "

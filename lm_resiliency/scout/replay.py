@@ -112,8 +112,15 @@ def _setting(v: Any) -> Any:
     return None
 
 
+def _local(t: Any) -> Any:
+    """A DTensor's local shard (FSDP2, HSDP: what this rank's optimizer steps and its replicas
+    hold too); anything else as it is."""
+    return t.to_local() if is_dtensor(t) else t
+
+
 def _host(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True)
+    local: torch.Tensor = _local(t)
+    return local.detach().to("cpu", copy=True)
 
 
 def _host_tree(obj: Any) -> Any:
@@ -158,9 +165,11 @@ class ReplayRecorder:
         where = {id(p): i for i, p in enumerate(mparams)}
         oparams = [p for g in opt.param_groups for p in g["params"]]
         problem = ""
-        if any(is_dtensor(p) for p in mparams):
-            problem = "DTensor parameters are not replayed"
-        elif hasattr(opt, "members"):
+        # DTensor parameters (FSDP2, HSDP) are recorded and replayed as their local shards: a
+        # torch optimizer steps each shard on its own (elementwise), and a replica of the shard
+        # holds the same one. One that reduces over a whole tensor (a norm, a factored moment)
+        # replays differently from the step: both replicas are off the replay, inconclusive.
+        if hasattr(opt, "members"):
             problem = "several optimizers (an OptimizerChain) are not replayed"
         elif getattr(opt, "partitioned", False):
             problem = "DeepSpeed ZeRO partitions the optimizer state over the replicas: not replayed"

@@ -346,6 +346,29 @@ def test_two_replicas_settle_a_corrupted_weight_by_replaying_the_optimizer_step(
         ], res["faults"]
 
 
+@pytest.mark.parametrize(("wrap", "world", "culprit"), [("ddp", 2, 1), ("hsdp", 4, 2)])
+def test_two_replicas_name_the_one_whose_optimizer_step_wrote_a_wrong_weight(
+    processes, tmp_path: Path, wrap: str, world: int, culprit: int
+) -> None:  # type: ignore[no-untyped-def]
+    """A device computes step 5 wrongly on one replica: a bit of a weight the optimizer just wrote.
+    The gradients agree and nothing changed between the steps: the step is replayed from its record
+    on both replicas, and the one off the replayed parameters is named. HSDP (FSDP2 over a 2-D mesh,
+    each shard held by two replicas on the two nodes) replays its local shards, as its optimizer
+    steps them; before, DTensor parameters were not replayed and both replicas were named
+    (`params_replay_inconclusive`): the torchrun leader restarted both nodes in place and the
+    faulty device stayed."""
+    results, _ = _run(
+        processes, tmp_path, "step-flip", steps=8, culprit=culprit, at=5, world=world, wrap=wrap
+    )
+    replicas = {culprit, culprit % 2 if wrap == "hsdp" else 1 - culprit}
+    for res in results:
+        sdc = [f for f in res["faults"] if f["kind"].startswith("sdc")]
+        if res["rank"] in replicas:
+            assert [(f["failed_ranks"], f["steps"], f["reason"]) for f in sdc] == [
+                ([culprit], [5], "params_replay_mismatch")
+            ], res["faults"]
+
+
 def test_a_rank_that_corrupts_again_is_reported_as_recurring_sdc_for_quarantine(
     processes, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]

@@ -1,7 +1,8 @@
 """One rank of a 4-rank gloo DDP job with SCOUT checking every step, and one injected fault.
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS,
-SCENARIO (clean|sdc|weight|optstate|recurring|compute|input|hang|output|output-once|localgrad|
+SCENARIO (clean|sdc|weight|step-flip: a weight written wrongly inside the optimizer's step|
+optstate|recurring|compute|input|hang|output|output-once|localgrad|
 nondeterministic: every rank's forward depends on the clock, so no replay can reproduce it;
 oom: the culprit's allocation of 16 TiB fails at AT_STEP and the exception goes uncaught;
 datastall: the culprit's data loader blocks for 3 s at AT_STEP; prep: the culprit's loader is fast
@@ -23,7 +24,8 @@ REPORT_DIR, INTERVAL (steps between checks; default 1), AUDIT (audit interval, 0
 SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
 default 10), LOADER_S (dataloader_latency_threshold_s; default 10),
 WRAP (ddp | plain: no DDP, this script all-reduces the gradients after backward | fsdp2: every layer
-sharded with `fully_shard` | fsdp1: FullyShardedDataParallel | tp: tensor parallel over the 4 ranks,
+sharded with `fully_shard` | hsdp: the same over a 2-D mesh, replicated over ranks 0 and 2 (1 and 3)
+| fsdp1: FullyShardedDataParallel | tp: tensor parallel over the 4 ranks,
 column- then row-wise, every rank fed the same batch), CHECKPOINT=1 (GEMINI captures every step as in
 the sdc scenario, and the result has the certificates and recovery decisions).
 Faults are injected by this script, never told to SCOUT. Writes RESULT_DIR/rank<r>.json with every
@@ -116,12 +118,18 @@ def main() -> int:
         inner.append(nn.BatchNorm1d(128))
     wrapped = os.environ.get("WRAP", "ddp") == "ddp"
     model: nn.Module = nn.parallel.DistributedDataParallel(inner) if wrapped else inner
-    sharded = os.environ.get("WRAP") == "fsdp2"
+    sharded = os.environ.get("WRAP") in ("fsdp2", "hsdp")
     if sharded:  # every parameter sharded over the 4 ranks: no two ranks hold the same state
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # hsdp: replicated over pairs of ranks (0 and 2, 1 and 3), sharded within (0 and 1, 2 and 3)
+        hsdp = os.environ.get("WRAP") == "hsdp"
+        mesh = (
+            init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+        )
         for layer in (inner[0], inner[2], inner):
-            fully_shard(layer)
+            fully_shard(layer, mesh=mesh)
     if os.environ.get("WRAP") == "fsdp1":  # FullyShardedDataParallel: flat parameters, no DTensor
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -151,6 +159,17 @@ def main() -> int:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     faults: list[dict[str, object]] = []
     current = {"step": 0}
+    if scenario == "step-flip" and rank == culprit:
+        # A device that computes the step wrongly: one bit of a weight the optimizer just wrote (a
+        # hook of the script's, registered before the session's: inside the step, before its end).
+        def flip_in_step(o: object, args: object, kwargs: object) -> None:
+            if current["step"] == at:
+                with torch.no_grad():
+                    w = inner[2].weight
+                    w = w.to_local() if hasattr(w, "to_local") else w
+                    w.view(-1).view(torch.int32)[11] ^= 1 << 20
+
+        opt.register_step_post_hook(flip_in_step)
     result: dict[str, object] = {"rank": rank, "first_seen_step": {}}
     written = threading.Event()
 
