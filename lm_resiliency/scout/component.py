@@ -520,11 +520,19 @@ class Scout:
         # while the others' did not is named (`rest_verdict`). The windows still open, by step.
         # A partition of the optimizer state and master weights on each rank (DeepSpeed ZeRO) is
         # checked so too: no replica holds it, and a flip in it reaches every replica's parameters
-        # alike through the next gather, where no fingerprint disagrees.
+        # alike through the next gather, where no fingerprint disagrees. So is torch's
+        # ZeroRedundancyOptimizer's: each rank steps the parameters it owns and broadcasts them, so
+        # a bit flipped between two checks (in a parameter it owns, its partition of the state, or
+        # a parameter it does not own, which its next gradients carry into every replica's) is in
+        # every replica's parameters alike after the next step. Before, a weight flipped on one of
+        # three ZeRO replicas between checks was never named, and the run ended off its
+        # uninterrupted one (found by an outsider job checked every 5 steps).
         self._rest_check = (
             config.enable
             and config.rest_interval > 0
-            and (len(self.group) == 1 or getattr(opt, "partitioned", False))
+            and (
+                len(self.group) == 1 or getattr(opt, "partitioned", False) or zero_partition(opt) is not None
+            )
             and len(self.peers) > 1
             and opt is not None
         )
@@ -650,8 +658,12 @@ class Scout:
         opt = self.adapter.optimizer
         params = (p for g in opt.param_groups for p in g["params"])
         partition = getattr(opt, "rest_tensors", None)  # (a ZeroView's partition)
+        zero = zero_partition(opt)  # (a ZeroRedundancyOptimizer's: the optimizer it wraps)
         return fingerprint_async(
-            list(params) + list(optimizer_tensors(opt)) + (list(partition()) if partition else [])
+            list(params)
+            + list(optimizer_tensors(opt))
+            + (list(partition()) if partition else [])
+            + (list(optimizer_tensors(zero)) if zero is not None else [])
         )
 
     def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:

@@ -369,6 +369,33 @@ def test_two_replicas_name_the_one_whose_optimizer_step_wrote_a_wrong_weight(
             ], res["faults"]
 
 
+@pytest.mark.parametrize("culprit", [0, 3], ids=["owner", "not-owner"])
+def test_a_weight_flipped_between_checks_under_zero_redundancy_is_named_at_rest(
+    processes, tmp_path: Path, culprit: int
+) -> None:  # type: ignore[no-untyped-def]
+    """ZeRO-1 (`ZeroRedundancyOptimizer`): each rank steps the parameters it owns and broadcasts
+    them. A weight flipped on one rank after step 6, with checks every 5 steps, is in every
+    replica's parameters alike by the check at 10: through the owner's broadcast, or through the
+    gradients the rank that does not own it computes with it. It is named at rest, at step 6 (the
+    state changed between two steps on one rank), and no step from 6 on is certified. Before, it
+    was never named (an outsider's job ended off its uninterrupted run)."""
+    results, _ = _run(
+        processes,
+        tmp_path,
+        "weight",
+        steps=12,
+        culprit=culprit,
+        at=6,
+        extra={"OPT": "zero", "INTERVAL": "5", "CHECKPOINT": "1"},
+    )
+    for res in results:
+        sdc = [f for f in res["faults"] if f["kind"].startswith("sdc")]
+        assert [(f["failed_ranks"], f["steps"], f["reason"]) for f in sdc] == [
+            ([culprit], [6], "state_changed_at_rest")
+        ], res["faults"]
+        assert res["certified"]["5"] and not any(res["certified"][str(s)] for s in range(6, 13)), res
+
+
 def test_a_rank_that_corrupts_again_is_reported_as_recurring_sdc_for_quarantine(
     processes, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]

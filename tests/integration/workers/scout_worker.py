@@ -19,7 +19,7 @@ lr-drift: after its step AT_STEP the culprit halves its learning rate, its repli
 leave: the culprit's loop ends at AT_STEP (uneven inputs): it closes its session and ends, or with
 LINGER=1 keeps its process group open (as a peer NCCL would wait for), until the test kills it),
 CULPRIT, AT_STEP, LOCALGRAD_ALSO (rank:step: a gradient flipped before reduction besides),
-REPORT_DIR, INTERVAL (steps between checks; default 1), AUDIT (audit interval, 0 = off), ACCUM
+REPORT_DIR, INTERVAL (steps between checks; default 1), OPT=zero (a ZeroRedundancyOptimizer of AdamW), AUDIT (audit interval, 0 = off), ACCUM
 (micro-batches per step),
 SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
 default 10), LOADER_S (dataloader_latency_threshold_s; default 10),
@@ -148,8 +148,14 @@ def main() -> int:
             nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Linear(512, 128))
         )
         plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
-    if scenario == "optstate":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if os.environ.get("OPT") == "zero":  # torch's ZeRO-1: each rank steps and broadcasts its own
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3
+        )
+    elif scenario == "optstate":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     elif scenario == "sharded-optim":
         opt = ShardedAdamW(model.parameters(), lr=1e-3)
     elif scenario == "stale-one-param":  # its last parameter in a group of its own
