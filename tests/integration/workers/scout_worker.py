@@ -19,7 +19,8 @@ lr-drift: after its step AT_STEP the culprit halves its learning rate, its repli
 leave: the culprit's loop ends at AT_STEP (uneven inputs): it closes its session and ends, or with
 LINGER=1 keeps its process group open (as a peer NCCL would wait for), until the test kills it),
 CULPRIT, AT_STEP, LOCALGRAD_ALSO (rank:step: a gradient flipped before reduction besides),
-REPORT_DIR, INTERVAL (steps between checks; default 1), OPT=zero (a ZeroRedundancyOptimizer of AdamW), AUDIT (audit interval, 0 = off), ACCUM
+REPORT_DIR, INTERVAL (steps between checks; default 1),
+OPT=zero (a ZeroRedundancyOptimizer of AdamW), AUDIT (audit interval, 0 = off), ACCUM
 (micro-batches per step),
 SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
 default 10), LOADER_S (dataloader_latency_threshold_s; default 10),
