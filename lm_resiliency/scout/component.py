@@ -527,11 +527,16 @@ class Scout:
         # every replica's parameters alike after the next step. Before, a weight flipped on one of
         # three ZeRO replicas between checks was never named, and the run ended off its
         # uninterrupted one (found by an outsider job checked every 5 steps).
+        # Two replicas are checked so too: a bit flipped between two checks leaves them apart at the
+        # next one with no majority, and each replay starts from its own copy (the flipped one
+        # too), so only a window checked at rest tells which one changed.
         self._rest_check = (
             config.enable
             and config.rest_interval > 0
             and (
-                len(self.group) == 1 or getattr(opt, "partitioned", False) or zero_partition(opt) is not None
+                len(self.group) <= 2  # (two replicas: below)
+                or getattr(opt, "partitioned", False)
+                or zero_partition(opt) is not None
             )
             and len(self.peers) > 1
             and opt is not None
@@ -568,6 +573,11 @@ class Scout:
         self._deferred_evidence: tuple[int, Fingerprint | None, int] | None = None
         self._last_params: tuple[int, bytes, bytes] = (-1, b"", b"")  # step, params, optimizer state
         self._divergence = DivergenceTracker(self.interval)  # disagreements that continue a judged one
+        # SDC named at rest (step after which the state changed -> ranks) and by a check of
+        # parameters or optimizer state (step -> ranks, ambiguous or not): one flip may be seen by
+        # both, a check window apart, whichever comes first; it is named once (see _seen_at_rest).
+        self._named_rest: dict[int, tuple[int, ...]] = {}
+        self._named_check: dict[int, tuple[tuple[int, ...], bool]] = {}
         # The last judged step's fingerprints, by what they cover ("grads", "params", "optim").
         self._judged_before: tuple[int, dict[str, dict[int, bytes]]] = (-1, {})
         # The last check that named ranks one optimizer step behind (a step skipped), and them: at
@@ -852,7 +862,7 @@ class Scout:
             self._revoke_from(step, "sdc")
         if verdict is not None:
             what = verdict.reason.split("_", 1)[0]
-            if self._divergence.continuing(verdict):
+            if self._divergence.continuing(verdict) or self._seen_at_rest(verdict):
                 if what == "grads" and self._divergence.grads_streak == GRADS_JUDGED + 1:
                     log.warning(
                         "rank %d: ranks %s disagree on gradients at every check since step %d; "
@@ -1233,7 +1243,9 @@ class Scout:
         got[msg.rank] = ReplayOutcome(msg.replayed, msg.recorded, msg.note, _tri(msg.drifted))
         if set(got) >= self._live_group():
             del self._replays[key]
-            self._report(replay_verdict(msg.step, msg.what, got))
+            verdict = replay_verdict(msg.step, msg.what, got)
+            if not self._seen_at_rest(verdict):
+                self._report(verdict)
         for old in [k for k in self._replays if k[0] < msg.step - KEEP_STEPS]:
             del self._replays[old]
 
@@ -1263,10 +1275,14 @@ class Scout:
         if not set(got) >= self._live_peers():
             return
         del self._rests[step]
-        verdict = rest_verdict(step, got)
+        # (Peers that are all replicas of one state: two DDP replicas, say; see rest_verdict.)
+        replicas = len(self.group) > 1 and set(self.group) == set(self.peers)
+        verdict = rest_verdict(step, got, replicas)
         if verdict is not None:
-            # The capture of `step` may hold the change: no step from it on is certified.
+            # The capture of `step` may hold the change: no step from it on is certified. The
+            # replicas' fingerprints part at the next check: that divergence, not judged again.
             self._revoke_from(step, "sdc")
+            self._divergence.judged_at_rest(step, verdict.ranks)
         elif any(got.values()):
             self._rest_check = False  # the same on every peer: they judged the same messages
             log.info(
@@ -1282,7 +1298,42 @@ class Scout:
             self._rests_open.discard(step)
         self._certify_held(step)
         if verdict is not None:
-            self._report(verdict, among_peers=True)
+            # A check after the change that named exactly these ranks named this flip already.
+            seen = [
+                c
+                for c, (ranks, ambiguous) in self._named_check.items()
+                if step < c <= step + self.interval and not ambiguous and set(ranks) == set(verdict.ranks)
+            ]
+            self._named_rest[step] = verdict.ranks
+            for old in [s for s in self._named_rest if s < step - KEEP_STEPS]:
+                del self._named_rest[old]
+            if seen:
+                log.info(
+                    "rank %d: %s at step %d was named at step %d", self.rank, verdict.reason, step, seen[0]
+                )
+            else:
+                self._report(verdict, among_peers=True)
+
+    def _seen_at_rest(self, v: Verdict) -> bool:
+        """Whether `v`, replicas' parameters or optimizer state apart at a check (or its replay),
+        is a change named at rest since the check before (the state changed on the ranks it names,
+        or on some of the ranks an ambiguous verdict names): that flip, not named again (it would
+        read as a second SDC of the same device: recurring). Noted otherwise."""
+        if v.kind not in ("sdc", "sdc_ambiguous") or v.reason.split("_", 1)[0] not in ("params", "optim"):
+            return False
+        ambiguous = v.kind == "sdc_ambiguous" or v.reason.endswith("inconclusive")
+        for at, ranks in self._named_rest.items():
+            if v.step - self.interval <= at < v.step and (
+                set(v.ranks) == set(ranks) or (ambiguous and set(ranks) <= set(v.ranks))
+            ):
+                log.info(
+                    "rank %d: %s at step %d was named at rest at step %d", self.rank, v.reason, v.step, at
+                )
+                return True
+        self._named_check[v.step] = (v.ranks, ambiguous)
+        for old in [s for s in self._named_check if s < v.step - KEEP_STEPS]:
+            del self._named_check[old]
+        return False
 
     def _certify_held(self, step: int) -> None:
         """A check up to `step` closed: the captures committed meanwhile may be certified now."""

@@ -90,6 +90,20 @@ def test_a_divergence_that_continues_is_judged_once_and_gradients_twice_in_a_row
     assert t.continuing(Verdict("sdc", (2,), 17, "params_fingerprint_minority"))
 
 
+def test_replicas_parted_by_a_change_named_at_rest_are_that_incident_at_the_next_check() -> None:
+    """A weight flipped on rank 1 after step 6 is named at rest (at step 6); with checks every 5
+    steps the replicas' parameters part at the check of step 10 (and stay apart): the same
+    divergence, not judged again (two replicas: no replay, which could not tell them apart)."""
+    t = DivergenceTracker(interval=5)
+    t.judged_at_rest(6, (1,))
+    assert t.continuing(Verdict("sdc_ambiguous", (0, 1), 10, "params_fingerprint_no_majority"))
+    assert t.continuing(Verdict("sdc", (1,), 15, "params_fingerprint_minority"))
+    t = DivergenceTracker(interval=5)
+    t.judged_at_rest(10, (1,))  # (after a check: the next one parts)
+    assert t.continuing(Verdict("sdc", (1,), 15, "params_fingerprint_minority"))
+    assert not t.continuing(Verdict("sdc", (2,), 25, "params_fingerprint_minority"))  # another, later
+
+
 def test_parameters_parted_by_a_moment_named_at_the_check_before_are_that_incident() -> None:
     """A moment corrupted between the step and the capture: named by the optimizer state at step 5,
     it parts the parameters at step 6 (the same divergence, not a second SDC). A later optimizer

@@ -48,6 +48,11 @@ def test_state_changed_at_rest_on_a_minority_of_peers_is_named() -> None:
     v = rest_verdict(4, {0: False, 1: True, 2: False, 3: False})
     assert v is not None and (v.kind, v.ranks, v.step, v.reason) == ("sdc", (1,), 4, "state_changed_at_rest")
     assert "changed after step 4" in v.detail
+    # Peers that are replicas of one state (two DDP replicas): a script changes both alike, so the
+    # one that changed while its replica did not is named, with no majority.
+    v = rest_verdict(7, {0: True, 1: False}, replicas=True)
+    assert v is not None and (v.kind, v.ranks, v.reason) == ("sdc", (0,), "state_changed_at_rest")
+    assert rest_verdict(7, {0: True, 1: True}, replicas=True) is None
     for changed in ({0: True, 1: False}, {0: True, 1: True, 2: False, 3: False}):
         v = rest_verdict(7, changed)
         want = tuple(r for r, c in changed.items() if c)

@@ -331,19 +331,23 @@ def test_a_weight_corrupted_after_the_step_is_not_in_a_certified_capture(process
         assert res["sdc_decision"]["checkpoint_step"] == 5, res["sdc_decision"]
 
 
+@pytest.mark.parametrize("rest", [1, 0], ids=["at-rest", "no-rest-checks"])
 def test_two_replicas_settle_a_corrupted_weight_by_replaying_the_optimizer_step(
-    processes, tmp_path: Path
+    processes, tmp_path: Path, rest: int
 ) -> None:  # type: ignore[no-untyped-def]
-    """A weight flipped on rank 1 after step 5 was checked: at step 6 the gradients agree (the all-reduce
-    averages the corrupted contribution away) and the parameters do not. Rank 1's replay starts from
-    its corrupted copy, but its parameters changed between the end of step 5 (agreed) and the start
-    of step 6, which no optimizer did: rank 1 is named, not both."""
-    results, _ = _run(processes, tmp_path, "weight", steps=10, culprit=1, at=5, world=2)
+    """A weight flipped on rank 1 after step 5 was checked. Checked at rest (the default), rank 1's
+    state changed between step 5 and step 6 while its replica's did not: named at step 5. Without
+    checks at rest: at step 6 the gradients agree (the all-reduce averages the corrupted
+    contribution away) and the parameters do not. Rank 1's replay starts from its corrupted copy,
+    but its parameters changed between the end of step 5 (agreed) and the start of step 6, which
+    no optimizer did: rank 1 is named, not both."""
+    results, _ = _run(
+        processes, tmp_path, "weight", steps=10, culprit=1, at=5, world=2, extra={"REST": str(rest)}
+    )
+    named = ([1], [5], "state_changed_at_rest") if rest else ([1], [6], "params_changed_outside_step")
     for res in results:
         sdc = [f for f in res["faults"] if f["kind"] == "sdc"]
-        assert [(f["failed_ranks"], f["steps"], f["reason"]) for f in sdc] == [
-            ([1], [6], "params_changed_outside_step")
-        ], res["faults"]
+        assert [(f["failed_ranks"], f["steps"], f["reason"]) for f in sdc] == [named], res["faults"]
 
 
 @pytest.mark.parametrize(("wrap", "world", "culprit"), [("ddp", 2, 1), ("hsdp", 4, 2)])
@@ -387,6 +391,36 @@ def test_a_weight_flipped_between_checks_under_zero_redundancy_is_named_at_rest(
         culprit=culprit,
         at=6,
         extra={"OPT": "zero", "INTERVAL": "5", "CHECKPOINT": "1"},
+    )
+    for res in results:
+        sdc = [f for f in res["faults"] if f["kind"].startswith("sdc")]
+        assert [(f["failed_ranks"], f["steps"], f["reason"]) for f in sdc] == [
+            ([culprit], [6], "state_changed_at_rest")
+        ], res["faults"]
+        assert res["certified"]["5"] and not any(res["certified"][str(s)] for s in range(6, 13)), res
+
+
+@pytest.mark.parametrize(("wrap", "world", "culprit"), [("ddp", 2, 1), ("hsdp", 4, 2)])
+def test_two_replicas_name_a_weight_flipped_between_checks_at_rest(
+    processes, tmp_path: Path, wrap: str, world: int, culprit: int
+) -> None:  # type: ignore[no-untyped-def]
+    """Checks every 5 steps, a weight flipped on one of two replicas after step 6: at the check of
+    step 10 the replicas disagree with no majority, and each one's replay starts from its own copy
+    (the flipped one too), so the replay cannot tell them apart. Each step's window at rest is
+    checked on two replicas as on one: the flip is named at step 6 and no step from 6 on is
+    certified. Before, both replicas were named at step 10 (`params_replay_inconclusive`), and
+    the torchrun leader restarted both nodes in place, keeping the faulty device (found by an
+    outsider HSDP job)."""
+    results, _ = _run(
+        processes,
+        tmp_path,
+        "weight",
+        steps=12,
+        culprit=culprit,
+        at=6,
+        world=world,
+        wrap=wrap,
+        extra={"INTERVAL": "5", "CHECKPOINT": "1"},
     )
     for res in results:
         sdc = [f for f in res["faults"] if f["kind"].startswith("sdc")]
@@ -514,17 +548,20 @@ def test_of_two_replicas_the_one_that_skipped_an_optimizer_step_is_named_with_no
         assert faults == [("stale_state", [1], [5], "grads_step_behind")], res["faults"]
 
 
+@pytest.mark.parametrize("rest", [1, 0], ids=["at-rest", "no-rest-checks"])
 def test_two_replicas_name_the_rank_whose_optimizer_state_changed_between_steps(
-    processes, tmp_path: Path
+    processes, tmp_path: Path, rest: int
 ) -> None:  # type: ignore[no-untyped-def]
-    """An AdamW moment flipped on rank 0 after step 5: its parameters part from rank 1's at step 6,
-    and rank 0's optimizer state before step 6 is not what it held after step 5."""
-    results, _ = _run(processes, tmp_path, "optstate", steps=10, culprit=0, at=5, world=2)
+    """An AdamW moment flipped on rank 0 after step 5: checked at rest, named at step 5; without,
+    its parameters part from rank 1's at step 6, and rank 0's optimizer state before step 6 is not
+    what it held after step 5."""
+    results, _ = _run(
+        processes, tmp_path, "optstate", steps=10, culprit=0, at=5, world=2, extra={"REST": str(rest)}
+    )
+    named = ([0], [5], "state_changed_at_rest") if rest else ([0], [6], "params_changed_outside_step")
     for res in results:
         sdc = [f for f in res["faults"] if f["kind"] == "sdc"]
-        assert [(f["failed_ranks"], f["steps"], f["reason"]) for f in sdc] == [
-            ([0], [6], "params_changed_outside_step")
-        ], res["faults"]
+        assert [(f["failed_ranks"], f["steps"], f["reason"]) for f in sdc] == [named], res["faults"]
 
 
 def test_an_optimizer_that_shards_its_state_over_the_replicas_is_no_sdc(processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -343,6 +343,11 @@ class DivergenceTracker:
         self.grads = (step, v.ranks, n)
         return n > GRADS_JUDGED
 
+    def judged_at_rest(self, step: int, ranks: tuple[int, ...]) -> None:
+        """Ranks were named for state that changed between step `step` and the next (at rest): the
+        disagreement it leaves at the next check is that divergence, not judged again."""
+        self.params = ((step // self.interval) * self.interval, frozenset(ranks))
+
     @property
     def grads_streak(self) -> int:
         """Checks in a row at which the ranks of the newest gradient disagreement disagreed."""

@@ -165,13 +165,15 @@ def fingerprint_verdict(step: int, what: str, fingerprints: Mapping[int, bytes])
     )
 
 
-def rest_verdict(step: int, changed: Mapping[int, bool]) -> Verdict | None:
+def rest_verdict(step: int, changed: Mapping[int, bool], replicas: bool = False) -> Verdict | None:
     """Judge one window between two optimizer steps of peers whose state no replica holds (FSDP2
     shards): `changed[r]` says whether rank r's parameters or optimizer state changed between the end
     of its step `step` and the start of its next. None when none changed, and when every one did
     (the script's doing: a normalisation or an averaging applied between steps). A strict minority
     of three or more is named; otherwise the ranks that changed, ambiguous (a script's clamp may
-    change some shards and not others)."""
+    change some shards and not others). `replicas`: the peers are replicas of one state (two DDP
+    replicas): what a script does between steps it does to both alike, so the ones that changed
+    while a replica did not are named, with no majority needed."""
     moved = tuple(sorted(r for r, c in changed.items() if c))
     if not moved or len(moved) == len(changed):
         return None
@@ -180,7 +182,7 @@ def rest_verdict(step: int, changed: Mapping[int, bool]) -> Verdict | None:
         f"the next optimizer step, while {len(changed) - len(moved)} of their {len(changed)} peers' "
         "did not (no replica holds their shards to compare with)"
     )
-    if len(changed) >= 3 and 2 * len(moved) < len(changed):
+    if replicas or (len(changed) >= 3 and 2 * len(moved) < len(changed)):
         return Verdict("sdc", moved, step, "state_changed_at_rest", what)
     return Verdict("sdc_ambiguous", moved, step, "state_changed_at_rest_no_majority", what)
 

@@ -20,7 +20,7 @@ leave: the culprit's loop ends at AT_STEP (uneven inputs): it closes its session
 LINGER=1 keeps its process group open (as a peer NCCL would wait for), until the test kills it),
 CULPRIT, AT_STEP, LOCALGRAD_ALSO (rank:step: a gradient flipped before reduction besides),
 REPORT_DIR, INTERVAL (steps between checks; default 1),
-OPT=zero (a ZeroRedundancyOptimizer of AdamW), AUDIT (audit interval, 0 = off), ACCUM
+OPT=zero (a ZeroRedundancyOptimizer of AdamW), AUDIT (audit interval, 0 = off), REST (rest_interval), ACCUM
 (micro-batches per step),
 SLOW_LOADER (a rank whose loader is slow besides the scenario's fault), HB_TIMEOUT (heartbeat timeout, s;
 default 10), LOADER_S (dataloader_latency_threshold_s; default 10),
@@ -215,6 +215,7 @@ def main() -> int:
             checkpoint_io_latency_threshold_s=float(os.environ.get("IO_S", "120")),
             report_dir=os.environ["REPORT_DIR"],
             audit_interval=int(os.environ.get("AUDIT", "0")),
+            rest_interval=int(os.environ.get("REST", "1")),
         ),
         runtime=RuntimeConfig(
             heartbeat_interval_s=0.1,
@@ -400,6 +401,7 @@ def main() -> int:
         if scenario == "weight" and rank == culprit and step == at:
             with torch.no_grad():
                 w = inner[2].weight
+                w = w.to_local() if hasattr(w, "to_local") else w  # (a DTensor's view would gather)
                 w.view(-1).view(torch.int32)[11] ^= 1 << 20  # one bit of a weight, after the step
     if scenario in ("output", "output-once", "localgrad"):
         result["certified"] = {str(s): session.scout.certified(s) for s in range(1, steps + 1)}
