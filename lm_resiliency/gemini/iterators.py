@@ -18,15 +18,18 @@ in turn (by the loader's shape):
 - one captured at its epoch's end is made as torch makes it (a draw: the uninterrupted run made the
   next epoch's iterator after the capture, from the restored state). If the loop skips it to its
   end (or drops it) and makes another, that one is made from the state before the first: one draw,
-  as the uninterrupted run made. (A loader with persistent workers starts its next epoch without a
-  draw: its iterator is made again as a mid-epoch one.)
+  as the uninterrupted run made. (A loader with persistent workers starts its next epoch without
+  making an iterator: its iterator is made again at its own state, then reset to its next epoch from
+  the restored state, as the uninterrupted run's was: a RandomSampler draws the epoch's order there.)
 
 Without workers, a `RandomSampler` draws its permutation at the iterator's first batch, not as it is
 made: the RNG state at that first batch goes with a capture too, and an iterator made again
 mid-epoch draws it at once (its first batch of indices taken and put back, no data fetched), at that
 state. (Not at the state it was made at: a loop that reads two loaders made the second's iterator,
 which drew its workers' seed, between the first's making and its first batch.) One captured before
-its first batch draws it at its first batch, as the uninterrupted run did.
+its first batch (or as it fetches it: a step's capture is taken at the next step's first fetch,
+where an epoch begins) draws it at its first batch, from the restored state, as the uninterrupted
+run did after the capture.
 
 Loaders with their own `generator=` draw from it, not from the global RNG, and are left alone.
 
@@ -228,6 +231,7 @@ class IteratorWatch:
         now = torch.get_rng_state()
         again: torch.Tensor | None = None  # made at this state, the global one restored after
         first: Any = None  # a record's RNG state at its first batch (see _Record)
+        next_epoch = False  # a persistent-workers iterator captured at its epoch's end
         with self._lock:
             record = None
             if self._records is not None:
@@ -238,6 +242,7 @@ class IteratorWatch:
                 # (one made at a state not known: made again without a draw, as none was made)
                 again = record[1] if record[1] is not None else now
                 first = record[3]
+                next_epoch = record[2]
             elif record is not None:
                 self._undo[shape] = (None, now)  # (its iterator filled in below)
         if again is not None:
@@ -251,6 +256,8 @@ class IteratorWatch:
                     draw_now(it)
             finally:
                 torch.set_rng_state(now)
+            if next_epoch and callable(getattr(it, "_reset", None)):
+                self._next_epoch(it, loader, now)
             began = again
         else:
             if undo is not None:
@@ -272,6 +279,25 @@ class IteratorWatch:
                 self._undo[shape] = (ref, self._undo[shape][1])
         return it
 
+    def _next_epoch(self, it: Any, loader: Any, before: torch.Tensor) -> None:
+        """A persistent-workers iterator made again for one captured at its epoch's end: the
+        uninterrupted run's went on to its next epoch after the capture, from the restored state
+        `before` (its sampler's next order drawn there: a RandomSampler's from the global RNG; its
+        workers kept), and so does this one. If the loop skips it to its end before any step and
+        asks for the next epoch (it iterates the ended epoch again to reach its position), that
+        reset is made from `before` again: one draw in all, as the uninterrupted run made."""
+        reset = type(it)._reset
+        it._reset(loader)
+
+        def once(loader_: Any, *args: Any, **kwargs: Any) -> Any:
+            it.__dict__.pop("_reset", None)
+            if self._records is not None and _ended(it):  # (skipped to its end: no step used it)
+                torch.set_rng_state(before)
+            return reset(it, loader_, *args, **kwargs)
+
+        with contextlib.suppress(AttributeError, TypeError):
+            it._reset = once
+
     def snapshot(self) -> list[dict[str, Any]]:
         """For a capture: each live iterator's shape, RNG state it was made at, and whether it
         yielded its epoch, oldest first."""
@@ -283,7 +309,11 @@ class IteratorWatch:
             if it is not None:
                 rng = began.clone() if began is not None else None
                 entry = {"shape": shape, "torch": rng, "ended": _ended(it)}
-                if first is not _UNKNOWN:
+                if int(getattr(it, "_num_yielded", 0) or 0) == 0:
+                    # Its first batch not drawn yet (a capture taken as it fetches it: where an
+                    # epoch begins): the resumed loop's first fetch draws it, from the restored state.
+                    entry["first"] = None
+                elif first is not _UNKNOWN:
                     entry["first"] = first.clone() if first is not None else None
                 out.append(entry)
         return out

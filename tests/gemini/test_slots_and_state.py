@@ -1766,15 +1766,17 @@ def test_a_loader_without_workers_made_again_mid_epoch_draws_its_permutation_whe
         watch.uninstall()
 
 
-@pytest.mark.parametrize("captured", ["mid-epoch", "before its first batch"])
+@pytest.mark.parametrize("captured", ["mid-epoch", "before its first batch", "as it fetches its first batch"])
 def test_two_loaders_made_again_mid_epoch_draw_their_permutations_where_they_did(captured: str) -> None:
     """A multi-task loop reads two loaders without workers. It makes the auxiliary loader's
     iterator, then the main one's (which draws its seed from the global RNG), then fetches from
     both: the auxiliary RandomSampler draws its permutation at its first batch, after the main
     iterator's making. Made again mid-epoch, it draws where it drew (the state at its first batch),
-    not at the state it was made at; captured before its first batch, it draws at that batch as
-    the uninterrupted run did. Before, an outsider's multi-task job resumed with another
-    auxiliary order after a kill and ended off its uninterrupted run."""
+    not at the state it was made at; captured before its first batch (or as it fetches it: a
+    step's capture taken at the next step's first fetch, where an epoch begins), it draws at that
+    batch as the uninterrupted run did, after the restore. Before, an outsider's multi-task job
+    resumed with another auxiliary order after a kill and ended off its uninterrupted run, and a
+    capture at an epoch's first fetch resumed one draw behind."""
     from torch.utils.data import DataLoader
 
     from lm_resiliency.gemini.iterators import IteratorWatch
@@ -1791,9 +1793,18 @@ def test_two_loaders_made_again_mid_epoch_draw_their_permutations_where_they_did
 
         a, m = iter(aux), iter(main)
         seen = fetch([a, m], 2) if captured == "mid-epoch" else []
-        saved, state = watch.snapshot(), torch.get_rng_state()  # a capture at this step
+        if captured == "as it fetches its first batch":  # (GEMINI's capture, at the fetch)
+            taken: list[Any] = []
+            watch.on_fetch = lambda: (
+                taken.append((watch.snapshot(), torch.get_rng_state())) if not taken else None
+            )
+            rest = fetch([a, m], 3)
+            watch.on_fetch = None
+            saved, state = taken[0]
+        else:
+            saved, state = watch.snapshot(), torch.get_rng_state()  # a capture at this step
+            rest = fetch([a, m], 3)
         assert [e["first"] is None for e in saved] == [captured != "mid-epoch"] * 2
-        rest = fetch([a, m], 3)
         after = torch.rand(3)
         watch.restore(saved)
         torch.set_rng_state(state)

@@ -493,6 +493,7 @@ def test_a_second_open_session_in_one_process_is_refused() -> None:
         assert second.step_count == 0
 
 
+@pytest.mark.parametrize("shuffle", ["distributed", "random"])
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent-workers"])
 @pytest.mark.parametrize(
     ("at", "style"),
@@ -500,19 +501,21 @@ def test_a_second_open_session_in_one_process_is_refused() -> None:
     ids=["mid-epoch", "epoch-end-skipped", "epoch-end"],
 )
 def test_a_plain_data_loader_made_again_on_resume_draws_what_the_uninterrupted_run_drew(
-    tmp_path: Path, at: int, style: str, persistent: bool
+    tmp_path: Path, at: int, style: str, persistent: bool, shuffle: str
 ) -> None:
     """The same, for a DataLoader the loop iterates itself (not instrumented), as most scripts do:
     resumed mid-epoch (the loop makes the epoch's iterator again and skips 4 batches), or where
     epoch 0 ended (it makes epoch 0's again and skips all of it, or goes on to epoch 1 at once).
     The uninterrupted run drew once for epoch 1's iterator after the capture; the resumed one draws
     as often. Before, mid-epoch and epoch-end-skipped drew once more, and dropout shifted. With
-    persistent workers, no epoch after the first draws (its iterator is reset, not made)."""
+    persistent workers, no epoch after the first draws (its iterator is reset, not made). With a
+    RandomSampler (`shuffle=True`), which draws its order from the global RNG (without workers, at
+    the iterator's first batch)."""
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     data = TensorDataset(torch.randn(40, 8, generator=torch.Generator().manual_seed(0)))
     ckpt = InMemoryCkptConfig(
-        run_id=f"plain-loader-{at}-{style}-{persistent}", disk_folder=str(tmp_path / "disk")
+        run_id=f"plain-loader-{at}-{style}-{persistent}-{shuffle}", disk_folder=str(tmp_path / "disk")
     )
     workers = {"num_workers": 1, "persistent_workers": True} if persistent else {"num_workers": 0}
 
@@ -521,6 +524,8 @@ def test_a_plain_data_loader_made_again_on_resume_draws_what_the_uninterrupted_r
         model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2))
         sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=3)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if shuffle == "random":
+            return model, opt, DataLoader(data, batch_size=4, shuffle=True, **workers), sampler
         return model, opt, DataLoader(data, batch_size=4, sampler=sampler, **workers), sampler
 
     def step(model: nn.Module, opt: torch.optim.Optimizer, batch: list[torch.Tensor]) -> None:
