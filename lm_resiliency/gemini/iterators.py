@@ -261,8 +261,8 @@ class IteratorWatch:
             began = again
         else:
             if undo is not None:
-                first = undo[0]() if undo[0] is not None else None
-                if first is None or _ended(first):  # skipped to its end, or dropped: no step used it
+                earlier = undo[0]() if undo[0] is not None else None
+                if earlier is None or _ended(earlier):  # skipped to its end, or dropped: no step used it
                     now = undo[1]
                     torch.set_rng_state(now)
             began = now
@@ -314,7 +314,7 @@ class IteratorWatch:
                     # epoch begins): the resumed loop's first fetch draws it, from the restored state.
                     entry["first"] = None
                 elif first is not _UNKNOWN:
-                    entry["first"] = first.clone() if first is not None else None
+                    entry["first"] = first.clone() if isinstance(first, torch.Tensor) else None
                 out.append(entry)
         return out
 

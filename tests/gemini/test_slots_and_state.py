@@ -1820,6 +1820,39 @@ def test_two_loaders_made_again_mid_epoch_draw_their_permutations_where_they_did
         watch.uninstall()
 
 
+def test_an_ended_iterator_skipped_again_while_the_loop_holds_it_is_no_capture_of_its_successor() -> None:
+    """Restored where an epoch ended, the loop makes that epoch's iterator again, skips it to its end
+    while it still holds it (`it = iter(loader)` rebinds it after the next one is made) and makes
+    the next: a later capture records the next one as an iterator of its own. Before, the ended one
+    was recorded in its place and the capture failed (an outsider's multi-task job died of an
+    AttributeError at the step after such a restore, on every rank)."""
+    from torch.utils.data import DataLoader
+
+    from lm_resiliency.gemini.iterators import IteratorWatch
+
+    watch = IteratorWatch()
+    watch.install()
+    try:
+        torch.manual_seed(0)
+        loader = DataLoader(list(range(8)), batch_size=2, shuffle=True)
+        it = iter(loader)
+        order = [b.tolist() for b in it]
+        saved, state = watch.snapshot(), torch.get_rng_state()  # a capture where the epoch ended
+        nxt = iter(loader)
+        want = [b.tolist() for b in nxt]
+        watch.restore(saved)
+        torch.set_rng_state(state)
+        it = iter(loader)
+        assert [b.tolist() for b in it] == want  # (made as torch makes it: the next epoch's order)
+        it = iter(loader)  # the loop asks for another while it holds the ended one
+        next(it)
+        (entry,) = [e for e in watch.snapshot() if not e["ended"]]
+        assert isinstance(entry["first"], torch.Tensor)  # (the RNG state at its first batch)
+        assert order != want
+    finally:
+        watch.uninstall()
+
+
 def test_what_a_restart_trusts_is_kept_with_the_durable_copies(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
