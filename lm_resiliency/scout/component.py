@@ -578,6 +578,8 @@ class Scout:
         # both, a check window apart, whichever comes first; it is named once (see _seen_at_rest).
         self._named_rest: dict[int, tuple[int, ...]] = {}
         self._named_check: dict[int, tuple[tuple[int, ...], bool]] = {}
+        # Ambiguous verdicts of a replay held while a window at rest that may name the rank is open.
+        self._held: list[Verdict] = []
         # The last judged step's fingerprints, by what they cover ("grads", "params", "optim").
         self._judged_before: tuple[int, dict[str, dict[int, bytes]]] = (-1, {})
         # The last check that named ranks one optimizer step behind (a step skipped), and them: at
@@ -793,6 +795,7 @@ class Scout:
         if set(per_step) >= self._live_group():
             self._judge_fingerprints(ev.step, per_step)
             del self._evidence[ev.step]
+            self._release_held(ev.step)
         for old in [s for s in self._evidence if s < ev.step - KEEP_STEPS]:
             del self._evidence[old]
 
@@ -1244,7 +1247,9 @@ class Scout:
         if set(got) >= self._live_group():
             del self._replays[key]
             verdict = replay_verdict(msg.step, msg.what, got)
-            if not self._seen_at_rest(verdict):
+            if self._rest_may_name(verdict):
+                self._held.append(verdict)  # (see _release_held)
+            elif not self._seen_at_rest(verdict):
                 self._report(verdict)
         for old in [k for k in self._replays if k[0] < msg.step - KEEP_STEPS]:
             del self._replays[old]
@@ -1302,7 +1307,7 @@ class Scout:
             seen = [
                 c
                 for c, (ranks, ambiguous) in self._named_check.items()
-                if step < c <= step + self.interval and not ambiguous and set(ranks) == set(verdict.ranks)
+                if step <= c <= step + self.interval and not ambiguous and set(ranks) == set(verdict.ranks)
             ]
             self._named_rest[step] = verdict.ranks
             for old in [s for s in self._named_rest if s < step - KEEP_STEPS]:
@@ -1313,6 +1318,32 @@ class Scout:
                 )
             else:
                 self._report(verdict, among_peers=True)
+        self._release_held(step)
+
+    def _rest_may_name(self, v: Verdict) -> bool:
+        """Whether `v`, replicas' parameters or optimizer state apart with no culprit (two replicas
+        whose replay could not tell them apart), waits for a window at rest still open that may
+        name one: a weight flipped after step k is seen by the check of k or the next, and by the
+        window after k, whichever closes first. Before, the ambiguous verdict came first and the
+        torchrun leader restarted both replicas in place, keeping the faulty device."""
+        if not (
+            self._rest_check
+            and v.kind == "sdc_ambiguous"
+            and v.reason.split("_", 1)[0] in ("params", "optim")
+        ):
+            return False
+        with self._lock:  # (the training thread opens windows)
+            return any(v.step - self.interval <= t <= v.step for t in self._rests_open)
+
+    def _release_held(self, step: int) -> None:
+        """Held verdicts whose windows closed (or that waited `KEEP_STEPS` steps): reported,
+        unless a window named their flip."""
+        held, self._held = self._held, []
+        for v in held:
+            if self._rest_may_name(v) and v.step > step - KEEP_STEPS:
+                self._held.append(v)
+            elif not self._seen_at_rest(v):
+                self._report(v)
 
     def _seen_at_rest(self, v: Verdict) -> bool:
         """Whether `v`, replicas' parameters or optimizer state apart at a check (or its replay),
@@ -1323,7 +1354,7 @@ class Scout:
             return False
         ambiguous = v.kind == "sdc_ambiguous" or v.reason.endswith("inconclusive")
         for at, ranks in self._named_rest.items():
-            if v.step - self.interval <= at < v.step and (
+            if v.step - self.interval <= at <= v.step and (
                 set(v.ranks) == set(ranks) or (ambiguous and set(ranks) <= set(v.ranks))
             ):
                 log.info(
