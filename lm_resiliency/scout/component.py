@@ -368,6 +368,7 @@ class Scout:
         self._stalls = StallDetector(phases)
         # A peer declared dead stays silent one more heartbeat timeout before it is named cut off.
         self._silences = SilenceDetector(heartbeat_timeout_s)
+        self._hold_s = heartbeat_timeout_s  # (at least: see _release_held)
         # Under the torchrun backend, the beat counters of the control store (ControlChannel.alive):
         # a peer silent on our transport whose counter still goes up reaches the network.
         self.alive_counts: Callable[[list[int]], dict[int, int]] | None = None
@@ -578,8 +579,9 @@ class Scout:
         # both, a check window apart, whichever comes first; it is named once (see _seen_at_rest).
         self._named_rest: dict[int, tuple[int, ...]] = {}
         self._named_check: dict[int, tuple[tuple[int, ...], bool]] = {}
-        # Ambiguous verdicts of a replay held while a window at rest that may name the rank is open.
-        self._held: list[Verdict] = []
+        # Ambiguous verdicts of a replay held while a window at rest that may name the rank is open,
+        # with when they were held.
+        self._held: list[tuple[Verdict, float]] = []
         # The last judged step's fingerprints, by what they cover ("grads", "params", "optim").
         self._judged_before: tuple[int, dict[str, dict[int, bytes]]] = (-1, {})
         # The last check that named ranks one optimizer step behind (a step skipped), and them: at
@@ -1248,7 +1250,7 @@ class Scout:
             del self._replays[key]
             verdict = replay_verdict(msg.step, msg.what, got)
             if self._rest_may_name(verdict):
-                self._held.append(verdict)  # (see _release_held)
+                self._held.append((verdict, time.monotonic()))  # (see _release_held)
             elif not self._seen_at_rest(verdict):
                 self._report(verdict)
         for old in [k for k in self._replays if k[0] < msg.step - KEEP_STEPS]:
@@ -1336,12 +1338,17 @@ class Scout:
             return any(v.step - self.interval <= t <= v.step for t in self._rests_open)
 
     def _release_held(self, step: int) -> None:
-        """Held verdicts whose windows closed (or that waited `KEEP_STEPS` steps): reported,
-        unless a window named their flip."""
+        """Held verdicts whose windows closed, or that waited long enough (the heartbeat timeout,
+        or three steps' time: the job's last step, whose window never closes, or a peer gone
+        silent): reported, unless a window named their flip."""
+        now = time.monotonic()
+        ended = self._ended.copy()  # (the training thread adds to it: one copy, under the GIL)
+        ends = [ended[s] for s in sorted(ended)[-2:]]
+        wait = max(self._hold_s, 3 * (ends[1] - ends[0]) if len(ends) == 2 else 0.0)
         held, self._held = self._held, []
-        for v in held:
-            if self._rest_may_name(v) and v.step > step - KEEP_STEPS:
-                self._held.append(v)
+        for v, since in held:
+            if self._rest_may_name(v) and v.step > step - KEEP_STEPS and now - since < wait:
+                self._held.append((v, since))
             elif not self._seen_at_rest(v):
                 self._report(v)
 
@@ -1441,6 +1448,8 @@ class Scout:
 
     def _on_progress(self, msg: Progress) -> None:
         self._progress[msg.rank] = msg
+        if self._held:  # (each heartbeat: a window that does not close does not hold them forever)
+            self._release_held(self._session_step())
 
     def _own_progress(self) -> Progress:
         a = self.adapter
