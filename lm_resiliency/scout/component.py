@@ -546,8 +546,14 @@ class Scout:
             config.enable and len(self.group) == 1 and (bool(self._auditors) or self._rest_check)
         )
         # Replicas each holding a partition (DeepSpeed ZeRO): certificates wait for the checks at
-        # rest too (see _rest_pending), and come when those close.
-        self._partition_rest = self._rest_check and not self._unreplicated
+        # rest too (see _rest_pending), and come when those close. (Not two replicas of one state:
+        # their check compares what the capture holds, and a window after it holds the next step's
+        # change. Waiting left the job's last step, whose window never closes, uncertified.)
+        self._partition_rest = (
+            self._rest_check
+            and not self._unreplicated
+            and (getattr(opt, "partitioned", False) or zero_partition(opt) is not None)
+        )
         self._audits_open: set[int] = set()
         self._rest: tuple[int, Fingerprint] | None = None  # the last step, its state as it left it
         self._rest_found: list[tuple[int, Fingerprint, Fingerprint]] = []  # checked, to send
@@ -1752,7 +1758,7 @@ class Scout:
         (the capture is taken after the step's fingerprints), so its parameters' agreement alone
         does not certify it. (Certified anyway, a flip found at rest after step s left only the
         captures of s and s+1, both revoked, and the restart began again from step 0.)"""
-        return self._rest_check and any(t <= step for t in self._rests_open)
+        return self._partition_rest and any(t <= step for t in self._rests_open)
 
     def _audited(self, step: int) -> bool:
         """(lock held) `step` of a rank no replica holds: its peers' audits and checks at rest found

@@ -428,6 +428,7 @@ def test_two_replicas_name_a_weight_flipped_between_checks_at_rest(
             ([culprit], [6], "state_changed_at_rest")
         ], res["faults"]
         assert res["certified"]["5"] and not any(res["certified"][str(s)] for s in range(6, 13)), res
+        assert res["sdc_decision"]["checkpoint_step"] == 5, res["sdc_decision"]  # (its capture kept)
 
 
 def test_a_rank_that_corrupts_again_is_reported_as_recurring_sdc_for_quarantine(
