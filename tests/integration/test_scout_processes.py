@@ -373,44 +373,26 @@ def test_two_replicas_name_the_one_whose_optimizer_step_wrote_a_wrong_weight(
             ], res["faults"]
 
 
-@pytest.mark.parametrize("culprit", [0, 3], ids=["owner", "not-owner"])
-def test_a_weight_flipped_between_checks_under_zero_redundancy_is_named_at_rest(
-    processes, tmp_path: Path, culprit: int
+@pytest.mark.parametrize(
+    ("opt", "wrap", "world", "culprit"),
+    [("zero", "ddp", 4, 0), ("zero", "ddp", 4, 3), ("", "ddp", 2, 1), ("", "hsdp", 4, 2)],
+    ids=["zero-owner", "zero-not-owner", "two-ddp-replicas", "two-hsdp-replicas"],
+)
+def test_a_weight_flipped_between_checks_is_named_at_rest(
+    processes, tmp_path: Path, opt: str, wrap: str, world: int, culprit: int
 ) -> None:  # type: ignore[no-untyped-def]
-    """ZeRO-1 (`ZeroRedundancyOptimizer`): each rank steps the parameters it owns and broadcasts
-    them. A weight flipped on one rank after step 6, with checks every 5 steps, is in every
-    replica's parameters alike by the check at 10: through the owner's broadcast, or through the
-    gradients the rank that does not own it computes with it. It is named at rest, at step 6 (the
-    state changed between two steps on one rank), and no step from 6 on is certified. Before, it
-    was never named (an outsider's job ended off its uninterrupted run)."""
-    results, _ = _run(
-        processes,
-        tmp_path,
-        "weight",
-        steps=12,
-        culprit=culprit,
-        at=6,
-        extra={"OPT": "zero", "INTERVAL": "5", "CHECKPOINT": "1"},
-    )
-    for res in results:
-        sdc = [f for f in res["faults"] if f["kind"].startswith("sdc")]
-        assert [(f["failed_ranks"], f["steps"], f["reason"]) for f in sdc] == [
-            ([culprit], [6], "state_changed_at_rest")
-        ], res["faults"]
-        assert res["certified"]["5"] and not any(res["certified"][str(s)] for s in range(6, 13)), res
-
-
-@pytest.mark.parametrize(("wrap", "world", "culprit"), [("ddp", 2, 1), ("hsdp", 4, 2)])
-def test_two_replicas_name_a_weight_flipped_between_checks_at_rest(
-    processes, tmp_path: Path, wrap: str, world: int, culprit: int
-) -> None:  # type: ignore[no-untyped-def]
-    """Checks every 5 steps, a weight flipped on one of two replicas after step 6: at the check of
-    step 10 the replicas disagree with no majority, and each one's replay starts from its own copy
-    (the flipped one too), so the replay cannot tell them apart. Each step's window at rest is
-    checked on two replicas as on one: the flip is named at step 6 and no step from 6 on is
-    certified. Before, both replicas were named at step 10 (`params_replay_inconclusive`), and
-    the torchrun leader restarted both nodes in place, keeping the faulty device (found by an
-    outsider HSDP job)."""
+    """Checks every 5 steps, a weight flipped on one rank after step 6. It is named at rest, at step
+    6 (the state changed between two steps on that rank), no step from 6 on is certified, and an SDC
+    restart resumes from step 5 (its capture kept).
+    - ZeRO-1 (`ZeroRedundancyOptimizer`): each rank steps the parameters it owns and broadcasts
+      them, so by the check at 10 the flip is in every replica's parameters alike (through the
+      owner's broadcast, or through the gradients the rank that does not own it computes with it).
+      Before, it was never named (an outsider's job ended off its uninterrupted run).
+    - Two replicas (DDP, or HSDP over two nodes): at the check of step 10 they disagree with no
+      majority, and each one's replay starts from its own copy (the flipped one too), so the replay
+      cannot tell them apart. Before, both were named at step 10 (`params_replay_inconclusive`),
+      and the torchrun leader restarted both nodes in place, keeping the faulty device (found by an
+      outsider HSDP job)."""
     results, _ = _run(
         processes,
         tmp_path,
@@ -420,7 +402,7 @@ def test_two_replicas_name_a_weight_flipped_between_checks_at_rest(
         at=6,
         world=world,
         wrap=wrap,
-        extra={"INTERVAL": "5", "CHECKPOINT": "1"},
+        extra={"OPT": opt, "INTERVAL": "5", "CHECKPOINT": "1"},
     )
     for res in results:
         sdc = [f for f in res["faults"] if f["kind"].startswith("sdc")]
