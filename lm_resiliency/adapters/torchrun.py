@@ -690,6 +690,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             "checkpoint_id": plan.get("checkpoint_id", ""),
             "reason_code": plan.get("reason_code", "restart"),
             "failure_kind": plan.get("failure_kind", "process_failure"),
+            "failure_kinds": plan.get("failure_kinds", [plan.get("failure_kind", "process_failure")]),
             "culprits": plan.get("culprits", []),
             "error": plan.get("error", ""),
             "admitted": plan.get("admitted", []),
@@ -1141,13 +1142,17 @@ class _Pulse:
         """The step every rank of the new generation restores, from the workers' GEMINI inventories."""
         pending = dict(old.pending)
         kind = str(pending.get("failure_kind", "none"))
-        mode = "recovery_verified" if kind in ("sdc", "stale_state", "hardware") else "latest"
+        # An SDC reported while another failure of the generation (a killed rank) was being
+        # handled still needs a certified step: the corruption may be in the newest capture.
+        kinds = rs.also_kinds(pending)
+        mode = "recovery_verified" if set(kinds) & {"sdc", "stale_state", "hardware"} else "latest"
         plan: dict[str, Any] = {
             "failure_kind": kind,
             "reason_code": str(pending.get("reason", "startup")),
             "culprits": list(pending.get("culprits", [])),
             "error": str(pending.get("error", "")),
             "recovery_mode": mode,
+            "failure_kinds": kinds,
             "checkpoint_source": "none",
             "checkpoint_step": -1,
             "admitted": [

@@ -645,6 +645,50 @@ def test_the_leader_restores_only_a_step_every_replica_group_certified() -> None
     assert plan["checkpoint_step"] == 13, plan
 
 
+@pytest.mark.parametrize("first", ["kill", "sdc"])
+def test_an_sdc_named_while_a_killed_rank_is_handled_restores_a_certified_step(first: str) -> None:
+    """Rank 1 (node b) is killed; rank 2 (node c) is named SDC at step 13 a moment before or after
+    (both reports reach the leader within one restart). The plan restores a step its groups
+    certified (12), not the newest every rank holds (14, holding the corruption), whichever
+    report came first; only the SDC's node is quarantined and both kinds are in the plan. Before,
+    the kill's report first left the restart at `latest`: the corrupted step 14 was restored."""
+    s = rs.RdzvState.new("nonce", 3, 4, "pol")
+    for n in "abcd":
+        s = rs.register(s, n, f"{n}.addr", 1, "pol")
+    s = rs.form(rs.elect(s, "a", set("abcd")), set("abcd"))
+    reports = {
+        "kill": ("process_failure", "worker_exit", ["b"], False),
+        "sdc": ("sdc", "fingerprint_minority", ["c"], True),
+    }
+    order = [first, *(k for k in reports if k != first)]
+    for k in order:
+        kind, reason, culprits, quarantine = reports[k]
+        s = rs.request_restart(s, 0, kind, reason, culprits, quarantine)
+    assert s.pending["failure_kind"] == reports[first][0] and s.pending["culprits"] == ["b", "c"]
+    assert rs.also_kinds(s.pending) == [reports[k][0] for k in order]
+    assert s.excluded == {"c": "sdc"}
+
+    class Store:
+        def json_get(self, key: str) -> Any:
+            return {
+                "local": [12, 13, 14],
+                "replicas": {},
+                "disk": [],
+                "certified": [11, 12],
+                "scout": True,
+                "group": [0, 1, 2],
+                "topology": "t",
+            }
+
+    plan = tr._Pulse._plan(None, Store(), s, s)  # type: ignore[arg-type]
+    assert plan["recovery_mode"] == "recovery_verified" and plan["checkpoint_step"] == 12, plan
+    assert plan["failure_kinds"] == [reports[k][0] for k in order], plan
+    # One kind alone, as before: a kill restores the newest step.
+    alone = dataclasses.replace(s, pending={"failure_kind": "process_failure", "culprits": ["b"]})
+    plan = tr._Pulse._plan(None, Store(), alone, alone)  # type: ignore[arg-type]
+    assert plan["recovery_mode"] == "latest" and plan["checkpoint_step"] == 14, plan
+
+
 @pytest.mark.parametrize(("stores", "step"), [(("s1", "s1"), 50), (("s1", "s2"), -1), (("", ""), -1)])
 def test_a_rank_on_a_new_node_restores_from_a_durable_folder_every_node_shares(
     stores: tuple[str, str], step: int

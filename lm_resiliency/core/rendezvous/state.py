@@ -191,6 +191,10 @@ def request_restart(
         pending = dict(s.pending)
         pending["culprits"] = sorted(set(pending.get("culprits", ())) | set(culprits))
         pending["quarantine"] = bool(pending.get("quarantine")) or quarantine
+        if failure_kind != pending.get("failure_kind"):
+            # Another failure of the same generation (an SDC named while a killed rank's exit was
+            # being handled): the plan restores as the most demanding of them asks (see also_kinds).
+            pending["also"] = sorted({*pending.get("also", ()), failure_kind})
         if pending.get("reason") == "worker_exit" and failure_kind == pending.get("failure_kind"):
             pending["reason"] = reason  # the worker said why it exited: more than the exit itself
             if error:
@@ -210,6 +214,13 @@ def request_restart(
     if destination:
         pending["destination"] = destination
     return replace(s, phase=RESTARTING, arrived=(), pending=pending, excluded=excluded)
+
+
+def also_kinds(pending: Mapping[str, Any]) -> list[str]:
+    """Every failure kind a restart's pending request was made for: the first one's, then those
+    reported of the same generation while it was being handled."""
+    first = str(pending.get("failure_kind", "none"))
+    return [first, *(str(k) for k in pending.get("also", ()) if k != first)]
 
 
 def replace_with_standbys(
