@@ -57,6 +57,7 @@ from lm_resiliency.core.scout.replay import (
     GRADS_JUDGED,
     DivergenceTracker,
     ReplayOutcome,
+    RestLedger,
     SdcHistory,
     dropped_verdict,
     replay_verdict,
@@ -580,14 +581,10 @@ class Scout:
         self._deferred_evidence: tuple[int, Fingerprint | None, int] | None = None
         self._last_params: tuple[int, bytes, bytes] = (-1, b"", b"")  # step, params, optimizer state
         self._divergence = DivergenceTracker(self.interval)  # disagreements that continue a judged one
-        # SDC named at rest (step after which the state changed -> ranks) and by a check of
-        # parameters or optimizer state (step -> ranks, ambiguous or not): one flip may be seen by
-        # both, a check window apart, whichever comes first; it is named once (see _seen_at_rest).
-        self._named_rest: dict[int, tuple[int, ...]] = {}
-        self._named_check: dict[int, tuple[tuple[int, ...], bool]] = {}
-        # Ambiguous verdicts of a replay held while a window at rest that may name the rank is open,
-        # with when they were held.
-        self._held: list[tuple[Verdict, float]] = []
+        # SDC named at rest and by a check of parameters or optimizer state: one flip may be seen by
+        # both, a check window apart, whichever comes first; it is named once. And ambiguous verdicts
+        # of a replay held while a window at rest that may name the rank is open (see RestLedger).
+        self._ledger = RestLedger(self.interval, KEEP_STEPS)
         # The last judged step's fingerprints, by what they cover ("grads", "params", "optim").
         self._judged_before: tuple[int, dict[str, dict[int, bytes]]] = (-1, {})
         # The last check that named ranks one optimizer step behind (a step skipped), and them: at
@@ -1256,7 +1253,7 @@ class Scout:
             del self._replays[key]
             verdict = replay_verdict(msg.step, msg.what, got)
             if self._rest_may_name(verdict):
-                self._held.append((verdict, time.monotonic()))  # (see _release_held)
+                self._ledger.hold(verdict, time.monotonic())  # (see _release_held)
             elif not self._seen_at_rest(verdict):
                 self._report(verdict)
         for old in [k for k in self._replays if k[0] < msg.step - KEEP_STEPS]:
@@ -1312,18 +1309,9 @@ class Scout:
         self._certify_held(step)
         if verdict is not None:
             # A check after the change that named exactly these ranks named this flip already.
-            seen = [
-                c
-                for c, (ranks, ambiguous) in self._named_check.items()
-                if step <= c <= step + self.interval and not ambiguous and set(ranks) == set(verdict.ranks)
-            ]
-            self._named_rest[step] = verdict.ranks
-            for old in [s for s in self._named_rest if s < step - KEEP_STEPS]:
-                del self._named_rest[old]
-            if seen:
-                log.info(
-                    "rank %d: %s at step %d was named at step %d", self.rank, verdict.reason, step, seen[0]
-                )
+            seen = self._ledger.rest_named(step, verdict.ranks)
+            if seen is not None:
+                log.info("rank %d: %s at step %d was named at step %d", self.rank, verdict.reason, step, seen)
             else:
                 self._report(verdict, among_peers=True)
         self._release_held(step)
@@ -1331,53 +1319,32 @@ class Scout:
     def _rest_may_name(self, v: Verdict) -> bool:
         """Whether `v`, replicas' parameters or optimizer state apart with no culprit (two replicas
         whose replay could not tell them apart), waits for a window at rest still open that may
-        name one: a weight flipped after step k is seen by the check of k or the next, and by the
-        window after k, whichever closes first. Before, the ambiguous verdict came first and the
-        torchrun leader restarted both replicas in place, keeping the faulty device."""
-        if not (
-            self._rest_check
-            and v.kind == "sdc_ambiguous"
-            and v.reason.split("_", 1)[0] in ("params", "optim")
-        ):
+        name one (see RestLedger)."""
+        if not self._rest_check:
             return False
         with self._lock:  # (the training thread opens windows)
-            return any(v.step - self.interval <= t <= v.step for t in self._rests_open)
+            return self._ledger.may_wait(v, self._rests_open)
 
     def _release_held(self, step: int) -> None:
         """Held verdicts whose windows closed, or that waited long enough (the heartbeat timeout,
         or three steps' time: the job's last step, whose window never closes, or a peer gone
         silent): reported, unless a window named their flip."""
-        now = time.monotonic()
         ended = self._ended.copy()  # (the training thread adds to it: one copy, under the GIL)
         ends = [ended[s] for s in sorted(ended)[-2:]]
         wait = max(self._hold_s, 3 * (ends[1] - ends[0]) if len(ends) == 2 else 0.0)
-        held, self._held = self._held, []
-        for v, since in held:
-            if self._rest_may_name(v) and v.step > step - KEEP_STEPS and now - since < wait:
-                self._held.append((v, since))
-            elif not self._seen_at_rest(v):
-                self._report(v)
+        with self._lock:
+            windows = set(self._rests_open) if self._rest_check else set()
+        for v in self._ledger.release(step, time.monotonic(), wait, windows):
+            self._report(v)
 
     def _seen_at_rest(self, v: Verdict) -> bool:
         """Whether `v`, replicas' parameters or optimizer state apart at a check (or its replay),
-        is a change named at rest since the check before (the state changed on the ranks it names,
-        or on some of the ranks an ambiguous verdict names): that flip, not named again (it would
+        is a change named at rest since the check before: that flip, not named again (it would
         read as a second SDC of the same device: recurring). Noted otherwise."""
-        if v.kind not in ("sdc", "sdc_ambiguous") or v.reason.split("_", 1)[0] not in ("params", "optim"):
-            return False
-        ambiguous = v.kind == "sdc_ambiguous" or v.reason.endswith("inconclusive")
-        for at, ranks in self._named_rest.items():
-            if v.step - self.interval <= at <= v.step and (
-                set(v.ranks) == set(ranks) or (ambiguous and set(ranks) <= set(v.ranks))
-            ):
-                log.info(
-                    "rank %d: %s at step %d was named at rest at step %d", self.rank, v.reason, v.step, at
-                )
-                return True
-        self._named_check[v.step] = (v.ranks, ambiguous)
-        for old in [s for s in self._named_check if s < v.step - KEEP_STEPS]:
-            del self._named_check[old]
-        return False
+        at = self._ledger.named_at_rest(v)
+        if at is not None:
+            log.info("rank %d: %s at step %d was named at rest at step %d", self.rank, v.reason, v.step, at)
+        return at is not None
 
     def _certify_held(self, step: int) -> None:
         """A check up to `step` closed: the captures committed meanwhile may be certified now."""
@@ -1454,7 +1421,7 @@ class Scout:
 
     def _on_progress(self, msg: Progress) -> None:
         self._progress[msg.rank] = msg
-        if self._held:  # (each heartbeat: a window that does not close does not hold them forever)
+        if self._ledger.held:  # (each heartbeat: a window that does not close does not hold them forever)
             self._release_held(self._session_step())
 
     def _own_progress(self) -> Progress:

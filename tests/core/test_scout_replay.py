@@ -9,6 +9,7 @@ from torch import nn
 from lm_resiliency.core.scout.replay import (
     DivergenceTracker,
     ReplayOutcome,
+    RestLedger,
     SdcHistory,
     dropped_verdict,
     replay_verdict,
@@ -434,3 +435,60 @@ def test_gradients_clipped_after_the_reduction_still_match_it_and_a_flip_does_no
     # Every gradient dropped (zeroed) or negated on one rank: no clipping or unscaling does that.
     assert not _scaled_by_one_factor(reduced, [torch.zeros_like(r) for r in reduced])
     assert not _scaled_by_one_factor(reduced, [-r for r in reduced])
+
+
+def _apart(step: int, ranks: tuple[int, ...] = (0, 1)) -> Verdict:
+    """Two replicas' parameters apart at the check of `step`, their replay inconclusive."""
+    return Verdict("sdc_ambiguous", ranks, step, "params_replay_inconclusive")
+
+
+def test_an_ambiguous_replay_waits_for_the_window_at_rest_that_names_the_flip() -> None:
+    """Checks every 5 steps; rank 1's weight flipped after step 8. The check of step 10 and its
+    replay came back (both replicas named, ambiguous) while the window after 8 was still open: the
+    verdict waits. The window then names rank 1: the held verdict is that flip, never reported, and
+    the window's own verdict is reported (no check named it before)."""
+    ledger = RestLedger(interval=5)
+    v = _apart(10)
+    assert ledger.may_wait(v, {8}) and ledger.may_wait(v, {5}) and ledger.may_wait(v, {10})
+    assert not ledger.may_wait(v, {4}) and not ledger.may_wait(v, {11}) and not ledger.may_wait(v, ())
+    ledger.hold(v, now=100.0)
+    assert ledger.release(10, now=100.5, wait=2.0, open_windows={8}) == []  # (still open: held)
+    assert ledger.rest_named(8, (1,)) is None  # the window names rank 1, first
+    assert ledger.release(10, now=100.6, wait=2.0, open_windows=set()) == [] and not ledger.held
+
+
+def test_a_held_verdict_is_reported_when_its_window_names_nobody_or_never_closes() -> None:
+    ledger = RestLedger(interval=5)
+    v = _apart(10)
+    # Closed without naming anyone (both replicas changed alike, or neither did): reported.
+    ledger.hold(v, now=0.0)
+    assert ledger.release(10, now=0.1, wait=2.0, open_windows=set()) == [v]
+    # Never closes (the job's last step, a peer gone silent): reported after `wait`.
+    ledger = RestLedger(interval=5)
+    ledger.hold(v, now=0.0)
+    assert ledger.release(12, now=1.9, wait=2.0, open_windows={9}) == [] and ledger.held
+    assert ledger.release(12, now=2.0, wait=2.0, open_windows={9}) == [v] and not ledger.held
+    # A window the check does not cover does not hold it.
+    ledger = RestLedger(interval=5)
+    ledger.hold(v, now=0.0)
+    assert ledger.release(12, now=0.1, wait=2.0, open_windows={11}) == [v]
+
+
+def test_a_flip_is_named_once_by_the_window_at_rest_or_the_check_whichever_comes_first() -> None:
+    # The check first (it named rank 1 exactly): the window after it is that flip.
+    ledger = RestLedger(interval=5)
+    assert ledger.named_at_rest(Verdict("sdc", (1,), 10, "params_replay_mismatch")) is None
+    assert ledger.rest_named(7, (1,)) == 10
+    assert ledger.rest_named(4, (1,)) is None  # (a window the check of 10 does not cover)
+    # An ambiguous check does not settle the window: it is reported, and the check is its flip.
+    ledger = RestLedger(interval=5)
+    assert ledger.named_at_rest(_apart(10)) is None
+    assert ledger.rest_named(7, (1,)) is None
+    # The window first: a check it covers naming those ranks, or both replicas ambiguously, is it.
+    ledger = RestLedger(interval=1)
+    assert ledger.rest_named(6, (1,)) is None
+    assert ledger.named_at_rest(_apart(7)) == 6
+    assert ledger.named_at_rest(Verdict("sdc", (1,), 6, "params_minority")) == 6
+    assert ledger.named_at_rest(Verdict("sdc", (0,), 7, "params_replay_mismatch")) is None  # another rank
+    assert ledger.named_at_rest(_apart(8)) is None  # (past the window's checks: a new disagreement)
+    assert ledger.named_at_rest(Verdict("sdc", (1,), 7, "grads_minority")) is None  # (not state)

@@ -113,9 +113,12 @@ def test_a_killed_deepspeed_job_resumes_bitwise_from_memory_and_peer_replicas(  
         assert rep["decision"]["reason"].startswith("local" if rep["rank"] < 2 else "peer"), rep
 
 
-@pytest.mark.parametrize(("stage", "what"), [("0", "weight"), ("2", "master"), ("2", "weight")])
+@pytest.mark.parametrize(
+    ("stage", "what", "world"),
+    [("0", "weight", 4), ("2", "master", 4), ("2", "weight", 4), ("0", "weight", 2), ("2", "master", 2)],
+)
 def test_a_weight_flipped_on_one_deepspeed_rank_is_named_as_sdc(  # type: ignore[no-untyped-def]
-    processes, tmp_path: Path, shm_root: Path, stage: str, what: str
+    processes, tmp_path: Path, shm_root: Path, stage: str, what: str, world: int
 ) -> None:
     """Without ZeRO, a weight flipped after step 5 on rank 2: its parameters disagree with its
     replicas'. With ZeRO-2, a bit of rank 2's partition of the fp32 master weights: the next gather
@@ -123,23 +126,26 @@ def test_a_weight_flipped_on_one_deepspeed_rank_is_named_as_sdc(  # type: ignore
     of each rank's partition (as the step left it, and before the next) names it. With ZeRO-2, a
     bit of rank 2's copy of a weight: its forward and backward use it, then the next gather
     overwrites it, so nothing disagrees after that step either; the check at rest covers each
-    rank's parameters too and names it (before, it was never seen)."""
+    rank's parameters too and names it (before, it was never seen). Two replicas (rank 1 flipped):
+    no majority, and the check at rest names the one whose state changed, with or without ZeRO."""
+    culprit = 2 if world == 4 else 1
     reports = _run(
         processes,
         tmp_path,
         "run",
         shm_root,
         0,
-        FLIP_RANK="2",
+        world=world,
+        FLIP_RANK=str(culprit),
         FLIP_AT="5",
         ZERO_STAGE=stage,
         FLIP_WHAT=what,
     )
     for rep in reports:
         sdc = [f for f in rep["faults"] if f["kind"] == "sdc"]
-        assert sdc and sdc[0]["failed_ranks"] == [2], rep["faults"]
+        assert sdc and sdc[0]["failed_ranks"] == [culprit], rep["faults"]
         assert sdc[0]["reason"] == (
-            "state_changed_at_rest" if stage == "2" else "params_fingerprint_minority"
+            "state_changed_at_rest" if stage == "2" or world == 2 else "params_fingerprint_minority"
         ), sdc
 
 

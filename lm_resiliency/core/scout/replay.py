@@ -20,7 +20,8 @@ that corrupts again shows up as a replay that disagrees with its peers'):
 value should be) and the recorded ones (what each replica actually held) into a verdict that every
 rank computes identically from the same results. `SdcHistory` names a rank found corrupting at a
 second, different step: recurring SDC, a device to quarantine. `DivergenceTracker` says which
-disagreements only continue one already judged. `stale_verdict` tells a rank holding a neighbouring
+disagreements only continue one already judged, and `RestLedger` which flips a check at rest named
+(so one flip is named once). `stale_verdict` tells a rank holding a neighbouring
 step's gradients, parameters or optimizer state (stale state: restart it) from one holding corrupted
 ones (SDC: a device to replace); `dropped_verdict` one that holds zeros where its replicas do not
 (a dropped gradient: restart it).
@@ -29,7 +30,7 @@ ones (SDC: a device to replace); `dropped_verdict` one that holds zeros where it
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from lm_resiliency.core.scout.verdicts import STATE_NAMES, Verdict
@@ -38,6 +39,7 @@ __all__ = [
     "DROPPED",
     "DivergenceTracker",
     "ReplayOutcome",
+    "RestLedger",
     "SdcHistory",
     "dropped_verdict",
     "replay_verdict",
@@ -352,3 +354,87 @@ class DivergenceTracker:
     def grads_streak(self) -> int:
         """Checks in a row at which the ranks of the newest gradient disagreement disagreed."""
         return self.grads[2]
+
+
+def _of_state(v: Verdict) -> bool:
+    """An SDC verdict on replicas' parameters or optimizer state (at a check, or its replay)."""
+    return v.kind in ("sdc", "sdc_ambiguous") and v.reason.split("_", 1)[0] in ("params", "optim")
+
+
+@dataclass
+class RestLedger:
+    """Flips named at rest and by the replicas' checks, so that each is named once, and the
+    ambiguous verdicts that wait for a window at rest (`interval`: steps between checks; `keep`:
+    steps remembered). The caller gives the time and the windows still open.
+
+    A weight flipped after step k is seen by the window at rest after k (the state changed between
+    two steps on one rank) and by the check of k or of the next one (the replicas apart): the check
+    of step c covers the windows c - interval .. c. Whichever names it first names that flip; the
+    other is the same flip, not a second SDC of the device (it would read as recurring). Between two
+    replicas a check's replay cannot tell which one changed (each replays from its own copy, the
+    flipped one too): its ambiguous verdict waits while a window it covers is open, which may name
+    the rank (before, the ambiguous verdict came first and the torchrun leader restarted both
+    replicas in place, keeping the faulty device)."""
+
+    interval: int
+    keep: int = 64
+    named_rest: dict[int, tuple[int, ...]] = field(default_factory=dict)  # window -> ranks named
+    named_check: dict[int, tuple[tuple[int, ...], bool]] = field(default_factory=dict)  # ... ambiguous
+    held: list[tuple[Verdict, float]] = field(default_factory=list)  # verdict, since
+
+    def covers(self, check: int, window: int) -> bool:
+        """Whether the check of step `check` sees a flip in the window at rest after `window`."""
+        return check - self.interval <= window <= check
+
+    def may_wait(self, v: Verdict, open_windows: Iterable[int]) -> bool:
+        """Whether `v`, replicas' state apart with no culprit, waits for a window still open."""
+        return (
+            v.kind == "sdc_ambiguous" and _of_state(v) and any(self.covers(v.step, t) for t in open_windows)
+        )
+
+    def hold(self, v: Verdict, now: float) -> None:
+        self.held.append((v, now))
+
+    def release(self, step: int, now: float, wait: float, open_windows: Iterable[int]) -> list[Verdict]:
+        """The held verdicts to report now (the newest step seen is `step`): those whose windows
+        closed or that waited `wait` seconds (the job's last step, whose window never closes, or a
+        peer gone silent), less those a window named (`named_at_rest`)."""
+        windows = set(open_windows)
+        held, self.held = self.held, []
+        out = []
+        for v, since in held:
+            if self.may_wait(v, windows) and v.step > step - self.keep and now - since < wait:
+                self.held.append((v, since))
+            elif self.named_at_rest(v) is None:
+                out.append(v)
+        return out
+
+    def named_at_rest(self, v: Verdict) -> int | None:
+        """The window at rest that named the flip `v` shows (replicas' parameters or optimizer state
+        apart at a check or its replay): one it covers that named the ranks `v` names, or some of
+        those an ambiguous verdict names. None otherwise, and `v` is noted as the check's."""
+        if not _of_state(v):
+            return None
+        ambiguous = v.kind == "sdc_ambiguous" or v.reason.endswith("inconclusive")
+        for at, ranks in self.named_rest.items():
+            if self.covers(v.step, at) and (
+                set(v.ranks) == set(ranks) or (ambiguous and set(ranks) <= set(v.ranks))
+            ):
+                return at
+        self.named_check[v.step] = (v.ranks, ambiguous)
+        for old in [s for s in self.named_check if s < v.step - self.keep]:
+            del self.named_check[old]
+        return None
+
+    def rest_named(self, window: int, ranks: tuple[int, ...]) -> int | None:
+        """The window at rest after step `window` named `ranks`: the check that named exactly those
+        ranks already (the same flip, not reported again), or None."""
+        seen = [
+            c
+            for c, (named, ambiguous) in sorted(self.named_check.items())
+            if self.covers(c, window) and not ambiguous and set(named) == set(ranks)
+        ]
+        self.named_rest[window] = ranks
+        for old in [s for s in self.named_rest if s < window - self.keep]:
+            del self.named_rest[old]
+        return seen[0] if seen else None
