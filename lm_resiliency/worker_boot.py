@@ -135,8 +135,17 @@ def auto_instrument(policy_path: str) -> None:
     state: dict[str, Any] = {"done": False, "handles": [], "depth": 0}
 
     def first_forward(module: Any, args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Inside a compiled region (`torch.compile(DDP(model))`): its compiled wrapper's own
+            # hooks ran eagerly first and decided there. Before, dynamo traced enable_resiliency
+            # itself (graph breaks at every call it cannot trace) and the session's hooks landed
+            # on the compiled module, traced at every step.
+            return None
         state["depth"] += 1
-        if state["done"] or not _data_parallel(module, outermost=state["depth"] == 1):
+        from lm_resiliency.adapters.base import uncompiled
+
+        target = uncompiled(module)  # (the session holds the compiled wrapper: its hooks run eagerly)
+        if state["done"] or not _data_parallel(target, outermost=state["depth"] == 1):
             return
         state["done"] = True
         # The hook lists were copied for this call: removing ours now is safe.
@@ -144,7 +153,11 @@ def auto_instrument(policy_path: str) -> None:
             handle.remove()
         from lm_resiliency.api import open_session
 
-        if getattr(module, "_lm_resiliency_session", None) is not None or open_session() is not None:
+        if (
+            getattr(module, "_lm_resiliency_session", None) is not None
+            or getattr(target, "_lm_resiliency_session", None) is not None
+            or open_session() is not None
+        ):
             # The script enabled it itself: on this model, or on an object holding it (a
             # ModuleDict of a GAN's pair, Megatron-style chunks), whose own modules are unmarked.
             return
@@ -156,7 +169,7 @@ def auto_instrument(policy_path: str) -> None:
         # A DeepSpeed engine owns its optimizer and scheduler (adapters/deepspeed.py); for another
         # model, every optimizer stepping its parameters (Muon and AdamW: held as one, see
         # adapters/chain.py), found in the order they were made.
-        engine = "DeepSpeedEngine" in {c.__name__ for c in type(module).__mro__}
+        engine = "DeepSpeedEngine" in {c.__name__ for c in type(target).__mro__}
         ids = {id(p) for p in module.parameters()}
         order = sorted(optimizers.items(), key=lambda kv: kv[1])
         mine = (
@@ -184,11 +197,12 @@ def auto_instrument(policy_path: str) -> None:
             f"{'DeepSpeed engine, ' if engine else ''}resumed at step {session.step_count})\n"
         )
         if not engine:
-            _warn_uncovered(module, opt, optimizers)
+            _warn_uncovered(target, opt, optimizers)
         return _run_added_pre_hooks(module, args, before)
 
     def after_forward(module: Any, args: Any, output: Any) -> None:
-        state["depth"] -= 1
+        if not torch.compiler.is_compiling():  # (as first_forward counts)
+            state["depth"] -= 1
 
     state["handles"] = [
         register_module_forward_pre_hook(first_forward),

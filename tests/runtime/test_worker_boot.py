@@ -28,8 +28,10 @@ SCRIPT = textwrap.dedent(
     store = dist.TCPStore("127.0.0.1", port, 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+    ddp = model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if os.environ.get("COMPILE"):  # the DDP compiled: its forward, hooks included, traced by dynamo
+        model = torch.compile(ddp, backend="aot_eager")
     if os.environ.get("SECOND"):  # a GAN's other network, which the session cannot hold
         other = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
         other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
@@ -44,12 +46,17 @@ SCRIPT = textwrap.dedent(
     for step in range(2):
         loss = model(torch.randn(4, 8)).square().mean()
         # What the step's backward reduces with: the session's comm hook, from the first step on.
-        seen.append(len(model._comm_hooks))
+        seen.append(len(ddp._comm_hooks))
         opt.zero_grad()
         loss.backward()
         opt.step()
     session = own or model._lm_resiliency_session()
-    print(json.dumps({"hooks": seen, "step_count": session.step_count}))
+    out = {"hooks": seen, "step_count": session.step_count}
+    if os.environ.get("COMPILE"):
+        from torch._dynamo.utils import counters
+        out["graph_breaks"] = dict(counters["graph_break"])
+        out["on_wrapper"] = "_lm_resiliency_session" in vars(model)  # (not the DDP's, reached through it)
+    print(json.dumps(out))
     session.close()
     dist.destroy_process_group()
     """
@@ -104,3 +111,26 @@ def test_a_script_that_enabled_its_own_session_on_another_object_is_left_alone(
     result, stderr = _run(tmp_path, OWN=own)
     assert result == {"hooks": [1, 1], "step_count": 2}, (result, stderr)
     assert "instrumented automatically" not in stderr, stderr
+
+
+def test_a_compiled_ddp_is_instrumented_by_its_wrapper_not_traced(tmp_path: Path) -> None:
+    """`torch.compile(DDP(model))`: the DDP's forward runs inside the compiled region, where dynamo
+    traced the first-forward hook and enable_resiliency itself (graph breaks at every call it
+    cannot trace: `time.perf_counter`, sockets, locks), and the session's hooks landed on the DDP,
+    traced at every step (an outsider's 4-rank job ran 2x slower, its campaign 3x). The session
+    is now enabled on the compiled wrapper, eagerly: none of its calls is traced (DDP's own graph
+    breaks stay), and it takes part in the first step as before."""
+    result, stderr = _run(tmp_path, COMPILE="1")
+    breaks = result.pop("graph_breaks")
+    assert result == {"hooks": [1, 1], "step_count": 2, "on_wrapper": True}, (result, stderr[-3000:])
+    ours = (
+        "perf_counter",
+        "monotonic",
+        "gethostname",
+        "allocate_lock",
+        "get_ident",
+        "mkdir",
+        "lm_resiliency",
+    )
+    assert not [b for b in breaks if any(w in b for w in ours)], breaks
+    assert "instrumented automatically" in stderr and "other DDP model" not in stderr, stderr
