@@ -282,22 +282,27 @@ def test_a_node_with_a_different_policy_is_refused(processes, tmp_path) -> None:
     assert job.procs[0].wait(timeout=200) == 0, job.logs()
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2", "fsdp2-compiled"])
 def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, tmp_path, wrap: str) -> None:  # type: ignore[no-untyped-def]
-    """DDP, or FSDP2 (`fully_shard`); its SequentialLR, which it never names to us, is restored too."""
+    """DDP, or FSDP2 (`fully_shard`); its SequentialLR, which it never names to us, is restored too.
+    FSDP2 compiled whole (`torch.compile(model)`): before, the first-forward hook ran inside the
+    compiled region, where the sharded root was no longer the outermost module called: the job was
+    never instrumented (and one generation died in dynamo's tracing of our hook)."""
+    wrap, _, compiled = wrap.partition("-")
     policy = tmp_path / "policy.toml"
     policy.write_text("schema_version = 1\ninterval = 1\n[checkpoint]\ndisk_flush_interval = 1000\n")
     script = "tests/integration/workers/plain_ddp.py"
     base = Job(processes, tmp_path, "plain-base", nodes=2, worker=script)
-    base.start({"WRAP": wrap}, policies=[str(policy)] * 2)
+    env = {"WRAP": wrap, "COMPILE": "1" if compiled else ""}
+    base.start(env, policies=[str(policy)] * 2)
     job = Job(processes, tmp_path, "plain", worker=script)  # side by side: neither times anything
-    job.start({"FAULT": "raise", "WRAP": wrap}, policies=[str(policy)] * 3)
+    job.start({"FAULT": "raise", **env}, policies=[str(policy)] * 3)
     base.wait()
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1] and gens[1]["instrumented"], job.logs()
     assert 0 < gens[1]["start"] <= 10, gens
-    assert "instrumented automatically" in job.logs()
+    assert "instrumented automatically" in job.logs() and "Dynamo does not know" not in job.logs()
     # The worker said why it died (its uncaught exception), and the restart context carries it.
     ctx = json.loads(Path(gens[1]["context"]).read_text())
     assert ctx["failure_kind"] == "process_failure" and ctx["reason_code"] == "uncaught_exception", ctx

@@ -2,6 +2,8 @@
 backend with a worker policy it is instrumented automatically; it reads only the step to resume at
 (its data position).
 
+COMPILE=1 compiles the model whole (`torch.compile`, the aot_eager backend: no C++ compiler needed).
+
 In generation 0, rank 1 raises an uncaught RuntimeError after step 10 when FAULT=raise."""
 
 import json
@@ -25,6 +27,9 @@ if os.environ.get("WRAP") == "fsdp2":  # every layer and the root sharded with f
     model: nn.Module = net
 else:
     model = nn.parallel.DistributedDataParallel(net)
+held = model
+if os.environ.get("COMPILE") == "1":
+    model = torch.compile(model, backend="aot_eager")
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=3)
 decay = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
@@ -44,9 +49,7 @@ for step in range(start + 1, 25):
     if os.environ.get("FAULT") == "raise" and gen == 0 and rank == 1 and step == 10:
         raise RuntimeError("injected: the loss diverged at step 10")
 # Whole tensors (an FSDP2 shard's full_tensor() is a collective: every rank takes part).
-final = {
-    k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in model.state_dict().items()
-}
+final = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in held.state_dict().items()}
 if rank == 0:
     torch.save(final, out)
     with open(f"{out}.gen{gen}.json", "w") as f:
