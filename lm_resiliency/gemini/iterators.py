@@ -37,6 +37,11 @@ Every iterator made while a watch is open (its own `generator=` or not) also say
 to fetch a batch (`IteratorWatch.on_fetch`): GEMINI then takes a capture it left for the next
 step's beginning, as for an instrumented loader, so what the loop does after the optimizer's step
 (a position it counts) goes with that step.
+
+Such an iterator with workers that the garbage collector finalizes on one of this library's threads
+(a collection runs on whichever thread allocates when it is due) shuts its workers down on a thread
+of its own: torch joins each worker for up to 5 s there, and the runtime's event loop stalled that
+long (its heartbeats, a session's start: 10 s timed out in a test).
 """
 
 from __future__ import annotations
@@ -152,11 +157,33 @@ def _observed(it: Any) -> Any:
                 fetch()
             return base.__next__(self)
 
-        sub = type(base.__name__, (base,), {"__next__": __next__, "__module__": base.__module__})
+        methods: dict[str, Any] = {"__next__": __next__, "__module__": base.__module__}
+        finalize = getattr(base, "__del__", None)
+        if finalize is not None:
+            methods["__del__"] = _off_our_threads(finalize)
+        sub = type(base.__name__, (base,), methods)
         _FETCHING[base] = sub
     with contextlib.suppress(TypeError):  # (instances that cannot change class: left as they are)
         it.__class__ = sub
     return it
+
+
+def _off_our_threads(finalize: Callable[[Any], None]) -> Callable[[Any], None]:
+    """`finalize` (an iterator's `__del__`: it joins its workers), run on a thread of its own when
+    called on one of this library's threads (see the module's doc)."""
+
+    def __del__(self: Any) -> None:
+        if threading.current_thread().name.startswith("lm-resiliency"):
+            try:  # (the thread holds the iterator until its workers are down)
+                threading.Thread(
+                    target=finalize, args=(self,), name="lm-resiliency-loader-shutdown", daemon=True
+                ).start()
+                return
+            except RuntimeError:  # (no thread can start: interpreter shutdown, a thread limit)
+                pass
+        finalize(self)
+
+    return __del__
 
 
 # A restored capture's iterator: its loader's shape, the RNG state it was made at (None: not known),

@@ -1,10 +1,10 @@
 """Training state <-> (msgpack skeleton, list of tensors).
 
 `collect_state` gathers model, optimizer, scheduler, loss scaler, RNG (torch CPU and CUDA, Python,
-NumPy) and the caller's extra state. `flatten` replaces every tensor by a reference, so the skeleton
-is small msgpack and the tensors can be copied byte for byte into shared memory; `unflatten`
-reverses it exactly (tuples stay tuples, int dict keys stay ints). Unsupported objects fail with the
-path to them.
+NumPy), the caller's extra state, and which parameters hold a gradient tensor (see `grads_held`).
+`flatten` replaces every tensor by a reference, so the skeleton is small msgpack and the tensors
+can be copied byte for byte into shared memory; `unflatten` reverses it exactly (tuples stay
+tuples, int dict keys stay ints). Unsupported objects fail with the path to them.
 
 Sharded state (DTensor: FSDP2, TP, HSDP) is captured as this rank's local shard plus the global shape
 and placements. It comes back as a `LocalShard`, and `apply_state` turns each one into a DTensor
@@ -276,6 +276,7 @@ def collect_state(
     scaler: Any = None,
 ) -> dict[str, Any]:
     state: dict[str, Any] = {"step": step, "model": uncompiled(model).state_dict(), "rng": rng_state()}
+    state["grads_held"] = grads_held(model)
     if optimizer is not None:
         # ZeRO: this rank's partition, which every restart of this rank restores (the partition is a
         # function of the parameters and the world size), and the wrapper's hyperparameters, which a
@@ -292,6 +293,32 @@ def collect_state(
     if extra_state_fn is not None:
         state["extra"] = extra_state_fn()
     return state
+
+
+def grads_held(model: torch.nn.Module) -> torch.Tensor:
+    """Which of the model's parameters (in `parameters()` order) hold a gradient tensor.
+
+    A loop that zeroes with `zero_grad(set_to_none=False)` keeps a zero gradient on a parameter its
+    step did not use (a task head, with `find_unused_parameters`), and optimizers step every
+    parameter whose gradient is not None: Adam moves it by its moments and weight decay. A resumed
+    process starts with no gradient at all, and skipped those parameters until they were used
+    again: it ended off the uninterrupted run (outsider 40). `restore_grads` puts zero gradients
+    back where they were held (the values do not matter: the loop zeroes them before its next
+    backward, or they are already zero)."""
+    return torch.tensor([p.grad is not None for p in uncompiled(model).parameters()], dtype=torch.bool)
+
+
+def restore_grads(model: torch.nn.Module, held: Any) -> None:
+    """Zero gradients on the parameters `held` (see `grads_held`) says held one, none on the others.
+    A mask of another length (another model) is left alone: `check_fits` judged the model."""
+    params = list(uncompiled(model).parameters())
+    if not isinstance(held, torch.Tensor) or held.dtype != torch.bool or held.shape != (len(params),):
+        return
+    for p, has in zip(params, held.tolist(), strict=True):
+        if has and p.grad is None:
+            p.grad = torch.zeros_like(p)
+        elif not has and p.grad is not None:
+            p.grad = None
 
 
 def loader_positions(saved: Any) -> dict[str, torch.Tensor]:
@@ -359,6 +386,8 @@ def apply_state(
     live = check_fits(state.get("model"), model)
     _resolve_shards(state, model, _holder(optimizer), live)
     model.load_state_dict(state["model"])
+    if "grads_held" in state:  # (a capture of an older version: not recorded)
+        restore_grads(model, state["grads_held"])
     if optimizer is not None and "optimizer" in state:
         partition = zero_partition(optimizer)
         if (partition is None) != ("zero_param_groups" not in state):

@@ -200,6 +200,46 @@ def test_sparse_optimizer_state_is_captured_entry_for_entry_and_training_resumes
     _eq(o.state[m[0].weight]["momentum_buffer"], o2.state[m2[0].weight]["momentum_buffer"])
 
 
+def test_a_zero_gradient_an_unused_parameter_held_is_held_again_after_a_restore() -> None:
+    """Two heads used on alternate steps, zeroed with `set_to_none=False`: the head a step does not
+    use keeps a zero gradient, and Adam moves it anyway (its moments, weight decay). A restored
+    process holds no gradient until backward makes one: before, it skipped the unused head and
+    ended off the uninterrupted run (outsider 40). The capture says which parameters held one."""
+
+    def make() -> tuple[nn.ModuleDict, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.ModuleDict({"trunk": nn.Linear(4, 6), "a": nn.Linear(6, 2), "b": nn.Linear(6, 3)})
+        return m, torch.optim.Adam(m.parameters(), lr=0.1, weight_decay=0.01)
+
+    def train(m: nn.ModuleDict, o: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            o.zero_grad(set_to_none=False)
+            head = m["a"] if step % 2 else m["b"]
+            head(
+                m["trunk"](torch.randn(3, 4, generator=torch.Generator().manual_seed(step)))
+            ).sum().backward()
+            o.step()
+
+    m, o = make()
+    train(m, o, range(4))
+    state = collect_state(m, o, None, None, 4)
+    assert state["grads_held"].tolist() == [True] * 6
+    skeleton, tensors, _ = flatten(state)
+    tensors = [t.clone() for t in tensors]
+    train(m, o, range(4, 7))  # step 4 uses head b: a's zero gradient still moves it
+    m2, o2 = make()
+    apply_state(unflatten(skeleton, tensors), m2, o2, None, None)
+    assert all(p.grad is not None and not p.grad.any() for p in m2.parameters())
+    train(m2, o2, range(4, 7))
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
+    # Parameters that held none (set_to_none=True) hold none after a restore either.
+    o2.zero_grad(set_to_none=True)
+    m3, o3 = make()
+    m3["a"].weight.grad = torch.ones_like(m3["a"].weight)
+    apply_state(unflatten(*flatten(collect_state(m2, o2, None, None, 7))[:2]), m3, o3, None, None)
+    assert all(p.grad is None for p in m3.parameters())
+
+
 def test_collect_and_apply_restore_training_bitwise() -> None:
     def make() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
         torch.manual_seed(0)
@@ -1948,3 +1988,38 @@ def test_a_fresh_start_drops_the_trust_level_an_earlier_run_noted(tmp_path: Path
         assert gem.noted_restart_mode() is None and gem.noted_failure_kind() is None
     finally:
         gem.close()
+
+
+@pytest.mark.parametrize("thread", ["lm-resiliency-rank0", "the-scripts-own"])
+def test_a_loader_iterator_finalized_on_our_thread_shuts_its_workers_down_on_another(thread: str) -> None:
+    """A DataLoader iterator with workers, garbage in a reference cycle, is finalized on whichever
+    thread allocates when a collection is due, one of this library's too: torch joins its workers
+    there, up to 5 s each, and the runtime's event loop stalled that long (a session's start timed
+    out after 10 s in a test, the loop thread in `_shutdown_workers` under an anyio call). Run on
+    one of our threads, that shutdown runs on a thread of its own now; on any other, in place."""
+    from torch.utils.data import DataLoader
+
+    from lm_resiliency.gemini.iterators import IteratorWatch
+
+    watch = IteratorWatch()
+    watch.install()
+    ran_on: list[str] = []
+    try:
+        it = iter(DataLoader(list(range(8)), batch_size=2, num_workers=1))
+        assert next(it).tolist() == [0, 1]
+        shutdown = it._shutdown_workers
+
+        def recorded() -> None:
+            ran_on.append(threading.current_thread().name)
+            shutdown()
+
+        it._shutdown_workers = recorded
+        finalizer = threading.Thread(target=type(it).__del__, args=(it,), name=thread)  # as the collector
+        finalizer.start()
+        finalizer.join(timeout=60)
+        for other in [t for t in threading.enumerate() if t.name == "lm-resiliency-loader-shutdown"]:
+            other.join(timeout=60)
+        assert it._shutdown  # (its workers are down)
+    finally:
+        watch.uninstall()
+    assert ran_on == ["lm-resiliency-loader-shutdown" if thread.startswith("lm-resiliency") else thread]
