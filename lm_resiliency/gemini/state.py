@@ -386,7 +386,7 @@ def apply_state(
     live = check_fits(state.get("model"), model)
     _resolve_shards(state, model, _holder(optimizer), live)
     model.load_state_dict(state["model"])
-    if "grads_held" in state:  # (a capture of an older version: not recorded)
+    if "grads_held" in state and live is not None:  # (an older capture: not recorded; FSDP1 keeps its own)
         restore_grads(model, state["grads_held"])
     if optimizer is not None and "optimizer" in state:
         partition = zero_partition(optimizer)
