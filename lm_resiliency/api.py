@@ -261,13 +261,17 @@ def _scheduler_of(optimizer: Any, given: Any, live: list[Any]) -> Any:
         if found is not None:
             log.info("captured with the optimizer: its %s (opt_param_scheduler)", type(found).__name__)
         elif outer:
-            warnings.warn(
-                "enable_resiliency: several schedulers step this optimizer "
-                f"({', '.join(type(o).__name__ for o in outer)}) and none was passed as "
-                "opt_param_scheduler: none is captured, so a restart resets the learning rate. "
-                "Pass the one you step.",
-                stacklevel=3,
+            # Several step it (a warm-up stepped per step and a ReduceLROnPlateau per epoch): every
+            # one is captured, in an order every restart finds again (by type, then as made). Before,
+            # none was, and a zero-import script (which cannot name them) restarted its schedule.
+            from lm_resiliency.adapters.chain import SchedulerChain
+
+            ordered = sorted(outer, key=lambda o: type(o).__name__)
+            log.info(
+                "captured with the optimizer: the schedulers stepping it, %s (opt_param_scheduler)",
+                ", ".join(type(o).__name__ for o in ordered),
             )
+            return SchedulerChain(ordered)
         return found
     parent = next((o for o in outer if any(c is given for c in getattr(o, "_schedulers", ()))), None)
     if parent is None:
