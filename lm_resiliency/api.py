@@ -234,7 +234,7 @@ def _refuse_an_engines_module(model: Any, live: list[Any]) -> None:
 def _schedulers_of_chain(chain: Any, given: Any, live: list[Any]) -> Any:
     """The schedulers to capture with an `OptimizerChain`: those given (one or a list), and for
     each member none of them steps, the one found stepping it; several as one `SchedulerChain`."""
-    from lm_resiliency.adapters.chain import SchedulerChain
+    from lm_resiliency.adapters.chain import SchedulerChain, members_of
 
     given = list(given) if isinstance(given, (list, tuple)) else ([] if given is None else [given])
     out: list[Any] = []
@@ -242,6 +242,7 @@ def _schedulers_of_chain(chain: Any, given: Any, live: list[Any]) -> Any:
         mine = [s for s in given if getattr(s, "optimizer", None) is m]
         out += [_scheduler_of(m, s, live) for s in mine] if mine else [_scheduler_of(m, None, live)]
     out += [s for s in given if not any(getattr(s, "optimizer", None) is m for m in chain.members)]
+    out = [one for s in out for one in (members_of(s) if s is not None else ())]  # (one chain, flat)
     unique = list({id(s): s for s in out if s is not None}.values())
     if len(unique) <= 1:
         return unique[0] if unique else None
