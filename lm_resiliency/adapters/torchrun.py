@@ -96,6 +96,9 @@ _DEFAULTS = {
 # Failure kinds whose culprit node is quarantined and replaced by a standby (the rest restart in place).
 # RecoveryPolicyConfig's
 DEFAULT_REPLACE_ON = ("sdc", "hardware", "node_lost", "network_partition", "collective_desync")
+# Failure kinds of corrupted state (or the device that holds it): a restart for them restores a
+# recovery-verified step, and no restart's SIGTERM makes one.
+STATE_FAILURES = frozenset({"sdc", "stale_state", "hardware"})
 CONTROL_ENV = "LM_RESILIENCY_CONTROL_STORE"
 _TERMINAL_KEY = "torchelastic/agent/terminal_state/num_members"
 
@@ -1048,7 +1051,11 @@ class _Pulse:
         """Agreed SCOUT verdicts that workers posted: restart, or quarantine the culprits' nodes.
 
         While the failed generation is being restarted, only a worker's own report of the exception
-        it died of is still read: it names why the agent saw the exit."""
+        it died of is still read (it names why the agent saw the exit), and verdicts of corrupted
+        state (`STATE_FAILURES`: an SDC named a moment before a rank was killed). A restart's
+        SIGTERM makes none of those, and each needs a certified step and its device out: before, an
+        SDC reported while a kill's restart formed was dropped, its node kept and the newest step
+        restored (an outsider's run: the flip at step 9, the kill at 10)."""
         h = self.h
         restarting = s.phase == rs.RESTARTING and s.pending.get("from_generation") == s.generation
         if s.phase != rs.RUNNING and not restarting:
@@ -1062,8 +1069,8 @@ class _Pulse:
             if not isinstance(v, dict):
                 continue
             kind = str(v.get("kind", "unknown"))
-            if s.phase != rs.RUNNING and kind != "process_failure":
-                continue
+            if s.phase != rs.RUNNING and kind != "process_failure" and kind not in STATE_FAILURES:
+                continue  # (a hang, a stall: the restart's own doing, its peers stopped)
             ranks = [int(r) for r in v.get("failed_ranks", []) if isinstance(r, int)]
             culprits = {n for n in (_node_of_rank(s, r) for r in ranks) if n is not None}
             quarantine = _quarantines(v, h.replace_on) and bool(culprits)
@@ -1145,7 +1152,7 @@ class _Pulse:
         # An SDC reported while another failure of the generation (a killed rank) was being
         # handled still needs a certified step: the corruption may be in the newest capture.
         kinds = rs.also_kinds(pending)
-        mode = "recovery_verified" if set(kinds) & {"sdc", "stale_state", "hardware"} else "latest"
+        mode = "recovery_verified" if set(kinds) & STATE_FAILURES else "latest"
         plan: dict[str, Any] = {
             "failure_kind": kind,
             "reason_code": str(pending.get("reason", "startup")),

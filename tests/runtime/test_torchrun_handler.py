@@ -1059,3 +1059,40 @@ def test_agents_waiting_on_a_store_that_vanished_say_so_and_the_standby_exits_cl
         assert "cannot tell how run unit-run ended" in str(err)
     finally:
         group.shutdown()
+
+
+def test_an_sdc_posted_while_a_kills_restart_forms_is_applied_and_a_hang_is_not(store: Any) -> None:
+    """Rank 1 (node b) was killed and its agent asked for a restart first; the SDC its replicas
+    agreed on rank 0 (node a) a moment before reaches the leader's next tick. It is applied: node a
+    quarantined, the SDC among the restart's kinds (a certified step). A hang posted then (peers
+    stopped by the restart) is not. Before, every verdict but a worker's own exception was dropped
+    while the restart formed: an outsider's flipped device kept its slot."""
+    from types import SimpleNamespace
+
+    from lm_resiliency.runtime.control import ControlChannel
+
+    s = rs.RdzvState.new("nonce", 2, 4, "pol")
+    for n in "abcd":
+        s = rs.register(s, n, f"{n}.addr", 1, "pol")
+    s = rs.form(rs.elect(s, "a", set("abcd")), set("abcd"))
+    assert s.slots == ("a", "b") and s.standbys == ("c", "d")
+    s = rs.request_restart(s, 0, "process_failure", "worker_exit", ["b"])
+    control = tr._Control(store, "unit-run")
+    control.init(s)
+    ch = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
+    ch.post_verdict(0, {"kind": "hang", "failed_ranks": [0], "reason": "never_entered_collective"})
+    ch.post_verdict(0, {"kind": "sdc", "failed_ranks": [0], "reason": "grads_fingerprint_minority"})
+    assert ch.flush(10)
+    ch.close()
+    h = SimpleNamespace(
+        run_id="unit-run",
+        node_id="a",
+        replace_on=tr.DEFAULT_REPLACE_ON,
+        restart_on=(),
+        heartbeat_timeout_s=5.0,
+    )
+    pulse = SimpleNamespace(h=h, _verdicts_read=(-1, 0), _kept=set(), _destination=lambda s, v, c, q: (q, ""))
+    got = tr._Pulse._apply_verdicts(pulse, control, s)  # type: ignore[arg-type]
+    assert got.phase == rs.RESTARTING and got.pending["failure_kind"] == "process_failure", got.pending
+    assert rs.also_kinds(got.pending) == ["process_failure", "sdc"] and got.pending["culprits"] == ["a", "b"]
+    assert got.excluded == {"a": "sdc"}
