@@ -263,7 +263,7 @@ def _scheduler_of(optimizer: Any, given: Any, live: list[Any]) -> Any:
             log.info("captured with the optimizer: its %s (opt_param_scheduler)", type(found).__name__)
         elif outer:
             # Several step it (a warm-up stepped per step and a ReduceLROnPlateau per epoch): every
-            # one is captured, in an order every restart finds again (by type, then as made). Before,
+            # one is captured, in an order every restart finds again (by type). Before,
             # none was, and a zero-import script (which cannot name them) restarted its schedule.
             from lm_resiliency.adapters.chain import SchedulerChain
 
