@@ -9,6 +9,7 @@ import random
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from lm_resiliency.errors import SharedMemoryError
 from lm_resiliency.gemini.durable import DurableError, DurableStore
+from lm_resiliency.gemini.iterators import IteratorWatch
 from lm_resiliency.gemini.state import (
     apply_state,
     check_fits,
@@ -1736,47 +1738,53 @@ def test_a_disk_that_fails_between_copies_is_reported_by_the_probe(
         gem.close()
 
 
+@pytest.fixture
+def watch() -> Iterator[IteratorWatch]:
+    """The DataLoader iterator watch of an open GEMINI, installed for the test and removed after."""
+    w = IteratorWatch()
+    w.install()
+    try:
+        yield w
+    finally:
+        w.uninstall()
+
+
 def test_the_iterator_watch_skips_malformed_records_and_loaders_with_their_own_generator(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, watch: IteratorWatch
 ) -> None:
     """A capture's `iterators` entry that is not (shape, RNG states, ended) is left out with a
     warning, never raised into a restore; a DataLoader with its own `generator=` draws from it, and
     the watch neither records it nor touches the global RNG around it."""
     from torch.utils.data import DataLoader
 
-    from lm_resiliency.gemini.iterators import IteratorWatch
-
-    watch = IteratorWatch()
-    watch.install()
-    try:
-        bad = torch.zeros(3, dtype=torch.uint8)  # not an RNG state's size
-        watch.restore(
-            [
-                {"shape": 1},
-                "x",
-                {"shape": "a", "torch": bad},
-                {"shape": "a", "ended": "no"},
-                {"shape": "a", "torch": None, "first": bad},
-            ]
-        )
-        assert caplog.text.count("malformed: not used") == 5
-        watch.first_step()  # nothing made, nothing to draw
-        own = DataLoader(list(range(8)), batch_size=2, generator=torch.Generator().manual_seed(0))
-        before = torch.get_rng_state()
-        kept = iter(own)
-        assert torch.equal(torch.get_rng_state(), before) and watch.snapshot() == []
-        plain = DataLoader(list(range(8)), batch_size=2)
-        it = iter(plain)
-        (entry,) = watch.snapshot()
-        assert torch.equal(entry["torch"], before) and entry["ended"] is False
-        assert entry["shape"] == "list/SequentialSampler/2/4"
-        assert len(list(it)) == 4 and watch.snapshot()[0]["ended"] is True
-        del kept
-    finally:
-        watch.uninstall()
+    bad = torch.zeros(3, dtype=torch.uint8)  # not an RNG state's size
+    watch.restore(
+        [
+            {"shape": 1},
+            "x",
+            {"shape": "a", "torch": bad},
+            {"shape": "a", "ended": "no"},
+            {"shape": "a", "torch": None, "first": bad},
+        ]
+    )
+    assert caplog.text.count("malformed: not used") == 5
+    watch.first_step()  # nothing made, nothing to draw
+    own = DataLoader(list(range(8)), batch_size=2, generator=torch.Generator().manual_seed(0))
+    before = torch.get_rng_state()
+    kept = iter(own)
+    assert torch.equal(torch.get_rng_state(), before) and watch.snapshot() == []
+    plain = DataLoader(list(range(8)), batch_size=2)
+    it = iter(plain)
+    (entry,) = watch.snapshot()
+    assert torch.equal(entry["torch"], before) and entry["ended"] is False
+    assert entry["shape"] == "list/SequentialSampler/2/4"
+    assert len(list(it)) == 4 and watch.snapshot()[0]["ended"] is True
+    del kept
 
 
-def test_a_loader_without_workers_made_again_mid_epoch_draws_its_permutation_where_it_did() -> None:
+def test_a_loader_without_workers_made_again_mid_epoch_draws_its_permutation_where_it_did(
+    watch: IteratorWatch,
+) -> None:
     """Without workers a RandomSampler draws its permutation at the iterator's first batch, not as
     it is made. A loop resumed mid-epoch makes its iterator again and skips to its position: the
     batches after it, and the random numbers after them, are the uninterrupted run's. Before, the
@@ -1784,30 +1792,25 @@ def test_a_loader_without_workers_made_again_mid_epoch_draws_its_permutation_whe
     num_workers=0 ended off the uninterrupted run after a kill, with or without torch.compile)."""
     from torch.utils.data import DataLoader
 
-    from lm_resiliency.gemini.iterators import IteratorWatch
-
-    watch = IteratorWatch()
-    watch.install()
-    try:
-        torch.manual_seed(0)
-        loader = DataLoader(list(range(16)), batch_size=2, shuffle=True)
-        it = iter(loader)
-        seen = [next(it).tolist() for _ in range(3)]
-        saved, state = watch.snapshot(), torch.get_rng_state()  # a capture at this step
-        rest = [b.tolist() for b in it]
-        after = torch.rand(3)
-        watch.restore(saved)
-        torch.set_rng_state(state)
-        again = iter(loader)
-        assert [next(again).tolist() for _ in range(3)] == seen  # the loop skips to its position
-        assert [b.tolist() for b in again] == rest
-        assert torch.equal(torch.rand(3), after)
-    finally:
-        watch.uninstall()
+    torch.manual_seed(0)
+    loader = DataLoader(list(range(16)), batch_size=2, shuffle=True)
+    it = iter(loader)
+    seen = [next(it).tolist() for _ in range(3)]
+    saved, state = watch.snapshot(), torch.get_rng_state()  # a capture at this step
+    rest = [b.tolist() for b in it]
+    after = torch.rand(3)
+    watch.restore(saved)
+    torch.set_rng_state(state)
+    again = iter(loader)
+    assert [next(again).tolist() for _ in range(3)] == seen  # the loop skips to its position
+    assert [b.tolist() for b in again] == rest
+    assert torch.equal(torch.rand(3), after)
 
 
 @pytest.mark.parametrize("captured", ["mid-epoch", "before its first batch", "as it fetches its first batch"])
-def test_two_loaders_made_again_mid_epoch_draw_their_permutations_where_they_did(captured: str) -> None:
+def test_two_loaders_made_again_mid_epoch_draw_their_permutations_where_they_did(
+    captured: str, watch: IteratorWatch
+) -> None:
     """A multi-task loop reads two loaders without workers. It makes the auxiliary loader's
     iterator, then the main one's (which draws its seed from the global RNG), then fetches from
     both: the auxiliary RandomSampler draws its permutation at its first batch, after the main
@@ -1819,48 +1822,43 @@ def test_two_loaders_made_again_mid_epoch_draw_their_permutations_where_they_did
     capture at an epoch's first fetch resumed one draw behind."""
     from torch.utils.data import DataLoader
 
-    from lm_resiliency.gemini.iterators import IteratorWatch
+    torch.manual_seed(0)
+    aux = DataLoader(list(range(16)), batch_size=2, shuffle=True)
+    main = DataLoader(list(range(100, 124)), batch_size=3, shuffle=True)
 
-    watch = IteratorWatch()
-    watch.install()
-    try:
-        torch.manual_seed(0)
-        aux = DataLoader(list(range(16)), batch_size=2, shuffle=True)
-        main = DataLoader(list(range(100, 124)), batch_size=3, shuffle=True)
+    def fetch(its: list[Any], n: int) -> list[list[int]]:
+        return [next(it).tolist() for it in its for _ in range(n)]
 
-        def fetch(its: list[Any], n: int) -> list[list[int]]:
-            return [next(it).tolist() for it in its for _ in range(n)]
-
-        a, m = iter(aux), iter(main)
-        seen = fetch([a, m], 2) if captured == "mid-epoch" else []
-        if captured == "as it fetches its first batch":  # (GEMINI's capture, at the fetch)
-            taken: list[Any] = []
-            watch.on_fetch = lambda: (
-                taken.append((watch.snapshot(), torch.get_rng_state())) if not taken else None
-            )
-            rest = fetch([a, m], 3)
-            watch.on_fetch = None
-            saved, state = taken[0]
-        else:
-            saved, state = watch.snapshot(), torch.get_rng_state()  # a capture at this step
-            rest = fetch([a, m], 3)
-        assert [e["first"] is None for e in saved] == [captured != "mid-epoch"] * 2
-        after = torch.rand(3)
-        watch.restore(saved)
-        torch.set_rng_state(state)
-        a2, m2 = iter(aux), iter(main)  # the resumed loop makes both again, in the same order
-        assert fetch([a2, m2], 2 if captured == "mid-epoch" else 0) == seen  # skipped to its position
-        assert fetch([a2, m2], 3) == rest
-        assert torch.equal(torch.rand(3), after)
-        del a, m
-        again = watch.snapshot()  # the remade iterators keep where they drew, for the next capture
-        if captured == "mid-epoch":
-            assert all(torch.equal(x["first"], y["first"]) for x, y in zip(again, saved, strict=True))
-    finally:
-        watch.uninstall()
+    a, m = iter(aux), iter(main)
+    seen = fetch([a, m], 2) if captured == "mid-epoch" else []
+    if captured == "as it fetches its first batch":  # (GEMINI's capture, at the fetch)
+        taken: list[Any] = []
+        watch.on_fetch = lambda: (
+            taken.append((watch.snapshot(), torch.get_rng_state())) if not taken else None
+        )
+        rest = fetch([a, m], 3)
+        watch.on_fetch = None
+        saved, state = taken[0]
+    else:
+        saved, state = watch.snapshot(), torch.get_rng_state()  # a capture at this step
+        rest = fetch([a, m], 3)
+    assert [e["first"] is None for e in saved] == [captured != "mid-epoch"] * 2
+    after = torch.rand(3)
+    watch.restore(saved)
+    torch.set_rng_state(state)
+    a2, m2 = iter(aux), iter(main)  # the resumed loop makes both again, in the same order
+    assert fetch([a2, m2], 2 if captured == "mid-epoch" else 0) == seen  # skipped to its position
+    assert fetch([a2, m2], 3) == rest
+    assert torch.equal(torch.rand(3), after)
+    del a, m
+    again = watch.snapshot()  # the remade iterators keep where they drew, for the next capture
+    if captured == "mid-epoch":
+        assert all(torch.equal(x["first"], y["first"]) for x, y in zip(again, saved, strict=True))
 
 
-def test_an_ended_iterator_skipped_again_while_the_loop_holds_it_is_no_capture_of_its_successor() -> None:
+def test_an_ended_iterator_skipped_again_while_the_loop_holds_it_is_no_capture_of_its_successor(
+    watch: IteratorWatch,
+) -> None:
     """Restored where an epoch ended, the loop makes that epoch's iterator again, skips it to its end
     while it still holds it (`it = iter(loader)` rebinds it after the next one is made) and makes
     the next: a later capture records the next one as an iterator of its own. Before, the ended one
@@ -1868,29 +1866,22 @@ def test_an_ended_iterator_skipped_again_while_the_loop_holds_it_is_no_capture_o
     AttributeError at the step after such a restore, on every rank)."""
     from torch.utils.data import DataLoader
 
-    from lm_resiliency.gemini.iterators import IteratorWatch
-
-    watch = IteratorWatch()
-    watch.install()
-    try:
-        torch.manual_seed(0)
-        loader = DataLoader(list(range(8)), batch_size=2, shuffle=True)
-        it = iter(loader)
-        order = [b.tolist() for b in it]
-        saved, state = watch.snapshot(), torch.get_rng_state()  # a capture where the epoch ended
-        nxt = iter(loader)
-        want = [b.tolist() for b in nxt]
-        watch.restore(saved)
-        torch.set_rng_state(state)
-        it = iter(loader)
-        assert [b.tolist() for b in it] == want  # (made as torch makes it: the next epoch's order)
-        it = iter(loader)  # the loop asks for another while it holds the ended one
-        next(it)
-        (entry,) = [e for e in watch.snapshot() if not e["ended"]]
-        assert isinstance(entry["first"], torch.Tensor)  # (the RNG state at its first batch)
-        assert order != want
-    finally:
-        watch.uninstall()
+    torch.manual_seed(0)
+    loader = DataLoader(list(range(8)), batch_size=2, shuffle=True)
+    it = iter(loader)
+    order = [b.tolist() for b in it]
+    saved, state = watch.snapshot(), torch.get_rng_state()  # a capture where the epoch ended
+    nxt = iter(loader)
+    want = [b.tolist() for b in nxt]
+    watch.restore(saved)
+    torch.set_rng_state(state)
+    it = iter(loader)
+    assert [b.tolist() for b in it] == want  # (made as torch makes it: the next epoch's order)
+    it = iter(loader)  # the loop asks for another while it holds the ended one
+    next(it)
+    (entry,) = [e for e in watch.snapshot() if not e["ended"]]
+    assert isinstance(entry["first"], torch.Tensor)  # (the RNG state at its first batch)
+    assert order != want
 
 
 def test_what_a_restart_trusts_is_kept_with_the_durable_copies(
@@ -1991,7 +1982,9 @@ def test_a_fresh_start_drops_the_trust_level_an_earlier_run_noted(tmp_path: Path
 
 
 @pytest.mark.parametrize("thread", ["lm-resiliency-rank0", "the-scripts-own"])
-def test_a_loader_iterator_finalized_on_our_thread_shuts_its_workers_down_on_another(thread: str) -> None:
+def test_a_loader_iterator_finalized_on_our_thread_shuts_its_workers_down_on_another(
+    thread: str, watch: IteratorWatch
+) -> None:
     """A DataLoader iterator with workers, garbage in a reference cycle, is finalized on whichever
     thread allocates when a collection is due, one of this library's too: torch joins its workers
     there, up to 5 s each, and the runtime's event loop stalled that long (a session's start timed
@@ -1999,27 +1992,20 @@ def test_a_loader_iterator_finalized_on_our_thread_shuts_its_workers_down_on_ano
     one of our threads, that shutdown runs on a thread of its own now; on any other, in place."""
     from torch.utils.data import DataLoader
 
-    from lm_resiliency.gemini.iterators import IteratorWatch
-
-    watch = IteratorWatch()
-    watch.install()
     ran_on: list[str] = []
-    try:
-        it = iter(DataLoader(list(range(8)), batch_size=2, num_workers=1))
-        assert next(it).tolist() == [0, 1]
-        shutdown = it._shutdown_workers
+    it = iter(DataLoader(list(range(8)), batch_size=2, num_workers=1))
+    assert next(it).tolist() == [0, 1]
+    shutdown = it._shutdown_workers
 
-        def recorded() -> None:
-            ran_on.append(threading.current_thread().name)
-            shutdown()
+    def recorded() -> None:
+        ran_on.append(threading.current_thread().name)
+        shutdown()
 
-        it._shutdown_workers = recorded
-        finalizer = threading.Thread(target=type(it).__del__, args=(it,), name=thread)  # as the collector
-        finalizer.start()
-        finalizer.join(timeout=60)
-        for other in [t for t in threading.enumerate() if t.name == "lm-resiliency-loader-shutdown"]:
-            other.join(timeout=60)
-        assert it._shutdown  # (its workers are down)
-    finally:
-        watch.uninstall()
+    it._shutdown_workers = recorded
+    finalizer = threading.Thread(target=type(it).__del__, args=(it,), name=thread)  # as the collector
+    finalizer.start()
+    finalizer.join(timeout=60)
+    for other in [t for t in threading.enumerate() if t.name == "lm-resiliency-loader-shutdown"]:
+        other.join(timeout=60)
+    assert it._shutdown  # (its workers are down)
     assert ran_on == ["lm-resiliency-loader-shutdown" if thread.startswith("lm-resiliency") else thread]
