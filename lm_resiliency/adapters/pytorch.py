@@ -682,9 +682,12 @@ def _mesh_topology(model: nn.Module, rank: int) -> AdapterTopology | None:
         return None
     mesh = None
     replicated: list[bool] | None = None
+    meshes: list[Any] = []
     for p in model.parameters():
         if not isinstance(p, DTensor):
             continue
+        if not any(p.device_mesh is m for m in meshes):
+            meshes.append(p.device_mesh)
         if mesh is None:
             mesh = p.device_mesh
             replicated = [True] * mesh.ndim
@@ -716,5 +719,34 @@ def _mesh_topology(model: nn.Module, rank: int) -> AdapterTopology | None:
             group.append(int(grid[tuple(pos)]))
     rep_names = tuple(n for n, r in zip(names, replicated, strict=True) if r)
     # Every rank of the mesh runs the same layers on its own shard and batch: peers for timing.
-    peers = tuple(sorted(int(r) for r in grid.flatten().tolist()))
+    peers = _mesh_peers(meshes, rank) or tuple(sorted(int(r) for r in grid.flatten().tolist()))
     return AdapterTopology(tuple(sorted(group)), dims, rep_names, "device_mesh", peers)
+
+
+def _mesh_peers(meshes: list[Any], rank: int) -> tuple[int, ...]:
+    """The ranks that run the same layers as `rank` on other shards and batches, from the meshes its
+    parameters live on: the ranks of their root mesh at `rank`'s coordinates on every root dimension
+    none of them spans (a pipeline stage's, say). Parameters on several meshes (FSDP2 over the
+    data-parallel dimension for some, over it and a tensor-parallel one for others) make one group of
+    the dimensions they span together; before, the first parameter's mesh alone was taken, and the
+    ranks of a 2-D FSDP2 + TP job compared their progress only with their data-parallel peers (to
+    them, a hang of a tensor-parallel peer was every rank stuck). Empty when the root is unknown
+    (torch's private `_get_root_mesh`) or the meshes have different roots."""
+    try:
+        roots = {id(r): r for r in (m._get_root_mesh() for m in meshes)}
+    except Exception:  # a torch without it: the first mesh, as before
+        return ()
+    if len(roots) != 1:
+        return ()
+    grid = next(iter(roots.values())).mesh
+    cells = torch.nonzero(torch.ones_like(grid), as_tuple=False).tolist()
+    where = {int(grid[tuple(i)]): tuple(i) for i in cells}
+    if rank not in where:
+        return ()
+    spanned: set[int] = set()
+    for m in meshes:
+        coords = [where[int(r)] for r in m.mesh.flatten().tolist() if int(r) in where]
+        spanned |= {d for d in range(grid.ndim) if len({c[d] for c in coords}) > 1}
+    mine = where[rank]
+    kept = [d for d in range(grid.ndim) if d not in spanned]
+    return tuple(sorted(r for r, c in where.items() if all(c[d] == mine[d] for d in kept)))

@@ -363,8 +363,18 @@ class Scout:
             "input": config.dataloader_latency_threshold_s,
             "checkpoint_io": config.checkpoint_io_latency_threshold_s,
         }
+        # A peer group short of the whole job all waiting may wait for a rank outside it (another
+        # replica group's tensor-parallel peer, the next pipeline stage), which that rank's own group
+        # names at the threshold: ours says "every rank stuck" only well after. Before, outsider 43
+        # (FSDP2 over the data-parallel dim, tensor parallel within a node) restarted on the verdict
+        # "[0, 2] all stuck" for a hang of rank 3.
+        lone = len(self.peers) < topology.world_size
         self._hangs = HangDetector(
-            config.hang_stall_threshold_s, {**phases, "evaluation": config.evaluation_latency_threshold_s}
+            config.hang_stall_threshold_s,
+            {**phases, "evaluation": config.evaluation_latency_threshold_s},
+            all_stuck_after_s=max(1.5 * config.hang_stall_threshold_s, config.hang_stall_threshold_s + 5.0)
+            if lone
+            else None,
         )
         self._stalls = StallDetector(phases)
         # A peer declared dead stays silent one more heartbeat timeout before it is named cut off.

@@ -200,6 +200,29 @@ def test_hang_detector_reports_once_until_progress() -> None:
     assert d.observe(3, prog) is not None
 
 
+def test_a_group_short_of_the_job_names_every_rank_stuck_only_well_past_the_threshold() -> None:
+    """Replicas 0 and 2 of a tensor-parallel job both wait for rank 3, a tensor-parallel peer of
+    another replica group: no culprit among them, and rank 3's own group names it at the threshold.
+    Theirs says "every rank stuck" only at `all_stuck_after_s` (before, at the threshold too, and the
+    leader restarted on it, naming 0 and 2). A culprit in view is named at the threshold still."""
+    stuck = {0: Progress(21, 360, 20.5), 2: Progress(21, 360, 20.5)}
+    assert hang_verdict(21, stuck, 20.0, all_stuck_after_s=30.0) is None
+    late = {r: Progress(21, 360, 30.0) for r in (0, 2)}
+    v = hang_verdict(21, late, 20.0, all_stuck_after_s=30.0)
+    assert v is not None and (v.kind, v.ranks, v.reason) == (
+        "collective_stall",
+        (0, 2),
+        "all_ranks_stuck_in_collective",
+    )
+    assert hang_verdict(21, stuck, 20.0).kind == "collective_stall"  # type: ignore[union-attr]  # the whole job
+    culprit = {**stuck, 3: Progress(21, 358, 0.0, idle_s=20.5)}
+    v = hang_verdict(21, culprit, 20.0, all_stuck_after_s=30.0)
+    assert v is not None and (v.kind, v.ranks) == ("hang", (3,))
+    d = HangDetector(20.0, all_stuck_after_s=30.0)
+    assert d.observe(21, stuck) is None
+    assert d.observe(21, late) is not None and d.observe(21, late) is None
+
+
 def test_a_silent_rank_is_the_hang_when_every_live_peer_waits() -> None:
     """Rank 3's heartbeats stopped (stopped, frozen, partitioned): it is not in the progress the
     live ranks exchange, and without it the rest would be an anonymous 'every rank is stuck'."""

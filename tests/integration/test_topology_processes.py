@@ -39,6 +39,10 @@ def test_replica_groups_and_bitwise_comm_hook(processes, tmp_path: Path) -> None
         assert out["fsdp_tp"] == [r]
         # Every rank of the mesh does the same work: peers for step times, stalls and hangs.
         assert out["fsdp2_peers"] == out["hsdp_peers"] == out["fsdp_tp_peers"] == [0, 1, 2, 3]
+        # Parameters on a 1-D slice and on the 2-D mesh: peers over both dims (before: the slice's).
+        assert out["mixed_tp"] == [r]
+        assert out["mixed_tp_peers"] == [0, 1, 2, 3]
+        assert out["stage_peers"] == ([0, 1] if r < 2 else [2, 3])
         assert out["override"] == [r]
         if r < 3:
             assert out["bitwise_equal"], "the session's DDP comm hook changed the training numerics"

@@ -283,6 +283,7 @@ def hang_verdict(
     silent: frozenset[int] = frozenset(),
     excused_s: Mapping[str, float] | None = None,
     left: Mapping[int, int] | None = None,
+    all_stuck_after_s: float | None = None,
 ) -> Verdict | None:
     """Name the ranks that never entered the collective their peers are stuck in; failing that, the
     ranks that `left` (closed their sessions and went, while their peers still wait: a loop that ended
@@ -295,7 +296,12 @@ def hang_verdict(
     is never named.
 
     The verdict's step is the one the stuck collective belongs to: the waiting ranks' step in
-    progress (they completed `step`), the step in which the fault happened, not `now_step`."""
+    progress (they completed `step`), the step in which the fault happened, not `now_step`.
+
+    With no culprit among them, every rank of `progress` waiting is a `collective_stall` once the
+    stall reaches `all_stuck_after_s` (default: the threshold). A group that is not the whole job
+    waits longer: the rank they all wait for may be outside it (a tensor-parallel peer of another
+    replica group, the next pipeline stage), and its own group names it at the threshold."""
     waiting = {r: p for r, p in progress.items() if p.in_collective_s >= stall_threshold_s}
     if not waiting:
         return None
@@ -375,7 +381,7 @@ def hang_verdict(
             f"ranks {in_k} for up to {stall:.1f}s; ranks {list(gone)} went silent (no heartbeat)",
             stall_duration_s=stall,
         )
-    if len(waiting) == len(progress):
+    if len(waiting) == len(progress) and stall >= (all_stuck_after_s or stall_threshold_s):
         return Verdict(
             "collective_stall",
             tuple(sorted(waiting)),
@@ -442,9 +448,15 @@ def desync_in_trails(trails: Mapping[int, tuple[bytes, Sequence[tuple[int, bytes
 class HangDetector:
     """Reports each distinct hang once (until progress resumes)."""
 
-    def __init__(self, stall_threshold_s: float, excused_s: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        stall_threshold_s: float,
+        excused_s: Mapping[str, float] | None = None,
+        all_stuck_after_s: float | None = None,
+    ) -> None:
         self.stall_threshold_s = stall_threshold_s
         self.excused_s = dict(excused_s or {})
+        self.all_stuck_after_s = all_stuck_after_s
         self._open: tuple[str, tuple[int, ...]] | None = None
 
     def observe(
@@ -454,7 +466,9 @@ class HangDetector:
         silent: frozenset[int] = frozenset(),
         left: Mapping[int, int] | None = None,
     ) -> Verdict | None:
-        v = hang_verdict(now_step, progress, self.stall_threshold_s, silent, self.excused_s, left)
+        v = hang_verdict(
+            now_step, progress, self.stall_threshold_s, silent, self.excused_s, left, self.all_stuck_after_s
+        )
         if v is None:
             self._open = None
             return None

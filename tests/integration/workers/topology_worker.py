@@ -84,6 +84,22 @@ def main() -> int:
     out["fsdp_tp"] = list(tp_topo.replica_group)
     out["fsdp_tp_peers"] = list(tp_topo.peer_group)
 
+    # TorchTitan's layout: a layer left out of tensor parallel (sharded over the data-parallel dim
+    # only) before the tensor-parallel ones (sharded over both): its parameters' mesh is a 1-D slice.
+    torch.manual_seed(0)
+    mixed = nn.Sequential(nn.Linear(16, 16), Block())
+    parallelize_module(mixed[1], mesh3["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    fully_shard(mixed[1], mesh=mesh3["dp_shard"])
+    fully_shard(mixed, mesh=mesh3["dp_shard"])
+    mixed_topo = PyTorchAdapter(mixed, None).topology()
+    out["mixed_tp"] = list(mixed_topo.replica_group)
+    out["mixed_tp_peers"] = list(mixed_topo.peer_group)
+    # A pipeline stage's layers (TP within a 2-rank slice of a pp x tp mesh): peers are its stage.
+    mesh4 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "tp"))
+    stage = Block()
+    parallelize_module(stage, mesh4["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    out["stage_peers"] = list(PyTorchAdapter(stage, None).topology().peer_group)
+
     out["override"] = list(
         PyTorchAdapter(Block(), None, parallelism_info={"replica_group": [rank]}).topology().replica_group
     )
