@@ -34,6 +34,7 @@ from lm_resiliency.adapters.base import (
     StepTimes,
     live_instances,
     numerics_settings,
+    parameters_of,
 )
 from lm_resiliency.adapters.detect import FRAMEWORKS, detect_framework
 from lm_resiliency.config import (
@@ -151,7 +152,7 @@ def _warn_of_parameters_outside(model: Any, optimizer: Any) -> None:
 
     if not isinstance(model, torch.nn.Module):
         return
-    mine = {id(p) for p in model.parameters()}
+    mine = {id(p) for p in parameters_of(model)}
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
     outside = [p for p in stepped if id(p) not in mine]
     if outside:
@@ -199,7 +200,7 @@ def _warn_of_other_optimizers(model: Any, optimizer: Any, live: list[Any]) -> No
         if id(obj) not in inside:
             inside.add(id(obj))
             todo += [v for v in getattr(obj, "__dict__", {}).values() if isinstance(v, torch.optim.Optimizer)]
-    mine = {id(p) for p in model.parameters()}
+    mine = {id(p) for p in parameters_of(model)}
     for other in live:
         if not isinstance(other, torch.optim.Optimizer) or id(other) in inside:
             continue
@@ -1362,8 +1363,8 @@ class Session:
     def _stopped_by_restart(self, peers: list[int]) -> set[int]:
         """Under the torchrun backend, of `peers` that went: those the leader's restart stopped (it
         stops every worker group, for a fault another replica group reported that this rank never
-        heard of, or a worker's exit), not the nodes it restarts for. Blocks on the store; never
-        called on the loop."""
+        heard of, or a worker's exit), not the nodes whose workers' going it restarts for (see
+        `ControlChannel.restart_culprits`). Blocks on the store; never called on the loop."""
         control, topo = self._control, self._topology
         if control is None or topo is None:
             return set()

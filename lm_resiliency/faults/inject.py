@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from lm_resiliency.adapters.base import is_dtensor
+from lm_resiliency.adapters.base import is_dtensor, named_parameters_of
 from lm_resiliency.faults.campaign import (
     Campaign,
     CampaignError,
@@ -761,7 +761,7 @@ def _named_parameters(model: Any) -> Iterable[tuple[str, torch.Tensor]]:
             for n, p in m.named_parameters():
                 yield f"{i}.{n}", p
     elif hasattr(model, "named_parameters"):
-        yield from model.named_parameters()
+        yield from named_parameters_of(model)
 
 
 def _named_modules(model: Any) -> Iterable[tuple[str, Any]]:

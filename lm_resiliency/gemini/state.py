@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from lm_resiliency.adapters.amp import load_scaler_state, scaler_state
-from lm_resiliency.adapters.base import uncompiled, zero_partition
+from lm_resiliency.adapters.base import parameters_of, uncompiled, unregistered_parameters, zero_partition
 from lm_resiliency.adapters.chain import OptimizerChain
 from lm_resiliency.errors import CheckpointMismatchError
 
@@ -275,7 +275,7 @@ def collect_state(
     step: int,
     scaler: Any = None,
 ) -> dict[str, Any]:
-    state: dict[str, Any] = {"step": step, "model": uncompiled(model).state_dict(), "rng": rng_state()}
+    state: dict[str, Any] = {"step": step, "model": model_state_dict(model), "rng": rng_state()}
     state["grads_held"] = grads_held(model)
     if optimizer is not None:
         # ZeRO: this rank's partition, which every restart of this rank restores (the partition is a
@@ -295,6 +295,15 @@ def collect_state(
     return state
 
 
+def model_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """`model.state_dict()` (under `torch.compile`'s wrappers), with the tensor-parallel parameters a
+    DDP over them took out of the registry (`unregistered_parameters`)."""
+    state: dict[str, Any] = uncompiled(model).state_dict()
+    for k, p in unregistered_parameters(model).items():
+        state.setdefault(k, p.detach())
+    return state
+
+
 def grads_held(model: torch.nn.Module) -> torch.Tensor:
     """Which of the model's parameters (in `parameters()` order) hold a gradient tensor.
 
@@ -305,13 +314,13 @@ def grads_held(model: torch.nn.Module) -> torch.Tensor:
     again: it ended off the uninterrupted run (outsider 40). `restore_grads` puts zero gradients
     back where they were held (the values do not matter: the loop zeroes them before its next
     backward, or they are already zero)."""
-    return torch.tensor([p.grad is not None for p in uncompiled(model).parameters()], dtype=torch.bool)
+    return torch.tensor([p.grad is not None for p in parameters_of(model)], dtype=torch.bool)
 
 
 def restore_grads(model: torch.nn.Module, held: Any) -> None:
     """Zero gradients on the parameters `held` (see `grads_held`) says held one, none on the others.
     A mask of another length (another model) is left alone: `check_fits` judged the model."""
-    params = list(uncompiled(model).parameters())
+    params = parameters_of(model)
     if not isinstance(held, torch.Tensor) or held.dtype != torch.bool or held.shape != (len(params),):
         return
     for p, has in zip(params, held.tolist(), strict=True):
@@ -354,7 +363,7 @@ def check_fits(saved: Any, model: torch.nn.Module) -> dict[str, Any] | None:
     fsdp1 = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
     if fsdp1 is not None and any(isinstance(m, fsdp1) for m in model.modules()):
         return None  # its state_dict() gathers (collectives, memory): load_state_dict checks as it loads
-    live = model.state_dict()
+    live = model_state_dict(model)
     problems = [f"{k} is missing from the checkpoint" for k in live if k not in saved]
     problems += [f"{k} is in the checkpoint, not in the model" for k in saved if k not in live]
     for k, v in saved.items():
@@ -385,7 +394,12 @@ def apply_state(
     model = uncompiled(model)
     live = check_fits(state.get("model"), model)
     _resolve_shards(state, model, _holder(optimizer), live)
-    model.load_state_dict(state["model"])
+    unregistered = unregistered_parameters(model)  # (restored after a forward: see there)
+    registered = {k: v for k, v in state["model"].items() if k not in unregistered}
+    model.load_state_dict(registered)
+    with torch.no_grad():
+        for k, p in unregistered.items():
+            p.copy_(state["model"][k])
     if "grads_held" in state and live is not None:  # (an older capture: not recorded; FSDP1 keeps its own)
         restore_grads(model, state["grads_held"])
     if optimizer is not None and "optimizer" in state:

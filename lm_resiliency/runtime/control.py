@@ -101,9 +101,15 @@ class ControlChannel:
 
     def restart_culprits(self, generation: int) -> set[str] | None:
         """When the run's leader has begun replacing `generation` (its restart stops every worker
-        group), the nodes it named as the reason; None while it has not (or the store cannot say).
-        Reads the rendezvous state through a connection of its own (a store client is not shared
-        across threads)."""
+        group), the nodes whose workers' going is why: the culprits of a restart on a process
+        failure (a worker that exited, a SIGTERM sent to one); none for one on a verdict (a hang, an
+        SDC: the restart stopped the culprits' workers too). None while it has not (or the store
+        cannot say). Reads the rendezvous state through a connection of its own (a store client is
+        not shared across threads).
+
+        Before, a verdict's culprits counted too: a rank outside the replica group that named a
+        hang (DDP over tensor parallel: outsider 43) saw the hung node's ranks go with "terminated"
+        and reported each as a failed process."""
         from lm_resiliency.core.rendezvous import state as rs
 
         try:
@@ -116,11 +122,14 @@ class ControlChannel:
             log.debug("control store %s unreadable: %s", self.where, exc)
             return None
         if s.generation == generation and s.phase == rs.RESTARTING:
-            return {str(n) for n in s.pending.get("culprits", ())}
-        if s.generation > generation:  # replaced already: what it was replaced for
+            why: dict[str, Any] = dict(s.pending)
+        elif s.generation > generation:  # replaced already: what it was replaced for
             after = [h for h in s.history if isinstance(h, dict) and h.get("generation") == generation + 1]
-            return {str(n) for n in after[0].get("culprits", ())} if after else set()
-        return None
+            why = dict(after[0]) if after else {}
+        else:
+            return None
+        kinds = {why.get("failure_kind"), *why.get("also", ())}
+        return {str(n) for n in why.get("culprits", ())} if "process_failure" in kinds else set()
 
     def close(self) -> None:
         self.flush(timeout=2.0)

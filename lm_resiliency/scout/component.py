@@ -36,6 +36,7 @@ from lm_resiliency.adapters.base import (
     is_compiled,
     is_dtensor,
     numerics_settings,
+    parameters_of,
     thread_stack_files,
     zero_partition,
 )
@@ -711,7 +712,10 @@ class Scout:
                 record = self._recorder.capture(step)
                 if record is not None and self._last_params[0] == step - 1:
                     # Nothing may change parameters or optimizer state between two steps.
-                    pre = (fingerprint(self.adapter.model.parameters()), fingerprint(optimizer_tensors(opt)))
+                    pre = (
+                        fingerprint(parameters_of(self.adapter.model)),
+                        fingerprint(optimizer_tensors(opt)),
+                    )
                     record.extra["drifted"] = int(pre != self._last_params[1:])
         if self._auditors:
             try:
@@ -774,7 +778,7 @@ class Scout:
     def _submit_evidence(
         self, step: int, grads: Fingerprint | None, entered: int = -1, send: bool = True
     ) -> None:
-        params = fingerprint_async(p for p in self.adapter.model.parameters())
+        params = fingerprint_async(parameters_of(self.adapter.model))
         opt = self.adapter.optimizer
         # The optimizer's state too, where replicas hold the same: corrupted between the step and the
         # capture (a moment), the parameters agree until the next step, and a capture certified on
@@ -920,7 +924,7 @@ class Scout:
         key = (len(opt.state), tuple(len(g["params"]) for g in opt.param_groups)) if opt is not None else ()
         if self._zeros_key != key:
             self._zeros_key = key
-            tensors = list(self.adapter.model.parameters())
+            tensors = parameters_of(self.adapter.model)
             self._evidence_out.zeros = zero_parts(tensors + (list(optimizer_tensors(opt)) if opt else []))
 
     def _optimizer_layout(self, opt: Any) -> bytes:

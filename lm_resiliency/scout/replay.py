@@ -24,7 +24,7 @@ import torch
 import xxhash
 from torch.utils._pytree import tree_map
 
-from lm_resiliency.adapters.base import is_dtensor, zero_partition
+from lm_resiliency.adapters.base import is_dtensor, parameters_of, zero_partition
 from lm_resiliency.gemini.state import load_optimizer_state
 from lm_resiliency.scout.fingerprint import fingerprint
 
@@ -161,7 +161,7 @@ class ReplayRecorder:
         if self._armed_step != step:
             return None
         opt = self.optimizer
-        mparams = list(self.model.parameters())
+        mparams = parameters_of(self.model)
         where = {id(p): i for i, p in enumerate(mparams)}
         oparams = [p for g in opt.param_groups for p in g["params"]]
         problem = ""

@@ -235,6 +235,29 @@ def test_two_optimizers_with_their_schedulers_resume_from_local_memory_and_repli
     assert reports[0]["restored_certified"] and reports[1]["restored_certified"], reports[:2]
 
 
+def test_ddp_over_tensor_parallel_resumes_from_local_memory_and_replicas_bitwise(
+    processes,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+    shm_root: Path,
+) -> None:
+    """DDP(device_mesh=dp) over a model tensor-parallel within each node: torch takes the tensor-
+    parallel parameters out of the model's registry at its first forward, and its state_dict() no
+    longer has them. The captures hold them still (before, every restore refused the copy: the
+    model's keys missing from the checkpoint), node 0 restores from its memory and node 1 from its
+    peers' replicas, and the run ends bitwise equal to an uninterrupted one."""
+    tp = {"TP": "1"}
+    _run(processes, tmp_path, "run", shm_root / "base", 0, tmp_path / "base-disk", env=tp)
+    _run(processes, tmp_path, "g0", shm_root, 0, tmp_path / "disk", pause_rank=1, kill=True, env=tp)
+    shutil.rmtree(shm_root / "gemini-test" / "node-1")
+    reports = _run(processes, tmp_path, "g1", shm_root, 1, tmp_path / "disk", env=tp)
+    for r in range(WORLD):
+        _same(tmp_path / "run" / f"final-rank{r}.pt", tmp_path / "g1" / f"final-rank{r}.pt")
+    for rep in reports:
+        assert rep["recovered_step"] == PAUSE_AT, rep
+        assert rep["decision"]["reason"].startswith("local" if rep["rank"] < 2 else "peer"), rep
+    assert reports[0]["restored_certified"] and reports[1]["restored_certified"], reports[:2]
+
+
 @pytest.fixture(scope="module")
 def baseline_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.conftest import ProcessGroup

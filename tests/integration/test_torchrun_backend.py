@@ -54,6 +54,7 @@ class Job:
         nodes: int = 3,
         nnodes: str = "2:3",
         worker: str = WORKER,
+        nproc: int = 1,
     ) -> None:
         self.group, self.tmp, self.name = group, tmp / name, name
         self.tmp.mkdir(parents=True)
@@ -62,6 +63,7 @@ class Job:
         self.port = _free_port()
         self.out = self.tmp / "final.pt"
         self.worker = worker
+        self.nproc = nproc
         self.procs: list = []
 
     def start(
@@ -91,7 +93,7 @@ class Job:
                 "-m",
                 "torch.distributed.run",
                 f"--nnodes={self.nnodes}",
-                "--nproc-per-node=1",
+                f"--nproc-per-node={self.nproc}",
                 "--rdzv-backend=lm_resiliency",
                 f"--rdzv-endpoint=127.0.0.1:{self.port}",
                 f"--rdzv-id={self.run_id}",
@@ -439,6 +441,70 @@ def test_a_hang_named_by_scout_is_recovered_and_the_run_completes_bitwise(
     assert len(ctx["culprits"]) == 1 and ctx["admitted"] == [], ctx
     assert ctx["checkpoint_step"] == 9 and gens[1]["start"] == 9, (ctx, gens)
     assert _equal(job.final(), baseline)
+
+
+def test_ddp_over_tensor_parallel_names_its_hang_and_its_sdc_and_resumes_bitwise(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Tensor parallel within each node (2 ranks), DDP(device_mesh=dp) across two, a standby: a
+    campaign hangs rank 3 at step 6 and flips a gradient of rank 1 after reduction at step 12.
+    Replicas {0, 2} wait for rank 3 (rank 2's tensor-parallel peer) with no culprit among them;
+    {1, 3} name it. The leader restarts for a hang of rank 3 alone (before: on "[0, 2] every rank
+    stuck", and the others reported rank 3's node's ranks as failed processes), then replaces
+    rank 1's node, and every rank's shards end bitwise as an uninterrupted run's (before: torch
+    takes the tensor-parallel parameters out of the model's registry at its first forward, so
+    every capture lacked them and each restore refused it; the campaign found no gradient of
+    theirs to flip)."""
+    campaign = tmp_path / "campaign.json"
+    faults = [
+        ("01-hang", 6, "hang", "process", 3, {}),
+        ("02-flip", 12, "tensor_corruption", "gradient", 1, {"operation": "single_bitflip"}),
+    ]
+    incidents = [
+        {
+            "incident_id": name,
+            "trigger": {"at": [at]},
+            "faults": [
+                {
+                    "fault_id": name[3:],
+                    "type": kind,
+                    "target": {
+                        "surface": surface,
+                        "rank": rank,
+                        **({"module_path": "0.weight"} if rank == 1 else {}),
+                    },
+                    "parameters": params,
+                }
+            ],
+        }
+        for name, at, kind, surface, rank, params in faults
+    ]
+    campaign.write_text(json.dumps({"schema_version": 1, "name": "tp", "seed": 1, "incidents": incidents}))
+    env = {"TP": "1", "STEPS": "18", "HANG_S": "3"}
+    base = Job(processes, tmp_path, "tp-base", nodes=2, nnodes="2:2", nproc=2)
+    base.start(env)
+    base.wait()
+    job = Job(processes, tmp_path, "tp", nproc=2)
+    job.start(
+        {
+            **env,
+            "LM_RESILIENCY_FAULT_CAMPAIGN": str(campaign),
+            "LM_RESILIENCY_FAULT_GROUND_TRUTH": str(tmp_path / "gt"),
+        }
+    )
+    job.wait()
+    gens = job.generations()
+    assert sorted(gens) == [0, 1, 2], job.logs()
+    assert gens[1]["decision"]["failure_kind"] == "hang", gens
+    assert gens[2]["decision"]["failure_kind"] == "sdc", gens
+    hung = re.findall(r"verdict hang on ranks \[([0-9, ]+)\] -> \['([^']+)'\]", job.logs())
+    flipped = re.findall(r"verdict sdc on ranks \[1\] -> \['([^']+)'\]", job.logs())
+    contexts = [json.loads(p.read_text()) for p in job.tmp.glob("context-*.json")]
+    last = {c["first_global_rank"]: c["node_id"] for c in contexts if c["generation"] == 2}
+    assert {h for h, _ in hung} == {"3"} and {n for _, n in hung} == {last[2]}, (hung, contexts)
+    assert flipped and flipped[0] not in last.values(), (flipped, contexts)  # replaced by the standby
+    assert "every rank waits in collective" not in job.logs() and "said it was terminated" not in job.logs()
+    for r in range(4):
+        got, want = torch.load(f"{job.out}.rank{r}"), torch.load(f"{base.out}.rank{r}")
+        assert len(want) == 4 and _equal(got, want), f"rank {r} ended off the uninterrupted run"
 
 
 def test_a_stopped_worker_is_continued_to_take_the_restarts_sigterm(processes, tmp_path, baseline) -> None:  # type: ignore[no-untyped-def]

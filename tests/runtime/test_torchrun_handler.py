@@ -841,13 +841,22 @@ def test_a_worker_reads_whether_the_leader_is_restarting_its_generation(store: A
         running = dataclasses.replace(rs.RdzvState.new("nonce", 1, 2), generation=2, phase=rs.RUNNING)
         control.init(running)
         assert ch.restart_culprits(2) is None
-        why = {"failure_kind": "sdc", "culprits": ["node-b"]}
+        why = {"failure_kind": "process_failure", "culprits": ["node-b"]}
         control.update(lambda s: dataclasses.replace(s, phase=rs.RESTARTING, pending=why))
         assert ch.restart_culprits(2) == {"node-b"} and ch.restart_culprits(3) is None
-        published = {"generation": 3, "culprits": ["node-b"]}
+        # On a verdict, the culprits' workers were stopped by the restart too: none went by itself.
+        why = {"failure_kind": "hang", "culprits": ["node-b"]}
+        control.update(lambda s: dataclasses.replace(s, pending=why))
+        assert ch.restart_culprits(2) == set()
+        control.update(lambda s: dataclasses.replace(s, pending={**why, "also": ["process_failure"]}))
+        assert ch.restart_culprits(2) == {"node-b"}
+        published = {"generation": 3, "failure_kind": "process_failure", "culprits": ["node-b"]}
         control.update(lambda s: dataclasses.replace(s, generation=3, phase=rs.RUNNING, history=(published,)))
         assert ch.restart_culprits(2) == {"node-b"}  # a worker of generation 2 still going
         assert ch.restart_culprits(3) is None
+        published = {"generation": 3, "failure_kind": "sdc", "culprits": ["node-b"]}
+        control.update(lambda s: dataclasses.replace(s, history=(published,)))
+        assert ch.restart_culprits(2) == set()
     finally:
         ch.close()
     dead = ControlChannel("tcp://127.0.0.1:1", "unit-run")

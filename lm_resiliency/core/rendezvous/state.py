@@ -398,6 +398,8 @@ def form(s: RdzvState, live: Set[str], plan: Mapping[str, Any] | None = None) ->
         looping = _looping(s.history, entry)
         if looping:
             return give_up(s, looping)
+    if s.pending.get("also"):
+        entry["also"] = list(s.pending["also"])
     if s.pending.get("repeated"):
         entry["repeated"] = True
     if s.pending.get("kept"):

@@ -1,7 +1,8 @@
 """One rank of a 4-rank DDP job with GEMINI capturing every step.
 
 Env: RANK, WORLD_SIZE, STORE_PORT, RESULT_DIR, STEPS, PAUSE_RANK, PAUSE_AT, DISK_FOLDER, DISK_INTERVAL,
-FSDP (1: the model is FSDP2-sharded over all ranks, DTensor state, instead of DDP), FLIP_RANK and
+FSDP (1: the model is FSDP2-sharded over all ranks, DTensor state, instead of DDP), TP (1: tensor
+parallel within a node, DDP(device_mesh=) across the nodes), FLIP_RANK and
 FLIP_AT (generation 0: that rank flips a weight bit after that step, or an AdamW moment's with
 FLIP_WHAT=moment, or its units' forward outputs during that step with FLIP_WHAT=output; every rank
 waits for SCOUT's SDC verdict after the next step, then for the kill), AUDIT_INTERVAL (SCOUT's),
@@ -60,6 +61,15 @@ def main() -> int:
         for layer in (net[0], net[3]):
             fully_shard(layer, mesh=mesh)
         model: nn.Module = fully_shard(net, mesh=mesh)
+    elif os.environ.get("TP") == "1":
+        # Tensor parallel within a node, DDP across the two (torch's DDP + TP composition, which
+        # takes the tensor-parallel parameters out of the model's registry at each forward).
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "3": RowwiseParallel()})
+        model = nn.parallel.DistributedDataParallel(net, device_mesh=mesh["dp"])
     else:
         model = nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -205,7 +215,10 @@ def main() -> int:
     while gem.cluster_plan().step < steps and time.monotonic() < deadline:
         time.sleep(0.01)  # waiting for gossip to arrive; bounded
     final = {
-        "model": model.state_dict(),
+        # (DDP + TP: the model's state_dict lacks the tensor-parallel parameters; DDP's list has all)
+        "model": {str(i): p.detach() for i, p in enumerate(model._module_parameters)}
+        if os.environ.get("TP") == "1"
+        else model.state_dict(),
         "optimizer": [o.state_dict() for o in optimizers],
         "scheduler": [sc.state_dict() for sc in schedulers],
     }

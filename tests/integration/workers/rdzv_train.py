@@ -18,6 +18,8 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
              capture of the step before is in place
   mismatch -- rank FAULT_RANK all-reduces a tensor of its own before step FAULT_STEP's forward, where
              its peers all-reduce their gradients (gloo aborts some process on the sizes)
+TP=1: tensor parallel within each node (run with 2 ranks per node), DDP(device_mesh=) across them;
+every rank writes its parameters to OUT.rank<r>.
 LOADER=plain: the loop reads its batches without instrument_dataloader (captures are then taken
 at the scheduler's step). SCHED_EVERY=n: the scheduler steps after every n-th step only. AUG=1: the
 loop adds noise from the global torch RNG to each batch before the forward.
@@ -40,7 +42,17 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 gen = int(os.environ.get("LM_RESILIENCY_GENERATION", "0"))
 torch.manual_seed(0)
-model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)))
+net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+TP = os.environ.get("TP") == "1"
+if TP:  # tensor parallel within each node (2 ranks), DDP across the nodes
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    model = nn.parallel.DistributedDataParallel(net, device_mesh=mesh["dp"])
+else:
+    model = nn.parallel.DistributedDataParallel(net)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
 
@@ -161,7 +173,10 @@ for step, x in batches() if os.environ.get("LOADER") == "plain" else session.ins
         session.gemini.drain(10)
         if leader_is_me():
             kill_my_node()
-if rank == 0:
+if TP:  # each rank its shards (the model's state_dict lacks them under DDP + TP: DDP's list has all)
+    held = {str(i): p.detach().clone() for i, p in enumerate(model._module_parameters)}
+    torch.save(held, f"{os.environ['OUT']}.rank{rank}")
+elif rank == 0:
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, os.environ["OUT"])
 session.close()
 dist.destroy_process_group()
