@@ -18,6 +18,14 @@ collectives (`torch.distributed._functional_collectives`): the call enqueues the
 returns at once, and the rank blocks later in `wait_tensor` (when the result is first used). Both
 are wrapped: the call is an entered collective, the wait is time spent waiting in one.
 
+A pipeline schedule (`torch.distributed.pipelining`) waits for its neighbour stages' activations and
+gradients in point-to-point transfers (`_wait_batch_p2p`): that wait is waited in as a collective
+is (not entered: the stages of one replica group issue other transfers than those of another), so
+a stage whose neighbour hangs is seen waiting, not idle, even before its first forward of the step
+(where it waits for its input: not its input time either). Before, a hang of rank 3 (stage 1)
+named rank 2 too (stage 0, waiting for rank 3's gradients): outsider 44. `isend`/`irecv` are left
+alone (torch tells a `P2POp`'s send from its receive by the function's identity).
+
 Calls that bypass the `torch.distributed` attribute (`from torch.distributed import all_reduce`
 before the session started, torch's internal calls) are not seen. `original(name)` is the unwrapped
 function, for our own collectives.
@@ -28,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -104,8 +113,12 @@ class CollectiveTracker(Protocol):
     def waited_between_steps(self, seconds: float) -> None: ...
 
 
+_PIPELINE = "torch.distributed.pipelining.schedules"
+_PIPELINE_WAIT = "_wait_batch_p2p"
+
 _lock = threading.Lock()
 _originals: dict[str, Callable[..., Any]] = {}
+_pipeline_original: list[Callable[..., Any]] = []
 _funcol_originals: dict[str, Callable[..., Any]] = {}
 _trackers: list[CollectiveTracker] = []  # attached sessions' adapters; the newest is the active one
 _local = threading.local()  # `forbidden`: why this thread may not issue a collective now
@@ -150,6 +163,11 @@ def install(tracker: CollectiveTracker) -> None:
                     continue
                 _funcol_originals[name] = fn
                 setattr(funcol, name, _wrap_wait(fn) if name == "wait_tensor" else _wrap_funcol(name, fn))
+            schedules = sys.modules.get(_PIPELINE)  # (imported by a script that built a schedule)
+            fn = getattr(schedules, _PIPELINE_WAIT, None)
+            if fn is not None and getattr(fn, "_lm_resiliency_wraps", None) is None:
+                _pipeline_original.append(fn)
+                setattr(schedules, _PIPELINE_WAIT, _wrap_pipeline_wait(fn))
         _trackers.append(tracker)
 
 
@@ -167,6 +185,11 @@ def uninstall(tracker: CollectiveTracker) -> None:
                 if getattr(getattr(module, name, None), "_lm_resiliency_wraps", None) is fn:
                     setattr(module, name, fn)  # never clobber what someone else put there since
             originals.clear()
+        schedules = sys.modules.get(_PIPELINE)
+        for fn in _pipeline_original:
+            if getattr(getattr(schedules, _PIPELINE_WAIT, None), "_lm_resiliency_wraps", None) is fn:
+                setattr(schedules, _PIPELINE_WAIT, fn)
+        _pipeline_original.clear()
 
 
 def _funcol_module() -> Any:
@@ -286,6 +309,28 @@ def _wrap_wait(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         finally:
             tracker.exit_collective()
+
+    tracked._lm_resiliency_wraps = fn  # type: ignore[attr-defined]
+    return tracked
+
+
+def _wrap_pipeline_wait(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A pipeline schedule's wait for its point-to-point transfers (see the module's doc)."""
+
+    @functools.wraps(fn)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        inside = _tracking("a pipeline schedule's point-to-point wait")
+        tracker = inside if inside is not None else _between_steps()
+        if tracker is None:
+            return fn(*args, **kwargs)
+        t0 = time.perf_counter()
+        tracker.wait_collective()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            tracker.exit_collective()
+            if inside is None:
+                tracker.waited_between_steps(time.perf_counter() - t0)
 
     tracked._lm_resiliency_wraps = fn  # type: ignore[attr-defined]
     return tracked

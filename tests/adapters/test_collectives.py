@@ -192,3 +192,33 @@ def test_functional_collectives_are_entered_when_called_and_waited_in_when_used(
     finally:
         collectives.uninstall(t)
     assert funcol.wait_tensor is torch_wait and not hasattr(funcol.all_reduce, "_lm_resiliency_wraps")
+
+
+def test_a_pipeline_schedules_point_to_point_wait_is_waited_in(group) -> None:  # type: ignore[no-untyped-def]
+    """torch.distributed.pipelining waits for its neighbour stages' activations and gradients in
+    `_wait_batch_p2p`: waited in as a collective (a stage whose neighbour hangs is seen waiting, not
+    idle), never entered (the stages of two replica groups issue other transfers), and before the
+    stage's first forward (waiting for its input) timed as no input time. Before, not seen: a hang
+    of rank 3 (stage 1) named rank 2 too (stage 0, waiting for its gradients)."""
+    from torch.distributed.pipelining import schedules
+
+    torch_wait = schedules._wait_batch_p2p
+    t = Tracker()
+    collectives.install(t)
+    try:
+        assert schedules._wait_batch_p2p is not torch_wait
+        done: list[int] = []
+
+        class Work:  # (a transfer needs a peer: one process has none)
+            def wait(self) -> None:
+                done.append(1)
+
+        schedules._wait_batch_p2p([Work(), Work()])  # before the first forward: the stage's input
+        assert done == [1, 1]  # torch's wait ran
+        assert t.seen == [("wait", True)] and t.open == 0 and len(t.waited) == 1
+        t.stepping = True
+        schedules._wait_batch_p2p([])
+        assert t.seen == [("wait", True)] * 2 and t.open == 0 and len(t.waited) == 1
+    finally:
+        collectives.uninstall(t)
+    assert schedules._wait_batch_p2p is torch_wait

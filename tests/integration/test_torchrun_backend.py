@@ -507,6 +507,39 @@ def test_ddp_over_tensor_parallel_names_its_hang_and_its_sdc_and_resumes_bitwise
         assert len(want) == 4 and _equal(got, want), f"rank {r} ended off the uninterrupted run"
 
 
+def test_a_hung_pipeline_stage_is_named_not_the_stage_that_waits_for_it(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two pipeline stages per node (torch.distributed.pipelining), data parallel across two nodes
+    by the script's own all-reduce: a campaign hangs rank 3 (stage 1) at step 6. Rank 2 (stage 0)
+    waits for rank 3's gradients in the schedule's point-to-point wait, which SCOUT sees as waiting
+    in a collective: only rank 3 is named (before, rank 2 was named too, idle to its replica 0
+    waiting in the all-reduce), and the run resumes bitwise."""
+    campaign = tmp_path / "campaign.json"
+    hang = {"fault_id": "h", "type": "hang", "target": {"surface": "process", "rank": 3}}
+    incident = {"incident_id": "01-hang", "trigger": {"at": [6]}, "faults": [hang]}
+    campaign.write_text(json.dumps({"schema_version": 1, "name": "pp", "seed": 1, "incidents": [incident]}))
+    env = {"STEPS": "12", "HANG_S": "3"}
+    worker = "tests/integration/workers/pipeline_train.py"
+    base = Job(processes, tmp_path, "pp-base", nodes=2, nnodes="2:2", worker=worker, nproc=2)
+    base.start(env)
+    base.wait()
+    job = Job(processes, tmp_path, "pp", nodes=2, nnodes="2:2", worker=worker, nproc=2)
+    job.start(
+        {
+            **env,
+            "LM_RESILIENCY_FAULT_CAMPAIGN": str(campaign),
+            "LM_RESILIENCY_FAULT_GROUND_TRUTH": str(tmp_path / "gt"),
+        }
+    )
+    job.wait()
+    gens = job.generations()
+    assert sorted(gens) == [0, 1] and gens[1]["decision"]["failure_kind"] == "hang", job.logs()
+    named = set(re.findall(r"SCOUT verdict: hang (\[[0-9, ]+\])", job.logs()))
+    assert named == {"[3]"}, (named, job.logs())
+    for r in range(4):
+        got, want = torch.load(f"{job.out}.rank{r}"), torch.load(f"{base.out}.rank{r}")
+        assert want and _equal(got, want), f"rank {r} ended off the uninterrupted run"
+
+
 def test_a_stopped_worker_is_continued_to_take_the_restarts_sigterm(processes, tmp_path, baseline) -> None:  # type: ignore[no-untyped-def]
     """Rank 1's worker is SIGSTOPped after step 10 (its capture drained). SCOUT names it (it went
     silent while its peer waits); before torchrun's SIGTERM its agent continues it, so it exits on
