@@ -285,6 +285,7 @@ class CampaignInjector:
         self._runtime = runtime
         self._scout = scout
         self._control = control  # the torchrun backend's control channel, when there is one
+        self._replaced = False  # (see _being_replaced)
         self._mine = {
             inc.incident_id: tuple(
                 f
@@ -457,11 +458,38 @@ class CampaignInjector:
                     "(DeepSpeed ZeRO)",
                 )
                 continue
+            if not a.recorded and self._being_replaced():
+                # Its processes are being stopped: the fault would hit nothing the run goes on with
+                # and nobody would see it. Neither injected nor recorded: the next generation
+                # replays this iteration (resumed from before it) and injects it there.
+                log.warning(
+                    "campaign %s: %s (%s) not injected at iteration %d: the run's leader is restarting "
+                    "this generation; it comes in the next one",
+                    self.campaign.name,
+                    a.occurrence.occurrence_id,
+                    a.fault.type,
+                    iteration,
+                )
+                self._active.remove(a)
+                continue
             a.calls += 1
             if not a.recorded:
                 a.recorded = True
                 self._record(a)
             self._apply(a, iteration)
+
+    def _being_replaced(self) -> bool:
+        """Whether the torchrun leader has begun restarting this generation (a fault found a moment
+        before: the workers are stopped within a second). Before, a campaign's next fault, due a few
+        fast iterations after an SDC, was injected into the generation being stopped and never
+        seen (outsider 45: a kill 75 ms after the SDC's verdict; no report, no restart of its own).
+        Asked of the control store only when a fault is first due (its answer kept once yes)."""
+        if self._replaced:
+            return True
+        if self._control is None or self.generation is None:
+            return False
+        self._replaced = self._control.restart_culprits(self.generation) is not None
+        return self._replaced
 
     def _keep_fresh(self, iteration: int, point: str, module: str | None) -> dict[tuple[str, str], int]:
         """Keep the values of this call for the stale_state faults of gradients and outputs it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import time
@@ -853,3 +854,62 @@ def test_replicas_that_get_no_answer_pause_instead_of_stalling_every_capture(
         assert "the next capture needed its slot" in log and "replicas pause for 5 s" in log, log[-3000:]
     held = json.loads((tmp_path / "rank1.json").read_text())["gemini"]["replicas"]
     assert max(held.get("0", [-1])) >= 1150, held
+
+
+def test_a_fault_due_while_the_leader_restarts_the_generation_waits_for_the_next(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Generation 0 is being restarted (another fault was found a moment before; its workers are
+    about to be stopped) when a weight flip is due: neither injected nor recorded there (before:
+    injected into the generation being stopped, never seen: a kill 75 ms after an SDC's verdict
+    had no report and no restart of its own), and injected at its iteration in generation 1."""
+    from datetime import timedelta
+
+    from lm_resiliency.adapters import torchrun as tr
+    from lm_resiliency.core.rendezvous import state as rs
+    from lm_resiliency.runtime.control import ControlChannel
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+    control = tr._Control(store, "unit-run")
+    control.init(dataclasses.replace(rs.RdzvState.new("nonce", 1, 2), generation=0, phase=rs.RUNNING))
+    why = {"failure_kind": "sdc", "culprits": ["n1"]}
+    control.update(lambda s: dataclasses.replace(s, phase=rs.RESTARTING, pending=why))
+    channel = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
+    flip = {
+        "type": "tensor_corruption",
+        "target": {"surface": "weight", "rank": 0, "module_path": "1.weight"},
+        "parameters": {"operation": "single_bitflip", "magnitude": "catastrophic"},
+    }
+    c = parse_campaign(_campaign(flip, at=2))
+    try:
+        for generation in (0, 1):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 2))
+            opt = torch.optim.Adam(model.parameters(), lr=0.1)
+            inj = CampaignInjector(
+                c, 0, tmp_path, model, opt, node="n0", generation=generation, control=channel
+            )
+            s = _Session()
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(4, 6)).square().mean().backward()
+                opt.step()
+                s.step_count += 1
+                inj.on_step(s, None)
+            inj.close()
+            if generation == 0:
+                assert (
+                    read_ground_truth(tmp_path) == [] and float(model[1].weight.detach().abs().max()) < 1e30
+                )
+                assert "i@2 (tensor_corruption) not injected at iteration 2" in caplog.text
+                control.update(
+                    lambda s: dataclasses.replace(
+                        s, generation=1, phase=rs.RUNNING, history=({**why, "generation": 1},)
+                    )
+                )
+        (g,) = read_ground_truth(tmp_path)
+        assert (g.iteration, g.generation) == (2, 1) and float(model[1].weight.detach().abs().max()) > 1e30
+    finally:
+        channel.close()
