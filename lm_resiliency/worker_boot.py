@@ -113,6 +113,50 @@ def _data_parallel(module: Any, outermost: bool) -> bool:
     return outermost and bool(kinds) and isinstance(module, kinds)
 
 
+def _trained_plain(module: Any, optimizers: Any) -> bool:
+    """Whether `module`, called outermost with gradients on, is the model of a loop that trains it
+    with no data-parallel wrapper (its script all-reduces the gradients itself, or it is a pipeline
+    stage): it has trainable parameters, the optimizers made so far step every one of them, and no
+    DistributedDataParallel or FSDP module exists (a script with one is instrumented at its
+    forward). Before, such a script was never instrumented, silently: its restarts resumed the data
+    at the planned step with fresh weights.
+
+    Not a pipeline stage (`torch.distributed.pipelining`): enabling is collective, and a stage's
+    first forward comes only after the stage before it sent its activations, which it would not
+    while enabling (outsider 44: every rank waited for the others' endpoints, 120 s, and died)."""
+    import torch
+
+    if _pipeline_stages():
+        return False
+
+    if not torch.is_grad_enabled() or not isinstance(module, torch.nn.Module):
+        return False
+    trained = {id(p) for p in module.parameters() if p.requires_grad}
+    if not trained:
+        return False
+    stepped = {id(p) for o in list(optimizers) for g in o.param_groups for p in g["params"]}
+    if not trained <= stepped:
+        return False
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lm_resiliency.adapters.base import live_instances
+
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    wrappers = [getattr(fsdp, n, None) for n in ("FullyShardedDataParallel", "FSDPModule")]
+    return not live_instances(DistributedDataParallel, *(k for k in wrappers if k is not None))
+
+
+def _pipeline_stages() -> bool:
+    """Whether this process holds a `torch.distributed.pipelining` stage."""
+    stage = sys.modules.get("torch.distributed.pipelining.stage")
+    kind = getattr(stage, "_PipelineStageBase", None)
+    if kind is None:
+        return False
+    from lm_resiliency.adapters.base import live_instances
+
+    return bool(live_instances(kind))
+
+
 def auto_instrument(policy_path: str) -> None:
     """Note optimizers; enable the session at a data-parallel model's first forward."""
     import itertools
@@ -120,6 +164,7 @@ def auto_instrument(policy_path: str) -> None:
 
     import torch
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     # In the order they were made: the same on every rank and every restart (a chain of several
     # is captured in its members' order).
@@ -145,8 +190,14 @@ def auto_instrument(policy_path: str) -> None:
         from lm_resiliency.adapters.base import uncompiled
 
         target = uncompiled(module)  # (the session holds the compiled wrapper: its hooks run eagerly)
-        if state["done"] or not _data_parallel(target, outermost=state["depth"] == 1):
+        if state["done"]:
             return
+        outer = state["depth"] == 1
+        plain = False
+        if not _data_parallel(target, outermost=outer):
+            plain = outer and _trained_plain(target, optimizers)
+            if not plain:
+                return
         state["done"] = True
         # The hook lists were copied for this call: removing ours now is safe.
         for handle in state["handles"]:
@@ -194,7 +245,9 @@ def auto_instrument(policy_path: str) -> None:
             return None
         sys.stderr.write(
             f"lm_resiliency: instrumented automatically (rank {session.rank}, "
-            f"{'DeepSpeed engine, ' if engine else ''}resumed at step {session.step_count})\n"
+            f"{'DeepSpeed engine, ' if engine else ''}"
+            f"{'a module no data-parallel wrapper holds: no replicas known, ' if plain else ''}"
+            f"resumed at step {session.step_count})\n"
         )
         if not engine:
             _warn_uncovered(target, opt, optimizers)
@@ -204,10 +257,30 @@ def auto_instrument(policy_path: str) -> None:
         if not torch.compiler.is_compiling():  # (as first_forward counts)
             state["depth"] -= 1
 
+    def first_step(opt: Any, args: Any, kwargs: Any) -> None:
+        """An optimizer stepped before any session opened: say that this job runs unprotected
+        (its restarts would resume the data at the planned step with fresh weights)."""
+        from lm_resiliency.api import open_session
+
+        state["warned"].remove()
+        if not state["done"] and open_session() is None:
+            why = (
+                "a pipeline-parallel job (torch.distributed.pipelining: a stage's first forward "
+                "waits for the stage before it, and enabling is collective)"
+                if _pipeline_stages()
+                else "an optimizer stepped before a data-parallel model (DDP, FSDP, a DeepSpeed "
+                "engine) or a module whose trainable parameters the optimizers step was called"
+            )
+            sys.stderr.write(
+                f"lm_resiliency: not instrumented: {why}; this job's restarts would not restore its "
+                "state. Call enable_resiliency yourself, before the loop\n"
+            )
+
     state["handles"] = [
         register_module_forward_pre_hook(first_forward),
         register_module_forward_hook(after_forward, always_call=True),
     ]
+    state["warned"] = register_optimizer_step_pre_hook(first_step)
 
 
 def _warn_uncovered(module: Any, opt: Any, optimizers: Any) -> None:

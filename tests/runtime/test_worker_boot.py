@@ -28,8 +28,15 @@ SCRIPT = textwrap.dedent(
     store = dist.TCPStore("127.0.0.1", port, 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     torch.manual_seed(0)
-    ddp = model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if os.environ.get("PLAIN"):  # no data-parallel wrapper: the script reduces (or is a stage)
+        ddp, model = None, torch.nn.Linear(8, 8)
+    else:
+        ddp = model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+    params = [model.weight] if os.environ.get("PLAIN") == "part" else model.parameters()
+    opt = torch.optim.SGD(params, lr=0.1)
+    if os.environ.get("PLAIN") == "stage":  # a pipeline stage of its own (one stage: world of 1)
+        from torch.distributed.pipelining import PipelineStage
+        stage = PipelineStage(model, 0, 1, torch.device("cpu"))
     if os.environ.get("COMPILE"):  # the DDP compiled: its forward, hooks included, traced by dynamo
         model = torch.compile(ddp, backend="aot_eager")
     if os.environ.get("SECOND"):  # a GAN's other network, which the session cannot hold
@@ -46,18 +53,22 @@ SCRIPT = textwrap.dedent(
     for step in range(2):
         loss = model(torch.randn(4, 8)).square().mean()
         # What the step's backward reduces with: the session's comm hook, from the first step on.
-        seen.append(len(ddp._comm_hooks))
+        seen.append(len(ddp._comm_hooks) if ddp is not None else 0)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    session = own or model._lm_resiliency_session()
-    out = {"hooks": seen, "step_count": session.step_count}
+    held = getattr(model, "_lm_resiliency_session", None)
+    session = own or (held() if held is not None else None)
+    out = {"hooks": seen, "step_count": session.step_count if session is not None else None}
+    if session is not None and os.environ.get("PLAIN"):
+        out["replicas"] = list(session.scout.group)
     if os.environ.get("COMPILE"):
         from torch._dynamo.utils import counters
         out["graph_breaks"] = dict(counters["graph_break"])
         out["on_wrapper"] = "_lm_resiliency_session" in vars(model)  # (not the DDP's, reached through it)
     print(json.dumps(out))
-    session.close()
+    if session is not None:
+        session.close()
     dist.destroy_process_group()
     """
 )
@@ -134,3 +145,23 @@ def test_a_compiled_ddp_is_instrumented_by_its_wrapper_not_traced(tmp_path: Path
     )
     assert not [b for b in breaks if any(w in b for w in ours)], breaks
     assert "instrumented automatically" in stderr and "other DDP model" not in stderr, stderr
+
+
+@pytest.mark.parametrize("kind", ["yes", "part", "stage"])
+def test_a_module_no_data_parallel_wrapper_holds_is_instrumented_or_said_not_to_be(
+    tmp_path: Path, kind: str
+) -> None:
+    """A plain module whose trainable parameters the optimizers step (the script all-reduces its
+    gradients itself) is instrumented at its first forward (before, never, and silently: restarts
+    resumed the data at the planned step with fresh weights). One the optimizers step only in
+    part, and a pipeline stage (whose first forward waits for the stage before it, while enabling
+    is collective), are not, and the first optimizer step says so."""
+    result, stderr = _run(tmp_path, PLAIN=kind)
+    if kind == "yes":
+        assert result["step_count"] == 2 and result["replicas"] == [0], (result, stderr)
+        assert "a module no data-parallel wrapper holds: no replicas known" in stderr, stderr
+        assert "not instrumented" not in stderr, stderr
+    else:
+        assert result["step_count"] is None, (result, stderr)
+        assert stderr.count("lm_resiliency: not instrumented") == 1, stderr
+        assert ("pipeline-parallel job" in stderr) == (kind == "stage"), stderr
