@@ -115,27 +115,23 @@ def _data_parallel(module: Any, outermost: bool) -> bool:
 
 def _trained_plain(module: Any, optimizers: Any) -> bool:
     """Whether `module`, called outermost with gradients on, is the model of a loop that trains it
-    with no data-parallel wrapper (its script all-reduces the gradients itself, or it is a pipeline
-    stage): it has trainable parameters, the optimizers made so far step every one of them, and no
-    DistributedDataParallel or FSDP module exists (a script with one is instrumented at its
-    forward). Before, such a script was never instrumented, silently: its restarts resumed the data
-    at the planned step with fresh weights.
-
-    Not a pipeline stage (`torch.distributed.pipelining`): enabling is collective, and a stage's
-    first forward comes only after the stage before it sent its activations, which it would not
-    while enabling (outsider 44: every rank waited for the others' endpoints, 120 s, and died)."""
+    with no data-parallel wrapper (its script all-reduces the gradients itself): it has trainable
+    parameters, and they are exactly those the optimizers stepping any of them step (not a part of
+    the model called on its own: a backbone, then a head), no DistributedDataParallel or FSDP
+    module exists (a script with one is instrumented at its forward), and no pipeline stage (see
+    `_pipeline_stages`). Before, such a script was never instrumented, silently: its restarts
+    resumed the data at the planned step with fresh weights."""
     import torch
-
-    if _pipeline_stages():
-        return False
 
     if not torch.is_grad_enabled() or not isinstance(module, torch.nn.Module):
         return False
     trained = {id(p) for p in module.parameters() if p.requires_grad}
     if not trained:
         return False
-    stepped = {id(p) for o in list(optimizers) for g in o.param_groups for p in g["params"]}
-    if not trained <= stepped:
+    stepping = [{id(p) for g in o.param_groups for p in g["params"]} for o in list(optimizers)]
+    if trained != set().union(*(ids for ids in stepping if ids & trained)):
+        return False
+    if _pipeline_stages():
         return False
     from torch.nn.parallel import DistributedDataParallel
 
@@ -147,7 +143,10 @@ def _trained_plain(module: Any, optimizers: Any) -> bool:
 
 
 def _pipeline_stages() -> bool:
-    """Whether this process holds a `torch.distributed.pipelining` stage."""
+    """Whether this process holds a `torch.distributed.pipelining` stage: not instrumented at a
+    forward, as enabling is collective and a stage's first forward comes only after the stage
+    before it sent its activations, which it would not while enabling (outsider 44: every rank
+    waited for the others' endpoints, 120 s, and died)."""
     stage = sys.modules.get("torch.distributed.pipelining.stage")
     kind = getattr(stage, "_PipelineStageBase", None)
     if kind is None:

@@ -197,9 +197,14 @@ def _tp_under_ddp(module: Any) -> bool:
 
 def parameters_of(module: Any) -> list[Any]:
     """`module.parameters()` (under `torch.compile`'s wrappers), the ones a DDP over a tensor-parallel
-    model trains included (see `_tp_under_ddp`: DDP's own list, in the model's order)."""
+    model trains included (see `_tp_under_ddp`): DDP's own list, in the model's order, then those it
+    was told to ignore; the same list before the first forward and after."""
     m = uncompiled(module)
-    return list(m._module_parameters) if _tp_under_ddp(m) else list(m.parameters())
+    if not _tp_under_ddp(m):
+        return list(m.parameters())
+    kept = list(m._module_parameters)
+    ids = {id(p) for p in kept}
+    return kept + [p for p in m.parameters() if id(p) not in ids]
 
 
 def unregistered_parameters(module: Any) -> dict[str, Any]:

@@ -28,7 +28,9 @@ SCRIPT = textwrap.dedent(
     store = dist.TCPStore("127.0.0.1", port, 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     torch.manual_seed(0)
-    if os.environ.get("PLAIN"):  # no data-parallel wrapper: the script reduces (or is a stage)
+    if os.environ.get("PLAIN") == "split":  # its parts called one by one (a backbone, a head)
+        ddp, model = None, torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    elif os.environ.get("PLAIN"):  # no data-parallel wrapper: the script reduces (or is a stage)
         ddp, model = None, torch.nn.Linear(8, 8)
     else:
         ddp = model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
@@ -51,7 +53,8 @@ SCRIPT = textwrap.dedent(
         own = enable_resiliency([model], opt, interval=1)
     seen = []
     for step in range(2):
-        loss = model(torch.randn(4, 8)).square().mean()
+        x = torch.randn(4, 8)
+        loss = (model[1](model[0](x)) if os.environ.get("PLAIN") == "split" else model(x)).square().mean()
         # What the step's backward reduces with: the session's comm hook, from the first step on.
         seen.append(len(ddp._comm_hooks) if ddp is not None else 0)
         opt.zero_grad()
@@ -147,7 +150,7 @@ def test_a_compiled_ddp_is_instrumented_by_its_wrapper_not_traced(tmp_path: Path
     assert "instrumented automatically" in stderr and "other DDP model" not in stderr, stderr
 
 
-@pytest.mark.parametrize("kind", ["yes", "part", "stage"])
+@pytest.mark.parametrize("kind", ["yes", "part", "split", "stage"])
 def test_a_module_no_data_parallel_wrapper_holds_is_instrumented_or_said_not_to_be(
     tmp_path: Path, kind: str
 ) -> None:
@@ -155,7 +158,8 @@ def test_a_module_no_data_parallel_wrapper_holds_is_instrumented_or_said_not_to_
     gradients itself) is instrumented at its first forward (before, never, and silently: restarts
     resumed the data at the planned step with fresh weights). One the optimizers step only in
     part, and a pipeline stage (whose first forward waits for the stage before it, while enabling
-    is collective), are not, and the first optimizer step says so."""
+    is collective), are not, nor is a part of it called on its own (a backbone, then a head: the
+    session would hold the backbone alone), and the first optimizer step says so."""
     result, stderr = _run(tmp_path, PLAIN=kind)
     if kind == "yes":
         assert result["step_count"] == 2 and result["replicas"] == [0], (result, stderr)
