@@ -78,6 +78,17 @@ def _train(
     return states, inj
 
 
+def _drive(inj: CampaignInjector, model: nn.Module, opt: Any, steps: int) -> None:
+    """`steps` steps of `model`, the injector driven as the session drives it."""
+    s = _Session()
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+        s.step_count += 1
+        inj.on_step(s, None)
+
+
 def _start_pair(
     processes: Any,
     tmp_path: Path,
@@ -177,13 +188,7 @@ def test_a_tensor_fault_with_nothing_to_damage_is_neither_injected_nor_recorded(
         {"type": "tensor_corruption", "target": {"surface": "gradient", "module_path": "0.weight"}}, at=2
     )
     inj = CampaignInjector(parse_campaign(c), 0, tmp_path, model, opt, node="n0", generation=0)
-    s = _Session()
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(4, 6)).square().mean().backward()
-        opt.step()
-        s.step_count += 1
-        inj.on_step(s, None)
+    _drive(inj, model, opt, 3)
     assert read_ground_truth(tmp_path) == []
     assert "i@2 (tensor_corruption of a gradient) not injected at iteration 2" in caplog.text
 
@@ -891,13 +896,7 @@ def test_a_fault_due_while_the_leader_restarts_the_generation_waits_for_the_next
             inj = CampaignInjector(
                 c, 0, tmp_path, model, opt, node="n0", generation=generation, control=channel
             )
-            s = _Session()
-            for _ in range(3):
-                opt.zero_grad()
-                model(torch.randn(4, 6)).square().mean().backward()
-                opt.step()
-                s.step_count += 1
-                inj.on_step(s, None)
+            _drive(inj, model, opt, 3)
             inj.close()
             if generation == 0:
                 assert (

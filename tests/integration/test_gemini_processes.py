@@ -212,6 +212,22 @@ def test_b_every_node_memory_lost_restores_from_the_durable_tier_bitwise(
         assert rep["decision"]["checkpoint_id"].endswith(f"step-0000000004/rank-{rep['rank']:05d}.pt")
 
 
+def _node_1_lost(processes, tmp_path: Path, shm_root: Path, env: dict[str, str]) -> list[dict]:  # type: ignore[no-untyped-def]
+    """An uninterrupted run and one killed at PAUSE_AT whose node 1 lost its memory, both with
+    `env`: the restart ends bitwise as the first, node 0 from its own memory and node 1 from its
+    peers' replicas, at PAUSE_AT. Returns the restart's reports."""
+    _run(processes, tmp_path, "run", shm_root / "base", 0, tmp_path / "base-disk", env=env)
+    _run(processes, tmp_path, "g0", shm_root, 0, tmp_path / "disk", pause_rank=1, kill=True, env=env)
+    shutil.rmtree(shm_root / "gemini-test" / "node-1")
+    reports = _run(processes, tmp_path, "g1", shm_root, 1, tmp_path / "disk", env=env)
+    for r in range(WORLD):
+        _same(tmp_path / "run" / f"final-rank{r}.pt", tmp_path / "g1" / f"final-rank{r}.pt")
+    for rep in reports:
+        assert rep["recovered_step"] == PAUSE_AT, rep
+        assert rep["decision"]["reason"].startswith("local" if rep["rank"] < 2 else "peer"), rep
+    return reports
+
+
 def test_two_optimizers_with_their_schedulers_resume_from_local_memory_and_replicas_bitwise(
     processes,
     tmp_path: Path,  # type: ignore[no-untyped-def]
@@ -221,16 +237,7 @@ def test_two_optimizers_with_their_schedulers_resume_from_local_memory_and_repli
     list: every rank killed at step 6, node 1's memory lost. The restart restores both optimizers
     and both schedulers (node 0 from its own memory, node 1 from its peers' replicas) and the run
     ends bitwise equal to an uninterrupted one."""
-    two = {"TWO_OPTIMIZERS": "1"}
-    _run(processes, tmp_path, "run", shm_root / "base", 0, tmp_path / "base-disk", env=two)
-    _run(processes, tmp_path, "g0", shm_root, 0, tmp_path / "disk", pause_rank=1, kill=True, env=two)
-    shutil.rmtree(shm_root / "gemini-test" / "node-1")
-    reports = _run(processes, tmp_path, "g1", shm_root, 1, tmp_path / "disk", env=two)
-    for r in range(WORLD):
-        _same(tmp_path / "run" / f"final-rank{r}.pt", tmp_path / "g1" / f"final-rank{r}.pt")
-    for rep in reports:
-        assert rep["recovered_step"] == PAUSE_AT, rep
-        assert rep["decision"]["reason"].startswith("local" if rep["rank"] < 2 else "peer"), rep
+    reports = _node_1_lost(processes, tmp_path, shm_root, {"TWO_OPTIMIZERS": "1"})
     # SCOUT compared both optimizers' state, agreed and certified the step (marked on own copies)
     assert reports[0]["restored_certified"] and reports[1]["restored_certified"], reports[:2]
 
@@ -245,16 +252,7 @@ def test_ddp_over_tensor_parallel_resumes_from_local_memory_and_replicas_bitwise
     longer has them. The captures hold them still (before, every restore refused the copy: the
     model's keys missing from the checkpoint), node 0 restores from its memory and node 1 from its
     peers' replicas, and the run ends bitwise equal to an uninterrupted one."""
-    tp = {"TP": "1"}
-    _run(processes, tmp_path, "run", shm_root / "base", 0, tmp_path / "base-disk", env=tp)
-    _run(processes, tmp_path, "g0", shm_root, 0, tmp_path / "disk", pause_rank=1, kill=True, env=tp)
-    shutil.rmtree(shm_root / "gemini-test" / "node-1")
-    reports = _run(processes, tmp_path, "g1", shm_root, 1, tmp_path / "disk", env=tp)
-    for r in range(WORLD):
-        _same(tmp_path / "run" / f"final-rank{r}.pt", tmp_path / "g1" / f"final-rank{r}.pt")
-    for rep in reports:
-        assert rep["recovered_step"] == PAUSE_AT, rep
-        assert rep["decision"]["reason"].startswith("local" if rep["rank"] < 2 else "peer"), rep
+    reports = _node_1_lost(processes, tmp_path, shm_root, {"TP": "1"})
     assert reports[0]["restored_certified"] and reports[1]["restored_certified"], reports[:2]
 
 
