@@ -211,6 +211,14 @@ def auto_instrument(policy_path: str) -> None:
             # The script enabled it itself: on this model, or on an object holding it (a
             # ModuleDict of a GAN's pair, Megatron-style chunks), whose own modules are unmarked.
             return
+        before = set(module._forward_pre_hooks)
+        what = "a module no data-parallel wrapper holds: no replicas known, " if plain else ""
+        if enable(module, target, what) is None:
+            return None
+        return _run_added_pre_hooks(module, args, before)
+
+    def enable(module: Any, target: Any, what: str) -> Any:
+        """The session on `module` with the policy's settings (None: refused, said why)."""
         from lm_resiliency.adapters.chain import outermost
         from lm_resiliency.api import enable_resiliency
         from lm_resiliency.config import load_policy, policy_kwargs
@@ -233,7 +241,6 @@ def auto_instrument(policy_path: str) -> None:
         if len(set(stepped)) != len(stepped):  # two step the same parameters: not a chain; the first
             mine = mine[:1]
         opt: Any = mine if len(mine) > 1 else next(iter(mine), None)
-        before = set(module._forward_pre_hooks)
         # The scheduler stepping `opt` is found by enable_resiliency (a SequentialLR as one).
         try:
             session = enable_resiliency(
@@ -244,13 +251,29 @@ def auto_instrument(policy_path: str) -> None:
             return None
         sys.stderr.write(
             f"lm_resiliency: instrumented automatically (rank {session.rank}, "
-            f"{'DeepSpeed engine, ' if engine else ''}"
-            f"{'a module no data-parallel wrapper holds: no replicas known, ' if plain else ''}"
-            f"resumed at step {session.step_count})\n"
+            f"{'DeepSpeed engine, ' if engine else ''}{what}resumed at step {session.step_count})\n"
         )
         if not engine:
             _warn_uncovered(target, opt, optimizers)
-        return _run_added_pre_hooks(module, args, before)
+        return session
+
+    def first_schedule_step(schedule: Any) -> None:
+        """A pipeline schedule's first `step()`, before any of its stage's forwards: every rank
+        reaches it on its own (a stage's first forward waits for the stage before it), so the
+        session is enabled there, on the stage's module (no replicas known)."""
+        if state["done"]:
+            return
+        stage = getattr(schedule, "_stage", None)
+        module = getattr(stage, "submod", None)
+        if not isinstance(module, torch.nn.Module):
+            return  # (several stages per rank: the first optimizer step says it is not instrumented)
+        state["done"] = True
+        for handle in state["handles"]:
+            handle.remove()
+        from lm_resiliency.api import open_session
+
+        if open_session() is None:
+            enable(module, module, "a pipeline stage: no replicas known, ")
 
     def after_forward(module: Any, args: Any, output: Any) -> None:
         if not torch.compiler.is_compiling():  # (as first_forward counts)
@@ -280,6 +303,34 @@ def auto_instrument(policy_path: str) -> None:
         register_module_forward_hook(after_forward, always_call=True),
     ]
     state["warned"] = register_optimizer_step_pre_hook(first_step)
+    _after_import(_PIPELINE, lambda schedules: _wrap_schedule_step(schedules, first_schedule_step))
+
+
+_PIPELINE = "torch.distributed.pipelining.schedules"
+
+
+def _after_import(name: str, then: Callable[[Any], None]) -> None:
+    """`then(module)` once the module `name` is imported (now, if it is)."""
+    if name in sys.modules:
+        then(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, lambda: then(sys.modules[name])))
+
+
+def _wrap_schedule_step(schedules: Any, first: Callable[[Any], None]) -> None:
+    """Call `first(schedule)` before each single-stage pipeline schedule's `step()` (GPipe, 1F1B:
+    their `PipelineScheduleSingle.step`)."""
+    cls = getattr(schedules, "PipelineScheduleSingle", None)
+    step = getattr(cls, "step", None)
+    if step is None or getattr(step, "_lm_resiliency_wraps", None) is not None:
+        return
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        first(self)
+        return step(self, *args, **kwargs)
+
+    wrapped._lm_resiliency_wraps = step  # type: ignore[attr-defined]
+    cls.step = wrapped  # type: ignore[union-attr]
 
 
 def _warn_uncovered(module: Any, opt: Any, optimizers: Any) -> None:

@@ -36,9 +36,12 @@ SCRIPT = textwrap.dedent(
         ddp = model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
     params = [model.weight] if os.environ.get("PLAIN") == "part" else model.parameters()
     opt = torch.optim.SGD(params, lr=0.1)
-    if os.environ.get("PLAIN") == "stage":  # a pipeline stage of its own (one stage: world of 1)
-        from torch.distributed.pipelining import PipelineStage
+    schedule = None
+    if os.environ.get("PLAIN") in ("stage", "schedule"):  # a pipeline stage (one stage: world of 1)
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
         stage = PipelineStage(model, 0, 1, torch.device("cpu"))
+        if os.environ["PLAIN"] == "schedule":  # ... run by a schedule, which every rank steps
+            schedule = ScheduleGPipe(stage, 1, loss_fn=lambda out, y: (out - y).square().mean())
     if os.environ.get("COMPILE"):  # the DDP compiled: its forward, hooks included, traced by dynamo
         model = torch.compile(ddp, backend="aot_eager")
     if os.environ.get("SECOND"):  # a GAN's other network, which the session cannot hold
@@ -52,7 +55,12 @@ SCRIPT = textwrap.dedent(
         from lm_resiliency import enable_resiliency
         own = enable_resiliency([model], opt, interval=1)
     seen = []
-    for step in range(2):
+    for step in range(2 if schedule is not None else 0):
+        opt.zero_grad()
+        schedule.step(torch.randn(4, 8), target=torch.zeros(4, 8), losses=[])
+        opt.step()
+        seen.append(0)
+    for step in range(2 if schedule is None else 0):
         x = torch.randn(4, 8)
         loss = (model[1](model[0](x)) if os.environ.get("PLAIN") == "split" else model(x)).square().mean()
         # What the step's backward reduces with: the session's comm hook, from the first step on.
@@ -150,7 +158,7 @@ def test_a_compiled_ddp_is_instrumented_by_its_wrapper_not_traced(tmp_path: Path
     assert "instrumented automatically" in stderr and "other DDP model" not in stderr, stderr
 
 
-@pytest.mark.parametrize("kind", ["yes", "part", "split", "stage"])
+@pytest.mark.parametrize("kind", ["yes", "part", "split", "stage", "schedule"])
 def test_a_module_no_data_parallel_wrapper_holds_is_instrumented_or_said_not_to_be(
     tmp_path: Path, kind: str
 ) -> None:
@@ -159,11 +167,13 @@ def test_a_module_no_data_parallel_wrapper_holds_is_instrumented_or_said_not_to_
     resumed the data at the planned step with fresh weights). One the optimizers step only in
     part, and a pipeline stage (whose first forward waits for the stage before it, while enabling
     is collective), are not, nor is a part of it called on its own (a backbone, then a head: the
-    session would hold the backbone alone), and the first optimizer step says so."""
+    session would hold the backbone alone), and the first optimizer step says so. A stage run by a
+    pipeline schedule is instrumented at the schedule's first step(), before its forwards."""
     result, stderr = _run(tmp_path, PLAIN=kind)
-    if kind == "yes":
+    if kind in ("yes", "schedule"):
         assert result["step_count"] == 2 and result["replicas"] == [0], (result, stderr)
-        assert "a module no data-parallel wrapper holds: no replicas known" in stderr, stderr
+        said = "a pipeline stage" if kind == "schedule" else "a module no data-parallel wrapper holds"
+        assert f"{said}: no replicas known" in stderr, stderr
         assert "not instrumented" not in stderr, stderr
     else:
         assert result["step_count"] is None, (result, stderr)
