@@ -287,8 +287,9 @@ def auto_instrument(policy_path: str) -> None:
         state["warned"].remove()
         if not state["done"] and open_session() is None:
             why = (
-                "a pipeline-parallel job (torch.distributed.pipelining: a stage's first forward "
-                "waits for the stage before it, and enabling is collective)"
+                "a pipeline-parallel job whose stages no single-stage schedule (GPipe, 1F1B) "
+                "stepped first (torch.distributed.pipelining: a stage's first forward waits for the "
+                "stage before it, and enabling is collective)"
                 if _pipeline_stages()
                 else "an optimizer stepped before a data-parallel model (DDP, FSDP, a DeepSpeed "
                 "engine) or a module whose trainable parameters the optimizers step was called"
