@@ -370,12 +370,18 @@ class Scout:
         # (FSDP2 over the data-parallel dim, tensor parallel within a node) restarted on the verdict
         # "[0, 2] all stuck" for a hang of rank 3.
         lone = len(self.peers) < topology.world_size
+        # A rank that knows no peers (a pipeline stage, a plain module whose script all-reduces its
+        # gradients itself, `enable_resiliency` without `group=`) judges hangs across the job: before,
+        # nobody compared its progress with anyone's, and a hang of rank 3 in outsider 44's zero-import
+        # pipeline job waited for torch's collective timeout (30 minutes) with its peers stuck.
+        self._jobwide = len(self.peers) == 1 < topology.world_size
         self._hangs = HangDetector(
             config.hang_stall_threshold_s,
             {**phases, "evaluation": config.evaluation_latency_threshold_s},
             all_stuck_after_s=max(1.5 * config.hang_stall_threshold_s, config.hang_stall_threshold_s + 5.0)
             if lone
             else None,
+            jobwide=self._jobwide,
         )
         self._stalls = StallDetector(phases)
         # A peer declared dead stays silent one more heartbeat timeout before it is named cut off.
@@ -1484,21 +1490,22 @@ class Scout:
             own = self._own_progress()
             self.runtime.submit(own)
             live = self._live_peers()  # the ranks that issue the same collectives as this one
+            judged = self.runtime.live() if self._jobwide else live  # (whose hangs this rank judges)
             self._progress[self.rank] = own
             evidence = {
                 r: ProgressValue(p.step, p.collectives, p.in_collective_s, p.idle_s, p.phase, p.in_phase_s)
                 for r, p in self._progress.items()
-                if r in live
+                if r in judged
             }
             now = time.monotonic()
             everyone = self.runtime.silent()  # any rank declared dead
-            silent = everyone & self._peer_set
+            silent = everyone if self._jobwide else everyone & self._peer_set
             # Peers whose scripts closed their sessions (a loop that ended early leaves its peers
             # waiting in the next collective), with the collectives each had entered when last heard.
             left = {
                 r: self._progress[r].collectives if r in self._progress else -1
                 for r, why in self.runtime.departed().items()
-                if why == CLOSED and r in self._peer_set
+                if why == CLOSED and (self._jobwide or r in self._peer_set)
             }
             # A lone survivor still judges: in a job of two, the peer it waits for may be the one
             # that went silent (stopped, frozen, cut off) or left, and no third rank would say so.

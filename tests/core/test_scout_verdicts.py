@@ -223,6 +223,50 @@ def test_a_group_short_of_the_job_names_every_rank_stuck_only_well_past_the_thre
     assert d.observe(21, late) is not None and d.observe(21, late) is None
 
 
+def test_a_job_judged_as_a_whole_names_the_rank_in_no_collective_whatever_the_counts() -> None:
+    """Ranks that know no peers (pipeline stages, each data parallel by the script's own all-reduce)
+    judge the whole job's progress: stage 0 (rank 2) waits for stage 1's gradients (rank 3), rank 1
+    waits in its all-reduce with rank 3, and rank 3 entered more collectives than either (another
+    stage's transfers) but has made no progress for the threshold. Counts of other groups' collectives
+    say nothing: the peer-group rule names nobody (rank 3 is ahead), the job-wide one names rank 3."""
+    prog = {
+        0: Progress(7, 30, 0.0, idle_s=0.5),  # between its transfers, moving
+        1: Progress(7, 52, 21.0),
+        2: Progress(7, 30, 20.5),
+        3: Progress(7, 60, 0.0, idle_s=21.5),
+    }
+    assert hang_verdict(7, prog, 20.0, all_stuck_after_s=30.0) is None
+    v = hang_verdict(7, prog, 20.0, all_stuck_after_s=30.0, jobwide=True)
+    assert v is not None and (v.kind, v.ranks, v.reason, v.step) == (
+        "hang",
+        (3,),
+        "never_entered_collective",
+        8,
+    )
+    assert v.detail == (
+        "ranks [1, 2] wait in collectives of their own groups (no peers known: judged across the job) "
+        "for up to 21.0s; ranks [3] in none, with no progress for 21.5s"
+    ), v.detail
+    # A rank that moved within the threshold is late, not hung; nobody waiting past it, no hang.
+    assert hang_verdict(7, {**prog, 3: Progress(7, 60, 0.0, idle_s=3.0)}, 20.0, jobwide=True) is None
+    assert (
+        hang_verdict(7, {**prog, 1: Progress(7, 52, 2.0), 2: Progress(7, 30, 1.0)}, 20.0, jobwide=True)
+        is None
+    )
+    # In its data loader: a data stall its peers wait on, once past the loader's threshold.
+    loader = {**prog, 3: Progress(7, 60, 0.0, idle_s=21.5, phase="input", in_phase_s=21.5)}
+    assert hang_verdict(7, loader, 20.0, excused_s={"input": 60.0}, jobwide=True) is None
+    v = hang_verdict(7, loader, 20.0, excused_s={"input": 10.0}, jobwide=True)
+    assert v is not None and (v.kind, v.ranks) == ("data_stall", (3,)), v
+    assert "in none, not progressing, in its data loader" in v.detail, v.detail
+    # One that closed its session (whatever it had entered) while others wait; one gone silent.
+    waiting = {r: Progress(7, 30 + r, 21.0) for r in range(3)}
+    assert hang_verdict(7, waiting, 20.0, left={3: 99}, jobwide=True).ranks == (3,)  # type: ignore[union-attr]
+    assert hang_verdict(7, waiting, 20.0, frozenset({3}), jobwide=True).ranks == (3,)  # type: ignore[union-attr]
+    d = HangDetector(20.0, all_stuck_after_s=30.0, jobwide=True)
+    assert d.observe(7, prog) is not None and d.observe(7, prog) is None
+
+
 def test_a_silent_rank_is_the_hang_when_every_live_peer_waits() -> None:
     """Rank 3's heartbeats stopped (stopped, frozen, partitioned): it is not in the progress the
     live ranks exchange, and without it the rest would be an anonymous 'every rank is stuck'."""

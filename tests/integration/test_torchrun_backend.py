@@ -507,17 +507,24 @@ def test_ddp_over_tensor_parallel_names_its_hang_and_its_sdc_and_resumes_bitwise
         assert len(want) == 4 and _equal(got, want), f"rank {r} ended off the uninterrupted run"
 
 
-def test_a_hung_pipeline_stage_is_named_not_the_stage_that_waits_for_it(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("group", ["dp", "none"])
+def test_a_hung_pipeline_stage_is_named_not_the_stage_that_waits_for_it(
+    processes, tmp_path, group: str
+) -> None:  # type: ignore[no-untyped-def]
     """Two pipeline stages per node (torch.distributed.pipelining), data parallel across two nodes
     by the script's own all-reduce: a campaign hangs rank 3 (stage 1) at step 6. Rank 2 (stage 0)
     waits for rank 3's gradients in the schedule's point-to-point wait, which SCOUT sees as waiting
     in a collective: only rank 3 is named (before, rank 2 was named too, idle to its replica 0
-    waiting in the all-reduce), and the run resumes bitwise."""
+    waiting in the all-reduce), and the run resumes bitwise.
+
+    With no `group=` (as zero-import instruments a stage) no rank knows a peer: the hang is judged
+    across the job (before, nobody compared rank 3's progress with anyone's, and the job waited for
+    gloo's 30-minute timeout)."""
     campaign = tmp_path / "campaign.json"
     hang = {"fault_id": "h", "type": "hang", "target": {"surface": "process", "rank": 3}}
     incident = {"incident_id": "01-hang", "trigger": {"at": [6]}, "faults": [hang]}
     campaign.write_text(json.dumps({"schema_version": 1, "name": "pp", "seed": 1, "incidents": [incident]}))
-    env = {"STEPS": "12", "HANG_S": "3"}
+    env = {"STEPS": "12", "HANG_S": "3", **({"NO_GROUP": "1"} if group == "none" else {})}
     worker = "tests/integration/workers/pipeline_train.py"
     base = Job(processes, tmp_path, "pp-base", nodes=2, nnodes="2:2", worker=worker, nproc=2)
     base.start(env)

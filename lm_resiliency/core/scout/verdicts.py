@@ -284,6 +284,7 @@ def hang_verdict(
     excused_s: Mapping[str, float] | None = None,
     left: Mapping[int, int] | None = None,
     all_stuck_after_s: float | None = None,
+    jobwide: bool = False,
 ) -> Verdict | None:
     """Name the ranks that never entered the collective their peers are stuck in; failing that, the
     ranks that `left` (closed their sessions and went, while their peers still wait: a loop that ended
@@ -301,7 +302,12 @@ def hang_verdict(
     With no culprit among them, every rank of `progress` waiting is a `collective_stall` once the
     stall reaches `all_stuck_after_s` (default: the threshold). A group that is not the whole job
     waits longer: the rank they all wait for may be outside it (a tensor-parallel peer of another
-    replica group, the next pipeline stage), and its own group names it at the threshold."""
+    replica group, the next pipeline stage), and its own group names it at the threshold.
+
+    `jobwide`: `progress` is every rank of the job, not a peer group (a rank that knows no peers: a
+    pipeline stage, a plain module whose script all-reduces its gradients itself). Ranks of other
+    groups enter other collectives, so the counts say nothing: a culprit is a rank in no collective
+    that has not progressed for the threshold while others wait (a hang, or a stall of its phase)."""
     waiting = {r: p for r, p in progress.items() if p.in_collective_s >= stall_threshold_s}
     if not waiting:
         return None
@@ -313,7 +319,7 @@ def hang_verdict(
         sorted(
             r
             for r, p in progress.items()
-            if p.collectives < k and p.in_collective_s == 0 and p.idle_s >= stall_threshold_s
+            if (jobwide or p.collectives < k) and p.in_collective_s == 0 and p.idle_s >= stall_threshold_s
         )
     )
     stall = max(p.in_collective_s for p in waiting.values())
@@ -322,7 +328,11 @@ def hang_verdict(
     # in collective k (a peer that issued it asynchronously may still be counted in the one before).
     waiters = [p.collectives for p in progress.values() if p.in_collective_s > 0]
     in_k = f"{sorted(r for r, p in progress.items() if p.in_collective_s > 0)} wait in collective"
-    in_k += f" #{k}" if min(waiters) == k else f"s #{min(waiters)}-#{k}"
+    if jobwide:
+        in_k += "s of their own groups (no peers known: judged across the job)"
+    else:
+        in_k += f" #{k}" if min(waiters) == k else f"s #{min(waiters)}-#{k}"
+    never = "in none, not progressing," if jobwide else "never entered it:"
     if any(p.phase == "stopping" for r, p in progress.items() if r in culprits):
         return None  # being terminated (SIGTERM): its peers name that when it goes, not a hang
     excused = excused_s or {}
@@ -341,7 +351,7 @@ def hang_verdict(
             at,
             f"{reason}{PEERS_WAIT}",
             f"ranks {in_k} for up to {stall:.1f}s; ranks {list(culprits)} "
-            f"never entered it: in {PHASE_NAMES[phase]} for "
+            f"{never} in {PHASE_NAMES[phase]} for "
             f"{max(p.in_phase_s for r, p in progress.items() if r in culprits):.1f}s",
             stall_duration_s=stall,
         )
@@ -357,10 +367,18 @@ def hang_verdict(
             at,
             "never_entered_collective",
             f"ranks {in_k} for up to {stall:.1f}s; "
-            f"ranks {list(culprits)} never entered it" + "".join(where.values()),
+            f"ranks {list(culprits)} "
+            + (
+                f"in none, with no progress for {max(progress[r].idle_s for r in culprits):.1f}s"
+                if jobwide
+                else "never entered it"
+            )
+            + "".join(where.values()),
             stall_duration_s=stall,
         )
-    went = tuple(sorted(r for r, entered in (left or {}).items() if r not in progress and entered < k))
+    went = tuple(
+        sorted(r for r, entered in (left or {}).items() if r not in progress and (jobwide or entered < k))
+    )
     if went:
         return Verdict(
             "hang",
@@ -453,10 +471,12 @@ class HangDetector:
         stall_threshold_s: float,
         excused_s: Mapping[str, float] | None = None,
         all_stuck_after_s: float | None = None,
+        jobwide: bool = False,
     ) -> None:
         self.stall_threshold_s = stall_threshold_s
         self.excused_s = dict(excused_s or {})
         self.all_stuck_after_s = all_stuck_after_s
+        self.jobwide = jobwide
         self._open: tuple[str, tuple[int, ...]] | None = None
 
     def observe(
@@ -467,7 +487,14 @@ class HangDetector:
         left: Mapping[int, int] | None = None,
     ) -> Verdict | None:
         v = hang_verdict(
-            now_step, progress, self.stall_threshold_s, silent, self.excused_s, left, self.all_stuck_after_s
+            now_step,
+            progress,
+            self.stall_threshold_s,
+            silent,
+            self.excused_s,
+            left,
+            self.all_stuck_after_s,
+            self.jobwide,
         )
         if v is None:
             self._open = None

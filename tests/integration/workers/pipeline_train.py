@@ -1,8 +1,9 @@
 """A pipeline-parallel job under `torchrun --rdzv-backend=lm_resiliency`: 2 stages per node
 (torch.distributed.pipelining, GPipe, 4 microbatches; stage = local rank), data parallel across
 the nodes by the script's own all-reduce of each stage's gradients over its replica group (given as
-`group=`). Faults come from a campaign (LM_RESILIENCY_FAULT_CAMPAIGN). Every rank writes its
-parameters to OUT.rank<r>; rank 0 writes each generation's start to OUT.gen<g>.json.
+`group=`, or with NO_GROUP=1 none: no replicas known). Faults come from a campaign
+(LM_RESILIENCY_FAULT_CAMPAIGN). Every rank writes its parameters to OUT.rank<r>; rank 0 writes each
+generation's start to OUT.gen<g>.json.
 """
 
 import json
@@ -32,7 +33,7 @@ opt = torch.optim.AdamW(part.parameters(), lr=1e-2)
 session = enable_resiliency(
     part,
     opt,
-    group=dp.get_group(),
+    group=None if os.environ.get("NO_GROUP") else dp.get_group(),
     interval=1,
     replay=ReplayHarnessConfig(hang_stall_threshold_s=float(os.environ.get("HANG_S", "30"))),
 )
