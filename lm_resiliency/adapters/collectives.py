@@ -229,10 +229,11 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
                 idle.waited_between_steps(time.perf_counter() - t0)
         group = kwargs.get("group", _arg(args, group_at, None))
         tracker.enter_collective(_signature(name, args, _group_size(group), sized), waits)
-        if name == "all_reduce" and args and hasattr(args[0], "numel"):
+        if name == "all_reduce":
+            tensor = args[0] if args else kwargs.get("tensor")
             note = getattr(tracker, "all_reduced", None)
-            if note is not None:
-                note(args[0].numel(), group)
+            if note is not None and hasattr(tensor, "numel"):
+                note(tensor, group)  # (before it runs: SCOUT's replay record may keep this rank's share)
         try:
             return fn(*args, **kwargs)
         finally:

@@ -28,7 +28,14 @@ from torch import nn
 
 from lm_resiliency.adapters import collectives
 from lm_resiliency.adapters.amp import mark_ours
-from lm_resiliency.adapters.base import AdapterTopology, StepSink, StepTimes, live_instances, uncompiled
+from lm_resiliency.adapters.base import (
+    AdapterTopology,
+    StepSink,
+    StepTimes,
+    live_instances,
+    parameters_of,
+    uncompiled,
+)
 from lm_resiliency.adapters.canonical import CanonicalReduction, ddp_parameters
 from lm_resiliency.runtime.trail import CollectiveTrail
 
@@ -104,6 +111,11 @@ class PyTorchAdapter:
         self.phase: tuple[str, float] | None = None
         # Called from the comm hook with (parameters, gradients) of each bucket before its all-reduce.
         self.contribution_tap: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None] | None = None
+        # A plain module's gradients all-reduced by the script itself (`group=` given): told each
+        # tensor and group just before the reduction (see all_reduced).
+        self.reduction_tap: Callable[[torch.Tensor, Any], None] | None = None
+        self._grad_owners: dict[int, torch.Tensor] = {}
+        self.reduces_itself = False
         # Each DDP's canonical reduction (by id), once our comm hook is registered on it.
         self._reductions: dict[int, CanonicalReduction] = {}
         # The DDPs whose comm hook is ours to register at the first forward; those where ours is.
@@ -170,6 +182,7 @@ class PyTorchAdapter:
             return mesh_topo
         if self.group is not None and dist.is_initialized():
             ranks = tuple(sorted(dist.get_process_group_ranks(self.group)))
+            self.reduces_itself = True  # (no DDP, FSDP or mesh: the script reduces the gradients)
             return AdapterTopology(ranks, {"dp": ranks}, ("dp",), "group")
         if dist.is_initialized() and dist.get_world_size() > 1:
             # A plain module in a multi-rank job: no replicas unless the script's own collectives
@@ -391,13 +404,27 @@ class PyTorchAdapter:
         if waits:
             self.wait_collective()
 
-    def all_reduced(self, numel: int, group: Any) -> None:
-        """The script all-reduced `numel` elements over `group` inside the step (tracked only while
-        this plain module's replicas are unknown: see _data_parallel_hint)."""
+    def all_reduced(self, tensor: torch.Tensor, group: Any) -> None:
+        """The script is about to all-reduce `tensor` over `group` inside the step. Counted while
+        this plain module's replicas are unknown (see _data_parallel_hint); handed to
+        `reduction_tap` where the script reduces its gradients itself (see `grad_owner`)."""
         if self._reduced_in_step is not None:
             key = id(group)
             held = self._reduced_in_step.get(key)
-            self._reduced_in_step[key] = (group, numel + (held[1] if held else 0))
+            self._reduced_in_step[key] = (group, tensor.numel() + (held[1] if held else 0))
+        tap = self.reduction_tap
+        if tap is not None:
+            tap(tensor, group)
+
+    def grad_owner(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The model parameter whose `.grad` `tensor` is (None: not one of them). The map from
+        gradients to parameters is rebuilt when a gradient is not found in it: once a step where
+        backward allocates fresh gradients (zero_grad(set_to_none=True)), never where it reuses them."""
+        p = self._grad_owners.get(id(tensor))
+        if p is None or p.grad is not tensor:
+            self._grad_owners = {id(q.grad): q for q in parameters_of(self.model) if q.grad is not None}
+            p = self._grad_owners.get(id(tensor))
+        return p if p is not None and p.grad is tensor else None
 
     def _data_parallel_hint(self) -> None:
         """End of one of the first steps of a plain module (no DDP, no DTensor) given no `group`:

@@ -450,6 +450,12 @@ class Scout:
             else:
                 self._recorder = ReplayRecorder(model, opt)
                 self._handles.append(model.register_forward_pre_hook(self._arm_replay))
+                if getattr(adapter, "reduces_itself", False):
+                    # The script all-reduces the gradients itself: each one's share as it goes in
+                    # (before, only DDP's comm hook recorded them, and a flipped gradient of such a
+                    # job stayed ambiguous: nobody named, a restart from the verified step).
+                    adapter.reduction_tap = self._on_own_reduction
+                    self._group_ranks: dict[int, tuple[int, ...]] = {}
         # Audits: a peer re-executes this rank's micro-batches every `audit_interval` steps.
         # Audited modules by name: "" for the whole model (below DDP); for an expert-parallel
         # model, its expert modules (`parallelism_info["expert_modules"]`), audited by the replicas
@@ -657,6 +663,22 @@ class Scout:
         step = self._session_step() + 1
         if self._recorder is not None and self._due(step) and not self._paused():
             self._recorder.arm(step)
+
+    def _on_own_reduction(self, tensor: torch.Tensor, group: Any) -> None:
+        """The script is about to all-reduce `tensor` over `group` (see PyTorchAdapter.all_reduced):
+        a parameter's gradient over the replica group is this rank's share of that reduction."""
+        rec = self._recorder
+        if rec is None or not rec.armed:
+            return
+        ranks = self._group_ranks.get(id(group))
+        if ranks is None:
+            ranks = tuple(sorted(dist.get_process_group_ranks(group or dist.group.WORLD)))
+            self._group_ranks[id(group)] = ranks
+        if ranks != self.group:
+            return
+        p = self.adapter.grad_owner(tensor)
+        if p is not None:
+            rec.on_contributions([p], [tensor], first=True)
 
     def _on_contributions(self, params: Any, grads: Any) -> None:
         if self._recorder is not None:

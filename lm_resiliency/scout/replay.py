@@ -149,12 +149,21 @@ class ReplayRecorder:
         self._armed_step = None
         self._contrib = {}
 
-    def on_contributions(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-        """From the DDP comm hook: this rank's gradients, scaled, before the all-reduce."""
+    @property
+    def armed(self) -> bool:
+        return self._armed_step is not None
+
+    def on_contributions(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], first: bool = False
+    ) -> None:
+        """This rank's gradients before the all-reduce: from the DDP comm hook (scaled), or, with
+        `first`, from the script's own all-reduce of each (a gradient it reduces again in the same
+        step keeps its first share)."""
         if self._armed_step is None:
             return
         for p, g in zip(params, grads, strict=True):
-            self._contrib[id(p)] = _host(g)
+            if not (first and id(p) in self._contrib):
+                self._contrib[id(p)] = _host(g)
 
     def capture(self, step: int) -> ReplayRecord | None:
         """Just before the optimizer step of `step`: keep what a replay of it needs."""
@@ -213,8 +222,15 @@ def _on_side_stream(device: torch.device) -> Iterator[None]:
         yield
 
 
+NO_SHARES = (
+    "no pre-reduction gradient of every parameter recorded (no DDP comm hook, nor the script's own "
+    "all-reduce of each gradient over the replica group)"
+)
+
+
 def _complete(record: ReplayRecord) -> bool:
-    """Every optimizer parameter's pre-reduction gradient was recorded (a DDP comm hook ran)."""
+    """Every optimizer parameter's pre-reduction gradient was recorded (a DDP comm hook ran, or the
+    script all-reduced each gradient over the replica group itself)."""
     return not record.problem and len(record.contributions) == len(record.opt_index) > 0
 
 
@@ -260,7 +276,7 @@ def replay_grads(record: ReplayRecord, contributions: dict[int, list[bytes]]) ->
     if record.problem:
         return b"", record.problem, False
     if not _complete(record):
-        return b"", "no pre-reduction gradients recorded (the model is not DDP-wrapped)", False
+        return b"", NO_SHARES, False
     if len(contributions) != 1:
         # Summation order decides the last bits for three or more terms, and the collective's order
         # is not ours to know: only pairs are recomputed bitwise.

@@ -93,21 +93,31 @@ def _kinds(res: dict) -> list[tuple[str, list[int]]]:
 
 
 @pytest.mark.parametrize(
-    ("world", "culprit", "reason", "clip", "inner"),
+    ("world", "culprit", "reason", "clip", "inner", "wrap"),
     [
-        (4, 2, "grads_fingerprint_minority", False, False),
-        (2, 1, "grads_replay_mismatch", False, False),
-        (2, 0, "grads_replay_mismatch", True, False),
-        (2, 1, "grads_replay_mismatch", False, True),
+        (4, 2, "grads_fingerprint_minority", False, False, "ddp"),
+        (2, 1, "grads_replay_mismatch", False, False, "ddp"),
+        (2, 0, "grads_replay_mismatch", True, False, "ddp"),
+        (2, 1, "grads_replay_mismatch", False, True, "ddp"),
+        (2, 1, "grads_replay_mismatch", True, False, "plain"),
     ],
-    ids=["majority-of-4", "replay-of-2", "replay-of-2-clipped", "replay-of-2-inner-module-passed"],
+    ids=[
+        "majority-of-4",
+        "replay-of-2",
+        "replay-of-2-clipped",
+        "replay-of-2-inner-module-passed",
+        "replay-of-2-reduced-by-the-caller",
+    ],
 )
 def test_bit_flip_in_a_gradient_after_reduction_is_named_sdc_and_not_certified(
-    processes, tmp_path: Path, world: int, culprit: int, reason: str, clip: bool, inner: bool
+    processes, tmp_path: Path, world: int, culprit: int, reason: str, clip: bool, inner: bool, wrap: str
 ) -> None:  # type: ignore[no-untyped-def]
     """Four replicas outvote the corrupted one; two cannot, so the step is replayed: the reduction
     is recomputed from both ranks' contributions and the rank that held other gradients is named.
-    A caller that passes the module DDP wraps (not the DDP) gets the same: its wrapper is found."""
+    A caller that passes the module DDP wraps (not the DDP) gets the same: its wrapper is found.
+    So does a plain module whose script all-reduces (then averages and clips) each gradient itself,
+    given `group=`: each share is recorded as the script's `dist.all_reduce` takes it (before, the
+    flip stayed ambiguous: nobody named)."""
     results, _ = _run(
         processes,
         tmp_path,
@@ -117,6 +127,7 @@ def test_bit_flip_in_a_gradient_after_reduction_is_named_sdc_and_not_certified(
         at=6,
         world=world,
         clip=clip,
+        wrap=wrap,
         extra={"PASS_INNER": "1"} if inner else None,
     )
     for res in results:
