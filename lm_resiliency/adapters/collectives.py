@@ -23,8 +23,10 @@ gradients in point-to-point transfers (`_wait_batch_p2p`): that wait is waited i
 is (not entered: the stages of one replica group issue other transfers than those of another), so
 a stage whose neighbour hangs is seen waiting, not idle, even before its first forward of the step
 (where it waits for its input: not its input time either). Before, a hang of rank 3 (stage 1)
-named rank 2 too (stage 0, waiting for rank 3's gradients): outsider 44. `isend`/`irecv` are left
-alone (torch tells a `P2POp`'s send from its receive by the function's identity).
+named rank 2 too (stage 0, waiting for rank 3's gradients): outsider 44. A blocking `send`/`recv`
+(a pipeline written by hand) is waited in the same way. `isend`/`irecv` are left alone (torch tells
+a `P2POp`'s send from its receive by the function's identity), and so is the wait on what they
+return.
 
 Calls that bypass the `torch.distributed` attribute (`from torch.distributed import all_reduce`
 before the session started, torch's internal calls) are not seen. `original(name)` is the unwrapped
@@ -74,6 +76,8 @@ TRACKED = (
     "gather",
     "scatter",
 )
+# Point-to-point calls that block until the peer takes part: waited in, never entered (see the doc).
+P2P_WAITS = ("send", "recv")
 
 
 # Functional collectives (tensor parallelism): a call enqueues one and returns, `wait_tensor` blocks.
@@ -156,6 +160,12 @@ def install(tracker: CollectiveTracker) -> None:
                     continue
                 _originals[name] = fn
                 setattr(dist, name, _wrap(name, fn))
+            for name in P2P_WAITS:
+                fn = getattr(dist, name, None)
+                if fn is None or getattr(fn, "_lm_resiliency_wraps", None) is not None:
+                    continue
+                _originals[name] = fn
+                setattr(dist, name, _wrap_p2p_wait(fn, f"torch.distributed.{name}"))
             funcol = _funcol_module()
             for name in (*FUNCOL_TRACKED, "wait_tensor") if funcol is not None else ():
                 fn = getattr(funcol, name, None)
@@ -167,7 +177,9 @@ def install(tracker: CollectiveTracker) -> None:
             fn = getattr(schedules, _PIPELINE_WAIT, None)
             if fn is not None and getattr(fn, "_lm_resiliency_wraps", None) is None:
                 _pipeline_original.append(fn)
-                setattr(schedules, _PIPELINE_WAIT, _wrap_pipeline_wait(fn))
+                setattr(
+                    schedules, _PIPELINE_WAIT, _wrap_p2p_wait(fn, "a pipeline schedule's point-to-point wait")
+                )
         _trackers.append(tracker)
 
 
@@ -315,12 +327,13 @@ def _wrap_wait(fn: Callable[..., Any]) -> Callable[..., Any]:
     return tracked
 
 
-def _wrap_pipeline_wait(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A pipeline schedule's wait for its point-to-point transfers (see the module's doc)."""
+def _wrap_p2p_wait(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """A wait for a point-to-point transfer: a pipeline schedule's, a blocking send or receive
+    (see the module's doc)."""
 
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
-        inside = _tracking("a pipeline schedule's point-to-point wait")
+        inside = _tracking(what)
         tracker = inside if inside is not None else _between_steps()
         if tracker is None:
             return fn(*args, **kwargs)

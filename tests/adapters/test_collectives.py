@@ -222,3 +222,27 @@ def test_a_pipeline_schedules_point_to_point_wait_is_waited_in(group) -> None:  
     finally:
         collectives.uninstall(t)
     assert schedules._wait_batch_p2p is torch_wait
+
+
+def test_a_blocking_send_or_receive_is_waited_in(group) -> None:  # type: ignore[no-untyped-def]
+    """A pipeline written by hand waits for its neighbours in `dist.send`/`dist.recv`: waited in as a
+    collective, never entered, inside a step or before it (timed as no input time), closed when the
+    call fails. Before, not seen: a stage waiting for a hung neighbour looked idle, and a job that
+    knows no peers (judged as a whole) would have named it beside the hung one."""
+    torch_send, torch_recv = dist.send, dist.recv
+    t = Tracker()
+    collectives.install(t)
+    try:
+        assert dist.send is not torch_send and dist.recv is not torch_recv
+        assert collectives.original("recv") is torch_recv
+        for fn in (dist.send, dist.recv):
+            with pytest.raises((RuntimeError, ValueError)):  # (a transfer needs a peer: one process has none)
+                fn(torch.ones(2), 0)
+        assert t.seen == [("wait", True)] * 2 and t.open == 0 and len(t.waited) == 2
+        t.stepping = True
+        with pytest.raises((RuntimeError, ValueError)):
+            dist.recv(torch.ones(2), 0)
+        assert t.seen == [("wait", True)] * 3 and t.open == 0 and len(t.waited) == 2
+    finally:
+        collectives.uninstall(t)
+    assert dist.send is torch_send and dist.recv is torch_recv
