@@ -394,7 +394,14 @@ def test_reduction_replay_is_the_sum_of_both_contributions() -> None:
     rec.arm(2)
     bare = rec.capture(2)
     assert bare is not None and pack_contributions(bare) == []
-    assert "not DDP" in replay_grads(bare, peer)[1]
+    assert "no DDP comm hook" in replay_grads(bare, peer)[1]
+    # A script's own all-reduce of each gradient: the first share of the step is kept (a gradient
+    # reduced twice in one step, its second share is already the sum).
+    rec.arm(3)
+    rec.on_contributions(params, mine, first=True)
+    rec.on_contributions(params, [p.grad for p in params], first=True)
+    own = rec.capture(3)
+    assert own is not None and pack_contributions(own) == pack_contributions(record)
 
 
 def test_a_custom_optimizer_that_cannot_be_rebuilt_is_inconclusive_not_an_error() -> None:

@@ -453,6 +453,30 @@ def test_a_module_running_between_steps_is_an_evaluation_and_inside_a_step_is_th
     assert unmarked_phase(["/job/t.py"], between_steps=True) is None
 
 
+def test_a_data_loader_nobody_instrumented_is_told_by_the_stack_between_steps() -> None:
+    """A rank inside a DataLoader's iterator between steps (zero-import, no instrument_dataloader):
+    its data loader, though a dataset that runs a module (a tokenizer model) is still the loader's.
+    No threshold of its own; a rank stuck in it while its peers wait is a data stall, not a hang."""
+    fetch = [
+        "/v/site-packages/torch/nn/modules/module.py",  # the dataset runs a module
+        "/job/data.py",
+        "/v/site-packages/torch/utils/data/_utils/fetch.py",
+        "/v/site-packages/torch/utils/data/dataloader.py",
+        "/job/t.py",
+    ]
+    assert unmarked_phase(fetch, between_steps=True) == "input_unmarked"
+    assert unmarked_phase(fetch, between_steps=False) is None  # inside a step: the step's
+    waiting = {0: Progress(7, 40, 31.0), 1: Progress(7, 39, 0.0, 31.0, "input_unmarked", 31.0)}
+    v = hang_verdict(7, waiting, 30.0, excused_s={"input": 10.0})
+    assert v is not None and (v.kind, v.ranks, v.reason) == (
+        "data_stall",
+        (1,),
+        "dataloader_stalled_peers_wait",
+    )
+    assert "in its data loader (not instrumented) for 31.0s" in v.detail, v.detail
+    assert StallDetector({"input": 10.0}).observe(7, {1: waiting[1]}) == []  # not alone
+
+
 # Three nodes of two ranks each: a = {0, 1}, b = {2, 3}, c = {4, 5}.
 NODES = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
 

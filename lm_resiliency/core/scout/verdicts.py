@@ -78,6 +78,10 @@ STALL_KINDS = {
     # than a batch should, so no stall is named for it alone; but a rank still in it when its peers
     # have waited the hang threshold is stuck in its data loader, not hung elsewhere.
     "input_start": ("data_stall", "dataloader_stalled"),
+    # In a DataLoader the script did not instrument (zero-import, or no instrument_dataloader),
+    # told by the training thread's stack: like a first batch, no threshold of its own (a batch
+    # may be slow for all we know), but the data loader's when its peers have waited for it.
+    "input_unmarked": ("data_stall", "dataloader_stalled"),
     "checkpoint_io": ("checkpoint_stall", "checkpoint_io_stalled"),
 }
 # The reason suffix of a stall its peers wait on (stuck in a collective the stalled rank never
@@ -90,6 +94,7 @@ LEFT = f"left_while{PEERS_WAIT}"
 # its own while its peers wait in the next collective is not a hang.
 CHECKPOINT_IO_CODE = ("/torch/serialization.py", "/torch/distributed/checkpoint/", "/safetensors/")
 MODULE_CODE = "/torch/nn/modules/module.py"  # a module's __call__: some model is running
+DATA_CODE = "/torch/utils/data/"  # a DataLoader's iterator (its fetch, its wait for workers)
 
 
 def in_checkpoint_io(filenames: Iterable[str]) -> bool:
@@ -103,10 +108,14 @@ def unmarked_phase(filenames: Iterable[str], between_steps: bool) -> str | None:
     (after the optimizer step, before the model's next training forward), some module runs: an
     evaluation of a model other than the one passed (an EMA copy, a reward model), whose forward no
     hook of ours sees. A module running inside a step is the step's own (a kernel hung in the
-    training forward is a hang, named at the hang threshold)."""
+    training forward is a hang, named at the hang threshold). `input_unmarked` when, between
+    steps, a DataLoader's iterator runs (a loader nobody instrumented: before, a rank stuck in
+    it while its peers waited was named hung, not its data loader)."""
     files = [f.replace("\\", "/") for f in filenames]
     if any(part in f for f in files for part in CHECKPOINT_IO_CODE):
         return "checkpoint_io"
+    if between_steps and any(DATA_CODE in f for f in files):
+        return "input_unmarked"
     if between_steps and any(MODULE_CODE in f for f in files):
         return "evaluation"
     return None
@@ -116,6 +125,7 @@ def unmarked_phase(filenames: Iterable[str], between_steps: bool) -> str | None:
 PHASE_NAMES = {
     "input": "its data loader",
     "input_start": "its data loader's first batch",
+    "input_unmarked": "its data loader (not instrumented)",
     "checkpoint_io": "its checkpoint I/O",
     "evaluation": "an evaluation (a model run between steps)",
 }
