@@ -176,6 +176,18 @@ def auto_instrument(policy_path: str) -> None:
         optimizers[self] = next(made)
 
     torch.optim.Optimizer.__init__ = noting_opt_init  # type: ignore[method-assign]
+    # DDP models in the order they were made, likewise: a script that trains several (a GAN's
+    # generator and discriminator) has them all held, as one nn.ModuleDict in that order.
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddps: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+    ddp_init = DistributedDataParallel.__init__
+
+    def noting_ddp_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        ddp_init(self, *args, **kwargs)
+        ddps[self] = next(made)
+
+    DistributedDataParallel.__init__ = noting_ddp_init  # type: ignore[method-assign]
     state: dict[str, Any] = {"done": False, "handles": [], "depth": 0}
 
     def first_forward(module: Any, args: Any) -> Any:
@@ -228,7 +240,14 @@ def auto_instrument(policy_path: str) -> None:
         # model, every optimizer stepping its parameters (Muon and AdamW: held as one, see
         # adapters/chain.py), found in the order they were made.
         engine = "DeepSpeedEngine" in {c.__name__ for c in type(target).__mro__}
-        ids = {id(p) for p in module.parameters()}
+        held = module
+        models = [d for d, _ in sorted(ddps.items(), key=lambda kv: kv[1])]
+        if module is target and target in ddps and len(models) > 1:
+            # Every DDP model the script made so far (a GAN's pair): before, the one called first
+            # alone, and a restart started the other afresh (it only said so).
+            held = torch.nn.ModuleDict({str(i): d for i, d in enumerate(models)})
+            what += f"{len(models)} DDP models, "
+        ids = {id(p) for p in held.parameters()}
         order = sorted(optimizers.items(), key=lambda kv: kv[1])
         mine = (
             []
@@ -244,7 +263,7 @@ def auto_instrument(policy_path: str) -> None:
         # The scheduler stepping `opt` is found by enable_resiliency (a SequentialLR as one).
         try:
             session = enable_resiliency(
-                module, *([] if engine else [opt]), **policy_kwargs(load_policy(policy_path))
+                held, *([] if engine else [opt]), **policy_kwargs(load_policy(policy_path))
             )
         except UnsupportedFrameworkError as exc:  # (a ZeRO stage not captured yet): the job runs on
             sys.stderr.write(f"lm_resiliency: not instrumented: {exc}\n")
@@ -254,7 +273,7 @@ def auto_instrument(policy_path: str) -> None:
             f"{'DeepSpeed engine, ' if engine else ''}{what}resumed at step {session.step_count})\n"
         )
         if not engine:
-            _warn_uncovered(target, opt, optimizers)
+            _warn_uncovered([target, *held.children()], opt, optimizers)
         return session
 
     def first_schedule_step(schedule: Any) -> None:
@@ -334,14 +353,15 @@ def _wrap_schedule_step(schedules: Any, first: Callable[[Any], None]) -> None:
     cls.step = wrapped  # type: ignore[union-attr]
 
 
-def _warn_uncovered(module: Any, opt: Any, optimizers: Any) -> None:
-    """Say so when the script trains more than the session holds: other DDP models (a GAN's second
-    network), other optimizers. A restart would restore the first and start the others afresh."""
+def _warn_uncovered(modules: list[Any], opt: Any, optimizers: Any) -> None:
+    """Say so when the script trains more than the session holds: other DDP models (one made after
+    the first forward), other optimizers. A restart would restore those held and start the others
+    afresh."""
     from torch.nn.parallel import DistributedDataParallel
 
     from lm_resiliency.adapters.base import live_instances
 
-    models = [m for m in live_instances(DistributedDataParallel) if m is not module]
+    models = [m for m in live_instances(DistributedDataParallel) if not any(m is h for h in modules)]
     from lm_resiliency.adapters.chain import outermost
 
     held = opt if isinstance(opt, list) else [opt]
@@ -349,9 +369,9 @@ def _warn_uncovered(module: Any, opt: Any, optimizers: Any) -> None:
     others = [o for o in outermost(list(optimizers)) if not any(o is h for h in held)]
     if models or others:
         sys.stderr.write(
-            f"lm_resiliency: automatic instrumentation holds one model (the DDP first called) and the "
-            f"optimizers stepping it; this script also has {len(models)} other DDP model(s) and "
-            f"{len(others)} other optimizer(s), which a restart would start afresh. Call "
+            "lm_resiliency: automatic instrumentation holds the DDP models made before the first "
+            f"forward and the optimizers stepping them; this script also has {len(models)} other "
+            f"DDP model(s) and {len(others)} other optimizer(s), which a restart would start afresh. Call "
             "enable_resiliency yourself with one nn.ModuleDict of every model and the list of "
             "every optimizer\n"
         )

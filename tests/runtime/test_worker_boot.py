@@ -44,8 +44,12 @@ SCRIPT = textwrap.dedent(
             schedule = ScheduleGPipe(stage, 1, loss_fn=lambda out, y: (out - y).square().mean())
     if os.environ.get("COMPILE"):  # the DDP compiled: its forward, hooks included, traced by dynamo
         model = torch.compile(ddp, backend="aot_eager")
-    if os.environ.get("SECOND"):  # a GAN's other network, which the session cannot hold
+    other = None
+    if os.environ.get("SECOND") == "ddp":  # a GAN's other network: held with the first
         other = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+        other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    elif os.environ.get("SECOND") == "plain":  # a module no DDP holds, trained too: not held
+        other = torch.nn.Linear(8, 8)
         other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
     own = None
     if os.environ.get("OWN") == "dict":  # the script's own session, on a module holding the DDP
@@ -65,12 +69,20 @@ SCRIPT = textwrap.dedent(
         loss = (model[1](model[0](x)) if os.environ.get("PLAIN") == "split" else model(x)).square().mean()
         # What the step's backward reduces with: the session's comm hook, from the first step on.
         seen.append(len(ddp._comm_hooks) if ddp is not None else 0)
+        if other is not None:
+            loss = loss + other(x).square().mean()
+            other_opt.zero_grad()
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if other is not None:
+            other_opt.step()
+    from lm_resiliency.api import open_session
     held = getattr(model, "_lm_resiliency_session", None)
-    session = own or (held() if held is not None else None)
+    session = own or (held() if held is not None else open_session())
     out = {"hooks": seen, "step_count": session.step_count if session is not None else None}
+    if other is not None:
+        out["held"] = sorted(type(m).__name__ for m in session._adapter.model.children())
     if session is not None and os.environ.get("PLAIN"):
         out["replicas"] = list(session.scout.group)
     if os.environ.get("COMPILE"):
@@ -106,11 +118,21 @@ def _run(tmp_path: Path, **env: str) -> tuple[dict, str]:
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
+def test_every_ddp_model_made_before_the_first_forward_is_held(tmp_path: Path) -> None:
+    """A GAN's generator and discriminator, each a DDP with its optimizer: both held, as one
+    ModuleDict in the order they were made, and both optimizers as one chain. Before, the model
+    called first alone, and a restart started the other afresh (it was only said)."""
+    result, stderr = _run(tmp_path, SECOND="ddp")
+    assert result["step_count"] == 2 and result["held"] == ["DistributedDataParallel"] * 2, result
+    assert "2 DDP models" in stderr and "other DDP model" not in stderr, stderr
+
+
 def test_a_script_with_more_models_than_the_session_holds_is_told(tmp_path: Path) -> None:
-    """A restart would restore the model first called and start the other afresh: said, not silent."""
-    result, stderr = _run(tmp_path, SECOND="1")
+    """A module no DDP holds, trained by an optimizer of its own beside the DDP: a restart would
+    restore the DDP and start the other afresh: said, not silent."""
+    result, stderr = _run(tmp_path, SECOND="plain")
     assert result["step_count"] == 2
-    assert "1 other DDP model(s) and 1 other optimizer(s)" in stderr, stderr
+    assert "0 other DDP model(s) and 1 other optimizer(s)" in stderr, stderr
 
 
 def test_the_session_enabled_at_the_first_forward_takes_part_in_that_step(tmp_path: Path) -> None:
