@@ -75,6 +75,7 @@ from lm_resiliency.core.scout.verdicts import (
     Verdict,
     desync_verdict,
     fingerprint_verdict,
+    next_unmarked,
     rest_verdict,
     settings_verdict,
     unmarked_phase,
@@ -1498,13 +1499,7 @@ class Scout:
         files = thread_stack_files(self._training_thread)
         in_step = getattr(self.adapter, "in_step", None)
         name = unmarked_phase(files, between_steps=in_step is not None and not in_step())
-        current = self._unmarked
-        if name is None:
-            if current is not None:
-                self._unmarked_left = now
-            self._unmarked = None
-        elif current is None or current[0] != name:
-            self._unmarked = (name, now)
+        self._unmarked, self._unmarked_left = next_unmarked(self._unmarked, self._unmarked_left, name, now)
         return self._unmarked
 
     async def _progress_forever(self) -> None:

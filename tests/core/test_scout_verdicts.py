@@ -18,6 +18,7 @@ from lm_resiliency.core.scout.verdicts import (
     fingerprint_verdict,
     hang_verdict,
     in_checkpoint_io,
+    next_unmarked,
     rest_verdict,
     settings_verdict,
     unmarked_phase,
@@ -475,6 +476,22 @@ def test_a_data_loader_nobody_instrumented_is_told_by_the_stack_between_steps() 
     )
     assert "in its data loader (not instrumented) for 31.0s" in v.detail, v.detail
     assert StallDetector({"input": 10.0}).observe(7, {1: waiting[1]}) == []  # not alone
+
+
+def test_going_from_one_unmarked_phase_to_another_is_progress() -> None:
+    """An EMA copy evaluated over a validation loader: its stack says "evaluation" and
+    "input_unmarked" by turns. Each change counts as progress, so the rank is not idle for the
+    evaluation's whole length and then named in a data stall; a loader that stays stuck is."""
+    cur, left = next_unmarked(None, float("-inf"), "evaluation", 1.0)
+    assert cur == ("evaluation", 1.0) and left == float("-inf")
+    cur, left = next_unmarked(cur, left, "evaluation", 2.0)
+    assert cur == ("evaluation", 1.0) and left == float("-inf")
+    cur, left = next_unmarked(cur, left, "input_unmarked", 3.0)
+    assert cur == ("input_unmarked", 3.0) and left == 3.0
+    cur, left = next_unmarked(cur, left, "input_unmarked", 40.0)  # stuck in it: since 3.0
+    assert cur == ("input_unmarked", 3.0) and left == 3.0
+    assert next_unmarked(cur, left, None, 41.0) == (None, 41.0)
+    assert next_unmarked(None, 41.0, None, 42.0) == (None, 41.0)
 
 
 # Three nodes of two ranks each: a = {0, 1}, b = {2, 3}, c = {4, 5}.

@@ -65,6 +65,7 @@ __all__ = [
     "fingerprint_verdict",
     "hang_verdict",
     "in_checkpoint_io",
+    "next_unmarked",
     "rest_verdict",
     "settings_verdict",
     "unmarked_phase",
@@ -119,6 +120,25 @@ def unmarked_phase(filenames: Iterable[str], between_steps: bool) -> str | None:
     if between_steps and any(MODULE_CODE in f for f in files):
         return "evaluation"
     return None
+
+
+def next_unmarked(
+    current: tuple[str, float] | None, left: float, name: str | None, now: float
+) -> tuple[tuple[str, float] | None, float]:
+    """The unmarked phase a training thread is in, (name, since), and when it last left one, after
+    its stack said `name` at `now` (see `unmarked_phase`; sampled each heartbeat). Leaving a phase
+    counts as progress (the rank is on its way to the collective), and so does going from one to
+    another: an evaluation of an EMA copy reads its validation loader between forwards, and its
+    stack says "evaluation" and "input_unmarked" by turns; counted as one stay, the time since the
+    evaluation began would have been the loader's, and a rank whose peers waited for it named in a
+    data stall."""
+    if name is None:
+        return None, (now if current is not None else left)
+    if current is None:
+        return (name, now), left
+    if current[0] != name:
+        return (name, now), now
+    return current, left
 
 
 # What a rank's training thread may be inside of while its peers wait (`Progress.phase`).
