@@ -507,9 +507,34 @@ def test_ddp_over_tensor_parallel_names_its_hang_and_its_sdc_and_resumes_bitwise
         assert len(want) == 4 and _equal(got, want), f"rank {r} ended off the uninterrupted run"
 
 
+PIPELINE = "tests/integration/workers/pipeline_train.py"
+
+
+@pytest.fixture(scope="module")
+def pipeline_baseline(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
+    """Each rank's parameters after an uninterrupted run of the pipeline job (12 steps; with or
+    without `group=`, the same numbers)."""
+    group = ProcessGroup()
+    try:
+        base = Job(
+            group,
+            tmp_path_factory.mktemp("rdzv-pp"),
+            "pp-base",
+            nodes=2,
+            nnodes="2:2",
+            worker=PIPELINE,
+            nproc=2,
+        )
+        base.start({"STEPS": "12"})
+        base.wait()
+        return [torch.load(f"{base.out}.rank{r}") for r in range(4)]
+    finally:
+        group.stop_all()
+
+
 @pytest.mark.parametrize("group", ["dp", "none"])
 def test_a_hung_pipeline_stage_is_named_not_the_stage_that_waits_for_it(
-    processes, tmp_path, group: str
+    processes, tmp_path, pipeline_baseline, group: str
 ) -> None:  # type: ignore[no-untyped-def]
     """Two pipeline stages per node (torch.distributed.pipelining), data parallel across two nodes
     by the script's own all-reduce: a campaign hangs rank 3 (stage 1) at step 6. Rank 2 (stage 0)
@@ -525,11 +550,7 @@ def test_a_hung_pipeline_stage_is_named_not_the_stage_that_waits_for_it(
     incident = {"incident_id": "01-hang", "trigger": {"at": [6]}, "faults": [hang]}
     campaign.write_text(json.dumps({"schema_version": 1, "name": "pp", "seed": 1, "incidents": [incident]}))
     env = {"STEPS": "12", "HANG_S": "3", **({"NO_GROUP": "1"} if group == "none" else {})}
-    worker = "tests/integration/workers/pipeline_train.py"
-    base = Job(processes, tmp_path, "pp-base", nodes=2, nnodes="2:2", worker=worker, nproc=2)
-    base.start(env)
-    base.wait()
-    job = Job(processes, tmp_path, "pp", nodes=2, nnodes="2:2", worker=worker, nproc=2)
+    job = Job(processes, tmp_path, "pp", nodes=2, nnodes="2:2", worker=PIPELINE, nproc=2)
     job.start(
         {
             **env,
@@ -542,8 +563,8 @@ def test_a_hung_pipeline_stage_is_named_not_the_stage_that_waits_for_it(
     assert sorted(gens) == [0, 1] and gens[1]["decision"]["failure_kind"] == "hang", job.logs()
     named = set(re.findall(r"SCOUT verdict: hang (\[[0-9, ]+\])", job.logs()))
     assert named == {"[3]"}, (named, job.logs())
-    for r in range(4):
-        got, want = torch.load(f"{job.out}.rank{r}"), torch.load(f"{base.out}.rank{r}")
+    for r, want in enumerate(pipeline_baseline):
+        got = torch.load(f"{job.out}.rank{r}")
         assert want and _equal(got, want), f"rank {r} ended off the uninterrupted run"
 
 
