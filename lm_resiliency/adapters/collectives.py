@@ -108,6 +108,10 @@ FUNCOL_TRACKED = (
 
 
 class CollectiveTracker(Protocol):
+    # The training thread (threading.get_ident()): calls from another thread of the script's own are
+    # not its step's (see _foreign). None: any thread's.
+    thread: int | None
+
     def in_step(self) -> bool: ...
     def enter_collective(self, signature: str, waits: bool) -> None: ...
     def wait_collective(self) -> None: ...  # blocks in one entered before (ended by exit_collective)
@@ -268,9 +272,23 @@ def _between_steps() -> CollectiveTracker | None:
     import torch
 
     tracker = _trackers[-1] if _trackers else None
-    if tracker is None or torch.compiler.is_compiling():
+    if tracker is None or torch.compiler.is_compiling() or _foreign(tracker):
         return None
     return tracker
+
+
+def _foreign(tracker: CollectiveTracker) -> bool:
+    """Whether the calling thread is one the script started beside its training thread (a metrics
+    thread all-reducing a heartbeat over a group of its own, say). Its collectives are no part of
+    the step: chained, they would interleave with the step's in whatever order the threads ran
+    (a desync between healthy ranks), and their returns counted as the training thread's progress
+    (a hung rank whose metrics thread went on was never named). Threads torch starts in C++ (the
+    autograd engine's device threads, which run backward hooks: FSDP2's reduce-scatter on a GPU)
+    are the step's: Python sees them as dummy threads."""
+    owner = tracker.thread
+    if owner is None or owner == threading.get_ident():
+        return False
+    return not isinstance(threading.current_thread(), threading._DummyThread)
 
 
 def _tracking(what: str) -> CollectiveTracker | None:
@@ -282,7 +300,7 @@ def _tracking(what: str) -> CollectiveTracker | None:
         raise CollectiveForbidden(f"{what} inside {why}")
     tracker = _trackers[-1] if _trackers else None
     # Inside a graph torch.compile is tracing, the call is torch's own again (no graph break).
-    if tracker is None or torch.compiler.is_compiling() or not tracker.in_step():
+    if tracker is None or torch.compiler.is_compiling() or not tracker.in_step() or _foreign(tracker):
         return None
     return tracker
 

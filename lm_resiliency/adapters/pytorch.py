@@ -17,6 +17,7 @@ in a canonical layout (`adapters/canonical.py`), so the result does not depend o
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -75,6 +76,7 @@ class PyTorchAdapter:
         self._untrack: list[Callable[[], Any]] = []  # undoes what attach() wrapped
         self._on_step: StepSink | None = None
         self._attached = False
+        self.thread: int | None = None
         # Per-step timing state (training thread; the comm hook's callbacks write comm_end from
         # the communication thread, a float store that needs no lock).
         self._step = 0
@@ -207,6 +209,9 @@ class PyTorchAdapter:
                     lambda m, a: None if torch.is_grad_enabled() else self._evaluating(m, a)
                 )
             )
+        self.thread = (
+            threading.get_ident()
+        )  # (the training thread: a collective from another is not the step's)
         collectives.install(self)  # the step's own torch.distributed collectives, for hang/desync checks
         if self.optimizer is not None:
             # Ours: they also run on a step a loss scaler skipped (see amp.run_skipped_step).

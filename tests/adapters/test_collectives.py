@@ -3,6 +3,9 @@ only, restored after (one real gloo process group of one rank)."""
 
 from __future__ import annotations
 
+import _thread
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +16,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class Tracker:
+    thread: int | None = None  # (any thread's collectives are its own)
+
     def __init__(self) -> None:
         self.stepping = False
         self.seen: list[tuple[str, bool]] = []
@@ -246,3 +251,48 @@ def test_a_blocking_send_or_receive_is_waited_in(group) -> None:  # type: ignore
     finally:
         collectives.uninstall(t)
     assert dist.send is torch_send and dist.recv is torch_recv
+
+
+def test_a_thread_the_script_started_beside_the_training_thread_is_not_tracked(group) -> None:  # type: ignore[no-untyped-def]
+    """A metrics thread of the script's own all-reducing over a group of its own: its calls are no
+    part of the step (neither chained nor waited in, inside a step or between steps); the training
+    thread's are, and so are those of a thread torch started in C++ (the autograd engine's device
+    threads run backward hooks that issue the step's collectives; Python sees them as dummy
+    threads, as it does one started by _thread). Before, the metrics thread's were chained in
+    whatever order the threads ran, and their returns counted as the training thread's progress."""
+    t = Tracker()
+    t.thread = threading.get_ident()
+    collectives.install(t)
+    try:
+        x = torch.ones(4)
+
+        def from_thread(start: object) -> None:
+            done = threading.Event()
+
+            def run() -> None:
+                try:
+                    dist.all_reduce(x)
+                    dist.barrier()
+                finally:
+                    done.set()
+
+            if start == "python":
+                threading.Thread(target=run).start()
+            else:
+                _thread.start_new_thread(run, ())
+            assert done.wait(30)
+
+        for stepping in (False, True):
+            t.stepping = stepping
+            from_thread("python")
+            assert t.seen == [] and t.waited == [] and t.open == 0
+        from_thread("c++")
+        dist.all_reduce(x)
+        assert t.seen == [
+            ("all_reduce:4:torch.float32:1", True),
+            ("barrier:1", True),
+            ("all_reduce:4:torch.float32:1", True),
+        ]
+        assert t.open == 0 and x.tolist() == [1.0] * 4
+    finally:
+        collectives.uninstall(t)
