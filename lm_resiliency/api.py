@@ -106,6 +106,9 @@ MAX_ERROR_TEXT = 2000  # characters of an uncaught exception's text carried in r
 # rank reported shortly before explains it (a restart under way).
 TERMINATION_REPORT_DELAY_S = 1.0
 TERMINATION_EXPLAINED_S = 30.0
+# A loop that ends this soon after a fault this rank posted to the torchrun backend's leader waits
+# this long, at most, for the leader's restart before its session closes (see Session._settle).
+HOLD_S = 10.0
 
 # Options each framework's adapter cannot take: the framework object owns them.
 _FORBIDDEN_OPTIONS = {
@@ -678,6 +681,8 @@ class Session:
         self._sigterm_watch: SigtermWatch | None = None  # a SIGTERM the main thread cannot take
         self._stopping = False  # SIGTERM received, and the process ends after our handler
         self._sigterm_seen = False  # SIGTERM received (a handler of the script's own may go on)
+        self._sigterm_event = threading.Event()  # (set with _sigterm_seen: ends _settle's hold)
+        self._last_posted = float("-inf")  # monotonic time of the last report posted to the leader
         self._payload_reported: dict[int, float] = {}  # sender -> when its damaged chunk was reported
         self._components_closed = False  # close() got past GEMINI and SCOUT (see _terminating)
         self._close_reason = CLOSED  # what close() tells the peers
@@ -1514,6 +1519,7 @@ class Session:
             return
         closing = self._closed
         self._sigterm_seen = True
+        self._sigterm_event.set()
         if ends:  # (a handler of the script's own may keep training: then nothing else changes)
             self._stopping = True
             if not closing:
@@ -1577,6 +1583,8 @@ class Session:
             self._callbacks.submit(self._write_report, report)
             if self._control is not None and acted_on:
                 self._control.post_verdict(self.env.generation, report)
+        if self._control is not None and acted_on:
+            self._last_posted = time.monotonic()
         for cb in (self._fault_callback, self._orchestration.report_fault if self._orchestration else None):
             if cb is not None:
                 self._callbacks.submit(cb, dict(report))
@@ -1789,6 +1797,8 @@ class Session:
         """Stop hooks, components and the runtime. Idempotent; also runs at interpreter exit."""
         if self._closed:
             return
+        if reason == CLOSED and not self._sigterm_seen:
+            self._settle()
         if reason == CLOSED and self._sigterm_seen:
             reason = "terminated: SIGTERM"  # its own handler let it end after ours: peers name it
         self._close_reason = reason
@@ -1832,6 +1842,37 @@ class Session:
         if kept is not None:
             with contextlib.suppress(OSError):
                 kept[0].close()
+
+    def _settle(self) -> None:
+        """The script closes the session at its loop's end: its last step is judged first (SCOUT's
+        `settle`, at most SETTLE_S), so a fault in it is named, not left in the final weights. Under
+        the torchrun backend, where this rank posted a fault to the leader within HOLD_S (in the
+        last step, or the one before, whose restart had not come yet), the worker waits up to
+        HOLD_S for the leader's restart (its SIGTERM ends the process): it ends only then, and the
+        next generation does the last steps again from the step restored. Before, the workers
+        ended with exit code 0 first, and the run ended with the fault in its state."""
+        scout = self.scout
+        if scout is None or self._steps == 0:
+            return
+        try:
+            gem = self.gemini
+            if gem is not None:  # (its capture of the last step, and SCOUT's evidence of it with it)
+                gem.take_deferred()
+            scout.settle(self.step_count)
+        except Exception:  # closing goes on whatever the wait met
+            log.exception("rank %d: waiting for the last step's judgment failed", self.rank)
+        since = time.monotonic() - self._last_posted
+        if self._control is None or since > HOLD_S:
+            return
+        log.warning(
+            "rank %d: the loop ended %.1f s after a fault this rank posted to the run's leader: "
+            "waiting up to %.0f s for its restart before closing",
+            self.rank,
+            since,
+            HOLD_S,
+        )
+        if not self._sigterm_event.wait(HOLD_S):
+            log.warning("rank %d: no restart came in %.0f s; closing", self.rank, HOLD_S)
 
     def __enter__(self) -> Session:
         return self

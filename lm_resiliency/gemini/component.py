@@ -953,6 +953,10 @@ class Gemini:
         if step is not None and not self._closed:
             self._boundary(step)
 
+    def take_deferred(self) -> None:
+        """The loop has ended (the session closes): take a capture left for the next step now."""
+        self._take_deferred()
+
     def _take_deferred(self) -> None:
         """The next step begins (or the session flushes or closes): take a capture left for it."""
         if self._deferred is None or threading.get_ident() != self._training_thread:

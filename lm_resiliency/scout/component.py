@@ -312,6 +312,7 @@ ENDED_STEPS = 1024  # step end times kept for detection latencies
 PEERS_SCOPE = "peers/"  # vote keys of verdicts the peer group decides (not only the replica group)
 DENSE_ROUNDS = 8  # audits over which every dense layer of an expert-parallel model is re-executed
 PROBES_PER_ROUND = 4  # link probes one rank sends per round, so probing stays O(1) per rank
+SETTLE_S = 3.0  # at most this long, a session closing at its loop's end waits for the last step's judgment
 
 
 class Scout:
@@ -635,6 +636,8 @@ class Scout:
         self._book = VoteBook()
         self._candidates: dict[str, Vote] = {}
         self._acted: set[str] = set()
+        self._voted: dict[str, int] = {}  # this rank's votes (key: the verdict's step), see settle
+        self._judged = threading.Condition()  # notified when a step is certified or a verdict acted on
         runtime.loop.spawn(self._progress_forever, name="scout-progress", forever=True)
         # Link probes: only toward replica peers on other nodes, and only with two or more of them.
         self._links = LinkDetector(
@@ -1033,6 +1036,7 @@ class Scout:
         self._certificate_hook(self.on_revoked, step, kind)
 
     def _certificate_hook(self, hook: Callable[..., None] | None, step: int, *args: Any) -> None:
+        self._wake()
         if hook is None:
             return
         try:
@@ -1643,6 +1647,10 @@ class Scout:
             self._reported.add(key)
         scope = PEERS_SCOPE if among_peers and self.peers != self.group else ""
         vote_key = f"{scope}{key[0]}:{','.join(map(str, key[1]))}@{key[2]}"
+        with self._lock:
+            self._voted[vote_key] = key[2]
+            if len(self._voted) > 4 * KEEP_STEPS:
+                self._voted = {k: t for k, t in self._voted.items() if t > key[2] - KEEP_STEPS}
         self.runtime.submit(
             Vote(
                 self.rank,
@@ -1690,6 +1698,7 @@ class Scout:
     def _act(self, v: Verdict, voters: int) -> None:
         with self._lock:
             self.verdicts.append(v)
+        self._wake()
         recurring = self._history.record(v) if v.reason != "recurring_sdc" else None
         if v.kind in ("sdc", "sdc_ambiguous", "stale_state") and v.step >= 0:
             # audits find SDC in steps whose fingerprints agreed
@@ -1806,6 +1815,45 @@ class Scout:
                 and (step not in self._agreed or self._rest_pending(step))
                 and step not in self._partial
             )
+
+    def settle(self, step: int, timeout: float = SETTLE_S) -> bool:
+        """Wait, at most `timeout`, until the judgment of `step` (the loop's last) is in: certified,
+        or the verdict its evidence led to acted on (a replay it needed included). True when it is,
+        or none is due. Called when the script closes the session at its loop's end: before, the
+        last step's evidence reached the peers after their sessions had closed, so a bit flipped in
+        it was never judged and the run ended with one replica's weights corrupted, silently
+        (outsider 50: a weight flip on rank 1 in its 40th and last step; one in the 39th was named
+        and recovered)."""
+        deadline = time.monotonic() + timeout
+        while self._judging(step):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.info("rank %d: step %d still judged after %.1f s; closing", self.rank, step, timeout)
+                return False
+            with self._judged:
+                self._judged.wait(min(left, 0.05))  # (woken by a certificate or an action; polled too)
+        return True
+
+    def _judging(self, step: int) -> bool:
+        """Whether a judgment of `step` may still come: its certificate, a verdict on a disagreement
+        found in it (or in the check before it) not yet acted on, this rank's vote about one not
+        yet acted on, a replay under way."""
+        if self._closed:
+            return False
+        floor = step - self.interval
+        with self._lock:
+            voting = any(t >= floor and k not in self._acted for k, t in self._voted.items())
+            if self._sdc_from is not None and self._sdc_from >= floor:
+                # (the culprit's own vote may be held a moment, see _release_held: its peers' come)
+                voting = voting or not any(v.step >= floor for v in self.verdicts[-16:])
+        replaying = any(t.is_alive() for t in self._replay_threads) or any(
+            k[0] >= floor for k in list(self._replays)
+        )
+        return voting or replaying or self.awaiting_certificate(step)
+
+    def _wake(self) -> None:
+        with self._judged:
+            self._judged.notify_all()
 
     def seed(self, steps: set[int]) -> None:
         """Certificates carried over from the previous generation (steps at or before the restored one)."""

@@ -342,6 +342,30 @@ def test_a_weight_corrupted_after_the_step_is_not_in_a_certified_capture(process
         assert res["sdc_decision"]["checkpoint_step"] == 5, res["sdc_decision"]
 
 
+@pytest.mark.parametrize("scenario", ["sdc", "weight"], ids=["gradient", "weight-after-it"])
+def test_a_flip_in_the_last_step_is_named_before_the_session_closes(
+    processes, tmp_path: Path, scenario: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Each rank closes its session right after the loop. A gradient flipped on rank 1 in the last
+    step (after its reduction), or a weight flipped after the last optimizer step (the capture,
+    taken at the close, holds it): the close waits for the last step's judgment, and the fault
+    report reaches the callback before close returns. Before, the sessions closed before the last
+    step's evidence was judged: nothing was said, and rank 1's state stayed corrupted."""
+    results, _ = _run(
+        processes,
+        tmp_path,
+        scenario,
+        steps=8,
+        culprit=1,
+        at=8,
+        world=4,
+        extra={"CHECKPOINT": "1", "CLOSE_FIRST": "1"},
+    )
+    for res in results:
+        sdc = [f for f in res["faults"] if f["kind"] == "sdc"]
+        assert sdc and sdc[0]["failed_ranks"] == [1] and sdc[0]["steps"] == [8], res["faults"]
+
+
 @pytest.mark.parametrize("rest", [1, 0], ids=["at-rest", "no-rest-checks"])
 def test_two_replicas_settle_a_corrupted_weight_by_replaying_the_optimizer_step(
     processes, tmp_path: Path, rest: int

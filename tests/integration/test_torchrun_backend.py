@@ -313,15 +313,15 @@ def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, t
 
 
 def _three_replicas_restarted_once(
-    group: ProcessGroup, tmp: Path, fault: str, rank: str
+    group: ProcessGroup, tmp: Path, fault: str, rank: str, step: str = "10"
 ) -> tuple[Job, Job, dict[int, dict], dict]:
-    """`fault` at step 10 on `rank` of 3 active nodes + 1 standby, beside an uninterrupted run of 3
+    """`fault` at `step` (of 24) on `rank` of 3 active nodes + 1 standby, beside an uninterrupted run of 3
     (side by side: nothing timed); the faulted run must end after one restart: (the faulted job,
     the uninterrupted one, generations, the restart's context)."""
     base = Job(group, tmp, f"{fault}-base", nodes=3, nnodes="3:4")
     base.start()
     job = Job(group, tmp, fault, nodes=4, nnodes="3:4")
-    job.start({"FAULT": fault, "FAULT_RANK": rank, "FAULT_STEP": "10"})
+    job.start({"FAULT": fault, "FAULT_RANK": rank, "FAULT_STEP": step})
     base.wait()
     job.wait()
     gens = job.generations()
@@ -330,11 +330,14 @@ def _three_replicas_restarted_once(
 
 
 def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    # Three replicas are needed to out-vote one corrupted copy: 3 active nodes + 1 standby.
-    job, base, gens, ctx = _three_replicas_restarted_once(processes, tmp_path, "sdc", "1")
+    """Three replicas are needed to out-vote one corrupted copy: 3 active nodes + 1 standby. The
+    gradient flips in the last step (24): the workers' sessions close only once it is judged,
+    and wait for the leader's restart, which does the last step again. Before, they ended with
+    exit code 0 and rank 1's state corrupted (one generation)."""
+    job, base, gens, ctx = _three_replicas_restarted_once(processes, tmp_path, "sdc", "1", step="24")
     assert ctx["failure_kind"] == "sdc" and ctx["recovery_mode"] == "recovery_verified", ctx
     assert len(ctx["culprits"]) == 1 and len(ctx["admitted"]) == 1, ctx
-    assert 0 < ctx["checkpoint_step"] < 10 and gens[1]["start"] == ctx["checkpoint_step"], (ctx, gens)
+    assert 0 < ctx["checkpoint_step"] < 24 and gens[1]["start"] == ctx["checkpoint_step"], (ctx, gens)
     # Each resumed worker's decision says what the plan recovered from, and at which trust level.
     decision = gens[1]["decision"]
     assert decision["failure_kind"] == "sdc" and decision["recovery_mode"] == "recovery_verified", decision

@@ -28,7 +28,8 @@ WRAP (ddp | plain: no DDP, this script all-reduces the gradients after backward 
 sharded with `fully_shard` | hsdp: the same over a 2-D mesh, replicated over ranks 0 and 2 (1 and 3)
 | fsdp1: FullyShardedDataParallel | tp: tensor parallel over the 4 ranks,
 column- then row-wise, every rank fed the same batch), CHECKPOINT=1 (GEMINI captures every step as in
-the sdc scenario, and the result has the certificates and recovery decisions).
+the sdc scenario, and the result has the certificates and recovery decisions), CLOSE_FIRST=1 (the
+session is closed right after the loop, and the result written after).
 Faults are injected by this script, never told to SCOUT. Writes RESULT_DIR/rank<r>.json with every
 fault report and the step at which this rank first saw it.
 """
@@ -403,6 +404,11 @@ def main() -> int:
                 w = inner[2].weight
                 w = w.to_local() if hasattr(w, "to_local") else w  # (a DTensor's view would gather)
                 w.view(-1).view(torch.int32)[11] ^= 1 << 20  # one bit of a weight, after the step
+    if os.environ.get("CLOSE_FIRST") == "1":  # the loop's end as most scripts have it: close, nothing more
+        session.close()
+        write_result()
+        dist.destroy_process_group()
+        return 0
     if scenario in ("output", "output-once", "localgrad"):
         result["certified"] = {str(s): session.scout.certified(s) for s in range(1, steps + 1)}
     if checkpoint:
