@@ -102,6 +102,61 @@ def test_single_process_session_surface() -> None:
     assert session.step_count == 4
 
 
+def test_a_thread_of_the_scripts_own_fetching_or_saving_says_nothing_of_the_training_thread() -> None:
+    """A prefetching thread reads the instrumented loader into a queue, and an asynchronous save
+    runs inside checkpoint_io on a thread of its own: while either waits, the training thread is
+    in no phase (a hang of it is a hang, named at the hang threshold), and the training goes on
+    from the queue. Before, the prefetcher's fetch marked the training thread as in its data
+    loader, and the save excused it as checkpoint I/O until the save ended (outsider 50: a hang
+    named after 21 s, not 6, beside a 15 s save)."""
+    import queue
+
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with enable_resiliency(model, opt, interval=1, enable_checkpoint=False) as session:
+        adapter = session._adapter
+        inside, leave = threading.Event(), threading.Event()
+
+        def batches() -> Any:
+            for i in range(3):
+                if i == 2:
+                    inside.set()
+                    leave.wait(30)
+                yield torch.randn(4, 8)
+
+        ready: queue.Queue[torch.Tensor] = queue.Queue()
+        prefetcher = threading.Thread(
+            target=lambda: [ready.put(x) for x in session.instrument_dataloader(batches())]
+        )
+        prefetcher.start()
+        try:
+            _train(session, model, opt, 2, (ready.get(timeout=30) for _ in range(2)))
+            assert inside.wait(30)
+            assert adapter.phase is None, adapter.phase
+        finally:
+            leave.set()
+            prefetcher.join(30)
+        assert session.step_count == 2
+        inside.clear()
+        leave.clear()
+
+        def save() -> None:
+            with session.checkpoint_io("write", name="async"):
+                inside.set()
+                leave.wait(30)
+
+        saver = threading.Thread(target=save)
+        saver.start()
+        try:
+            assert inside.wait(30)
+            assert adapter.phase is None, adapter.phase
+        finally:
+            leave.set()
+            saver.join(30)
+        with session.checkpoint_io("write"):  # on the training thread: marked
+            assert adapter.phase is not None and adapter.phase[0] == "checkpoint_io"
+
+
 def test_without_checkpoints_nothing_is_recoverable() -> None:
     model = nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
