@@ -209,9 +209,8 @@ class PyTorchAdapter:
                     lambda m, a: None if torch.is_grad_enabled() else self._evaluating(m, a)
                 )
             )
-        self.thread = (
-            threading.get_ident()
-        )  # (the training thread: a collective from another is not the step's)
+        # The training thread: a collective another thread of the script's issues is not the step's.
+        self.thread = threading.get_ident()
         collectives.install(self)  # the step's own torch.distributed collectives, for hang/desync checks
         if self.optimizer is not None:
             # Ours: they also run on a step a loss scaler skipped (see amp.run_skipped_step).
