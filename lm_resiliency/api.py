@@ -684,8 +684,8 @@ class Session:
         self._previous_sigterm: Any = None  # (our handler, the one before it)
         self._sigterm_watch: SigtermWatch | None = None  # a SIGTERM the main thread cannot take
         self._stopping = False  # SIGTERM received, and the process ends after our handler
-        self._sigterm_seen = False  # SIGTERM received (a handler of the script's own may go on)
-        self._sigterm_event = threading.Event()  # (set with _sigterm_seen: ends _settle's hold)
+        # SIGTERM received (a handler of the script's own may go on); an event: it ends _settle's hold.
+        self._sigterm_seen = threading.Event()
         self._last_posted = float("-inf")  # monotonic time of the last report posted to the leader
         self._payload_reported: dict[int, float] = {}  # sender -> when its damaged chunk was reported
         self._components_closed = False  # close() got past GEMINI and SCOUT (see _terminating)
@@ -1353,7 +1353,9 @@ class Session:
         now = time.monotonic()
         with self._reports_lock:
             due, self._terminated = sorted(self._terminated.items()), {}
-            quiet = not self._sigterm_seen and now - self._last_fatal_report > TERMINATION_EXPLAINED_S
+            quiet = (
+                not self._sigterm_seen.is_set() and now - self._last_fatal_report > TERMINATION_EXPLAINED_S
+            )
         if quiet and due:
             stopped = self._stopped_by_restart([p for p, _ in due])
             if stopped:
@@ -1522,8 +1524,7 @@ class Session:
         if self._components_closed or self._stopping:
             return
         closing = self._closed
-        self._sigterm_seen = True
-        self._sigterm_event.set()
+        self._sigterm_seen.set()
         if ends:  # (a handler of the script's own may keep training: then nothing else changes)
             self._stopping = True
             if not closing:
@@ -1815,9 +1816,9 @@ class Session:
         """Stop hooks, components and the runtime. Idempotent; also runs at interpreter exit."""
         if self._closed:
             return
-        if reason == CLOSED and not self._sigterm_seen:
+        if reason == CLOSED and not self._sigterm_seen.is_set():
             self._settle()
-        if reason == CLOSED and self._sigterm_seen:
+        if reason == CLOSED and self._sigterm_seen.is_set():
             reason = "terminated: SIGTERM"  # its own handler let it end after ours: peers name it
         self._close_reason = reason
         self._closed = True
@@ -1889,7 +1890,7 @@ class Session:
             since,
             HOLD_S,
         )
-        if not self._sigterm_event.wait(HOLD_S):
+        if not self._sigterm_seen.wait(HOLD_S):
             log.warning("rank %d: no restart came in %.0f s; closing", self.rank, HOLD_S)
 
     def __enter__(self) -> Session:
