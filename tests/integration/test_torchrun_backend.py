@@ -332,8 +332,9 @@ def _three_replicas_restarted_once(
 def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Three replicas are needed to out-vote one corrupted copy: 3 active nodes + 1 standby. The
     gradient flips in the last step (24): the workers' sessions close only once it is judged,
-    and wait for the leader's restart, which does the last step again. Before, they ended with
-    exit code 0 and rank 1's state corrupted (one generation)."""
+    and wait for the leader's restart, which does the last step again from step 23. Before, the
+    verdict came as the workers ended, and the restart began again from step 0 (their copies
+    reclaimed: checkpoint source none)."""
     job, base, gens, ctx = _three_replicas_restarted_once(processes, tmp_path, "sdc", "1", step="24")
     assert ctx["failure_kind"] == "sdc" and ctx["recovery_mode"] == "recovery_verified", ctx
     assert len(ctx["culprits"]) == 1 and len(ctx["admitted"]) == 1, ctx
