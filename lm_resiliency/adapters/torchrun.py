@@ -1091,10 +1091,23 @@ class _Pulse:
                 # standby takes a slow node's slot where the policy says so and one is parked; else
                 # a restart in place, once (`restart_in_place_on`); else it is only reported. (A
                 # stall its peers wait on has stopped the job: that one restarts as a failure.)
-                if quarantine and len(s.standbys) >= len(culprits) and kind in REPLACE_ONLY_FAILURES:
+                parked = len(s.standbys) >= len(culprits)
+                if quarantine and parked and kind in REPLACE_ONLY_FAILURES:
                     fn = rs.replace_with_standbys
                 elif kind in h.restart_on and culprits and not rs.restarted_for(s, kind, culprits):
                     quarantine, dest = False, ""
+                elif (
+                    kind in REPLACE_ONLY_FAILURES
+                    and kind in h.restart_on
+                    and parked
+                    and v.get("restart_destination") not in culprits
+                    and rs.slow_again(s, kind, culprits)
+                ):
+                    # Slow again after the restart in place made for it on this node: the node is
+                    # slow, not its process. A parked standby takes its slot (a second restart would
+                    # not fix what the first did not; before, the run went on at the slow node's
+                    # pace with a standby idle).
+                    fn, quarantine = rs.replace_with_standbys, True
                 else:
                     seen = (s.generation, kind, tuple(sorted(ranks)))  # every rank posts its copy
                     if s.leader == h.node_id and seen not in self._kept:
@@ -1106,6 +1119,7 @@ class _Pulse:
                             ranks,
                             sorted(culprits),
                             "restarted for it already"
+                            + (", no standby parked" if kind in REPLACE_ONLY_FAILURES else "")
                             if kind in h.restart_on
                             else "no standby to replace it"
                             if quarantine

@@ -509,6 +509,19 @@ def restarted_for(s: RdzvState, failure_kind: str, culprits: Iterable[str]) -> b
     return len(mine) >= RESTART_IN_PLACE_MAX or any(sorted(h.get("culprits", ())) == nodes for h in mine)
 
 
+def slow_again(s: RdzvState, failure_kind: str, culprits: Iterable[str]) -> bool:
+    """Whether a verdict that the job is slow (a straggler, a data stall) on `culprits` comes after a
+    restart in place this run made for the same kind on exactly those nodes: the restart did not
+    make them faster, their nodes are slow (a parked standby should take their slots). False for no
+    culprits, or for nodes already quarantined."""
+    nodes = sorted(set(culprits))
+    if not nodes or set(nodes) & set(s.excluded):
+        return False
+    return any(
+        h.get("failure_kind") == failure_kind and sorted(h.get("culprits", ())) == nodes for h in s.history
+    )
+
+
 def repeat_offender(s: RdzvState) -> str | None:
     """The node to quarantine instead of restarting it in place again: the one culprit of this
     restart's process failure, when the restart that published the failing generation was the
