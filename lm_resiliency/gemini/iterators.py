@@ -136,6 +136,16 @@ def _get_iterator(loader: Any) -> Any:
 
 
 _FETCHING: dict[type, type] = {}  # iterator class -> its subclass that says when it fetches
+_SEEN = "_lm_resiliency_seen"  # an iterator's [fetched a batch, yielded its epoch], its entry's too
+
+
+def _seen(it: Any) -> list[bool]:
+    """`it`'s [fetched a batch, yielded its epoch], kept up to date at each fetch (see _observed)
+    and shared with its entry in the watch, which outlives the iterator."""
+    seen = [int(getattr(it, "_num_yielded", 0) or 0) > 0, _ended(it)]
+    with contextlib.suppress(AttributeError, TypeError):
+        it.__dict__[_SEEN] = seen
+    return seen
 
 
 def _observed(it: Any) -> Any:
@@ -155,7 +165,11 @@ def _observed(it: Any) -> Any:
             fetch = watch.on_fetch if watch is not None else None
             if fetch is not None:
                 fetch()
-            return base.__next__(self)
+            batch = base.__next__(self)
+            seen = self.__dict__.get(_SEEN)
+            if seen is not None:  # (how far it got, should the loop drop it: see snapshot)
+                seen[:] = [True, _ended(self)]
+            return batch
 
         methods: dict[str, Any] = {"__next__": __next__, "__module__": base.__module__}
         finalize = getattr(base, "__del__", None)
@@ -197,7 +211,8 @@ class IteratorWatch:
 
     def __init__(self) -> None:
         # [iterator, its loader's shape, the RNG state it was made at (None: made before this
-        # watch), the RNG state at its first batch (None: not fetched yet; _UNKNOWN: not seen)]
+        # watch), the RNG state at its first batch (None: not fetched yet; _UNKNOWN: not seen),
+        # [fetched a batch, yielded its epoch] as of its last fetch (see _seen)]
         self._made: list[list[Any]] = []
         # After a restore, until the first forward: the capture's iterators (shape, RNG state, at
         # its end, RNG state at its first batch), and per shape the one made for a record at its
@@ -233,7 +248,7 @@ class IteratorWatch:
                     first = None if getattr(it, "_num_yielded", None) == 0 else _UNKNOWN
                     with contextlib.suppress(TypeError), self._lock:
                         self._premade.append((weakref.ref(it), weakref.ref(loader)))
-                        self._made.append([weakref.ref(it), _shape(loader), None, first])
+                        self._made.append([weakref.ref(it), _shape(loader), None, first, _seen(it)])
 
     def fetching_first(self, it: Any) -> None:
         """`it` is about to fetch its first batch: the RNG state now is where a single-process
@@ -301,7 +316,7 @@ class IteratorWatch:
             except TypeError:  # (an iterator that takes no weak reference)
                 ref = None
             if ref is not None:
-                self._made.append([ref, shape, began, first])
+                self._made.append([ref, shape, began, first, _seen(it)])
             if shape in self._undo and self._undo[shape][0] is None:
                 self._undo[shape] = (ref, self._undo[shape][1])
         return it
@@ -326,23 +341,33 @@ class IteratorWatch:
             it._reset = once
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """For a capture: each live iterator's shape, RNG state it was made at, and whether it
-        yielded its epoch, oldest first."""
+        """For a capture: each iterator's shape, RNG state it was made at, and whether it yielded
+        its epoch, oldest first. One the loop has dropped counts as it was at its last fetch, unless
+        the loop made another of its loader since: a capture taken as the worker dies of an
+        exception raised in its loop, which unwound the loop's iterator first. (Before, that one was
+        left out, and the resumed loop's iterator drew its seed from the state before the restore:
+        an exception right after an epoch's last step, and every random number of the resumed run
+        was one draw off the uninterrupted run's.)"""
         with self._lock:
             made = [list(m) for m in self._made]
         out = []
-        for ref, shape, began, first in made:
+        for i, (ref, shape, began, first, seen) in enumerate(made):
             it = ref()
             if it is not None:
-                rng = began.clone() if began is not None else None
-                entry = {"shape": shape, "torch": rng, "ended": _ended(it)}
-                if int(getattr(it, "_num_yielded", 0) or 0) == 0:
-                    # Its first batch not drawn yet (a capture taken as it fetches it: where an
-                    # epoch begins): the resumed loop's first fetch draws it, from the restored state.
-                    entry["first"] = None
-                elif first is not _UNKNOWN:
-                    entry["first"] = first.clone() if isinstance(first, torch.Tensor) else None
-                out.append(entry)
+                fetched, ended = int(getattr(it, "_num_yielded", 0) or 0) > 0, _ended(it)
+            elif any(m[1] == shape for m in made[i + 1 :]):
+                continue
+            else:
+                fetched, ended = seen
+            rng = began.clone() if began is not None else None
+            entry = {"shape": shape, "torch": rng, "ended": ended}
+            if not fetched:
+                # Its first batch not drawn yet (a capture taken as it fetches it: where an
+                # epoch begins): the resumed loop's first fetch draws it, from the restored state.
+                entry["first"] = None
+            elif first is not _UNKNOWN:
+                entry["first"] = first.clone() if isinstance(first, torch.Tensor) else None
+            out.append(entry)
         return out
 
     def restore(self, saved: Any) -> None:

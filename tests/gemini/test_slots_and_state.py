@@ -1856,6 +1856,60 @@ def test_two_loaders_made_again_mid_epoch_draw_their_permutations_where_they_did
         assert all(torch.equal(x["first"], y["first"]) for x, y in zip(again, saved, strict=True))
 
 
+@pytest.mark.parametrize("raised", ["mid-epoch", "after the epoch's last batch"])
+def test_an_iterator_an_exception_unwound_before_the_exit_capture_is_recorded_as_it_last_fetched(
+    raised: str, watch: IteratorWatch
+) -> None:
+    """The loop raises after a step; the exception unwinds the loop's DataLoader iterator before
+    the capture GEMINI takes as the worker dies. That iterator is recorded as it was at its last
+    fetch: the resumed loop's iterator is made again at its state mid-epoch (no draw), or, after
+    the epoch's last batch, from the restored state (the draw the uninterrupted run made for the
+    next epoch). Before, it was left out: the resumed run's random numbers (dropout) were one draw
+    off the uninterrupted run's (outsider 56: an exception at an epoch's last step, zero-import, and
+    mid-epoch with enable_resiliency, both ended off their uninterrupted runs)."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(list(range(8)), batch_size=2)  # no generator: iter() draws a seed
+    last = 3 if raised != "mid-epoch" else 1
+
+    def epoch(stop: int | None) -> list[Any]:
+        seen = []
+        for b in loader:
+            seen.append((b.tolist(), torch.rand(2)))  # (dropout)
+            if len(seen) - 1 == stop:
+                raise RuntimeError("the loop's own error")
+        return seen
+
+    torch.manual_seed(0)
+    want = epoch(None) + epoch(None)  # uninterrupted: two epochs
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError):
+        epoch(last)
+    saved, state = watch.snapshot(), torch.get_rng_state()  # the capture as the worker dies
+    assert [e["ended"] for e in saved] == [raised != "mid-epoch"]
+    watch.restore(saved)
+    torch.set_rng_state(state)
+    resumed = []
+    if raised == "mid-epoch":  # the loop skips to its position, then goes on
+        it = iter(loader)
+        for _ in range(last + 1):
+            next(it)
+        resumed = [(b.tolist(), torch.rand(2)) for b in it]
+        del it
+    resumed += epoch(None)
+    rest = want[last + 1 :]
+    assert [b for b, _ in resumed] == [b for b, _ in rest]
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(resumed, rest, strict=True))
+    # Dropped with another made since (the next epoch's): that one stands for it, alone.
+    watch.first_step()
+    old = iter(loader)
+    next(old)
+    new = iter(loader)
+    del old
+    assert [e["first"] for e in watch.snapshot()] == [None]  # (new's: no batch fetched)
+    del new
+
+
 def test_an_ended_iterator_skipped_again_while_the_loop_holds_it_is_no_capture_of_its_successor(
     watch: IteratorWatch,
 ) -> None:
