@@ -416,9 +416,15 @@ class IteratorWatch:
         batch) are made again now from that state, and the loop's iterator takes its seed. Before,
         they had been drawn before the restore, and every random number after it (dropout) was one
         draw off the uninterrupted run's. (A RandomSampler's own order, drawn before the restore,
-        stays as it was: give the loader a `generator=` or a DistributedSampler.) Left alone:
-        loaders with their own generator (nothing drawn from the global RNG), with workers (a
-        throwaway iterator would start them) and of datapipes (one would create a process group)."""
+        stays as it was: give the loader a `generator=` or a DistributedSampler.) With workers a
+        throwaway iterator would start more of them: its draws are made as torch makes them
+        instead (the workers' seed, unless they persist: the uninterrupted run's went on to their
+        next epoch without one; then the first indices, a RandomSampler's order drawn as the workers
+        prefetch). The loop's workers keep the seed they started with: randomness inside them (an
+        augmentation) is not the uninterrupted run's. Before, such a loader was left alone, and a
+        restart at an epoch's end ended one draw off (outsider 56, 2 workers). Left alone: loaders
+        with their own generator (nothing drawn from the global RNG) and of datapipes (a throwaway
+        iterator would create a process group)."""
         premade, self._premade = self._premade, []
         left = list(records)
         for it_ref, loader_ref in premade:
@@ -428,7 +434,6 @@ class IteratorWatch:
                 or loader is None
                 or _ended(it)  # (an iterator of an earlier run in this process, say)
                 or int(getattr(it, "_num_yielded", 0)) > 1
-                or getattr(loader, "num_workers", 0) != 0
                 or getattr(loader, "generator", None) is not None
                 or _datapipe(loader)
                 or not _ORIGINAL
@@ -439,6 +444,12 @@ class IteratorWatch:
             if at is None:
                 continue
             left.pop(at)
+            if getattr(loader, "num_workers", 0) != 0:
+                if not getattr(loader, "persistent_workers", False):
+                    torch.empty((), dtype=torch.int64).random_()  # (its workers' seed)
+                with contextlib.suppress(Exception):  # (a sampler that fails says so to the loop)
+                    next(iter(loader._index_sampler))
+                continue
             with untracked():
                 again = _ORIGINAL[0](loader)
             draw_now(again)

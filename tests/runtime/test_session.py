@@ -789,7 +789,10 @@ def test_a_loop_without_a_data_loader_has_its_work_after_the_step_captured_with_
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-def test_an_epochs_iterator_made_before_a_restore_at_its_epochs_start_draws_after_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_epochs_iterator_made_before_a_restore_at_its_epochs_start_draws_after_it(
+    tmp_path: Path, workers: int
+) -> None:
     """A zero-import script's session opens at its first forward: on resume the loop has already
     made the epoch's DataLoader iterator and fetched its first batch. Restored at an epoch's end
     (the capture taken at the fetch that ended epoch 0), the uninterrupted run made epoch 1's
@@ -797,11 +800,11 @@ def test_an_epochs_iterator_made_before_a_restore_at_its_epochs_start_draws_afte
     restore. Its draw is made again from the restored state, so dropout draws what the
     uninterrupted run drew. Before, the run resumed at an epoch's start ended off its
     uninterrupted one (an outsider's zero-import DDP and FSDP2 jobs restarted after a hang at the
-    epoch's last step)."""
+    epoch's last step; with 2 workers, outsider 56 after an exception or a hang there)."""
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     data = TensorDataset(torch.randn(40, 8, generator=torch.Generator().manual_seed(0)))
-    ckpt = InMemoryCkptConfig(run_id="premade-epoch-iterator", disk_folder=str(tmp_path / "disk"))
+    ckpt = InMemoryCkptConfig(run_id=f"premade-epoch-iterator-{workers}", disk_folder=str(tmp_path / "disk"))
 
     def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader, DistributedSampler]:  # type: ignore[type-arg]
         torch.manual_seed(seed)
@@ -810,7 +813,7 @@ def test_an_epochs_iterator_made_before_a_restore_at_its_epochs_start_draws_afte
         return (
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
-            DataLoader(data, batch_size=4, sampler=sampler),
+            DataLoader(data, batch_size=4, sampler=sampler, num_workers=workers),
             sampler,
         )
 
