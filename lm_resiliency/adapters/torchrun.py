@@ -1086,27 +1086,31 @@ class _Pulse:
             trains_on = kind in DAMAGE_FAILURES or (
                 kind in REPLACE_ONLY_FAILURES and not str(v.get("reason", "")).endswith(PEERS_WAIT)
             )
+            parked = len(s.standbys) >= len(culprits)
+            # Slow again (a straggler, a stall) on the nodes a restart in place was made for: the
+            # node is slow, not its process. A parked standby takes its slot: another restart would
+            # not fix what the first did not. Before, a straggler went on at the slow node's pace
+            # with a standby idle, and a node whose loader stalled its peers in every generation
+            # was restarted 30 times in 40 steps (outsider 56).
+            again = (
+                kind in REPLACE_ONLY_FAILURES
+                and kind in h.restart_on
+                and parked
+                and v.get("restart_destination") not in culprits
+                and rs.slow_again(s, kind, culprits)
+            )
+            if again and not trains_on:  # (a stall its peers wait on: a failure, restarted)
+                quarantine = True
             if trains_on:
                 # The job still trains (slowly, or with a damaged copy the memory tiers outlive): a
                 # standby takes a slow node's slot where the policy says so and one is parked; else
                 # a restart in place, once (`restart_in_place_on`); else it is only reported. (A
                 # stall its peers wait on has stopped the job: that one restarts as a failure.)
-                parked = len(s.standbys) >= len(culprits)
                 if quarantine and parked and kind in REPLACE_ONLY_FAILURES:
                     fn = rs.replace_with_standbys
                 elif kind in h.restart_on and culprits and not rs.restarted_for(s, kind, culprits):
                     quarantine, dest = False, ""
-                elif (
-                    kind in REPLACE_ONLY_FAILURES
-                    and kind in h.restart_on
-                    and parked
-                    and v.get("restart_destination") not in culprits
-                    and rs.slow_again(s, kind, culprits)
-                ):
-                    # Slow again after the restart in place made for it on this node: the node is
-                    # slow, not its process. A parked standby takes its slot (a second restart would
-                    # not fix what the first did not; before, the run went on at the slow node's
-                    # pace with a standby idle).
+                elif again:
                     fn, quarantine = rs.replace_with_standbys, True
                 else:
                     seen = (s.generation, kind, tuple(sorted(ranks)))  # every rank posts its copy
