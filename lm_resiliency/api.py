@@ -1070,6 +1070,7 @@ class Session:
             step_ends=self.settings.get("step_ends", ()),
         )
         self._components.append(gem)
+        gem.loaders_fn = self._loader_snapshot
         gem.iterators.observe(
             (r() for r in self.settings.get("data_iterators", ())),
             [dl for dl in (r() for r in self.settings.get("data_loaders", ())) if dl is not None],
@@ -1679,19 +1680,30 @@ class Session:
             gem.on_fetch(self._loader_snapshot)
             self._adapter.note_own_time(time.perf_counter() - t0)
 
-    def _loader_position(self, name: str, began: Any) -> Any:
+    def _loader_position(self, name: str, began: Any, ended: list[bool] | None = None) -> Any:
         """The current iterator of instrumented loader `name` was made at global RNG state `began`
-        (None: it ended, or is about to be replaced). Returns, once after a restore, the state the
-        restored capture's iterator of that name was made at, or None (see _TimedLoader)."""
+        (None: it ended, or is about to be replaced); `ended[0]` says whether it has yielded its
+        epoch. Returns, once after a restore, the state the restored capture's iterator of that
+        name was made at, or None (see _TimedLoader)."""
         if began is None:
             self._loader_positions.pop(name, None)
         else:
-            self._loader_positions[name] = began
+            self._loader_positions[name] = (began, ended if ended is not None else [False])
         gem = self.gemini
         return gem.restored_loaders.pop(name, None) if gem is not None and began is None else None
 
     def _loader_snapshot(self) -> dict[str, Any]:
-        return {name: {"torch": rng} for name, rng in self._loader_positions.items()}
+        """For a capture: where each instrumented loader's iterator was made, except one that has
+        yielded its epoch (its StopIteration not raised yet: a capture at the fetch that ends the
+        epoch, or as the worker dies after its last batch). The uninterrupted run made the next
+        epoch's iterator after that capture, from the state restored: so does the resumed loop.
+        Before, it was made at the ended one's state, and every random number after it (dropout)
+        was one draw off the uninterrupted run's (outsider 56, a restart at an epoch's first step)."""
+        return {
+            name: {"torch": rng}
+            for name, (rng, ended) in list(self._loader_positions.items())
+            if not ended[0]
+        }
 
     def _mark_phase(self, phase: str | None) -> None:
         """What the training thread is inside of, for out-of-band stall checks: one tuple, replaced whole.
@@ -1967,7 +1979,7 @@ class _TimedLoader:
         sink: Callable[[float], None],
         mark: Callable[[str | None], None],
         before: Callable[[], None],
-        position: Callable[[str, Any], Any] = lambda *a: None,
+        position: Callable[..., Any] = lambda *a: None,
         here: Callable[[], bool] = lambda: True,
     ) -> None:
         self._loader = loader
@@ -2006,7 +2018,7 @@ class _TimedLoader:
         restored state then goes on: the random numbers after it are the uninterrupted run's."""
         import torch
 
-        from lm_resiliency.gemini.iterators import draw_now, untracked
+        from lm_resiliency.gemini.iterators import draw_now, ended, untracked
 
         began = self._position(self.name, None)  # a restored capture's iterator, once
         after = None
@@ -2023,7 +2035,8 @@ class _TimedLoader:
         finally:
             if after is not None:
                 torch.set_rng_state(after)
-        self._position(self.name, began)
+        done = [False]  # it has yielded its epoch (see Session._loader_snapshot)
+        self._position(self.name, began, done)
         first = True
         while True:
             try:
@@ -2032,6 +2045,7 @@ class _TimedLoader:
                 self._position(self.name, None)
                 return
             first = False
+            done[0] = ended(it)
             yield item
 
     def __next__(self) -> Any:

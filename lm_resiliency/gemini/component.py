@@ -227,9 +227,10 @@ class Gemini:
         # adopted at the first forward: see adopt_scaler).
         self._restored_scaler: dict[str, Any] | None = None
         # The global torch RNG state each instrumented loader's iterator was made at: captured with
-        # a step taken as a batch is fetched (see on_fetch); restored ones wait for that loader's
-        # next iter() (the session's proxy makes it at that state).
+        # every step (the session's `loaders_fn`; as a batch is fetched, on_fetch's); restored ones
+        # wait for that loader's next iter() (the session's proxy makes it at that state).
         self._fetch_loaders: Callable[[], dict[str, Any]] | None = None
+        self.loaders_fn: Callable[[], dict[str, Any]] | None = None
         self.restored_loaders: dict[str, torch.Tensor] = {}
         # DataLoader iterators the loop makes (not through an instrumented loader): the RNG state
         # each was made at goes with a capture, and a resumed loop's makes them again at it.
@@ -1385,8 +1386,12 @@ class Gemini:
         state.update(end or {})
         if end is None or "rng" not in end:  # (else taken with the step's end state)
             self._add_iterators(state)
-        if self._fetch_loaders is not None:
-            state["loaders"] = self._fetch_loaders()
+        # Not only at a fetch: a capture a dying worker takes (an exception, SIGTERM), or one at
+        # the next forward, holds them too. Before, a restore of one made the loop's iterator anew,
+        # a draw the uninterrupted run never made (outsider 56, an exception mid-epoch).
+        loaders = self._fetch_loaders or self.loaders_fn
+        if loaders is not None:
+            state["loaders"] = loaders()
         skeleton, tensors, specs = flatten(state)
         layout = msgpack.packb([[s.dtype, list(s.shape), s.nbytes] for s in specs], use_bin_type=True)
         index = b"\x92" + msgpack.packb(skeleton, use_bin_type=True) + layout  # [skeleton, layout]

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["IteratorWatch", "draw_now", "untracked"]
+__all__ = ["IteratorWatch", "draw_now", "ended", "untracked"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def _shape(loader: Any) -> str:
     return f"{dataset}/{sampler}/{getattr(loader, 'batch_size', None)}/{n}"
 
 
-def _ended(it: Any) -> bool:
+def ended(it: Any) -> bool:
     """Whether a map-style loader's iterator has yielded its epoch (an iterable dataset's: never known)."""
     try:
         return int(it._num_yielded) >= len(it)
@@ -142,7 +142,7 @@ _SEEN = "_lm_resiliency_seen"  # an iterator's [fetched a batch, yielded its epo
 def _seen(it: Any) -> list[bool]:
     """`it`'s [fetched a batch, yielded its epoch], kept up to date at each fetch (see _observed)
     and shared with its entry in the watch, which outlives the iterator."""
-    seen = [int(getattr(it, "_num_yielded", 0) or 0) > 0, _ended(it)]
+    seen = [int(getattr(it, "_num_yielded", 0) or 0) > 0, ended(it)]
     with contextlib.suppress(AttributeError, TypeError):
         it.__dict__[_SEEN] = seen
     return seen
@@ -168,7 +168,7 @@ def _observed(it: Any) -> Any:
             batch = base.__next__(self)
             seen = self.__dict__.get(_SEEN)
             if seen is not None:  # (how far it got, should the loop drop it: see snapshot)
-                seen[:] = [True, _ended(self)]
+                seen[:] = [True, ended(self)]
             return batch
 
         methods: dict[str, Any] = {"__next__": __next__, "__module__": base.__module__}
@@ -304,7 +304,7 @@ class IteratorWatch:
         else:
             if undo is not None:
                 earlier = undo[0]() if undo[0] is not None else None
-                if earlier is None or _ended(earlier):  # skipped to its end, or dropped: no step used it
+                if earlier is None or ended(earlier):  # skipped to its end, or dropped: no step used it
                     now = undo[1]
                     torch.set_rng_state(now)
             began = now
@@ -333,7 +333,7 @@ class IteratorWatch:
 
         def once(loader_: Any, *args: Any, **kwargs: Any) -> Any:
             it.__dict__.pop("_reset", None)
-            if self._records is not None and _ended(it):  # (skipped to its end: no step used it)
+            if self._records is not None and ended(it):  # (skipped to its end: no step used it)
                 torch.set_rng_state(before)
             return reset(it, loader_, *args, **kwargs)
 
@@ -354,13 +354,13 @@ class IteratorWatch:
         for i, (ref, shape, began, first, seen) in enumerate(made):
             it = ref()
             if it is not None:
-                fetched, ended = int(getattr(it, "_num_yielded", 0) or 0) > 0, _ended(it)
+                fetched, at_end = int(getattr(it, "_num_yielded", 0) or 0) > 0, ended(it)
             elif any(m[1] == shape for m in made[i + 1 :]):
                 continue
             else:
-                fetched, ended = seen
+                fetched, at_end = seen
             rng = began.clone() if began is not None else None
-            entry = {"shape": shape, "torch": rng, "ended": ended}
+            entry = {"shape": shape, "torch": rng, "ended": at_end}
             if not fetched:
                 # Its first batch not drawn yet (a capture taken as it fetches it: where an
                 # epoch begins): the resumed loop's first fetch draws it, from the restored state.
@@ -432,7 +432,7 @@ class IteratorWatch:
             if (
                 it is None
                 or loader is None
-                or _ended(it)  # (an iterator of an earlier run in this process, say)
+                or ended(it)  # (an iterator of an earlier run in this process, say)
                 or int(getattr(it, "_num_yielded", 0)) > 1
                 or getattr(loader, "generator", None) is not None
                 or _datapipe(loader)

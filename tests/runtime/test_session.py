@@ -846,6 +846,62 @@ def test_an_epochs_iterator_made_before_a_restore_at_its_epochs_start_draws_afte
     assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
 
 
+@pytest.mark.parametrize("stop", ["at an epoch's end", "by an exception mid-epoch"])
+def test_an_instrumented_loader_resumed_at_an_epochs_end_or_after_an_exception_draws_as_uninterrupted(
+    tmp_path: Path, stop: str
+) -> None:
+    """An instrumented loader (no `generator=`: its iterators draw a seed from the global RNG) and
+    dropout. Resumed at an epoch's end (the capture taken at the fetch that ends it), the loop's
+    next epoch iterator is made from the restored state, as the uninterrupted run's was; resumed
+    from the capture a worker takes as it dies of an exception mid-epoch, the iterator is made
+    again where the lost one was. Before, the first was made at the ended iterator's state and the
+    second anew (the capture at exit held no loader positions): each one draw off the
+    uninterrupted run (outsider 56: a kill at an epoch's first step, an exception, a SIGTERM)."""
+    import contextlib
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(24, 8, generator=torch.Generator().manual_seed(0)))
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader]:  # type: ignore[type-arg]
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=4)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    model, opt, loader = build(0)
+    for _ in range(2):  # the uninterrupted run: two epochs of 6 steps
+        for (x,) in loader:
+            step(model, opt, x)
+    want = [p.detach().clone() for p in model.parameters()]
+
+    raises = stop != "at an epoch's end"
+    ckpt = InMemoryCkptConfig(run_id=f"instrumented-{int(raises)}", disk_folder=str(tmp_path / "disk"))
+    model, opt, loader = build(0)
+    failing = pytest.raises(RuntimeError) if raises else contextlib.nullcontext()
+    with failing, enable_resiliency(model, opt, interval=1, checkpoint=ckpt, enable_detection=False) as s:
+        for i, (x,) in enumerate(s.instrument_dataloader(loader)):
+            step(model, opt, x)
+            if raises and i == 2:
+                raise RuntimeError("the loop's own error")
+    at = 3 if raises else 6
+
+    model2, opt2, loader2 = build(1)
+    with enable_resiliency(model2, opt2, interval=1, checkpoint=ckpt, enable_detection=False) as s2:
+        assert s2.recovered_step == at
+        timed = s2.instrument_dataloader(loader2)
+        for epoch in range(at // 6, 2):
+            for i, (x,) in enumerate(timed):
+                if epoch * 6 + i >= at:  # (skipped to the position)
+                    step(model2, opt2, x)
+    assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want, strict=True))
+
+
 def test_a_data_loader_iterator_made_before_the_session_ends_steps_at_its_fetches_too(
     tmp_path: Path,
 ) -> None:
