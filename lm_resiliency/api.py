@@ -1677,7 +1677,7 @@ class Session:
         gem = self.gemini
         if gem is not None and not self._closed:
             t0 = time.perf_counter()
-            gem.on_fetch(self._loader_snapshot)
+            gem.on_fetch()
             self._adapter.note_own_time(time.perf_counter() - t0)
 
     def _loader_position(self, name: str, began: Any, ended: list[bool] | None = None) -> Any:

@@ -226,10 +226,9 @@ class Gemini:
         # A restored loss-scaler state with no scaler to take it yet (one made after enable_resiliency,
         # adopted at the first forward: see adopt_scaler).
         self._restored_scaler: dict[str, Any] | None = None
-        # The global torch RNG state each instrumented loader's iterator was made at: captured with
-        # every step (the session's `loaders_fn`; as a batch is fetched, on_fetch's); restored ones
-        # wait for that loader's next iter() (the session's proxy makes it at that state).
-        self._fetch_loaders: Callable[[], dict[str, Any]] | None = None
+        # The global torch RNG state each instrumented loader's iterator was made at (the session's
+        # snapshot): captured with every step; restored ones wait for that loader's next iter()
+        # (the session's proxy makes it at that state).
         self.loaders_fn: Callable[[], dict[str, Any]] | None = None
         self.restored_loaders: dict[str, torch.Tensor] = {}
         # DataLoader iterators the loop makes (not through an instrumented loader): the RNG state
@@ -1029,22 +1028,17 @@ class Gemini:
         if iterators:
             state["iterators"] = iterators
 
-    def on_fetch(self, loaders: Callable[[], dict[str, Any]] | None = None) -> None:
-        """Before `next()` on an instrumented loader (training thread). `loaders`: the RNG states the
-        instrumented loaders' current iterators were made at, for a capture taken now. A fetch
-        under `no_grad` or `inference_mode`, or with the model in eval mode, is an evaluation's:
-        the step's own work (see _forward_begins), neither a capture's moment nor a training fetch."""
+    def on_fetch(self) -> None:
+        """Before `next()` on an instrumented loader (training thread). A fetch under `no_grad` or
+        `inference_mode`, or with the model in eval mode, is an evaluation's: the step's own work
+        (see _forward_begins), neither a capture's moment nor a training fetch."""
         if _evaluating(self.model):
             return
-        self._fetch_loaders = loaders
-        try:
-            # The scheduler did not step before the next fetch: the step ended here all the same.
-            step, self._pending, self._step_end = self._pending, None, None
-            if step is not None and not self._closed:
-                self._capture_from_hook(step)
-            self._take_deferred()
-        finally:
-            self._fetch_loaders = None
+        # The scheduler did not step before the next fetch: the step ended here all the same.
+        step, self._pending, self._step_end = self._pending, None, None
+        if step is not None and not self._closed:
+            self._capture_from_hook(step)
+        self._take_deferred()
         self._fetched = True
 
     def _on_loader_fetch(self) -> None:
@@ -1389,9 +1383,8 @@ class Gemini:
         # Not only at a fetch: a capture a dying worker takes (an exception, SIGTERM), or one at
         # the next forward, holds them too. Before, a restore of one made the loop's iterator anew,
         # a draw the uninterrupted run never made (outsider 56, an exception mid-epoch).
-        loaders = self._fetch_loaders or self.loaders_fn
-        if loaders is not None:
-            state["loaders"] = loaders()
+        if self.loaders_fn is not None:
+            state["loaders"] = self.loaders_fn()
         skeleton, tensors, specs = flatten(state)
         layout = msgpack.packb([[s.dtype, list(s.shape), s.nbytes] for s in specs], use_bin_type=True)
         index = b"\x92" + msgpack.packb(skeleton, use_bin_type=True) + layout  # [skeleton, layout]
