@@ -1072,7 +1072,12 @@ class _Pulse:
             if s.phase != rs.RUNNING and kind != "process_failure" and kind not in STATE_FAILURES:
                 continue  # (a hang, a stall: the restart's own doing, its peers stopped)
             ranks = [int(r) for r in v.get("failed_ranks", []) if isinstance(r, int)]
-            culprits = {n for n in (_node_of_rank(s, r) for r in ranks) if n is not None}
+            # Ranks of the generation that posted it: while it is restarted, the document's slots
+            # may have a hole already (a node the first copy quarantined), which shifts the ranks.
+            # Before, a second rank's copy of an SDC verdict named another node (a CI run: rank 1
+            # taken for the node of slot 2 as well).
+            layout = _as_published(s) if restarting else s
+            culprits = {n for n in (_node_of_rank(layout, r) for r in ranks) if n is not None}
             quarantine = _quarantines(v, h.replace_on) and bool(culprits)
             quarantine, dest = self._destination(s, v, culprits, quarantine)
             if quarantine and kind == "network_partition" and len(s.standbys) < len(culprits):
