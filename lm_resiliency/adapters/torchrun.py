@@ -1076,7 +1076,7 @@ class _Pulse:
             # may have a hole already (a node the first copy quarantined), which shifts the ranks.
             # Before, a second rank's copy of an SDC verdict named another node (a CI run: rank 1
             # taken for the node of slot 2 as well).
-            layout = _as_published(s) if restarting else s
+            layout = _as_published(s) if s.phase == rs.RESTARTING else s  # (s changes in this loop)
             culprits = {n for n in (_node_of_rank(layout, r) for r in ranks) if n is not None}
             quarantine = _quarantines(v, h.replace_on) and bool(culprits)
             quarantine, dest = self._destination(s, v, culprits, quarantine)
