@@ -5,7 +5,14 @@ from __future__ import annotations
 import os
 import signal
 
-__all__ = ["continue_stopped_children", "host_key", "pid_alive", "pid_exited"]
+__all__ = [
+    "StoppedMates",
+    "children",
+    "continue_stopped_children",
+    "host_key",
+    "pid_alive",
+    "pid_exited",
+]
 
 
 def pid_alive(pid: int) -> bool:
@@ -44,28 +51,105 @@ def _stat(pid: str) -> tuple[bytes, int] | None:
         return None
 
 
+def children(parent: int | None = None) -> dict[int, bytes]:
+    """{pid: state} of the children of `parent` (default: this process): their state letter as
+    /proc has it (R, S, T for stopped, Z for ended and not reaped, ...). Read from the kernel's
+    per-thread children lists where it keeps them, else by a scan of /proc. Empty where /proc is
+    unavailable."""
+    parent = os.getpid() if parent is None else parent
+    pids = _listed_children(parent)
+    if pids is None:
+        try:
+            pids = [d for d in os.listdir("/proc") if d.isdigit()]
+        except OSError:
+            return {}
+    out = {}
+    for pid in pids:
+        got = _stat(pid)
+        if got is not None and got[1] == parent:
+            out[int(pid)] = got[0]
+    return out
+
+
+def _listed_children(parent: int) -> list[str] | None:
+    """The pids in /proc/<parent>/task/*/children (a child is listed under the thread that forked
+    it); None where the kernel keeps no such lists."""
+    try:
+        tasks = os.listdir(f"/proc/{parent}/task")
+    except OSError:
+        return None
+    pids: list[str] = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{parent}/task/{tid}/children", "rb") as f:
+                pids += f.read().decode().split()
+        except FileNotFoundError:
+            if not os.path.exists(f"/proc/{parent}/task/{tid}"):
+                continue  # the thread ended
+            return None  # a kernel without CONFIG_PROC_CHILDREN
+        except OSError:
+            continue
+    return pids
+
+
 def continue_stopped_children(parent: int | None = None) -> list[int]:
     """SIGCONT every child of `parent` (default: this process) that a job-control signal stopped
     (SIGSTOP, SIGTSTP: state T), and return their pids. A stopped process takes no signal but
     SIGKILL: torchrun's SIGTERM would wait its whole shutdown timeout on it before killing it, and
     the worker could not flush on the way out. A process stopped by a tracer (state t: a debugger)
     is left alone. Empty where /proc is unavailable."""
-    parent = os.getpid() if parent is None else parent
-    try:
-        pids = [d for d in os.listdir("/proc") if d.isdigit()]
-    except OSError:
-        return []
+    return _continue([pid for pid, state in children(parent).items() if state == b"T"])
+
+
+def _continue(pids: list[int]) -> list[int]:
     woken = []
     for pid in pids:
-        got = _stat(pid)
-        if got is None or got[1] != parent or got[0] != b"T":
-            continue
         try:
-            os.kill(int(pid), signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
         except OSError:  # it ended meanwhile
             continue
-        woken.append(int(pid))
+        woken.append(pid)
     return woken
+
+
+class StoppedMates:
+    """Continues the stopped children of `parent` once one of their siblings has ended.
+
+    torchrun stops a worker group as soon as one worker exits (a crash, a kill): it sends SIGTERM
+    to the others and waits its shutdown timeout (30 s) before SIGKILL. A stopped sibling takes
+    the SIGTERM only once continued; continuing it at once makes the restart wait for nothing and
+    lets the worker flush on its way out. Only children whose environment holds `marker` (a
+    variable torchrun gives its workers) count: the agent has others (the control store's host it
+    started, a zombie for a while when another agent's came first). Call `check()` periodically;
+    it returns the pids it continued."""
+
+    def __init__(self, marker: bytes, parent: int | None = None) -> None:
+        self.marker, self.parent = marker, parent
+        self._seen: set[int] = set()  # the workers that lived at the last check
+
+    def check(self) -> list[int]:
+        kids = children(self.parent)
+        # (A child is read again until it shows the marker: between its fork and its exec it has
+        # the agent's environment.)
+        workers = {
+            pid: s
+            for pid, s in kids.items()
+            if pid in self._seen or (s not in (b"Z", b"X") and _has_env(pid, self.marker))
+        }
+        ended = bool(self._seen - workers.keys()) or any(s in (b"Z", b"X") for s in workers.values())
+        self._seen = {pid for pid, s in workers.items() if s not in (b"Z", b"X")}
+        if not ended:
+            return []
+        return _continue([pid for pid, s in workers.items() if s == b"T"])
+
+
+def _has_env(pid: int, name: bytes) -> bool:
+    """Whether process `pid` started with environment variable `name` (False when unreadable)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return any(v.startswith(name + b"=") for v in f.read().split(b"\0"))
+    except OSError:
+        return False
 
 
 def host_key() -> str:

@@ -59,7 +59,7 @@ from torch.distributed.elastic.rendezvous import (  # noqa: E402
 )
 from torch.distributed.elastic.rendezvous.api import RendezvousError  # noqa: E402
 
-from lm_resiliency._proc import continue_stopped_children  # noqa: E402
+from lm_resiliency._proc import StoppedMates, continue_stopped_children  # noqa: E402
 from lm_resiliency.config import DAMAGE_FAILURES, DEFAULT_RESTART_IN_PLACE_ON, REPLACE_ONLY_FAILURES  # noqa: E402
 from lm_resiliency.core.gemini.recovery import memory_checkpoint_id, plan_recovery, verified_steps  # noqa: E402
 from lm_resiliency.core.rendezvous import state as rs  # noqa: E402
@@ -438,14 +438,15 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             or (s.phase == rs.RESTARTING and s.pending.get("from_generation") == self._generation)
             or (s.phase == rs.CLOSED and s.pending.get("gave_up"))  # the next rendezvous says why
         ):
-            self._continue_stopped_workers()
+            self.continued_stopped_workers(continue_stopped_children())
             return 1
         return 0
 
-    def _continue_stopped_workers(self) -> None:
+    def continued_stopped_workers(self, pids: list[int]) -> None:
         """torchrun stops the workers next (SIGTERM): a worker someone SIGSTOPped would take it only
-        after torchrun's shutdown timeout, as a SIGKILL, and flush nothing. Continue it first."""
-        for pid in continue_stopped_children():
+        after torchrun's shutdown timeout, as a SIGKILL, and flush nothing. These were continued
+        first: say so."""
+        for pid in pids:
             log.warning(
                 "node %s: worker pid %d was stopped (SIGSTOP/SIGTSTP); continued it so that it takes "
                 "the restart's SIGTERM",
@@ -845,6 +846,8 @@ class _Pulse:
         self._destinations_logged: set[tuple[int, str]] = set()  # restart_destinations not followed
         self._unfilled_since: float | None = None  # a restart waits for a lost node, no standby
         self._told_taken = False  # another agent took this node's id (logged once)
+        # A worker that exits makes torchrun stop its siblings; a stopped one must be continued to.
+        self._mates = StoppedMates(b"TORCHELASTIC_RUN_ID")  # (torchrun's workers have it)
 
     def start(self) -> None:
         self._thread.start()
@@ -864,6 +867,10 @@ class _Pulse:
         self._control = _Control(store, h.run_id)
         failing = 0  # ticks failed in a row: the first is logged with its traceback, the rest counted
         while not self._stop_evt.is_set():
+            try:
+                h.continued_stopped_workers(self._mates.check())
+            except Exception:
+                log.debug("could not look for stopped workers", exc_info=True)
             try:
                 self._tick(time.monotonic())
             except Exception as exc:  # the store may be briefly unreachable; keep beating

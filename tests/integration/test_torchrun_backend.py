@@ -589,6 +589,20 @@ def test_a_stopped_worker_is_continued_to_take_the_restarts_sigterm(processes, t
     assert _equal(job.final(), baseline)
 
 
+def test_a_stopped_worker_whose_node_mate_dies_takes_torchruns_sigterm(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two ranks per node: rank 1 stops itself (SIGSTOP) after step 10, then its node-mate rank 0
+    dies. torchrun sees rank 0's exit and stops the node's workers at once, before the leader
+    decides anything: the stopped rank 1 would take that SIGTERM only as the SIGKILL that follows
+    torchrun's 30 s shutdown timeout. The agent continues a stopped worker once a sibling has
+    ended, so it exits on the SIGTERM and the restart waits for nothing."""
+    job = Job(processes, tmp_path, "stopmate", nodes=2, nnodes="2:2", nproc=2)
+    gens, ctx = _restarted_once(job, {"FAULT": "stopmate", "FAULT_RANK": "1", "FAULT_STEP": "10"})
+    logs = job.logs()
+    assert "was stopped (SIGSTOP/SIGTSTP); continued it" in logs, logs
+    assert "forcefully exiting via 9" not in logs, logs
+    assert gens[1]["start"] == ctx["checkpoint_step"] >= 10, (ctx, gens)
+
+
 @pytest.fixture(scope="module")
 def augmented_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """An uninterrupted run of the loop that draws noise before each forward, its scheduler

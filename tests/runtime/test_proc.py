@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from lm_resiliency._proc import continue_stopped_children
+from lm_resiliency import _proc
+from lm_resiliency._proc import StoppedMates, children, continue_stopped_children
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")]
 
@@ -31,7 +32,7 @@ def _until(pid: int, pred: object, timeout: float = 20.0) -> str:
 
 
 @pytest.fixture
-def children() -> Iterator[list[subprocess.Popen[bytes]]]:
+def spawned() -> Iterator[list[subprocess.Popen[bytes]]]:
     procs: list[subprocess.Popen[bytes]] = []
     yield procs
     for p in procs:
@@ -39,7 +40,7 @@ def children() -> Iterator[list[subprocess.Popen[bytes]]]:
         p.wait(10)
 
 
-def test_only_stopped_children_are_continued(children: list[subprocess.Popen[bytes]]) -> None:
+def test_only_stopped_children_are_continued(spawned: list[subprocess.Popen[bytes]]) -> None:
     """Of three children, the one SIGSTOPped is continued (it then runs and takes signals again); a
     running one and a grandchild stopped under it are left alone."""
     code = "import sys, time; time.sleep(120)"
@@ -52,7 +53,7 @@ def test_only_stopped_children_are_continued(children: list[subprocess.Popen[byt
             "time.sleep(120)",
         ]
     )
-    children += [stopped, running]
+    spawned += [stopped, running]
     os.kill(stopped.pid, signal.SIGSTOP)
     _until(stopped.pid, lambda s: s == "T")
     assert continue_stopped_children() == [stopped.pid]
@@ -79,6 +80,51 @@ def test_only_stopped_children_are_continued(children: list[subprocess.Popen[byt
         stopped.wait(0.5)
     assert continue_stopped_children() == [stopped.pid]
     assert stopped.wait(20) == -signal.SIGTERM
+
+
+@pytest.mark.parametrize("lists", ["kernel lists", "scan"])
+def test_stopped_workers_are_continued_once_a_sibling_worker_has_ended(
+    spawned: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch, lists: str
+) -> None:
+    """torchrun stops a worker group when one worker exits: a stopped sibling is continued then
+    (whether the ended one is reaped or still a zombie), and not while its siblings all live, nor
+    when a child that is no worker ends (the agent's control-store host; it lacks the workers'
+    environment marker). Children are found in the kernel's per-thread lists, or by a scan of
+    /proc where a kernel keeps none."""
+    if lists == "scan":
+        monkeypatch.setattr(_proc, "_listed_children", lambda parent: None)
+    else:
+        assert _proc._listed_children(os.getpid()) is not None
+    code = "import time; time.sleep(120)"
+    env = {**os.environ, "TEST_WORKER_MARK": "run-1"}
+    stopped, mate, other = (subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(3))
+    helper = subprocess.Popen([sys.executable, "-c", code])
+    spawned += [stopped, mate, other, helper]
+    deadline = time.monotonic() + 20
+    while not all(_proc._has_env(p.pid, b"TEST_WORKER_MARK") for p in (stopped, mate, other)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)  # until every child has exec'd (its own environment)
+    mates = StoppedMates(b"TEST_WORKER_MARK")
+    assert mates.check() == []
+    assert {stopped.pid, mate.pid, other.pid, helper.pid} <= children().keys()
+    os.kill(stopped.pid, signal.SIGSTOP)
+    _until(stopped.pid, lambda s: s == "T")
+    assert children()[stopped.pid] == b"T"
+    assert mates.check() == [] and mates.check() == []  # stopped, every sibling alive: left so
+    helper.kill()
+    helper.wait(10)
+    assert mates.check() == []  # not a worker
+    mate.kill()
+    mate.wait(10)  # reaped: gone from /proc
+    assert mates.check() == [stopped.pid]
+    _until(stopped.pid, lambda s: s != "T")
+    assert mates.check() == []
+    os.kill(stopped.pid, signal.SIGSTOP)
+    _until(stopped.pid, lambda s: s == "T")
+    assert mates.check() == []  # the sibling that ended is not counted twice
+    os.kill(other.pid, signal.SIGKILL)
+    _until(other.pid, lambda s: s == "Z")  # ended, not reaped yet
+    assert mates.check() == [stopped.pid]
 
 
 def _kids(pid: int) -> list[int]:

@@ -3,6 +3,8 @@
 FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
   worker  -- rank FAULT_RANK's worker dies (SIGKILL)
   stop    -- rank FAULT_RANK's worker is stopped (SIGSTOP) for good
+  stopmate -- as stop, and then its node-mate (rank FAULT_RANK ^ 1; run with 2 ranks per node) dies
+             (SIGKILL): torchrun stops the node's workers at once, the stopped one among them
   node    -- rank FAULT_RANK's whole node dies: its agent, then (parent-death signal) its worker
   leader  -- the node of the current leader dies the same way
   job     -- every node dies that way, once every rank's capture of FAULT_STEP is in place
@@ -30,6 +32,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -113,6 +116,23 @@ def leader_is_me() -> bool:
     return state["leader"] == os.environ["LM_RESILIENCY_NODE_ID"]
 
 
+def die_once_stopped(mate_pid_file: str) -> None:
+    """SIGKILL this worker once its node-mate has written its pid and stopped itself."""
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, "the node-mate never stopped"
+        try:
+            with open(mate_pid_file) as f:
+                pid = int(f.read())
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            if stat[stat.rfind(b")") + 2 :].split()[0] == b"T":
+                os.kill(os.getpid(), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass  # not written yet
+        time.sleep(0.01)  # polling the kernel's view of the mate
+
+
 kept: list[torch.Tensor] = []  # the stale fault's gradients of the step before
 
 
@@ -157,11 +177,17 @@ for step, x in batches() if os.environ.get("LOADER") == "plain" else session.ins
             moment.view(-1).view(torch.int32)[5] ^= 1 << 29
     if step % int(os.environ.get("SCHED_EVERY", "1")) == 0:
         sched.step()
-    if step == fault_step and fault in ("worker", "stop", "node") and rank == fault_rank:
+    if step == fault_step and fault == "stopmate" and rank == fault_rank ^ 1:
+        session.gemini.drain(10)
+        die_once_stopped(f"{os.environ['OUT']}.stopped")
+    if step == fault_step and fault in ("worker", "stop", "stopmate", "node") and rank == fault_rank:
         session.gemini.drain(10)
         if fault == "worker":
             os.kill(os.getpid(), signal.SIGKILL)
-        elif fault == "stop":
+        elif fault in ("stop", "stopmate"):
+            with open(f"{os.environ['OUT']}.stopping", "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(f"{os.environ['OUT']}.stopping", f"{os.environ['OUT']}.stopped")
             os.kill(os.getpid(), signal.SIGSTOP)  # continued only by the agent, to be stopped
         else:
             kill_my_node()
