@@ -1490,17 +1490,29 @@ class Session:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGTERM)
 
+        handling = [False]  # this (the main) thread is in the handler below
+
         def on_sigterm(signum: int, frame: Any) -> None:
             if os.getpid() != owner:
                 # A forked child (a DataLoader worker that its loader terminates) inherited the
                 # handler, not the session: it ends as it would have without us.
                 pass_on(signum, frame)
                 return
+            if handling[0]:
+                # Another SIGTERM while this thread handles one (a preemption signals every
+                # process, and torchrun passes it on to its workers' group): the handler under way
+                # flushes and then ends the process. Before, this call waited for the signal's
+                # claim, which the call under it holds: the worker hung until torchrun's SIGKILL 30
+                # s later, nothing flushed to disk (outsider 57, every process of a job SIGTERMed).
+                if not ends:
+                    pass_on(signum, frame)  # the script's own handler decides, each time
+                return
             watch = self._sigterm_watch
             if watch is not None and not watch.claim():
                 # This thread came back from native code after the watcher took the signal over:
                 # it ends the process once it has done the work.
                 threading.Event().wait()
+            handling[0] = True
             deferred = _DeferredSignals((signal.SIGCHLD,))
             try:
                 self._terminating(ends)
@@ -1511,6 +1523,7 @@ class Session:
                 try:
                     pass_on(signum, frame)
                 finally:
+                    handling[0] = False
                     restore()
 
         signal.signal(signal.SIGTERM, on_sigterm)

@@ -6,7 +6,10 @@ cannot run on the main thread until the wait ends (in 10 minutes).
 
 With `loader`, the model is larger (a flush of some 64 MB) and a DataLoader's two worker processes
 are alive when the signal comes to the whole process group, as torchrun sends it: the workers die
-of it while the flush writes, and the loader's SIGCHLD handler raises in the main thread."""
+of it while the flush writes, and the loader's SIGCHLD handler raises in the main thread.
+
+With `again`, the model is as large, and SIGTERM keeps coming (every 5 ms) while the handler
+flushes: a preemption signals every process of the job, and torchrun passes it on to its workers."""
 
 import datetime
 import os
@@ -20,9 +23,10 @@ import torch.distributed as dist
 from lm_resiliency import InMemoryCkptConfig, enable_resiliency
 
 loader = sys.argv[1:] == ["loader"]
+again = sys.argv[1:] == ["again"]
 if loader:
     os.setpgid(0, 0)  # a process group of its own (and its loader workers'), as torchrun starts workers in
-width = 4096 if loader else 4
+width = 4096 if loader or again else 4
 model = torch.nn.Linear(width, width)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 session = enable_resiliency(model, opt, interval=1, checkpoint=InMemoryCkptConfig(disk_flush_interval=10**6))
@@ -50,6 +54,16 @@ if loader:
     next(batches)  # the workers run
     print("loading", flush=True)
     os.killpg(0, signal.SIGTERM)
+    signal.pause()
+elif again:
+
+    def storm() -> None:
+        for _ in range(2000):  # until the process ends (10 s at most: then the test fails)
+            os.kill(os.getpid(), signal.SIGTERM)
+            threading.Event().wait(0.005)
+
+    print("signalled again and again", flush=True)
+    threading.Thread(target=storm, daemon=True).start()
     signal.pause()
 elif sys.argv[1:] == ["native"]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

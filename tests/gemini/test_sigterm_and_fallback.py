@@ -31,12 +31,14 @@ ROOT = Path(__file__).resolve().parents[2]
         ("sigterm_while_dying_worker.py", "SIGTERM while closing"),
         ("sigterm_worker.py native", "waiting in native code"),
         ("sigterm_worker.py loader", "loading"),
+        ("sigterm_worker.py again", "signalled again and again"),
     ],
     ids=[
         "while_training",
         "while_an_exception_ends_the_worker",
         "while_waiting_in_native_code",
         "while_its_loader_workers_die_of_it_too",
+        "while_more_sigterms_come",
     ],
 )
 def test_sigterm_flushes_the_newest_capture_then_terminates(
@@ -50,7 +52,9 @@ def test_sigterm_flushes_the_newest_capture_then_terminates(
     timeout killed it (30 s, SIGKILL, nothing flushed), here until its 10-minute wait ended. And
     while its DataLoader's worker processes die of the same SIGTERM (torchrun sends it to the
     process group): the loader's SIGCHLD handler raised into the flush, which left no copy on disk
-    (an outsider's 4-rank job, preempted, lost one rank's)."""
+    (an outsider's 4-rank job, preempted, lost one rank's). And while more SIGTERMs come (a
+    preemption signals every process, torchrun passes it on to its workers): a second one during
+    the flush waited for the first's claim, on the same thread, until torchrun's SIGKILL."""
     env = worker_env({"LM_RESILIENCY_SHM_DIR": str(tmp_path / "shm")})
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests/gemini" / worker.split()[0]), *worker.split()[1:]],
