@@ -351,6 +351,12 @@ def _grad_scaler() -> Any:
 
 
 _OPEN: weakref.WeakSet[Session] = weakref.WeakSet()  # sessions started in this process
+_STARTED = [0]  # how many, closed ones included
+
+
+def sessions_started() -> int:
+    """How many sessions this process started (closed ones included)."""
+    return _STARTED[0]
 
 
 def _check_device(device: Any, model: Any) -> None:
@@ -622,6 +628,7 @@ def enable_resiliency(
         session.close()
         raise
     _OPEN.add(session)
+    _STARTED[0] += 1
     # Marks the model for zero-import instrumentation (worker_boot): a script that enabled its own
     # session is not instrumented a second time.
     with contextlib.suppress(Exception):

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import importlib.abc
 import importlib.machinery
@@ -318,6 +319,27 @@ def auto_instrument(policy_path: str) -> None:
                 "state. Call enable_resiliency yourself, before the loop\n"
             )
 
+    planned = os.environ.get("LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", "")
+    if planned.isdigit() and int(planned) > 0:
+
+        def never_restored() -> None:
+            """A restart resumed at a step whose restore waits for the first forward, and none came:
+            the loop had no step left (the failure came after the last step's capture: an
+            exception in the final save or evaluation). What the script did after its loop (a
+            final save) holds the state it made, not the step's: say so, loudly."""
+            from lm_resiliency.api import sessions_started
+
+            if sessions_started() == 0:
+                sys.stderr.write(
+                    f"lm_resiliency: NOT RESTORED: this restart was to resume at step {planned}, "
+                    "which zero-import instrumentation restores at the model's first forward, and "
+                    "the script made none (its loop had no step left to run). Its model and "
+                    "optimizer stayed as the script made them: anything it saved or evaluated after "
+                    "its loop is not step " + planned + "'s state. Call enable_resiliency yourself, "
+                    "before the loop: it restores at once.\n"
+                )
+
+        atexit.register(never_restored)
     state["handles"] = [
         register_module_forward_pre_hook(first_forward),
         register_module_forward_hook(after_forward, always_call=True),

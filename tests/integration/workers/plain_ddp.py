@@ -4,7 +4,7 @@ backend with a worker policy it is instrumented automatically; it reads only the
 
 COMPILE=1 compiles the model whole (`torch.compile`, the aot_eager backend: no C++ compiler needed).
 
-In generation 0, rank 1 raises an uncaught RuntimeError after step 10 when FAULT=raise."""
+In generation 0, rank 1 raises an uncaught RuntimeError after step FAULT_STEP (10) when FAULT=raise."""
 
 import json
 import os
@@ -39,6 +39,7 @@ out = os.environ["OUT"]
 if rank == 0:
     with open(f"{out}.gen{gen}.json", "w") as f:
         json.dump({"generation": gen, "start": start}, f)
+fault_step = int(os.environ.get("FAULT_STEP", "10"))
 for step in range(start + 1, 25):
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank * 1000 + step))
     loss = (model(x) - x).pow(2).mean()
@@ -46,8 +47,8 @@ for step in range(start + 1, 25):
     loss.backward()
     opt.step()
     sched.step()
-    if os.environ.get("FAULT") == "raise" and gen == 0 and rank == 1 and step == 10:
-        raise RuntimeError("injected: the loss diverged at step 10")
+    if os.environ.get("FAULT") == "raise" and gen == 0 and rank == 1 and step == fault_step:
+        raise RuntimeError(f"injected: the loss diverged at step {step}")
 # Whole tensors (an FSDP2 shard's full_tensor() is a collective: every rank takes part).
 final = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in held.state_dict().items()}
 if rank == 0:
