@@ -1087,6 +1087,19 @@ class _Pulse:
             culprits = {n for n in (_node_of_rank(layout, r) for r in ranks) if n is not None}
             quarantine = _quarantines(v, h.replace_on) and bool(culprits)
             quarantine, dest = self._destination(s, v, culprits, quarantine)
+            if quarantine and kind == "sdc" and culprits >= {n for n in layout.slots if n is not None}:
+                # Corruption named on every node (two lone replicas of two nodes): each node's
+                # replicas are held by the others, so new nodes in every slot would find no copy in
+                # memory and start over from disk or step 0. The nodes keep their slots and restart
+                # from the verified step; a device that corrupts again is named again (and then
+                # has healthy nodes beside it to take the copies from).
+                log.warning(
+                    "run %s: sdc named on every node %s: replacing them all would leave no in-memory "
+                    "copy to resume from; restarting in place from a recovery-verified step",
+                    h.run_id,
+                    sorted(culprits),
+                )
+                quarantine, dest = False, ""
             if quarantine and kind == "network_partition" and len(s.standbys) < len(culprits):
                 # A node cut off from its peers' messages may be reachable again after a restart
                 # (a link that flapped); without a standby to take its slot, it keeps the slot.

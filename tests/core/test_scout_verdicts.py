@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lm_resiliency.core.scout.verdicts import (
     PEERS_WAIT,
@@ -40,6 +43,47 @@ def test_fingerprints_agree_minority_and_ambiguous() -> None:
     assert v is not None and v.kind == "sdc_ambiguous" and v.ranks == (0, 1)
     v = fingerprint_verdict(6, "params", {0: b"a", 1: b"a", 2: b"b", 3: b"b"})
     assert v is not None and v.kind == "sdc_ambiguous"
+    v = fingerprint_verdict(6, "params", {0: b"a", 1: b"b", 2: b"c"})
+    assert v is not None and v.kind == "sdc_ambiguous" and v.ranks == (0, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("fingerprints", "named"),
+    [
+        ({0: b"x", 1: b"a", 2: b"y", 3: b"a"}, (0, 2)),
+        ({0: b"a", 1: b"a", 2: b"x", 3: b"y", 4: b"z", 5: b"w"}, (2, 3, 4, 5)),
+        ({0: b"x", 1: b"a", 2: b"a", 3: b"y", 4: b"a", 5: b"z"}, (0, 3, 5)),
+    ],
+)
+def test_replicas_each_alone_in_their_values_are_named_beside_the_ones_that_agree(
+    fingerprints: dict[int, bytes], named: tuple[int, ...]
+) -> None:
+    """No strict majority, but one value two or more replicas share and every other replica alone
+    in its own: separate faults, each named (before: ambiguous, nobody named)."""
+    v = fingerprint_verdict(15, "params", fingerprints)
+    assert v is not None and (v.kind, v.ranks, v.reason) == ("sdc", named, "params_fingerprint_lone"), v
+
+
+@given(st.dictionaries(st.integers(0, 15), st.sampled_from([b"a", b"b", b"c", b"d", b"e"]), min_size=2))
+def test_a_fingerprint_verdict_never_names_a_rank_that_shares_the_only_shared_value(
+    fingerprints: dict[int, bytes],
+) -> None:
+    """Whatever the values: agreement is None; a named rank never holds the value a strict majority
+    holds, nor the only value several replicas share; ambiguous names every replica."""
+    v = fingerprint_verdict(1, "grads", fingerprints)
+    counts = Counter(fingerprints.values())
+    if len(counts) == 1:
+        assert v is None
+        return
+    assert v is not None
+    shared = [fp for fp, n in counts.items() if n >= 2]
+    top, top_n = counts.most_common(1)[0]
+    honest = top if top_n * 2 > len(fingerprints) else shared[0] if len(shared) == 1 else None
+    if len(fingerprints) >= 3 and honest is not None:
+        assert v.kind == "sdc"
+        assert set(v.ranks) == {r for r, fp in fingerprints.items() if fp != honest}
+    else:
+        assert v.kind == "sdc_ambiguous" and v.ranks == tuple(sorted(fingerprints))
 
 
 def test_state_changed_at_rest_on_a_minority_of_peers_is_named() -> None:

@@ -507,6 +507,31 @@ def test_a_node_slow_again_after_its_restart_in_place_is_replaced_by_a_parked_st
         control.update(rs.close)
 
 
+@pytest.mark.parametrize("named", [[1], [0, 1]])
+def test_an_sdc_named_on_every_node_restarts_them_in_place(store: Any, agents: Any, named: list[int]) -> None:
+    """An SDC naming one node's rank replaces that node by the parked standby. One naming a rank
+    of every node (two replicas each alone in its value: `params_fingerprint_lone`) keeps them in
+    their slots: each node holds the others' replicas, and new nodes in every slot would have
+    found no copy in memory (outsider 57: both nodes replaced, the run restarted from step 0)."""
+    from lm_resiliency.runtime.control import ControlChannel
+
+    ch = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
+    control = tr._Control(store, "unit-run")
+    verdict = {"kind": "sdc", "reason": "params_fingerprint_lone", "failed_ranks": named, "confidence": 1.0}
+    try:
+        ch.post_verdict(0, verdict)
+        assert ch.flush(10)
+        s = _restarting(agents, store)
+        if named == [1]:
+            assert s.pending["culprits"] == ["b"] and s.pending["quarantine"] and s.excluded == {"b": "sdc"}
+        else:
+            assert s.pending["culprits"] == ["a", "b"] and not s.pending["quarantine"] and s.excluded == {}
+            assert s.pending["failure_kind"] == "sdc", s.pending  # (the plan restores a certified step)
+    finally:
+        ch.close()
+        control.update(rs.close)
+
+
 def test_workers_post_what_the_job_trains_through_only_where_the_policy_acts_on_it() -> None:
     from lm_resiliency.api import _actionable
     from lm_resiliency.config import DEFAULT_RESTART_IN_PLACE_ON, ConfigError, RecoveryPolicyConfig

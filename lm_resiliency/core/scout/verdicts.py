@@ -185,6 +185,25 @@ def fingerprint_verdict(step: int, what: str, fingerprints: Mapping[int, bytes])
             f"{len(minority)} of {len(members)} replicas disagree on {STATE_NAMES.get(what, what)} "
             f"at step {step}",
         )
+    shared = [fp for fp, n in counts.items() if n >= 2]
+    if len(shared) == 1:
+        # No strict majority, but one fingerprint two or more replicas hold bit for bit, and every
+        # other held by one replica alone: those differ from each other too, so they are separate
+        # faults (two devices corrupting at once within a check interval). The replicas that agree
+        # are named honest, as with a majority: the others would need corruptions that came out
+        # identical. Before, all were ambiguous and replay (of the checked step, not of the step
+        # each went wrong in) could name no one: the faulty devices kept their slots (outsider 57,
+        # 4 replicas, gradient flips on ranks 0 and 2 at steps 12 and 13, checked at 15).
+        lone = tuple(r for r in members if fingerprints[r] != shared[0])
+        return Verdict(
+            "sdc",
+            lone,
+            step,
+            f"{what}_fingerprint_lone",
+            f"{len(lone)} of {len(members)} replicas disagree on {STATE_NAMES.get(what, what)} at "
+            f"step {step}, each with a value of its own, while the {len(members) - len(lone)} others "
+            "agree",
+        )
     return Verdict(
         "sdc_ambiguous",
         tuple(members),
