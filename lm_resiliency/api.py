@@ -350,6 +350,10 @@ def _grad_scaler() -> Any:
     return found[0] if found else None
 
 
+# How long a fault report waits for `OrchestrationHooks.restart_destination` before it goes to
+# the leader without an answer.
+DESTINATION_WAIT_S = 2.0
+
 _OPEN: weakref.WeakSet[Session] = weakref.WeakSet()  # sessions started in this process
 _STARTED = [0]  # how many, closed ones included
 
@@ -1604,7 +1608,15 @@ class Session:
         # The user's callbacks and the report file, in order, off the runtime's event loop: a slow
         # callback there would stop this rank's heartbeats and its peers would declare it dead.
         if ask is not None and acted_on:
-            self._callbacks.submit(self._with_destination, ask, report)
+            # Not behind the callbacks queue: a slow callback of the user's (its report of the
+            # recovery at start-up, an HTTP call) held the leader's restart for as long (outsider 57,
+            # 8 s callbacks: a corrupted replica trained on to the end of the run).
+            threading.Thread(
+                target=self._with_destination,
+                args=(ask, report),
+                name="lm-resiliency-destination",
+                daemon=True,
+            ).start()
         else:
             self._callbacks.submit(self._write_report, report)
             if self._control is not None and acted_on:
@@ -1620,12 +1632,30 @@ class Session:
         (callbacks thread), its answer goes with the report (`restart_destination`) to the report
         file and to the torchrun backend's leader: the culprit's own node restarts it in place, a
         parked standby's id takes its slot (quarantining the culprit's node), None lets the policy
-        decide. An answer that is not a string, or a hook that raises, is logged and left out."""
-        try:
-            dest = ask(dict(report))
-        except Exception:
-            log.exception("rank %d: restart_destination hook raised; the policy decides", self.rank)
-            dest = None
+        decide. An answer that is not a string, or a hook that raises, is logged and left out; so is
+        one that takes longer than `DESTINATION_WAIT_S`: the report goes to the leader without it
+        (the fault is acted on now, not when an orchestrator answers)."""
+        answers: list[Any] = []
+
+        def call() -> None:
+            try:
+                answers.append(ask(dict(report)))
+            except Exception:
+                log.exception("rank %d: restart_destination hook raised; the policy decides", self.rank)
+                answers.append(None)
+
+        asking = threading.Thread(target=call, name="lm-resiliency-destination-hook", daemon=True)
+        asking.start()
+        asking.join(DESTINATION_WAIT_S)
+        if not answers:
+            log.warning(
+                "rank %d: restart_destination did not answer within %.1f s; the %s report goes to the "
+                "leader without it (the policy decides)",
+                self.rank,
+                DESTINATION_WAIT_S,
+                report.get("kind"),
+            )
+        dest = answers[0] if answers else None
         if dest is not None and not isinstance(dest, str):
             log.warning(
                 "rank %d: restart_destination returned %r, not a node id (str) or None: ignored",
@@ -1637,7 +1667,7 @@ class Session:
             with self._reports_lock:  # (the session's own list holds this dict: it shows the answer)
                 report["restart_destination"] = dest
             log.info("rank %d: restart_destination for %s: %s", self.rank, report.get("kind"), dest)
-        self._write_report(report)
+        self._callbacks.submit(self._write_report, report)  # (the file in the callbacks' order)
         if self._control is not None:
             self._control.post_verdict(self.env.generation, report)
 

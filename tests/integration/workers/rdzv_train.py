@@ -66,12 +66,18 @@ def _same_node(report: dict) -> str | None:
     return report.get("node")
 
 
+def _no_answer(report: dict) -> str | None:
+    """An orchestrator that does not answer in time (DESTINATION=slow): an API call that hangs."""
+    print(f"rank {rank} restart_destination asked about {report['kind']}, answers late", flush=True)
+    threading.Event().wait(60)
+    return None
+
+
+hooks = {"culprit": _same_node, "slow": _no_answer}.get(os.environ.get("DESTINATION", ""))
 session = enable_resiliency(
     model,
     opt,
-    orchestration=OrchestrationHooks(restart_destination=_same_node)
-    if os.environ.get("DESTINATION") == "culprit"
-    else None,
+    orchestration=OrchestrationHooks(restart_destination=hooks) if hooks else None,
     opt_param_scheduler=sched,
     interval=1,
     checkpoint=InMemoryCkptConfig(disk_flush_interval=10**6),
