@@ -1629,7 +1629,7 @@ class Session:
 
     def _with_destination(self, ask: Callable[[dict[str, Any]], str | None], report: dict[str, Any]) -> None:
         """`OrchestrationHooks.restart_destination`: asked where the culprit's work should restart
-        (callbacks thread), its answer goes with the report (`restart_destination`) to the report
+        (a thread of its own), its answer goes with the report (`restart_destination`) to the report
         file and to the torchrun backend's leader: the culprit's own node restarts it in place, a
         parked standby's id takes its slot (quarantining the culprit's node), None lets the policy
         decide. An answer that is not a string, or a hook that raises, is logged and left out; so is

@@ -329,7 +329,7 @@ def auto_instrument(policy_path: str) -> None:
             final save) holds the state it made, not the step's: say so, loudly."""
             from lm_resiliency.api import sessions_started
 
-            if sessions_started() == 0:
+            if not state["done"] and sessions_started() == 0:  # (done: enabling was tried, said why)
                 sys.stderr.write(
                     f"lm_resiliency: NOT RESTORED: this restart was to resume at step {planned}, "
                     "which zero-import instrumentation restores at the model's first forward, and "
