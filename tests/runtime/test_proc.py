@@ -61,7 +61,7 @@ def test_only_stopped_children_are_continued(spawned: list[subprocess.Popen[byte
     assert continue_stopped_children() == []
     # The grandchild is its parent's to continue, not ours.
     deadline = time.monotonic() + 20
-    while not (kids := _kids(running.pid)):
+    while not (kids := list(children(running.pid))):
         assert time.monotonic() < deadline
         time.sleep(0.01)  # waiting for the child to start its own
     grandchild = kids[0]
@@ -125,17 +125,3 @@ def test_stopped_workers_are_continued_once_a_sibling_worker_has_ended(
     os.kill(other.pid, signal.SIGKILL)
     _until(other.pid, lambda s: s == "Z")  # ended, not reaped yet
     assert mates.check() == [stopped.pid]
-
-
-def _kids(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat[stat.rfind(b")") + 2 :].split()[1]) == pid:
-                out.append(int(d))
-    return out
