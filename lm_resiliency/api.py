@@ -109,6 +109,9 @@ TERMINATION_EXPLAINED_S = 30.0
 # A loop that ends this soon after a fault this rank posted to the torchrun backend's leader waits
 # this long, at most, for the leader's restart before its session closes (see Session._settle).
 HOLD_S = 10.0
+# Under the torchrun backend, a session closed at its script's end waits this long, at most, for
+# every rank of its generation to close theirs too (see Session._finish).
+FINISH_WAIT_S = 120.0
 
 # Options each framework's adapter cannot take: the framework object owns them.
 _FORBIDDEN_OPTIONS = {
@@ -1923,6 +1926,58 @@ class Session:
         if kept is not None:
             with contextlib.suppress(OSError):
                 kept[0].close()
+        if reason == CLOSED:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Under the torchrun backend, wait (at most FINISH_WAIT_S) until every rank of this
+        generation has closed its session too, still a live worker of torchrun's.
+
+        A worker that ends puts its agent in torch's exit barrier once its node-mates have, where no
+        restart reaches it. A rank that failed after that (an exception, a kill, in the script's own
+        final save after its loop) had its run's restart wait for those nodes for good: the job
+        never ended (outsider 58: an exception 10 s after the last step). Waiting here, the restart
+        stops this worker (SIGTERM), and the next generation does the end of the script again from
+        the newest capture. Nothing is left to flush: the goodbye was said, the components are closed."""
+        control = self._control
+        if control is None or self.world_size < 2 or self._sigterm_seen.is_set():
+            return
+        # A SIGTERM (the restart's) ends the wait: the default ends the process; a handler of the
+        # script's own that returns lets the script go on to its end.
+        stopped = threading.Event()
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGTERM)
+            if previous not in (signal.SIG_DFL, None):
+
+                def on_sigterm(signum: int, frame: Any) -> None:
+                    stopped.set()
+                    if callable(previous):
+                        previous(signum, frame)
+
+                signal.signal(signal.SIGTERM, on_sigterm)
+            else:
+                previous = None
+        t0 = time.monotonic()
+        try:
+            count = control.finish(self.env.generation, self.world_size, FINISH_WAIT_S, stopped.is_set)
+        finally:
+            if previous is not None:
+                with contextlib.suppress(ValueError, TypeError):
+                    signal.signal(signal.SIGTERM, previous)
+        waited = time.monotonic() - t0
+        if stopped.is_set():
+            return
+        if 0 <= count < self.world_size:
+            log.warning(
+                "rank %d: %d of %d ranks closed their sessions in %.0f s; ending without the others",
+                self.rank,
+                count,
+                self.world_size,
+                waited,
+            )
+        elif waited > 1.0:
+            log.info("rank %d: waited %.1f s for every rank to close its session", self.rank, waited)
 
     def _settle(self) -> None:
         """The script closes the session at its loop's end: its last step is judged first (SCOUT's

@@ -21,6 +21,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -130,6 +131,40 @@ class ControlChannel:
             return None
         kinds = {why.get("failure_kind"), *why.get("also", ())}
         return {str(n) for n in why.get("culprits", ())} if "process_failure" in kinds else set()
+
+    def finish(
+        self,
+        generation: int,
+        world_size: int,
+        timeout_s: float,
+        stop: Callable[[], bool] = lambda: False,
+        poll_s: tuple[float, float] = (0.05, 0.5),
+    ) -> int:
+        """Count this rank's session as closed in `generation`, then wait up to `timeout_s` until all
+        `world_size` ranks of it have, or `stop()`: the number counted when the wait ended (-1: the
+        store could not say). Sleeps between reads (`poll_s`: first, then at most), so a signal's
+        handler runs on the waiting thread at once.
+
+        A worker that ends at once leaves its agent in torch's exit barrier, where no restart can
+        reach it: a rank that fails after it (in the script's own saving after its loop) had its
+        run's restart wait for this node forever."""
+        try:
+            store = self._open(timedelta(seconds=2))
+            key = f"{self.prefix}finished/g{generation}"
+            count = int(store.add(key, 1))
+            deadline = time.monotonic() + timeout_s
+            wait = poll_s[0]
+            while count < world_size and not stop():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                time.sleep(min(wait, left))
+                wait = min(2 * wait, poll_s[1])
+                count = int(store.add(key, 0))
+            return count
+        except Exception as exc:  # advisory: the worker ends as it did without it
+            log.debug("control store %s unreadable: %s", self.where, exc)
+            return -1
 
     def close(self) -> None:
         self.flush(timeout=2.0)

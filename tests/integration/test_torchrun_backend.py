@@ -632,6 +632,21 @@ def test_a_stopped_worker_whose_node_mate_dies_takes_torchruns_sigterm(processes
     assert gens[1]["start"] == ctx["checkpoint_step"] >= 10, (ctx, gens)
 
 
+def test_a_rank_that_fails_after_the_others_closed_their_sessions_is_restarted_bitwise(
+    processes, tmp_path, baseline
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 raises after its loop, once rank 0's worker has ended (or waits at its close). A
+    worker that ended at once left its agent in torch's exit barrier, where the restart never
+    reached it, and the run waited for that node for good. Closed sessions wait for every rank of
+    their generation, so the restart stops them, and the next generation ends the script again
+    from the last step's capture, bitwise."""
+    job = Job(processes, tmp_path, "late")
+    gens, ctx = _restarted_once(job, {"FAULT": "late", "FAULT_RANK": "1"})
+    assert ctx["failure_kind"] == "process_failure" and ctx["checkpoint_step"] == 24, ctx
+    assert gens[1]["start"] == 24, gens
+    assert _equal(job.final(), baseline)
+
+
 @pytest.fixture(scope="module")
 def augmented_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """An uninterrupted run of the loop that draws noise before each forward, its scheduler

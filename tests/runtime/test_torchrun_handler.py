@@ -1191,3 +1191,50 @@ def test_an_sdc_posted_while_a_kills_restart_forms_is_applied_and_a_hang_is_not(
     assert got.phase == rs.RESTARTING and got.pending["failure_kind"] == "process_failure", got.pending
     assert rs.also_kinds(got.pending) == ["process_failure", "sdc"] and got.pending["culprits"] == ["a", "b"]
     assert got.excluded == {"a": "sdc"}
+
+
+def test_a_closed_session_waits_until_every_rank_of_its_generation_closed_too(store: Any) -> None:
+    """ControlChannel.finish: each rank counts itself closed in its generation and waits for the
+    others (or its bound, or `stop`), so a worker whose peer fails later is still there for the
+    restart to stop."""
+    from lm_resiliency.runtime.control import ControlChannel
+
+    chans = [ControlChannel(f"tcp://127.0.0.1:{store.port}", "finish-run") for _ in range(3)]
+    got: dict[int, int] = {}
+    waiting = [
+        threading.Thread(target=lambda r=r: got.__setitem__(r, chans[r].finish(0, 3, 60.0)), daemon=True)
+        for r in (0, 1)
+    ]
+    try:
+        for t in waiting:
+            t.start()
+        reader = TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
+        deadline = time.monotonic() + 30
+        while reader.add("lmr/finish-run/finished/g0", 0) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # polling the store's count
+        assert all(t.is_alive() for t in waiting) and got == {}  # rank 2 has not closed yet
+        assert chans[2].finish(0, 3, 60.0) == 3
+        for t in waiting:
+            t.join(30)
+        assert got == {0: 3, 1: 3}
+        # Another generation counts apart; the bound and `stop` end a wait short of the world.
+        t0 = time.monotonic()
+        assert chans[0].finish(1, 2, 0.3) == 1 and time.monotonic() - t0 < 10
+        assert chans[1].finish(2, 2, 60.0, stop=lambda: True) == 1
+    finally:
+        for ch in chans:
+            ch.close()
+
+
+def test_a_closed_session_ends_at_once_where_the_store_cannot_be_reached() -> None:
+    from lm_resiliency.runtime.control import ControlChannel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    ch = ControlChannel(f"tcp://127.0.0.1:{port}", "finish-run", timeout_s=1.0)
+    try:
+        assert ch.finish(0, 2, 60.0) == -1
+    finally:
+        ch.close()

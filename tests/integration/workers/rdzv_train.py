@@ -18,6 +18,8 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
   repeat  -- in each generation g < FAULT_REPEAT, rank g % world dies two steps after its start
   midstep -- rank FAULT_RANK's worker dies (SIGKILL) after its backward of step FAULT_STEP, once the
              capture of the step before is in place
+  late    -- after the loop, once every other rank's worker has ended (or waits for the others at
+             its session's close), rank FAULT_RANK fails (an exception in the script's own end)
   mismatch -- rank FAULT_RANK all-reduces a tensor of its own before step FAULT_STEP's forward, where
              its peers all-reduce their gradients (gloo aborts some process on the sizes)
 TP=1: tensor parallel within each node (run with 2 ranks per node), DDP(device_mesh=) across them;
@@ -205,6 +207,32 @@ for step, x in batches() if os.environ.get("LOADER") == "plain" else session.ins
         session.gemini.drain(10)
         if leader_is_me():
             kill_my_node()
+
+
+def ended_or_waiting(r: int) -> bool:
+    """Rank r's worker has ended, or closed its session and waits for the others' (its count in
+    the control store: see ControlChannel.finish)."""
+    from torch.distributed import TCPStore
+
+    try:
+        with open(f"{os.environ['OUT']}.pid{r}") as f:
+            os.kill(int(f.read()), 0)
+    except ProcessLookupError:
+        return True
+    host, port = os.environ["LM_RESILIENCY_CONTROL_STORE"].split("://", 1)[1].rsplit(":", 1)
+    store = TCPStore(host, int(port), is_master=False, wait_for_workers=False)
+    return store.add(f"lmr/{os.environ['TORCHELASTIC_RUN_ID']}/finished/g{gen}", 0) >= world - 1
+
+
+if fault == "late":
+    with open(f"{os.environ['OUT']}.pid{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    if rank == fault_rank:
+        deadline = time.monotonic() + 60
+        while not all(ended_or_waiting(r) for r in range(world) if r != rank):
+            assert time.monotonic() < deadline, "the other ranks never ended"
+            time.sleep(0.05)  # polling the other workers' ends
+        raise RuntimeError("the script's own failure after its loop")
 if TP:  # each rank its shards (the model's state_dict lacks them under DDP + TP: DDP's list has all)
     held = {str(i): p.detach().clone() for i, p in enumerate(model._module_parameters)}
     torch.save(held, f"{os.environ['OUT']}.rank{rank}")
