@@ -12,6 +12,7 @@ __all__ = [
     "host_key",
     "pid_alive",
     "pid_exited",
+    "threads_cpu_s",
 ]
 
 
@@ -164,3 +165,31 @@ def host_key() -> str:
     except OSError:
         return ""
     return f"{boot}:{ns}" if boot else ""
+
+
+def threads_cpu_s(skip_ids: set[int], skip_names: tuple[bytes, ...] = ()) -> float | None:
+    """CPU seconds (user + system) of this process's threads but those whose native id is in
+    `skip_ids` or whose kernel name starts with one of `skip_names`. None where /proc is
+    unavailable. A thread that ended takes its time out of the sum."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    ticks = 0
+    for tid in tasks:
+        if int(tid) in skip_ids:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # the thread ended
+        end = stat.rfind(b")")
+        if skip_names and stat[stat.find(b"(") + 1 : end].startswith(skip_names):
+            continue
+        fields = stat[end + 2 :].split()  # state, ppid, ... utime (12th), stime (13th)
+        try:
+            ticks += int(fields[11]) + int(fields[12])
+        except (IndexError, ValueError):
+            continue
+    return ticks / os.sysconf("SC_CLK_TCK")

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from lm_resiliency._proc import threads_cpu_s
 from lm_resiliency.adapters.amp import mark_ours
 from lm_resiliency.adapters.base import (
     NUMERICS_KEYS,
@@ -69,10 +70,12 @@ from lm_resiliency.core.scout.verdicts import (
     DriftDetector,
     HangDetector,
     PhaseTimes,
+    QuietClock,
     SilenceDetector,
     StallDetector,
     StragglerDetector,
     Verdict,
+    closed_peers_verdict,
     desync_verdict,
     fingerprint_verdict,
     next_unmarked,
@@ -312,6 +315,8 @@ ENDED_STEPS = 1024  # step end times kept for detection latencies
 PEERS_SCOPE = "peers/"  # vote keys of verdicts the peer group decides (not only the replica group)
 DENSE_ROUNDS = 8  # audits over which every dense layer of an expert-parallel model is re-executed
 PROBES_PER_ROUND = 4  # link probes one rank sends per round, so probing stays O(1) per rank
+# Names of the threads the library runs in a worker (anyio's and asyncio's pools: the runtime's).
+LIBRARY_THREADS = ("lm-resiliency", "AnyIO worker", "asyncio_")
 SETTLE_S = 3.0  # at most this long, a session closing at its loop's end waits for the last step's judgment
 
 
@@ -386,6 +391,7 @@ class Scout:
             jobwide=self._jobwide,
         )
         self._stalls = StallDetector(phases)
+        self._quiet = QuietClock()  # this process's CPU once every other rank closed its session
         # A peer declared dead stays silent one more heartbeat timeout before it is named cut off.
         self._silences = SilenceDetector(heartbeat_timeout_s)
         self._hold_s = heartbeat_timeout_s  # (at least: see _release_held)
@@ -1523,10 +1529,11 @@ class Scout:
             silent = everyone if self._jobwide else everyone & self._peer_set
             # Peers whose scripts closed their sessions (a loop that ended early leaves its peers
             # waiting in the next collective), with the collectives each had entered when last heard.
+            closed = {r for r, why in self.runtime.departed().items() if why == CLOSED}
             left = {
                 r: self._progress[r].collectives if r in self._progress else -1
-                for r, why in self.runtime.departed().items()
-                if why == CLOSED and (self._jobwide or r in self._peer_set)
+                for r in closed
+                if self._jobwide or r in self._peer_set
             }
             # A lone survivor still judges: in a job of two, the peer it waits for may be the one
             # that went silent (stopped, frozen, cut off) or left, and no third rank would say so.
@@ -1558,12 +1565,35 @@ class Scout:
                 if drift is not None:
                     self._report(drift, among_peers=True)
             if self.config.enable:
+                self._judge_alone(now, own, closed)
                 heard = await self._heard_elsewhere(now, everyone & self._peer_set)
                 for cut in self._silences.observe(
                     now, own.step, everyone, self._peer_set, self._node_of, self.rank, heard
                 ):
                     self._report(cut, among_peers=True)
             await anyio.sleep(self._heartbeat_s)
+
+    def _judge_alone(self, now: float, own: Progress, closed: set[int]) -> None:
+        """Once every other rank of the job has closed its session: whether this one hangs after
+        its loop (closed_peers_verdict), by this process's CPU time outside the library's threads."""
+        if len(closed - {self.rank}) < self.topology.world_size - 1 or self.topology.world_size < 2:
+            self._quiet.reset()
+            return
+        ours = {
+            t.native_id
+            for t in threading.enumerate()
+            if t.native_id is not None and t.name.startswith(LIBRARY_THREADS)
+        }
+        cpu = threads_cpu_s(ours, (b"ZMQbg",))  # (pyzmq's I/O threads are ours too)
+        if cpu is None:
+            return
+        quiet = self._quiet.observe(now, cpu)
+        mine = ProgressValue(
+            own.step, own.collectives, own.in_collective_s, own.idle_s, own.phase, own.in_phase_s
+        )
+        v = closed_peers_verdict(self.rank, mine, quiet, self.config.hang_stall_threshold_s)
+        if v is not None:
+            self._report(v, among_peers=True)
 
     async def _heard_elsewhere(self, now: float, silent: frozenset[int] | set[int]) -> set[int]:
         """The silent peers whose beat counter in the control store went up since they fell silent

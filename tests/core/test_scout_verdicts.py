@@ -8,14 +8,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lm_resiliency.core.scout.verdicts import (
+    IDLE_AFTER_PEERS_CLOSED,
     PEERS_WAIT,
     DriftDetector,
     HangDetector,
     PhaseTimes,
     Progress,
+    QuietClock,
     SilenceDetector,
     StallDetector,
     StragglerDetector,
+    closed_peers_verdict,
     desync_in_trails,
     desync_verdict,
     fingerprint_verdict,
@@ -666,3 +669,28 @@ def test_desync_in_the_trails_of_stopped_ranks_names_the_minority_of_its_replica
     both = {**two, 4: (g2, other), 5: (g2, other), 6: (g2, [(16, b"yy")])}
     v = desync_in_trails(both)
     assert v is not None and v.kind == "collective_desync" and v.ranks == (6,)
+
+
+def test_a_rank_idle_and_quiet_once_its_peers_closed_is_named_hung_after_its_loop() -> None:
+    idle = Progress(step=24, collectives=50, in_collective_s=0.0, idle_s=31.0)
+    v = closed_peers_verdict(1, idle, quiet_s=30.5, threshold_s=30.0)
+    assert v is not None and v.kind == "hang" and v.ranks == (1,) and v.step == 25
+    assert v.reason == IDLE_AFTER_PEERS_CLOSED and v.stall_duration_s == 30.5
+    # Not yet: no progress for less than the threshold, or its process at work meanwhile.
+    assert closed_peers_verdict(1, Progress(24, 50, 0.0, idle_s=29.0), 40.0, 30.0) is None
+    assert closed_peers_verdict(1, idle, quiet_s=12.0, threshold_s=30.0) is None
+    # Inside a collective (its peers' hang_verdict), or in a phase (its own threshold): not this.
+    assert closed_peers_verdict(1, Progress(24, 51, 35.0, idle_s=35.0), 40.0, 30.0) is None
+    saving = Progress(24, 50, 0.0, idle_s=40.0, phase="checkpoint_io", in_phase_s=40.0)
+    assert closed_peers_verdict(1, saving, 40.0, 30.0) is None
+
+
+def test_the_quiet_clock_runs_while_cpu_time_stands_and_restarts_on_work() -> None:
+    q = QuietClock(rate=0.01, slack_s=0.05)
+    assert q.observe(100.0, 5.0) == 0.0
+    assert q.observe(110.0, 5.02) == 10.0  # a tick or two: still quiet
+    assert q.observe(130.0, 5.2) == 30.0  # 0.2 s in 30 s: within 1 % and the slack
+    assert q.observe(131.0, 6.0) == 0.0  # work: it starts again
+    assert q.observe(140.0, 5.0) == 0.0  # a thread that ended took its time out: a change too
+    q.reset()
+    assert q.observe(150.0, 5.0) == 0.0

@@ -647,6 +647,35 @@ def test_a_rank_that_fails_after_the_others_closed_their_sessions_is_restarted_b
     assert _equal(job.final(), baseline)
 
 
+def test_a_rank_that_hangs_after_its_loop_is_named_once_the_others_closed_and_restarted(
+    processes, tmp_path, baseline
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 hangs after its loop (an event never set). Nobody waits for it in a collective, and
+    before, the job never ended. Once every other rank has closed its session, its own SCOUT names
+    it (no progress and no CPU outside the library for the stall threshold), the run restarts, and
+    the next generation ends the script from the last step's capture, bitwise."""
+    job = Job(processes, tmp_path, "hanglast")
+    gens, ctx = _restarted_once(job, {"FAULT": "hanglast", "FAULT_RANK": "1", "HANG_S": "2"})
+    assert ctx["failure_kind"] == "hang" and ctx["checkpoint_step"] == 24, ctx
+    assert "idle_after_peers_closed" in job.logs(), job.logs()
+    assert gens[1]["start"] == 24, gens
+    assert _equal(job.final(), baseline)
+
+
+def test_a_rank_at_work_after_its_loop_is_not_named_while_the_others_wait(
+    processes, tmp_path, baseline
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1's main thread waits 3x the stall threshold after its loop for a thread of its own
+    that computes (a save, an upload, an evaluation of its own): its process uses CPU, so it is
+    not the hang above. The run ends in its first generation."""
+    job = Job(processes, tmp_path, "busylast")
+    job.start({"FAULT": "busylast", "FAULT_RANK": "1", "HANG_S": "2", "BUSY_S": "6"})
+    job.wait()
+    assert list(job.generations()) == [0], job.logs()
+    assert "idle_after_peers_closed" not in job.logs(), job.logs()
+    assert _equal(job.final(), baseline)
+
+
 @pytest.fixture(scope="module")
 def augmented_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """An uninterrupted run of the loop that draws noise before each forward, its scheduler

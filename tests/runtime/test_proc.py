@@ -125,3 +125,33 @@ def test_stopped_workers_are_continued_once_a_sibling_worker_has_ended(
     os.kill(other.pid, signal.SIGKILL)
     _until(other.pid, lambda s: s == "Z")  # ended, not reaped yet
     assert mates.check() == [stopped.pid]
+
+
+def test_threads_cpu_time_counts_the_scripts_threads_and_not_the_skipped_ones() -> None:
+    import threading
+
+    spun, release = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        release.wait(30)  # alive: its time stays in the sum
+
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        assert spun.wait(30)
+        assert t.native_id is not None
+        everything = _proc.threads_cpu_s(set())
+        without = _proc.threads_cpu_s({t.native_id})
+        assert everything is not None and without is not None
+        assert everything - without >= 0.25  # (clock ticks: 10 ms at most each way)
+        with open("/proc/self/comm", "rb") as f:
+            comm = f.read().strip()
+        named = _proc.threads_cpu_s(set(), (comm,))  # the spinner has the process's name
+        assert named is not None and named <= everything - 0.25
+    finally:
+        release.set()
+        t.join(30)

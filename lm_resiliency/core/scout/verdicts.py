@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "CHECKPOINT_IO_CODE",
+    "IDLE_AFTER_PEERS_CLOSED",
     "LEFT",
     "MODULE_CODE",
     "PEERS_WAIT",
@@ -56,10 +57,12 @@ __all__ = [
     "HangDetector",
     "PhaseTimes",
     "Progress",
+    "QuietClock",
     "SilenceDetector",
     "StallDetector",
     "StragglerDetector",
     "Verdict",
+    "closed_peers_verdict",
     "desync_in_trails",
     "desync_verdict",
     "fingerprint_verdict",
@@ -553,6 +556,55 @@ class HangDetector:
             return None
         self._open = key
         return v
+
+
+# The reason of a rank hung after its loop: every other rank closed its session, it did not.
+IDLE_AFTER_PEERS_CLOSED = "idle_after_peers_closed"
+
+
+def closed_peers_verdict(rank: int, own: Progress, quiet_s: float, threshold_s: float) -> Verdict | None:
+    """Called while every other rank of the job has closed its session (their loops ended) and
+    this one has not. Its training thread in no collective and no phase, with no progress for
+    `threshold_s`, and its process (the library's threads aside) using no CPU for as long
+    (`quiet_s`, see QuietClock): hung after its last step (a lock, an event never set, a wait on
+    something that never comes), a hang of `rank`.
+
+    Nobody waits for it in a collective, so `hang_verdict` never names it; its peers' workers wait
+    for it at their close for a while, and the job never ended (outsider 57: a hang right after the
+    last step). A rank busy with work of its own after its loop (saving, uploading, evaluating)
+    uses CPU, and is not named."""
+    if own.in_collective_s > 0 or own.phase:
+        return None  # a collective's peers (hang_verdict) or its phase's threshold (StallDetector)
+    if own.idle_s < threshold_s or quiet_s < threshold_s:
+        return None
+    return Verdict(
+        "hang",
+        (rank,),
+        own.step + 1,
+        IDLE_AFTER_PEERS_CLOSED,
+        f"every other rank closed its session; rank {rank} made no progress after step {own.step} "
+        f"for {own.idle_s:.1f}s, its process using no CPU for {quiet_s:.1f}s (hung after its loop)",
+        stall_duration_s=min(own.idle_s, quiet_s),
+    )
+
+
+class QuietClock:
+    """How long a CPU-time counter (seconds) has grown by at most `rate` of the time passed, plus
+    `slack_s` (a clock tick or two): a process waiting on something idles at ~0, one at work does
+    not. Any other change (a thread that ended takes its CPU time out of the sum) starts it again."""
+
+    def __init__(self, rate: float = 0.01, slack_s: float = 0.05) -> None:
+        self.rate, self.slack_s = rate, slack_s
+        self._anchor: tuple[float, float] | None = None  # (cpu, now) when the quiet began
+
+    def observe(self, now: float, cpu: float) -> float:
+        a = self._anchor
+        if a is None or abs(cpu - a[0]) > self.rate * (now - a[1]) + self.slack_s:
+            self._anchor = a = (cpu, now)
+        return now - a[1]
+
+    def reset(self) -> None:
+        self._anchor = None
 
 
 class StallDetector:

@@ -20,6 +20,9 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
              capture of the step before is in place
   late    -- after the loop, once every other rank's worker has ended (or waits for the others at
              its session's close), rank FAULT_RANK fails (an exception in the script's own end)
+  hanglast -- after the loop, rank FAULT_RANK hangs for good (a wait on something that never comes)
+  busylast -- after the loop, rank FAULT_RANK's main thread waits BUSY_S for a thread of its own
+             that computes meanwhile (work after the loop, not a hang)
   mismatch -- rank FAULT_RANK all-reduces a tensor of its own before step FAULT_STEP's forward, where
              its peers all-reduce their gradients (gloo aborts some process on the sizes)
 TP=1: tensor parallel within each node (run with 2 ranks per node), DDP(device_mesh=) across them;
@@ -233,6 +236,18 @@ if fault == "late":
             assert time.monotonic() < deadline, "the other ranks never ended"
             time.sleep(0.05)  # polling the other workers' ends
         raise RuntimeError("the script's own failure after its loop")
+if fault == "hanglast" and rank == fault_rank:
+    threading.Event().wait()  # SCOUT must name it once the others closed their sessions
+if fault == "busylast" and rank == fault_rank:
+
+    def work(until: float) -> None:
+        a = torch.randn(128, 128)
+        while time.monotonic() < until:
+            a = torch.tanh(a @ a)
+
+    worker = threading.Thread(target=work, args=(time.monotonic() + float(os.environ["BUSY_S"]),))
+    worker.start()
+    worker.join()
 if TP:  # each rank its shards (the model's state_dict lacks them under DDP + TP: DDP's list has all)
     held = {str(i): p.detach().clone() for i, p in enumerate(model._module_parameters)}
     torch.save(held, f"{os.environ['OUT']}.rank{rank}")
