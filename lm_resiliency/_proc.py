@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 
 __all__ = [
     "StoppedMates",
@@ -122,13 +123,19 @@ class StoppedMates:
     lets the worker flush on its way out. Only children whose environment holds `marker` (a
     variable torchrun gives its workers) count: the agent has others (the control store's host it
     started, a zombie for a while when another agent's came first). Call `check()` periodically;
-    it returns the pids it continued."""
+    it returns the pids it continued.
+
+    `ending()` (asked only while a worker is stopped) says the job's end has begun elsewhere (a
+    rank closed its session at its script's end): nobody will wait for a stopped worker in a
+    collective any more, and one that stopped after its last step is continued to end as well.
+    Before, with the job's other workers waiting at their close, it stayed stopped until their wait
+    ran out (outsider 58: 134 s for a run of 16)."""
 
     def __init__(self, marker: bytes, parent: int | None = None) -> None:
         self.marker, self.parent = marker, parent
         self._seen: set[int] = set()  # the workers that lived at the last check
 
-    def check(self) -> list[int]:
+    def check(self, ending: Callable[[], bool] | None = None) -> list[int]:
         kids = children(self.parent)
         # (A child is read again until it shows the marker: between its fork and its exec it has
         # the agent's environment.)
@@ -139,9 +146,10 @@ class StoppedMates:
         }
         ended = bool(self._seen - workers.keys()) or any(s in (b"Z", b"X") for s in workers.values())
         self._seen = {pid for pid, s in workers.items() if s not in (b"Z", b"X")}
-        if not ended:
+        stopped = [pid for pid, s in workers.items() if s == b"T"]
+        if not stopped or not (ended or (ending is not None and ending())):
             return []
-        return _continue([pid for pid, s in workers.items() if s == b"T"])
+        return _continue(stopped)
 
 
 def _has_env(pid: int, name: bytes) -> bool:

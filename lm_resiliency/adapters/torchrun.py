@@ -444,12 +444,13 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
 
     def continued_stopped_workers(self, pids: list[int]) -> None:
         """torchrun stops the workers next (SIGTERM): a worker someone SIGSTOPped would take it only
-        after torchrun's shutdown timeout, as a SIGKILL, and flush nothing. These were continued
+        after torchrun's shutdown timeout, as a SIGKILL, and flush nothing. Or the job's other
+        ranks have ended their scripts, and nobody waits for it any more. These were continued
         first: say so."""
         for pid in pids:
             log.warning(
                 "node %s: worker pid %d was stopped (SIGSTOP/SIGTSTP); continued it so that it takes "
-                "the restart's SIGTERM",
+                "the restart's SIGTERM, or ends with the job",
                 self.node_id,
                 pid,
             )
@@ -868,7 +869,7 @@ class _Pulse:
         failing = 0  # ticks failed in a row: the first is logged with its traceback, the rest counted
         while not self._stop_evt.is_set():
             try:
-                h.continued_stopped_workers(self._mates.check())
+                h.continued_stopped_workers(self._mates.check(self._job_ending))
             except Exception:
                 log.debug("could not look for stopped workers", exc_info=True)
             try:
@@ -890,6 +891,14 @@ class _Pulse:
             s = self.state
             busy = s is not None and s.phase in (rs.FORMING, rs.RESTARTING)
             self._stop_evt.wait(h.poll_s / 5 if busy else h.poll_s)
+
+    def _job_ending(self) -> bool:
+        """Whether a rank of this node's generation closed its session at its script's end (its
+        count in the control store: ControlChannel.finish)."""
+        control, gen = self._control, self.h._generation
+        if control is None or gen < 0:
+            return False
+        return int(control.store.add(control.key(f"finished/g{gen}"), 0)) > 0
 
     def _tick(self, now: float) -> None:
         control = self._control

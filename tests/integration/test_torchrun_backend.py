@@ -676,6 +676,21 @@ def test_a_rank_at_work_after_its_loop_is_not_named_while_the_others_wait(
     assert _equal(job.final(), baseline)
 
 
+def test_a_worker_stopped_after_its_last_step_is_continued_to_end_with_the_job(
+    processes, tmp_path, baseline
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 (alone on its node) stops itself (SIGSTOP) after the last step. Nobody waits for it
+    in a collective and no node-mate of its ends: before, it stayed stopped, and the job never
+    ended. Once a rank of its generation closed its session, its agent continues it, and it ends
+    its script with the others, in the first generation."""
+    job = Job(processes, tmp_path, "stoplast")
+    job.start({"FAULT": "stop", "FAULT_RANK": "1", "FAULT_STEP": "24"})
+    job.wait()
+    assert list(job.generations()) == [0], job.logs()
+    assert "was stopped (SIGSTOP/SIGTSTP); continued it" in job.logs(), job.logs()
+    assert _equal(job.final(), baseline)
+
+
 @pytest.fixture(scope="module")
 def augmented_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     """An uninterrupted run of the loop that draws noise before each forward, its scheduler

@@ -127,6 +127,36 @@ def test_stopped_workers_are_continued_once_a_sibling_worker_has_ended(
     assert mates.check() == [stopped.pid]
 
 
+def test_a_stopped_worker_is_continued_once_the_jobs_end_has_begun(
+    spawned: list[subprocess.Popen[bytes]],
+) -> None:
+    """A worker stopped while its siblings all live is continued once `ending()` says a rank of
+    the job closed its session at its script's end; `ending` is asked only while one is stopped."""
+    code = "import time; time.sleep(120)"
+    env = {**os.environ, "TEST_WORKER_MARK": "run-1"}
+    stopped, mate = (subprocess.Popen([sys.executable, "-c", code], env=env) for _ in range(2))
+    spawned += [stopped, mate]
+    deadline = time.monotonic() + 20
+    while not all(_proc._has_env(p.pid, b"TEST_WORKER_MARK") for p in (stopped, mate)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)  # until every child has exec'd (its own environment)
+    asked: list[bool] = []
+    ending = [False]
+
+    def job_ending() -> bool:
+        asked.append(ending[0])
+        return ending[0]
+
+    mates = StoppedMates(b"TEST_WORKER_MARK")
+    assert mates.check(job_ending) == [] and asked == []  # nobody stopped: not asked
+    os.kill(stopped.pid, signal.SIGSTOP)
+    _until(stopped.pid, lambda s: s == "T")
+    assert mates.check(job_ending) == [] and asked == [False]
+    ending[0] = True
+    assert mates.check(job_ending) == [stopped.pid]
+    _until(stopped.pid, lambda s: s != "T")
+
+
 def test_threads_cpu_time_counts_the_scripts_threads_and_not_the_skipped_ones() -> None:
     import threading
 
