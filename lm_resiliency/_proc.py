@@ -175,15 +175,44 @@ def host_key() -> str:
     return f"{boot}:{ns}" if boot else ""
 
 
+def _cpu_ticks(stat: bytes, children: bool) -> int:
+    """utime + stime (+ cutime + cstime: its children that ended and were waited for) of a stat line."""
+    fields = stat[stat.rfind(b")") + 2 :].split()  # state, ppid, ... utime (12th), stime, cutime, cstime
+    try:
+        return int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if children else 0)
+    except (IndexError, ValueError):
+        return 0
+
+
 def threads_cpu_s(skip_ids: set[int], skip_names: tuple[bytes, ...] = ()) -> float | None:
     """CPU seconds (user + system) of this process's threads but those whose native id is in
-    `skip_ids` or whose kernel name starts with one of `skip_names`. None where /proc is
-    unavailable. A thread that ended takes its time out of the sum."""
+    `skip_ids` or whose kernel name starts with one of `skip_names`, and of its descendants (those
+    alive, and those that ended and were waited for): a script that waits for a program it runs
+    (an upload by `aws s3 cp`) is at work. None where /proc is unavailable. A thread that ended
+    takes its time out of the sum."""
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return None
     ticks = 0
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        ticks += _cpu_ticks(stat, True) - _cpu_ticks(stat, False)  # (the threads are read below)
+    except OSError:
+        pass
+    todo, seen = list(children()), set[int]()
+    while todo and len(seen) < 4096:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                ticks += _cpu_ticks(f.read(), True)
+        except OSError:
+            continue  # it ended
+        todo += children(pid)
     for tid in tasks:
         if int(tid) in skip_ids:
             continue
@@ -192,12 +221,7 @@ def threads_cpu_s(skip_ids: set[int], skip_names: tuple[bytes, ...] = ()) -> flo
                 stat = f.read()
         except OSError:
             continue  # the thread ended
-        end = stat.rfind(b")")
-        if skip_names and stat[stat.find(b"(") + 1 : end].startswith(skip_names):
+        if skip_names and stat[stat.find(b"(") + 1 : stat.rfind(b")")].startswith(skip_names):
             continue
-        fields = stat[end + 2 :].split()  # state, ppid, ... utime (12th), stime (13th)
-        try:
-            ticks += int(fields[11]) + int(fields[12])
-        except (IndexError, ValueError):
-            continue
+        ticks += _cpu_ticks(stat, False)
     return ticks / os.sysconf("SC_CLK_TCK")

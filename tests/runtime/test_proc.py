@@ -185,3 +185,26 @@ def test_threads_cpu_time_counts_the_scripts_threads_and_not_the_skipped_ones() 
     finally:
         release.set()
         t.join(30)
+
+
+def test_threads_cpu_time_counts_the_programs_the_script_runs(spawned: list[subprocess.Popen[bytes]]) -> None:
+    """A script waiting for a program it runs (an upload by a command-line tool) is at work: the
+    program's CPU time counts, while it runs and once it ended and was waited for."""
+    code = (
+        "import sys, time\n"
+        "end = time.process_time() + 0.3\n"
+        "while time.process_time() < end: pass\n"
+        "print('spun', flush=True); sys.stdin.read()"
+    )
+    before = _proc.threads_cpu_s(set())
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    spawned.append(child)
+    assert child.stdout is not None and child.stdin is not None
+    assert child.stdout.readline() == b"spun\n"  # (a blocking read: this process spends nothing)
+    running = _proc.threads_cpu_s(set())
+    child.stdin.close()
+    child.wait(30)
+    child.stdout.close()
+    ended = _proc.threads_cpu_s(set())
+    assert before is not None and running is not None and ended is not None
+    assert running - before >= 0.25 and ended >= running - 0.02
