@@ -898,7 +898,9 @@ class _Pulse:
         control, gen = self._control, self.h._generation
         if control is None or gen < 0:
             return False
-        return int(control.store.add(control.key(f"finished/g{gen}"), 0)) > 0
+        from lm_resiliency.runtime.control import finished_key
+
+        return int(control.store.add(control.key(finished_key(gen)), 0)) > 0
 
     def _tick(self, now: float) -> None:
         control = self._control

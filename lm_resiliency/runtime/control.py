@@ -25,9 +25,16 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["BEAT_S", "ControlChannel"]
+__all__ = ["BEAT_S", "ControlChannel", "finished_key"]
 
 BEAT_S = 1.0  # a beating rank's counter in the store goes up this often
+
+
+def finished_key(generation: int) -> str:
+    """The key, under the run's prefix, that counts the sessions of `generation` closed at their
+    script's end (ControlChannel.finish; the agents read it too)."""
+    return f"finished/g{generation}"
+
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +157,7 @@ class ControlChannel:
         run's restart wait for this node forever."""
         try:
             store = self._open(timedelta(seconds=2))
-            key = f"{self.prefix}finished/g{generation}"
+            key = self.prefix + finished_key(generation)
             count = int(store.add(key, 1))
             deadline = time.monotonic() + timeout_s
             wait = poll_s[0]

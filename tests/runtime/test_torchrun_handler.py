@@ -1197,7 +1197,7 @@ def test_a_closed_session_waits_until_every_rank_of_its_generation_closed_too(st
     """ControlChannel.finish: each rank counts itself closed in its generation and waits for the
     others (or its bound, or `stop`), so a worker whose peer fails later is still there for the
     restart to stop."""
-    from lm_resiliency.runtime.control import ControlChannel
+    from lm_resiliency.runtime.control import ControlChannel, finished_key
 
     chans = [ControlChannel(f"tcp://127.0.0.1:{store.port}", "finish-run") for _ in range(3)]
     got: dict[int, int] = {}
@@ -1210,7 +1210,7 @@ def test_a_closed_session_waits_until_every_rank_of_its_generation_closed_too(st
             t.start()
         reader = TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
         deadline = time.monotonic() + 30
-        while reader.add("lmr/finish-run/finished/g0", 0) < 2:
+        while reader.add("lmr/finish-run/" + finished_key(0), 0) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.01)  # polling the store's count
         assert all(t.is_alive() for t in waiting) and got == {}  # rank 2 has not closed yet

@@ -217,6 +217,8 @@ def ended_or_waiting(r: int) -> bool:
     the control store: see ControlChannel.finish)."""
     from torch.distributed import TCPStore
 
+    from lm_resiliency.runtime.control import finished_key
+
     try:
         with open(f"{os.environ['OUT']}.pid{r}") as f:
             os.kill(int(f.read()), 0)
@@ -224,7 +226,7 @@ def ended_or_waiting(r: int) -> bool:
         return True
     host, port = os.environ["LM_RESILIENCY_CONTROL_STORE"].split("://", 1)[1].rsplit(":", 1)
     store = TCPStore(host, int(port), is_master=False, wait_for_workers=False)
-    return store.add(f"lmr/{os.environ['TORCHELASTIC_RUN_ID']}/finished/g{gen}", 0) >= world - 1
+    return store.add(f"lmr/{os.environ['TORCHELASTIC_RUN_ID']}/{finished_key(gen)}", 0) >= world - 1
 
 
 if fault == "late":
