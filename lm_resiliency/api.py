@@ -256,6 +256,30 @@ def _schedulers_of_chain(chain: Any, given: Any, live: list[Any]) -> Any:
     return SchedulerChain(unique)
 
 
+def _schedulers_for(optimizer: Any, given: Any, live: list[Any]) -> Any:
+    """The scheduler(s) to capture with `optimizer` (an `OptimizerChain`: with each member)."""
+    from lm_resiliency.adapters.chain import OptimizerChain
+
+    if isinstance(optimizer, OptimizerChain):
+        return _schedulers_of_chain(optimizer, given, live)
+    return _scheduler_of(optimizer, given, live)
+
+
+def captured_with(optimizer: Any) -> tuple[Any, Any, Any]:
+    """What a session given `optimizer` (one, or a list: held as one) and no scheduler captures:
+    (the optimizer as it holds it, the scheduler(s) stepping it, the job's GradScaler), found as
+    `enable_resiliency` finds them (a restore without a session: `gemini.local`)."""
+    from torch.optim import Optimizer
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    from lm_resiliency.adapters.chain import OptimizerChain
+
+    if isinstance(optimizer, (list, tuple)):
+        optimizer = OptimizerChain(optimizer) if len(optimizer) != 1 else optimizer[0]
+    live = live_instances(Optimizer, LRScheduler, ReduceLROnPlateau)
+    return optimizer, _schedulers_for(optimizer, None, live), _grad_scaler()
+
+
 def _scheduler_of(optimizer: Any, given: Any, live: list[Any]) -> Any:
     """The scheduler to capture with `optimizer`: the one given, or the one found stepping it. One
     given that is part of a SequentialLR or ChainedScheduler is replaced by that one, whose state
@@ -590,11 +614,7 @@ def enable_resiliency(
         live = [o for o in live if not isinstance(o, (_BaseDataLoaderIter, DataLoader))]
         _refuse_an_engines_module(model, live)
         _warn_of_other_optimizers(model, optimizer, live)
-        opt_param_scheduler = (
-            _schedulers_of_chain(optimizer, opt_param_scheduler, live)
-            if isinstance(optimizer, OptimizerChain)
-            else _scheduler_of(optimizer, opt_param_scheduler, live)
-        )
+        opt_param_scheduler = _schedulers_for(optimizer, opt_param_scheduler, live)
         grad_scaler = _grad_scaler()
     adapter = PyTorchAdapter(model, optimizer, group=group, parallelism_info=parallelism_info)
     if fw == "deepspeed":  # its gradients before its own all-reduce, for SCOUT's replay

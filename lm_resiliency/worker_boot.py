@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -143,6 +144,21 @@ def _trained_plain(module: Any, optimizers: Any) -> bool:
     return not live_instances(DistributedDataParallel, *(k for k in wrappers if k is not None))
 
 
+def _sharded_root() -> list[Any]:
+    """The model an FSDP script trains, as its first forward would find it: the one outermost
+    FullyShardedDataParallel or `fully_shard`ed module ([] where none, or several, exist)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kinds = [k for k in (getattr(fsdp, n, None) for n in ("FullyShardedDataParallel", "FSDPModule")) if k]
+    if not kinds:
+        return []
+    from lm_resiliency.adapters.base import live_instances
+
+    found = live_instances(*kinds)
+    inner = {id(m) for f in found for m in f.modules() if m is not f}
+    roots = [f for f in found if id(f) not in inner]
+    return roots if len(roots) == 1 else []
+
+
 def _pipeline_stages() -> bool:
     """Whether this process holds a `torch.distributed.pipelining` stage: not instrumented at a
     forward, as enabling is collective and a stage's first forward comes only after the stage
@@ -209,8 +225,10 @@ def auto_instrument(policy_path: str) -> None:
         if not _data_parallel(target, outermost=outer):
             plain = outer and _trained_plain(target, optimizers)
             if not plain:
+                restore_before_read(target)  # (an evaluation of the model before any step)
                 return
         state["done"] = True
+        disarm()
         # The hook lists were copied for this call: removing ours now is safe.
         for handle in state["handles"]:
             handle.remove()
@@ -230,24 +248,21 @@ def auto_instrument(policy_path: str) -> None:
             return None
         return _run_added_pre_hooks(module, args, before)
 
-    def enable(module: Any, target: Any, what: str) -> Any:
-        """The session on `module` with the policy's settings (None: refused, said why)."""
+    def held_parts(module: Any, target: Any, engine: bool) -> tuple[Any, Any, str]:
+        """What a session on `module` (`target`: as uncompiled) holds: the model, the optimizer
+        (None: none; a list: a chain) and a word on them. A DeepSpeed engine owns its optimizer
+        and scheduler (adapters/deepspeed.py); for another model, every optimizer stepping its
+        parameters (Muon and AdamW: held as one, see adapters/chain.py), found in the order they
+        were made."""
         from lm_resiliency.adapters.chain import outermost
-        from lm_resiliency.api import enable_resiliency
-        from lm_resiliency.config import load_policy, policy_kwargs
-        from lm_resiliency.errors import UnsupportedFrameworkError
 
-        # A DeepSpeed engine owns its optimizer and scheduler (adapters/deepspeed.py); for another
-        # model, every optimizer stepping its parameters (Muon and AdamW: held as one, see
-        # adapters/chain.py), found in the order they were made.
-        engine = "DeepSpeedEngine" in {c.__name__ for c in type(target).__mro__}
-        held = module
+        held, what = module, ""
         models = [d for d, _ in sorted(ddps.items(), key=lambda kv: kv[1])]
         if module is target and target in ddps and len(models) > 1:
             # Every DDP model the script made so far (a GAN's pair): before, the one called first
             # alone, and a restart started the other afresh (it only said so).
             held = torch.nn.ModuleDict({str(i): d for i, d in enumerate(models)})
-            what += f"{len(models)} DDP models, "
+            what = f"{len(models)} DDP models, "
         ids = {id(p) for p in held.parameters()}
         order = sorted(optimizers.items(), key=lambda kv: kv[1])
         mine = (
@@ -260,7 +275,17 @@ def auto_instrument(policy_path: str) -> None:
         stepped = [id(p) for o in mine for g in o.param_groups for p in g["params"]]
         if len(set(stepped)) != len(stepped):  # two step the same parameters: not a chain; the first
             mine = mine[:1]
-        opt: Any = mine if len(mine) > 1 else next(iter(mine), None)
+        return held, (mine if len(mine) > 1 else next(iter(mine), None)), what
+
+    def enable(module: Any, target: Any, what: str) -> Any:
+        """The session on `module` with the policy's settings (None: refused, said why)."""
+        from lm_resiliency.api import enable_resiliency
+        from lm_resiliency.config import load_policy, policy_kwargs
+        from lm_resiliency.errors import UnsupportedFrameworkError
+
+        engine = "DeepSpeedEngine" in {c.__name__ for c in type(target).__mro__}
+        held, opt, more = held_parts(module, target, engine)
+        what += more
         # The scheduler stepping `opt` is found by enable_resiliency (a SequentialLR as one).
         try:
             session = enable_resiliency(
@@ -288,6 +313,7 @@ def auto_instrument(policy_path: str) -> None:
         if not isinstance(module, torch.nn.Module):
             return  # (several stages per rank: the first optimizer step says it is not instrumented)
         state["done"] = True
+        disarm()
         for handle in state["handles"]:
             handle.remove()
         from lm_resiliency.api import open_session
@@ -320,24 +346,114 @@ def auto_instrument(policy_path: str) -> None:
             )
 
     planned = os.environ.get("LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", "")
+    reads: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, ours): see read_restores
+
+    def restore_before_read(module: Any = None) -> None:
+        """The script reads its state (a `state_dict()`, a `torch.save`, a forward of a module
+        its DDP model holds) before any session opened in a restart: restore the planned step
+        here, from this node's memory (else the durable tier), once, with no peer. A loop with no
+        step left runs no forward to restore it at: before, the script saved or evaluated the
+        state it made (NOT RESTORED, below). Done before a loop's first forward, that forward's
+        session restores the step again, as always."""
+        from lm_resiliency.api import open_session
+
+        if not reads:
+            return
+        if state["done"] or open_session() is not None:
+            disarm()
+            return
+        models = [d for d, _ in sorted(ddps.items(), key=lambda kv: kv[1])] or _sharded_root()
+        if not models or (module is not None and id(module) not in held_modules(models)):
+            return
+        held, opt, _ = held_parts(models[0], models[0], False)
+        if opt is None:
+            return  # (no optimizer yet: a later read)
+        disarm()
+        from lm_resiliency.config import load_policy, read_environment
+        from lm_resiliency.gemini.local import restore_planned
+
+        policy = load_policy(policy_path)
+        if not (policy.enable_checkpoint and policy.checkpoint.enable):
+            return
+        rank, world = (
+            (torch.distributed.get_rank(), torch.distributed.get_world_size())
+            if torch.distributed.is_available() and torch.distributed.is_initialized()
+            else (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+        )
+        try:
+            tier = restore_planned(
+                held,
+                opt,
+                int(planned),
+                rank=rank,
+                world_size=world,
+                env=read_environment(),
+                checkpoint=policy.checkpoint,
+                durable_folder=policy.durable.folder if policy.durable else None,
+            )
+        except Exception as exc:  # (a copy damaged since the plan, a model that changed): said at exit
+            state["unrestored"] = f"{type(exc).__name__}: {exc}"
+            return
+        state["restored"] = True
+        sys.stderr.write(
+            f"lm_resiliency: restored step {planned} (rank {rank}, from this node's "
+            f"{'memory' if tier == 'local' else 'durable copy'}) when the script read its state "
+            "before any forward of its model\n"
+        )
+
+    def held_modules(models: list[Any]) -> set[int]:
+        key = tuple(id(m) for m in models)
+        if state.get("held_key") != key:
+            state["held_key"] = key
+            state["held_ids"] = {id(m) for d in models for m in d.modules()}
+        held_ids: set[int] = state["held_ids"]
+        return held_ids
+
+    def read_restores(owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def ours(*args: Any, **kwargs: Any) -> Any:
+            restore_before_read()
+            return original(*args, **kwargs)
+
+        setattr(owner, name, ours)
+        reads.append((owner, name, original, ours))
+
+    def disarm() -> None:
+        for owner, name, original, ours in reads:
+            if getattr(owner, name) is ours:  # (else wrapped again since: left alone)
+                setattr(owner, name, original)
+        reads.clear()
+
     if planned.isdigit() and int(planned) > 0:
+        for owner, name in (
+            (torch.nn.Module, "state_dict"),
+            (torch.optim.Optimizer, "state_dict"),
+            (torch, "save"),
+        ):
+            read_restores(owner, name)
 
         def never_restored() -> None:
-            """A restart resumed at a step whose restore waits for the first forward, and none came:
-            the loop had no step left (the failure came after the last step's capture: an
-            exception in the final save or evaluation). What the script did after its loop (a
-            final save) holds the state it made, not the step's: say so, loudly."""
+            """A restart resumed at a step whose restore waits for the first forward, and none came
+            (the loop had no step left: the failure came after the last step's capture), and the
+            script read nothing a restore here could precede (above), or that restore failed.
+            What the script did after its loop holds the state it made, not the step's: say so,
+            loudly."""
             from lm_resiliency.api import sessions_started
 
-            if not state["done"] and sessions_started() == 0:  # (done: enabling was tried, said why)
-                sys.stderr.write(
-                    f"lm_resiliency: NOT RESTORED: this restart was to resume at step {planned}, "
-                    "which zero-import instrumentation restores at the model's first forward, and "
-                    "the script made none (its loop had no step left to run). Its model and "
-                    "optimizer stayed as the script made them: anything it saved or evaluated after "
-                    "its loop is not step " + planned + "'s state. Call enable_resiliency yourself, "
-                    "before the loop: it restores at once.\n"
-                )
+            if state.get("restored") or state["done"] or sessions_started() > 0:
+                return  # (done: enabling was tried, said why)
+            why = state.get("unrestored")
+            sys.stderr.write(
+                f"lm_resiliency: NOT RESTORED: this restart was to resume at step {planned}, "
+                "which zero-import instrumentation restores at the model's first forward, and "
+                "the script made none (its loop had no step left to run)"
+                + (f"; restoring it when the script read its state failed: {why}" if why else "")
+                + ". Its model and optimizer stayed as the script made them: anything it saved or "
+                "evaluated after its loop is not step " + planned + "'s state. Call "
+                "enable_resiliency yourself, before the loop: it restores at once.\n"
+            )
 
         atexit.register(never_restored)
     state["handles"] = [

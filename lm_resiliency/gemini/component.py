@@ -51,14 +51,14 @@ from lm_resiliency.gemini.iterators import IteratorWatch
 from lm_resiliency.gemini.loopwatch import LoopWatch
 from lm_resiliency.gemini.state import (
     TensorSpec,
+    aligned,
     apply_state,
     collect_state,
-    dtype_from_name,
+    decode_payload,
     flatten,
     loader_positions,
     materialize,
     rng_state,
-    unflatten,
 )
 from lm_resiliency.runtime.shm import (
     HEADER_SIZE,
@@ -75,7 +75,6 @@ from lm_resiliency.runtime.transport import PeerLeft
 __all__ = ["Gemini", "GeminiStats"]
 
 log = logging.getLogger(__name__)
-ALIGN = 64
 CAPTURE_WAIT_S = 2.0  # the longest a capture waits for a free slot before it is skipped
 # A replica's transfer pins its slot until the holder acknowledges it. Its deadline: 120 s while no
 # transfer has completed (the first may be a large state over a slow link), then 8x the last
@@ -139,10 +138,6 @@ def _evaluating(module: Any) -> bool:
 
 class ReplicaAbandoned(Exception):
     """A replica given up before its deadline: a capture needed its slot."""
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass
@@ -828,19 +823,7 @@ class Gemini:
             h = self._checked(fresh, slot, step)
             self._verified.pop(slot.path, None)  # loaded: the next capture into it rewrites it
             payload = fresh.payload(h)
-            skeleton, raw_specs = msgpack.unpackb(bytes(payload[: h.index_len]), raw=False)
-            specs = [TensorSpec(d, tuple(s), n) for d, s, n in raw_specs]
-            tensors: list[torch.Tensor] = []
-            off = _align(h.index_len)
-            for spec in specs:
-                dt = dtype_from_name(spec.dtype)
-                if spec.nbytes == 0:
-                    tensors.append(torch.empty(spec.shape, dtype=dt))
-                else:
-                    raw = torch.frombuffer(payload, dtype=torch.uint8, count=spec.nbytes, offset=off)
-                    tensors.append(raw.view(dt).reshape(spec.shape))  # a view: no copy yet
-                off += _align(spec.nbytes)
-            state = unflatten(skeleton, tensors)
+            state = decode_payload(payload, h.index_len)
             # One copy out of shared memory, into the live tensors where they exist: fresh memory
             # costs a page fault per 4 KiB, which made a restore slower than the copy itself.
             materialize(state, self.model, self.optimizer)
@@ -851,7 +834,7 @@ class Gemini:
                 self._restored_scaler = scaler_values(state["scaler"])
             self.restored_loaders = loader_positions(state.get("loaders"))
             self.iterators.restore(state.get("iterators"))
-            del state, tensors, payload
+            del state, payload
         finally:
             if close:
                 fresh.close()
@@ -861,7 +844,7 @@ class Gemini:
         state = collect_state(self.model, self.optimizer, self.scheduler, self.extra_state_fn, 0, self.scaler)
         skeleton, _, specs = flatten(state)
         index_len = len(msgpack.packb([skeleton, [[s.dtype, list(s.shape), s.nbytes] for s in specs]]))
-        payload = _align(index_len + 4096) + sum(_align(s.nbytes) for s in specs)
+        payload = aligned(index_len + 4096) + sum(aligned(s.nbytes) for s in specs)
         size = HEADER_SIZE + payload + n_chunks(payload, self.chunk) * 16
         for k, slot in enumerate(self._own):
             if k not in self._own_step:
@@ -1388,7 +1371,7 @@ class Gemini:
         skeleton, tensors, specs = flatten(state)
         layout = msgpack.packb([[s.dtype, list(s.shape), s.nbytes] for s in specs], use_bin_type=True)
         index = b"\x92" + msgpack.packb(skeleton, use_bin_type=True) + layout  # [skeleton, layout]
-        payload_len = _align(len(index)) + sum(_align(s.nbytes) for s in specs)
+        payload_len = aligned(len(index)) + sum(aligned(s.nbytes) for s in specs)
         header = SlotHeader(
             step,
             self.rank,
@@ -1423,7 +1406,7 @@ class Gemini:
         view = slot.view()
         view[HEADER_SIZE : HEADER_SIZE + len(index)] = index
         del view
-        dsts = self._slot_views(k, HEADER_SIZE + _align(len(index)), layout, tensors, specs)
+        dsts = self._slot_views(k, HEADER_SIZE + aligned(len(index)), layout, tensors, specs)
         pairs = [(d, t) for d, t in zip(dsts, tensors, strict=True) if d is not None]
         pairs, first = self._forward_mutable_first(pairs)
         completion = self._copier.copy(pairs, first)
@@ -1459,7 +1442,7 @@ class Gemini:
         self._views.pop(k, None)
         sizes: list[int] = []
         for spec in specs:
-            sizes += (spec.nbytes, _align(spec.nbytes) - spec.nbytes)
+            sizes += (spec.nbytes, aligned(spec.nbytes) - spec.nbytes)
         buf = torch.frombuffer(slot.view(), dtype=torch.uint8)
         parts = buf[base : base + sum(sizes)].split_with_sizes(sizes)
         dsts: list[torch.Tensor | None] = [

@@ -34,9 +34,11 @@ from lm_resiliency.errors import CheckpointMismatchError
 __all__ = [
     "LocalShard",
     "TensorSpec",
+    "aligned",
     "apply_state",
     "check_fits",
     "collect_state",
+    "decode_payload",
     "flatten",
     "load_optimizer_state",
     "loader_positions",
@@ -48,6 +50,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SKELETON_VERSION = 1
+ALIGN = 64  # each tensor's bytes start on a multiple of this in a capture's payload
+
+
+def aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass(frozen=True)
@@ -617,6 +624,24 @@ def unflatten(skeleton: bytes, tensors: list[torch.Tensor]) -> Any:
         return obj
 
     return walk(doc["tree"])
+
+
+def decode_payload(payload: memoryview, index_len: int) -> Any:
+    """The state a capture's payload holds (`index_len`: its header's), with its tensors views of
+    `payload`: no copy yet (`materialize` then `apply_state` copy them into the live ones)."""
+    skeleton, raw_specs = msgpack.unpackb(bytes(payload[:index_len]), raw=False)
+    specs = [TensorSpec(d, tuple(s), n) for d, s, n in raw_specs]
+    tensors: list[torch.Tensor] = []
+    off = aligned(index_len)
+    for spec in specs:
+        dt = dtype_from_name(spec.dtype)
+        if spec.nbytes == 0:
+            tensors.append(torch.empty(spec.shape, dtype=dt))
+        else:
+            raw = torch.frombuffer(payload, dtype=torch.uint8, count=spec.nbytes, offset=off)
+            tensors.append(raw.view(dt).reshape(spec.shape))
+        off += aligned(spec.nbytes)
+    return unflatten(skeleton, tensors)
 
 
 def dtype_from_name(name: str) -> torch.dtype:

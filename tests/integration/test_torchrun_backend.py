@@ -312,28 +312,30 @@ def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, t
     assert _equal(job.final(), base.final()), job.logs()[-6000:]
 
 
-def test_an_unmodified_script_restarted_after_its_last_step_says_it_was_not_restored(
-    processes, tmp_path
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_an_unmodified_script_restarted_after_its_last_step_is_restored_when_it_reads_its_state(
+    processes, tmp_path, wrap
 ) -> None:  # type: ignore[no-untyped-def]
     """Rank 1 raises after the last step (24), its capture taken: the restart resumes at step 24,
     and the loop has no step left, so no forward comes to open the session that would restore it.
-    What the script saves after its loop is the state it made, not step 24's: each worker says so
-    at exit instead of nothing (outsider 57, zero-import, an exception in the last step)."""
+    Its `state_dict()` after the loop restores step 24 from this node's memory first: the final
+    state is the uninterrupted run's, bitwise. Before, each worker saved the fresh model's state
+    and said NOT RESTORED at exit (outsider 57, zero-import, an exception in the last step; outsider
+    58, a hang after the loop). The same for FSDP2, whose shards each rank restores."""
     policy = tmp_path / "policy.toml"
     policy.write_text("schema_version = 1\ninterval = 1\n")
-    job = Job(
-        processes,
-        tmp_path,
-        "plain-end",
-        nodes=2,
-        nnodes="2:2",
-        worker="tests/integration/workers/plain_ddp.py",
-    )
-    job.start({"FAULT": "raise", "FAULT_STEP": "24"}, policies=[str(policy)] * 2)
+    script = "tests/integration/workers/plain_ddp.py"
+    base = Job(processes, tmp_path, "plain-end-base", nodes=2, worker=script)
+    base.start({"WRAP": wrap}, policies=[str(policy)] * 2)
+    job = Job(processes, tmp_path, "plain-end", nodes=2, nnodes="2:2", worker=script)
+    job.start({"FAULT": "raise", "FAULT_STEP": "24", "WRAP": wrap}, policies=[str(policy)] * 2)
+    base.wait()
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1] and gens[1]["start"] == 24, job.logs()
-    assert job.logs().count("NOT RESTORED: this restart was to resume at step 24") == 2, job.logs()
+    assert job.logs().count("restored step 24 (rank") == 2, job.logs()
+    assert "NOT RESTORED" not in job.logs(), job.logs()
+    assert _equal(job.final(), base.final()), job.logs()[-6000:]
 
 
 def _three_replicas_restarted_once(

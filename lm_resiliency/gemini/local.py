@@ -1,0 +1,119 @@
+"""A restore with no session: this rank's copy of the step its restart planned, read from this node's
+memory (else the durable tier) and loaded into the live objects, with no peer involved.
+
+For a zero-import worker (`worker_boot`), whose session opens, and restores, at its model's first
+forward: a restart that resumes at the loop's last step (the failure came after that step's
+capture: an exception in the final save, a hang after the loop) runs no forward, and what the
+script then saved or evaluated was the fresh model's state. The agents chose the step from every
+rank's inventory, so each rank's copy is known to exist; reading it needs no agreement.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lm_resiliency.config import Environment, InMemoryCkptConfig
+from lm_resiliency.gemini.durable import DurableError, DurableStore, path_name
+from lm_resiliency.gemini.state import apply_state, decode_payload, materialize
+from lm_resiliency.runtime.shm import HEADER_SIZE, CorruptSlot, SlotFile, SlotHeader, verify_image
+
+__all__ = ["restore_planned"]
+
+
+def restore_planned(
+    model: Any,
+    optimizer: Any,
+    step: int,
+    *,
+    rank: int,
+    world_size: int,
+    env: Environment,
+    checkpoint: InMemoryCkptConfig,
+    durable_folder: str | None,
+) -> str:
+    """Restore `step` of `rank` into `model`, `optimizer` (as a session holds them: see
+    `api.captured_with`), its schedulers and GradScaler. Returns the tier it came from ("local" or
+    "disk"); raises LookupError naming why each copy was not loaded (none is loaded then)."""
+    from lm_resiliency.api import captured_with
+
+    optimizer, scheduler, scaler = captured_with(optimizer)
+    run_id = checkpoint.run_id or env.run_id
+    expect = _Expected(step, rank, world_size, run_id, _planned_topology(env))
+    why: list[str] = []
+    folder = Path(env.shm_dir) / path_name(run_id) / path_name(env.node_id())
+    for k in (0, 1):
+        path = folder / f"own-r{rank}-s{k}"
+        if not path.exists():
+            continue
+        try:
+            slot = SlotFile.open_existing(path)
+        except CorruptSlot as exc:
+            why.append(str(exc))
+            continue
+        try:
+            h = slot.read_header()
+            if h.step != step:
+                continue
+            expect.check(path.name, h)
+            slot.verify(h)
+            _load(slot.payload(h), h, model, optimizer, scheduler, scaler)
+            return "local"
+        except CorruptSlot as exc:
+            why.append(str(exc))
+        finally:
+            slot.close()
+    if durable_folder:
+        store = DurableStore(durable_folder, run_id, rank)
+        try:
+            image = memoryview(bytearray(store.read(step)))  # (writable: tensors view it)
+            h = verify_image(str(store.path(step)), image)
+            expect.check(str(store.path(step)), h)
+            _load(image[HEADER_SIZE : HEADER_SIZE + h.payload_len], h, model, optimizer, scheduler, scaler)
+            return "disk"
+        except (DurableError, CorruptSlot) as exc:
+            why.append(str(exc))
+    where = f"{folder}" + (f" or {durable_folder}" if durable_folder else "")
+    raise LookupError("; ".join(why) or f"no copy of rank {rank} step {step} in {where}")
+
+
+def _load(
+    payload: memoryview, h: SlotHeader, model: Any, optimizer: Any, scheduler: Any, scaler: Any
+) -> None:
+    state = decode_payload(payload, h.index_len)
+    materialize(state, model, optimizer)
+    apply_state(state, model, optimizer, scheduler, None, scaler)
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """What a copy's header must say to be this rank's copy of the planned step."""
+
+    step: int
+    rank: int
+    world_size: int
+    run_id: str
+    topology: str  # "" when not known
+
+    def check(self, name: str, h: SlotHeader) -> None:
+        if h.step != self.step or h.owner != self.rank or h.run_id != self.run_id[:64]:
+            raise CorruptSlot(f"{name}: holds rank {h.owner} step {h.step} of run {h.run_id!r}")
+        if h.world_size != self.world_size or (self.topology and h.topology != self.topology):
+            raise CorruptSlot(
+                f"{name}: step {h.step} taken with another topology (world size {h.world_size}, "
+                f"topology {h.topology}; this job: {self.world_size}, {self.topology or '?'})"
+            )
+
+
+def _planned_topology(env: Environment) -> str:
+    """The topology digest the restart was planned for ("" when no restart context says)."""
+    if not env.restart_context_path:
+        return ""
+    try:
+        ctx = json.loads(Path(env.restart_context_path).read_text())
+    except (OSError, ValueError):
+        return ""
+    digest = ctx.get("topology_digest") if isinstance(ctx, dict) else None
+    return digest if isinstance(digest, str) else ""
