@@ -109,9 +109,6 @@ TERMINATION_EXPLAINED_S = 30.0
 # A loop that ends this soon after a fault this rank posted to the torchrun backend's leader waits
 # this long, at most, for the leader's restart before its session closes (see Session._settle).
 HOLD_S = 10.0
-# Under the torchrun backend, a session closed at its script's end waits this long, at most, for
-# every rank of its generation to close theirs too (see Session._finish).
-FINISH_WAIT_S = 120.0
 
 # Options each framework's adapter cannot take: the framework object owns them.
 _FORBIDDEN_OPTIONS = {
@@ -1950,7 +1947,7 @@ class Session:
             self._finish()
 
     def _finish(self) -> None:
-        """Under the torchrun backend, wait (at most FINISH_WAIT_S) until every rank of this
+        """Under the torchrun backend, wait (at most `RuntimeConfig.finish_wait_s`) until every rank of this
         generation has closed its session too, still a live worker of torchrun's.
 
         A worker that ends puts its agent in torch's exit barrier once its node-mates have, where no
@@ -1960,7 +1957,8 @@ class Session:
         stops this worker (SIGTERM), and the next generation does the end of the script again from
         the newest capture. Nothing is left to flush: the goodbye was said, the components are closed."""
         control = self._control
-        if control is None or self.world_size < 2 or self._sigterm_seen.is_set():
+        limit = self._runtime_config.finish_wait_s
+        if control is None or self.world_size < 2 or self._sigterm_seen.is_set() or limit <= 0:
             return
         # A SIGTERM (the restart's) ends the wait: the default ends the process; a handler of the
         # script's own that returns lets the script go on to its end.
@@ -1980,7 +1978,7 @@ class Session:
                 previous = None
         t0 = time.monotonic()
         try:
-            count = control.finish(self.env.generation, self.world_size, FINISH_WAIT_S, stopped.is_set)
+            count = control.finish(self.env.generation, self.world_size, limit, stopped.is_set)
         finally:
             if previous is not None:
                 with contextlib.suppress(ValueError, TypeError):

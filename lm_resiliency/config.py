@@ -255,9 +255,15 @@ class RuntimeConfig:
     # of 4 ranks on 2 cores). Evidence, votes and anything else still go out at once (0: telemetry
     # too).
     telemetry_batch_s: float = 0.05
+    # Ours: under the torchrun backend, how long a session closed at its script's end waits for
+    # every rank of its generation to close its own (a restart still reaches it meanwhile: see
+    # docs/torchrun.md, a fault after some ranks ended). 0: no wait.
+    finish_wait_s: float = 120.0
 
     def __post_init__(self) -> None:
         _check_types(self, "runtime.")
+        if not self.finish_wait_s >= 0:
+            raise ConfigError("runtime.finish_wait_s", f"must be >= 0, got {self.finish_wait_s}")
         if not self.telemetry_batch_s >= 0:
             raise ConfigError("runtime.telemetry_batch_s", f"must be >= 0, got {self.telemetry_batch_s}")
         _positive("runtime.heartbeat_interval_s", self.heartbeat_interval_s, allow_none=False)

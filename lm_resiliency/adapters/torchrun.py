@@ -100,7 +100,11 @@ DEFAULT_REPLACE_ON = ("sdc", "hardware", "node_lost", "network_partition", "coll
 # recovery-verified step, and no restart's SIGTERM makes one.
 STATE_FAILURES = frozenset({"sdc", "stale_state", "hardware"})
 CONTROL_ENV = "LM_RESILIENCY_CONTROL_STORE"
+# torch's exit barrier (torch.distributed.elastic.utils.store.barrier under the agent's
+# "torchelastic/agent/terminal_state" prefix): agents whose workers ended count themselves, and the
+# last sets the other key.
 _TERMINAL_KEY = "torchelastic/agent/terminal_state/num_members"
+_TERMINAL_LAST_KEY = "torchelastic/agent/terminal_state/last_member"
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -375,6 +379,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         self._slot: int | None = None
         self._worker_store: TCPStore | None = None
         self._agent_store: Store | None = None
+        self._ended_checked_at = float("-inf")  # when _end_if_others_ended last read the exit barrier
         self._closed = False
         self.timings: list[float] = []  # seconds spent in each next_rendezvous that returned
 
@@ -414,6 +419,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         else:
             gen = self._generation
             self._publish_trails(control, gen)
+            self._end_if_others_ended(control)
             control.update(lambda s: rs.arrive(s, self.node_id, gen))
         self._close_worker_store()
         state = self._wait_for_assignment(control, t0)
@@ -488,11 +494,24 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
                     log.error("run %s gave up: %s", self.run_id, s.pending["gave_up"])
                 else:
                     log.warning("node %s left run %s: %s", self.node_id, self.run_id, why)
-            elif self._agent_store is not None and self._control is not None and self._slot is not None:
+            elif (
+                (failed is None or isinstance(failed, SystemExit))
+                and self._agent_store is not None
+                and self._control is not None
+                and self._slot is not None
+            ):
                 done = self._agent_store.add(_TERMINAL_KEY, 0)
                 if s.generation == self._generation and done >= len(s.slots):
                     self._control.update(rs.close)
-                    log.info("run %s closed after generation %d succeeded", self.run_id, s.generation)
+                    if s.pending.get("ended_failing"):
+                        log.warning(
+                            "node %s's workers ended their scripts; run %s ended failing: %s",
+                            self.node_id,
+                            self.run_id,
+                            s.pending["ended_failing"],
+                        )
+                    else:
+                        log.info("run %s closed after generation %d succeeded", self.run_id, s.generation)
                     self._reclaim_memory()
         except Exception:  # shutdown runs on every exit path: never raise from it
             log.exception("closing the rendezvous failed")
@@ -553,6 +572,8 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
                 raise RendezvousError("the rendezvous state vanished from the control store")
             s = got[1]
             role = rs.role_of(s, self.node_id)
+            if self._generation >= 0 and (s.pending.get("ended_failing") or s.generation == self._generation):
+                self._end_if_others_ended(control, s)
             if s.phase == rs.CLOSED and s.pending.get("gave_up"):
                 self._stop()
                 raise RendezvousError(f"run {self.run_id} gave up: {s.pending['gave_up']}")
@@ -580,6 +601,48 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
                     f"{self.run_id} within lm_resiliency_join_timeout_ms"
                 )
             time.sleep(self.poll_s / 4)
+
+    def _end_if_others_ended(self, control: _Control, s: rs.RdzvState | None = None) -> None:
+        """Raise RendezvousError, the run closed failing, when no restart of this agent's generation
+        can form: a node of it ended its scripts (its workers all exited 0), and its agent waits in
+        torch's exit barrier, where it reads nothing of ours. So it is when a rank fails longer than
+        `RuntimeConfig.finish_wait_s` after the others closed their sessions (an exception in its
+        own final upload): before, the restart waited for those nodes for good. This agent closes
+        the run (`rs.end_failing`: nobody else is asked to restart; an agent still running ends its
+        script), counts itself in the exit barrier so that the ended nodes exit 0 once every node
+        has, and fails saying why. Done also where another failed agent closed the run so."""
+        store = self._agent_store
+        if store is None or self._generation < 0:
+            return
+        if s is None:
+            got = control.read()
+            if got is None:
+                return
+            s = got[1]
+        why = s.pending.get("ended_failing")
+        if not why:
+            now = time.monotonic()
+            if s.generation != self._generation or now < self._ended_checked_at + self.poll_s:
+                return  # (a newer generation formed: the restart reached everyone)
+            self._ended_checked_at = now
+            ended = store.add(_TERMINAL_KEY, 0)
+            if ended <= 0:
+                return
+            why = (
+                f"node {self.node_id}'s workers failed after {ended} node(s) of generation "
+                f"{self._generation} had ended their scripts (their agents wait in torch's exit "
+                f"barrier, which no restart reaches), so run {self.run_id} ends failing; the ranks "
+                f"that ended saved what their scripts saved (see RuntimeConfig.finish_wait_s)"
+            )
+            gen = self._generation
+            s = control.update(lambda cur: rs.end_failing(cur, why) if cur.generation == gen else cur)
+            if s.pending.get("ended_failing") != why:
+                return  # (a newer generation formed meanwhile)
+        if store.add(_TERMINAL_KEY, 1) >= len(s.slots):
+            store.set(_TERMINAL_LAST_KEY, "<val_ignored>")
+        log.error("run %s: %s", self.run_id, why)
+        self._stop()
+        raise RendezvousError(str(why))
 
     def _read_while_waiting(self, control: _Control, role: str) -> tuple[bytes, rs.RdzvState] | None:
         """The state, read by an agent waiting for its part. Its store may be gone: the store host

@@ -166,6 +166,8 @@ def render(snap: Mapping[str, Any]) -> str:
         )
     if snap["pending"].get("gave_up"):
         lines.append(f"  gave up: {snap['pending']['gave_up']}")
+    elif snap["pending"].get("ended_failing"):
+        lines.append(f"  ended failing: {snap['pending']['ended_failing']}")
     elif snap["pending"]:
         p = snap["pending"]
         lines.append(
@@ -262,7 +264,7 @@ def run_monitor(
                 print(("\x1b[H\x1b[2J" if tty else "") + render(snap) + ("" if tty else "\n"), flush=True)
             shown += 1
             if snap["phase"] == "closed":
-                return 1 if snap["pending"].get("gave_up") else 0
+                return 1 if snap["pending"].get("gave_up") or snap["pending"].get("ended_failing") else 0
             if once or (count and shown >= count):
                 return 0
             time.sleep(interval_s)

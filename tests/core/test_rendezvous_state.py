@@ -431,3 +431,15 @@ def test_any_event_sequence_keeps_slots_unique_and_trusted(events: list[tuple[st
         assert not set(held) & set(s.excluded)
         if s.phase == rs.RUNNING:
             assert None not in s.slots
+
+
+def test_a_run_no_restart_can_follow_ends_failing_with_why_and_stays_ended() -> None:
+    """A node's workers ended their scripts (its agent waits in torch's exit barrier) and another
+    node's failed later: the run closes with why, kept for everyone (and the monitor), and a
+    second close does not overwrite it."""
+    s = rs.request_restart(_formed(["a", "b"]), 0, "process_failure", "worker_exit", ["b"])
+    ended = rs.end_failing(s, "node b's workers failed after 1 node(s) had ended their scripts")
+    assert ended.phase == rs.CLOSED and "had ended their scripts" in ended.pending["ended_failing"]
+    assert "gave_up" not in ended.pending  # (healthy agents are not asked to restart)
+    assert rs.decode(rs.encode(ended)) == ended
+    assert rs.end_failing(ended, "again") == ended and rs.give_up(ended, "again") == ended

@@ -649,6 +649,26 @@ def test_a_rank_that_fails_after_the_others_closed_their_sessions_is_restarted_b
     assert _equal(job.final(), baseline)
 
 
+def test_a_rank_that_fails_after_the_others_ended_ends_the_run_failing_and_lets_them_exit(
+    processes, tmp_path, baseline
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 raises after its loop once rank 0's worker has ended: rank 0's closed session waited
+    1 s (`RuntimeConfig.finish_wait_s`) and ended, and its agent waits in torch's exit barrier,
+    which no restart reaches. Before, the restart waited for that node for good. Now rank 1's
+    agent closes the run failing, saying why, and counts itself in the exit barrier: rank 0's node
+    exits 0 with what its script saved (the uninterrupted run's state), rank 1's fails, the
+    standby exits 0, and no second generation starts."""
+    job = Job(processes, tmp_path, "afterend")
+    job.start({"FAULT": "afterend", "FAULT_RANK": "1", "FINISH_S": "1"})
+    deadline = time.monotonic() + 240
+    rcs = [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in job.procs]
+    failed = [n for n, rc in enumerate(rcs) if rc != 0]
+    assert len(failed) == 1 and rcs[failed[0]] == 1, (rcs, job.logs())
+    assert "had ended their scripts" in job.log(failed[0]), job.logs()
+    assert list(job.generations()) == [0], job.logs()
+    assert _equal(job.final(), baseline)
+
+
 def test_a_rank_that_hangs_after_its_loop_is_named_once_the_others_closed_and_restarted(
     processes, tmp_path, baseline
 ) -> None:  # type: ignore[no-untyped-def]

@@ -1093,18 +1093,26 @@ def test_monitor_names_an_endpoint_it_cannot_reach(capsys: pytest.CaptureFixture
     assert "expected HOST:PORT" in capsys.readouterr().err
 
 
-def test_monitor_exits_1_on_a_run_that_gave_up(store: Any, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("close", "said"),
+    [(rs.give_up, "gave up: "), (rs.end_failing, "ended failing: ")],
+    ids=["gave-up", "ended-failing"],
+)
+def test_monitor_exits_1_on_a_run_that_gave_up(
+    store: Any, capsys: pytest.CaptureFixture[str], close: Any, said: str
+) -> None:
+    """A run that gave up, or ended failing (a node failed after others had ended their scripts)."""
     from lm_resiliency.cli.main import main
 
     control = tr._Control(store, "given-up")
     control.init(rs.RdzvState.new("n0", 1, 2))
-    control.update(lambda s: rs.give_up(s, "slots [0] had no node"))
+    control.update(lambda s: close(s, "slots [0] had no node"))
     assert (
         main(["monitor", f"127.0.0.1:{store.port}", "--run-id", "given-up", "--once", "--interval", "0.1"])
         == 1
     )
     out = capsys.readouterr().out
-    assert "phase closed" in out and "gave up: slots [0] had no node" in out
+    assert "phase closed" in out and f"{said}slots [0] had no node" in out
 
 
 def _free_port() -> int:

@@ -552,6 +552,13 @@ def give_up(s: RdzvState, why: str) -> RdzvState:
     return s if s.phase == CLOSED else replace(s, phase=CLOSED, pending={**s.pending, "gave_up": why})
 
 
+def end_failing(s: RdzvState, why: str) -> RdzvState:
+    """Close the run with a failure no restart can follow: nodes whose workers all ended their
+    scripts wait in torch's exit barrier, out of a restart's reach. No agent is asked to restart
+    (one still running ends its script; one waiting for a generation fails with `why`)."""
+    return s if s.phase == CLOSED else replace(s, phase=CLOSED, pending={**s.pending, "ended_failing": why})
+
+
 def unfillable_slots(s: RdzvState) -> list[int]:
     """Slots a restart waits for with no standby to fill them (their node was lost): the run can only
     go on when that node comes back."""

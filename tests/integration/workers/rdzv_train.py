@@ -20,6 +20,8 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
              capture of the step before is in place
   late    -- after the loop, once every other rank's worker has ended (or waits for the others at
              its session's close), rank FAULT_RANK fails (an exception in the script's own end)
+  afterend -- as late, once every other rank's worker has ended (FINISH_S: how long their closed
+             sessions wait for the others)
   hanglast -- after the loop, rank FAULT_RANK hangs for good (a wait on something that never comes)
   busylast -- after the loop, rank FAULT_RANK's main thread waits BUSY_S for a thread of its own
              that computes meanwhile (work after the loop, not a hang)
@@ -43,7 +45,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lm_resiliency import InMemoryCkptConfig, OrchestrationHooks, ReplayHarnessConfig, enable_resiliency
+from lm_resiliency import (
+    InMemoryCkptConfig,
+    OrchestrationHooks,
+    ReplayHarnessConfig,
+    RuntimeConfig,
+    enable_resiliency,
+)
 
 STEPS = int(os.environ.get("STEPS", "24"))
 dist.init_process_group("gloo")
@@ -90,6 +98,9 @@ session = enable_resiliency(
         hang_stall_threshold_s=float(os.environ.get("HANG_S", "30")),
         dataloader_latency_threshold_s=float(os.environ.get("LOADER_S", "10")),
     ),
+    runtime=RuntimeConfig(finish_wait_s=float(os.environ["FINISH_S"]))
+    if os.environ.get("FINISH_S")
+    else None,
 )
 start = session.step_count
 print(f"rank {rank} generation {gen} starts at step {start} (recovered {session.recovered_step})", flush=True)
@@ -212,6 +223,18 @@ for step, x in batches() if os.environ.get("LOADER") == "plain" else session.ins
             kill_my_node()
 
 
+def ended(r: int) -> bool:
+    """Rank r's worker has ended."""
+    try:
+        with open(f"{os.environ['OUT']}.pid{r}") as f:
+            os.kill(int(f.read()), 0)
+    except ProcessLookupError:
+        return True
+    except (FileNotFoundError, ValueError):  # (not written yet, or being written)
+        return False
+    return False
+
+
 def ended_or_waiting(r: int) -> bool:
     """Rank r's worker has ended, or closed its session and waits for the others' (its count in
     the control store: see ControlChannel.finish)."""
@@ -219,22 +242,20 @@ def ended_or_waiting(r: int) -> bool:
 
     from lm_resiliency.runtime.control import finished_key
 
-    try:
-        with open(f"{os.environ['OUT']}.pid{r}") as f:
-            os.kill(int(f.read()), 0)
-    except ProcessLookupError:
+    if ended(r):
         return True
     host, port = os.environ["LM_RESILIENCY_CONTROL_STORE"].split("://", 1)[1].rsplit(":", 1)
     store = TCPStore(host, int(port), is_master=False, wait_for_workers=False)
     return store.add(f"lmr/{os.environ['TORCHELASTIC_RUN_ID']}/{finished_key(gen)}", 0) >= world - 1
 
 
-if fault == "late":
+if fault in ("late", "afterend"):
     with open(f"{os.environ['OUT']}.pid{rank}", "w") as f:
         f.write(str(os.getpid()))
     if rank == fault_rank:
         deadline = time.monotonic() + 60
-        while not all(ended_or_waiting(r) for r in range(world) if r != rank):
+        done = ended_or_waiting if fault == "late" else ended
+        while not all(done(r) for r in range(world) if r != rank):
             assert time.monotonic() < deadline, "the other ranks never ended"
             time.sleep(0.05)  # polling the other workers' ends
         raise RuntimeError("the script's own failure after its loop")
