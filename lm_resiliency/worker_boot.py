@@ -355,10 +355,17 @@ def auto_instrument(policy_path: str) -> None:
         step left runs no forward to restore it at: before, the script saved or evaluated the
         state it made (NOT RESTORED, below). Done before a loop's first forward, that forward's
         session restores the step again, as always."""
-        from lm_resiliency.api import open_session
-
         if not reads:
             return
+        try:
+            restore_now(module)
+        except Exception as exc:  # (a policy unreadable now, a copy that does not fit): said at exit
+            disarm()
+            state["unrestored"] = f"{type(exc).__name__}: {exc}"
+
+    def restore_now(module: Any) -> None:
+        from lm_resiliency.api import open_session
+
         if state["done"] or open_session() is not None:
             disarm()
             return
@@ -380,20 +387,16 @@ def auto_instrument(policy_path: str) -> None:
             if torch.distributed.is_available() and torch.distributed.is_initialized()
             else (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
         )
-        try:
-            tier = restore_planned(
-                held,
-                opt,
-                int(planned),
-                rank=rank,
-                world_size=world,
-                env=read_environment(),
-                checkpoint=policy.checkpoint,
-                durable_folder=policy.durable.folder if policy.durable else None,
-            )
-        except Exception as exc:  # (a copy damaged since the plan, a model that changed): said at exit
-            state["unrestored"] = f"{type(exc).__name__}: {exc}"
-            return
+        tier = restore_planned(
+            held,
+            opt,
+            int(planned),
+            rank=rank,
+            world_size=world,
+            env=read_environment(),
+            checkpoint=policy.checkpoint,
+            durable_folder=policy.durable.folder if policy.durable else None,
+        )
         state["restored"] = True
         sys.stderr.write(
             f"lm_resiliency: restored step {planned} (rank {rank}, from this node's "
