@@ -148,6 +148,7 @@ class AuditRecorder:
         due: Callable[[], int | None],
         local_grads: bool = False,
         gathered: bool = False,
+        outer: torch.nn.Module | None = None,
     ) -> None:
         self.module = module
         self._due = due
@@ -157,7 +158,12 @@ class AuditRecorder:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.replaying = False
         self._record: AuditRecord | None = None
-        self._post_handle = module.register_forward_hook(self._post)
+        # The output is taken where the caller gets it: `outer`'s (the DDP wrapping `module`), else
+        # `module`'s. Taken inside DDP, what changed the model's output after it (a campaign's drop
+        # of the root output, a forward hook of the script's own) went unseen: the replay matched,
+        # and the gradients, seeded with the changed output's, matched too.
+        self._post_module: Any = outer if outer is not None else module
+        self._post_handle = self._post_module.register_forward_hook(self._post)
         self._handles = [module.register_forward_pre_hook(self._pre, with_kwargs=True), self._post_handle]
         self._grad_handles: list[Any] = []  # post-accumulate hooks, held only while recording
         self._live: list[torch.Tensor] = []  # a gathered unit's whole parameters in this forward
@@ -224,7 +230,7 @@ class AuditRecorder:
         # Our output hook runs after every other forward hook (one registered after ours included):
         # it must see what the call returns, as the caller gets it.
         with contextlib.suppress(AttributeError, KeyError):
-            module._forward_hooks.move_to_end(self._post_handle.id)
+            self._post_module._forward_hooks.move_to_end(self._post_handle.id)
         device = self.params[0].device if self.params else torch.device("cpu")
         autocast = None
         if torch.is_autocast_enabled(device.type):

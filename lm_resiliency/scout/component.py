@@ -512,9 +512,11 @@ class Scout:
             tapped = ddp and hasattr(adapter, "contribution_tap")
             ddp_scale = 1.0 / dist.get_world_size(getattr(model, "process_group", None)) if tapped else None
 
-            def recorder(name: str, m: torch.nn.Module, due: Callable[[], int | None]) -> None:
+            def recorder(
+                name: str, m: torch.nn.Module, due: Callable[[], int | None], outer: Any = None
+            ) -> None:
                 local = not any(id(p) in reduced for p in m.parameters())
-                self._auditors[name] = AuditRecorder(m, due, local_grads=local)
+                self._auditors[name] = AuditRecorder(m, due, local_grads=local, outer=outer)
                 self._audit_scales[name] = 1.0 if local else ddp_scale
 
             if gathered:
@@ -539,7 +541,7 @@ class Scout:
             elif why:
                 log.info("rank %d: audits are off: %s", rank, why)
             else:
-                recorder("", inner, self._audit_due)
+                recorder("", inner, self._audit_due, model if ddp else None)
         # A rank whose state no other rank holds (FSDP2 without HSDP replicas: a replica group of
         # one) has no fingerprints to agree on, but its peers audit its work: a step of it is
         # certified once no SDC was found at or before it and every audit (and check at rest,
