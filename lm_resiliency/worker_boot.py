@@ -7,7 +7,9 @@
   optimizers the script creates are noted; at the first forward of a data-parallel model (a
   DistributedDataParallel, or the outermost FullyShardedDataParallel or `fully_shard`ed module: the
   loop has begun; its optimizer and scheduler exist), the session is enabled with the policy's
-  settings, which restores the recovered step before that forward runs.
+  settings, which restores the recovered step before that forward runs. A restart whose loop has
+  no step left runs no forward: its script's first read of its state (a `state_dict()`, a
+  `torch.save`, an evaluation) restores the step first, from this node's copy (`gemini.local`).
   A script that calls `enable_resiliency` itself is left alone. `LM_RESILIENCY_AUTO_INSTRUMENT=0`
   turns it off.
 """

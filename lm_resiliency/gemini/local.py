@@ -36,7 +36,8 @@ def restore_planned(
 ) -> str:
     """Restore `step` of `rank` into `model`, `optimizer` (as a session holds them: see
     `api.captured_with`), its schedulers and GradScaler. Returns the tier it came from ("local" or
-    "disk"); raises LookupError naming why each copy was not loaded (none is loaded then)."""
+    "disk"). Raises LookupError naming why each copy was skipped (missing, damaged, another run's
+    or topology's: nothing loaded), and what `apply_state` raises for a copy that does not fit."""
     from lm_resiliency.api import captured_with
 
     optimizer, scheduler, scaler = captured_with(optimizer)
