@@ -1947,8 +1947,8 @@ class Session:
             self._finish()
 
     def _finish(self) -> None:
-        """Under the torchrun backend, wait (at most `RuntimeConfig.finish_wait_s`) until every rank of this
-        generation has closed its session too, still a live worker of torchrun's.
+        """Under the torchrun backend, wait (at most `RuntimeConfig.finish_wait_s`) until every rank
+        of this generation has closed its session too, still a live worker of torchrun's.
 
         A worker that ends puts its agent in torch's exit barrier once its node-mates have, where no
         restart reaches it. A rank that failed after that (an exception, a kill, in the script's own
@@ -1963,24 +1963,24 @@ class Session:
         # A SIGTERM (the restart's) ends the wait: the default ends the process; a handler of the
         # script's own that returns lets the script go on to its end.
         stopped = threading.Event()
-        previous = None
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGTERM)
-            if previous not in (signal.SIG_DFL, None):
+        previous = signal.getsignal(signal.SIGTERM)
+        wrapped = threading.current_thread() is threading.main_thread() and previous not in (
+            signal.SIG_DFL,
+            None,
+        )
+        if wrapped:
 
-                def on_sigterm(signum: int, frame: Any) -> None:
-                    stopped.set()
-                    if callable(previous):
-                        previous(signum, frame)
+            def on_sigterm(signum: int, frame: Any) -> None:
+                stopped.set()
+                if callable(previous):
+                    previous(signum, frame)
 
-                signal.signal(signal.SIGTERM, on_sigterm)
-            else:
-                previous = None
+            signal.signal(signal.SIGTERM, on_sigterm)
         t0 = time.monotonic()
         try:
             count = control.finish(self.env.generation, self.world_size, limit, stopped.is_set)
         finally:
-            if previous is not None:
+            if wrapped:
                 with contextlib.suppress(ValueError, TypeError):
                     signal.signal(signal.SIGTERM, previous)
         waited = time.monotonic() - t0
