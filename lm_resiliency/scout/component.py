@@ -508,9 +508,20 @@ class Scout:
             # `.grad` right after backward is this rank's own, unless DDP reduces the parameter:
             # then it may be a bucket the all-reduce is writing into, and the gradients come from
             # our comm hook instead (when the adapter installed it), scaled as it scaled them.
-            reduced = {id(p) for p in ddp_parameters(model)} if ddp else set()
-            tapped = ddp and hasattr(adapter, "contribution_tap")
-            ddp_scale = 1.0 / dist.get_world_size(getattr(model, "process_group", None)) if tapped else None
+            # Megatron-style model chunks (adapters/megatron.py), each a DDP: the loop calls the
+            # chunks, never the whole, so each is audited as a unit of its own, its output taken
+            # after its DDP's forward. Before, the whole was recorded and its replay (of a module
+            # that is not callable) failed: output faults went unseen, and the run ended off.
+            chunks: list[Any] = list(model.children()) if type(model).__name__ == "ModelChunks" else []
+            ddp_chunks = bool(chunks) and all(
+                isinstance(c, torch.nn.parallel.DistributedDataParallel) for c in chunks
+            )
+            wrappers = [model] if ddp else chunks if ddp_chunks else []
+            reduced = {id(p) for w in wrappers for p in ddp_parameters(w)}
+            tapped = bool(wrappers) and hasattr(adapter, "contribution_tap")
+            ddp_scale = (
+                1.0 / dist.get_world_size(getattr(wrappers[0], "process_group", None)) if tapped else None
+            )
 
             def recorder(
                 name: str, m: torch.nn.Module, due: Callable[[], int | None], outer: Any = None
@@ -540,6 +551,9 @@ class Scout:
                     recorder(name, m, functools.partial(self._dense_due, i, min(len(dense), DENSE_ROUNDS)))
             elif why:
                 log.info("rank %d: audits are off: %s", rank, why)
+            elif ddp_chunks:
+                for i, chunk in enumerate(chunks):
+                    recorder(str(i), chunk.module, self._audit_due, chunk)
             else:
                 recorder("", inner, self._audit_due, model if ddp else None)
         # A rank whose state no other rank holds (FSDP2 without HSDP replicas: a replica group of
