@@ -79,6 +79,9 @@ log = logging.getLogger(__name__)
 
 # Verdicts the torchrun backend's leader acts on (restart in place, or replace the culprit's node),
 # and a data-loader or checkpoint-I/O stall once its peers wait on it (the job stopped).
+# The reason of the report a restart makes of a rank of the generation before that ended failing
+# where no peer saw it go (`Session._report_unwatched_exits`).
+EXITED_UNWATCHED = "exited_unwatched"
 BACKEND_ACTIONABLE = frozenset(
     {"sdc", "stale_state", "hardware", "hang", "network_partition", "collective_desync"}
 )
@@ -794,6 +797,7 @@ class Session:
         self._start_gemini(discovery, node_id)
         self._start_scout()
         self._connect_backend()
+        self._report_unwatched_exits()
         self._open_trail(local.replica_group)
         self._adapter.attach(self._on_step)
         if self.env.fault_campaign:
@@ -1015,6 +1019,42 @@ class Session:
                 "restart context", f"{path} expects world size {expected}, the job has {self.world_size}"
             )
         self._context = ctx
+
+    def _report_unwatched_exits(self) -> None:
+        """Rank 0 of a restart reports the rank of the generation before whose process ended
+        failing unseen (the restart context's `worker_exits`, the restart's `culprit` and not
+        `reported`; the other nodes' exits were most often its casualties): it ended after the
+        others closed their sessions (a kill in the last step, an exception in the script's own
+        saving after its loop), so no peer named it, and a killed rank cannot. Its agent saw the exit
+        (`adapters/torchrun._publish_exit`). Before, no fault report named it."""
+        ctx = self._context
+        if self.rank != 0 or not isinstance(ctx, dict) or not isinstance(ctx.get("worker_exits"), list):
+            return
+        before = int(ctx.get("generation", self.env.generation)) - 1
+        for e in ctx["worker_exits"]:
+            if not isinstance(e, dict) or e.get("reported", True) or not e.get("culprit"):
+                continue
+            rank, code = e.get("rank"), e.get("exitcode")
+            if not isinstance(rank, int) or not isinstance(code, int):
+                continue
+            try:
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            except ValueError:
+                how = f"exit code {code}"
+            at = e.get("at")
+            latency = max(0.0, time.time() - float(at)) if isinstance(at, (int, float)) else None
+            self._process_failure(
+                (rank,),
+                EXITED_UNWATCHED,
+                "agent",
+                detection_latency_s=latency,
+                exit_code=str(code),
+                detail=(
+                    f"rank {rank}'s process of generation {before} ended ({how}) after other ranks had "
+                    f"closed their sessions, so no peer saw it go; its agent on node {e.get('node')} saw "
+                    "the exit and the run restarted"
+                )[:MAX_ERROR_TEXT],
+            )
 
     def _connect_backend(self) -> None:
         """Under the torchrun backend: feed the leader inventories and actionable verdicts."""
@@ -1586,8 +1626,10 @@ class Session:
                 reason = self._close_reason if closing else "terminated: SIGTERM"
                 self._runtime.close(timeout=0.5, reason=reason)
             # The reports made so far reach the callbacks and the report file before the process
-            # ends (the verdict that got the group stopped, often).
+            # ends (the verdict that got the group stopped, often), and the leader's plan.
             self._callbacks.close(timeout=2.0)
+            if self._control is not None:
+                self._control.flush(timeout=1.0)
 
     def _exiting(self, exc: BaseException) -> None:
         """This worker is dying of `exc`: one process_failure report naming this rank (unless a collective
@@ -1616,6 +1658,13 @@ class Session:
         self.close(reason=f"{reason}: {error}")
 
     def _emit_fault(self, report: dict[str, Any]) -> None:
+        if (
+            self._control is not None
+            and report.get("kind") == "process_failure"
+            and report.get("reason") != EXITED_UNWATCHED  # (of the generation before)
+        ):
+            ranks = [r for r in report.get("failed_ranks", ()) if isinstance(r, int)]
+            self._control.name_failed(self.env.generation, ranks)
         with self._reports_lock:
             self._reports.append(report)
             if _actionable(report, self._also_on) or report.get("kind") == "process_failure":
@@ -1958,7 +2007,10 @@ class Session:
         the newest capture. Nothing is left to flush: the goodbye was said, the components are closed."""
         control = self._control
         limit = self._runtime_config.finish_wait_s
-        if control is None or self.world_size < 2 or self._sigterm_seen.is_set() or limit <= 0:
+        if control is None or self.world_size < 2 or self._sigterm_seen.is_set():
+            return
+        if limit <= 0:  # no wait, only counted: a rank that fails later is reported by the restart
+            control.finish(self.env.generation, self.world_size, 0.0)
             return
         # A SIGTERM (the restart's) ends the wait: the default ends the process; a handler of the
         # script's own that returns lets the script go on to its end.

@@ -332,6 +332,45 @@ def _spawn_store_host(host: str, port: int, run_id: str) -> None:
     )
 
 
+class _WorkerExits(logging.Handler):
+    """The first failure of this agent's worker group, as torch logs it when its process context
+    finds a worker ended failing (`failed (exitcode: E) local_rank: L (pid: P) ...`, its first
+    three arguments): torch hands a rendezvous handler nothing of why the workers stopped. Read by
+    `next_rendezvous` after the workers stopped (`take`). One per agent process."""
+
+    LOGGER = "torch.distributed.elastic.multiprocessing.api"
+    _installed: _WorkerExits | None = None
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self._lock_exits = threading.Lock()
+        self._seen: list[tuple[int, int, int, float]] = []  # (local rank, exit code, pid, wall time)
+
+    @classmethod
+    def install(cls) -> _WorkerExits:
+        if cls._installed is None:
+            cls._installed = cls()
+            logging.getLogger(cls.LOGGER).addHandler(cls._installed)
+        return cls._installed
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args
+        if not str(record.msg).startswith("failed (exitcode: ") or not isinstance(args, tuple):
+            return
+        try:
+            code, local, pid = (int(a) for a in args[:3])  # type: ignore[call-overload]
+        except (TypeError, ValueError):  # (fewer than three unpacks as a ValueError)
+            return
+        with self._lock_exits:
+            self._seen.append((local, code, pid, record.created))
+
+    def take(self) -> tuple[int, int, int, float] | None:
+        """The first failure logged since the last call (None: the workers were stopped, not failed)."""
+        with self._lock_exits:
+            seen, self._seen = self._seen, []
+        return min(seen, key=lambda x: x[3]) if seen else None
+
+
 def _agent_logging() -> None:
     """The agent's decisions are what an operator reads: show them unless logging is configured."""
     ours = logging.getLogger("lm_resiliency")
@@ -377,6 +416,8 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         self._generation = -1  # the generation this agent's workers belong to
         self._trails: Path | None = None  # see _trail_dir
         self._slot: int | None = None
+        self._first_rank = 0  # the global rank of this node's local rank 0 in its generation
+        self._exits = _WorkerExits.install()
         self._worker_store: TCPStore | None = None
         self._agent_store: Store | None = None
         self._ended_checked_at = float("-inf")  # when _end_if_others_ended last read the exit barrier
@@ -419,6 +460,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         else:
             gen = self._generation
             self._publish_trails(control, gen)
+            self._publish_exit(control, gen)
             self._end_if_others_ended(control)
             control.update(lambda s: rs.arrive(s, self.node_id, gen))
         self._close_worker_store()
@@ -700,7 +742,8 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
                 raise RendezvousError(f"slot 0 never published the worker store of generation {gen}")
             time.sleep(self.poll_s / 4)
         host, _, port = control.store.get(control.key(master_key)).decode().rpartition(":")
-        self._generation, self._slot = gen, slot
+        self._generation, self._slot, self._first_rank = gen, slot, s.first_global_rank(slot)
+        self._exits.take()  # (a failure logged before this generation's workers started is not theirs)
         self._agent_store = PrefixStore(control.key(f"agent/g{gen}/"), control.store)
         self._publish_context(s, slot)
         self.timings.append(time.monotonic() - t0)
@@ -762,11 +805,32 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             "culprits": plan.get("culprits", []),
             "error": plan.get("error", ""),
             "admitted": plan.get("admitted", []),
+            "worker_exits": plan.get("worker_exits", []),
             "leader": s.leader,
             "term": s.term,
         }
         write_json_atomic(self.context_path, doc)
         env["LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT"] = str(self.context_path.resolve())
+
+    def _publish_exit(self, control: _Control, generation: int) -> None:
+        """Which rank of this node ended failing first in `generation`, and how (torch's log of it):
+        for the leader's plan (`worker_exits`), whose next generation reports a rank nobody saw go."""
+        seen = self._exits.take()
+        if seen is None:
+            return
+        local, code, pid, at = seen
+        doc = {
+            "rank": self._first_rank + local,
+            "local_rank": local,
+            "exitcode": code,
+            "pid": pid,
+            "at": at,
+            "node": self.node_id,
+        }
+        try:
+            control.store.set(control.key(f"exits/g{generation}/{self.node_id}"), json.dumps(doc))
+        except Exception as exc:  # the restart goes on without it
+            log.warning("node %s: could not publish its workers' exit: %s", self.node_id, exc)
 
     def _close_worker_store(self) -> None:
         self._worker_store = None  # dropping the server object stops it
@@ -1288,6 +1352,13 @@ class _Pulse:
         if old.generation < 0:
             return plan
         old = _as_published(old)
+        try:
+            exits = _worker_exits(control, old, culprits=set(pending.get("culprits", [])))
+        except Exception as exc:  # advisory: the plan goes on without it
+            log.warning("the workers' exits are unreadable; planned without them: %s", exc)
+            exits = []
+        if exits:
+            plan["worker_exits"] = exits
         world = new.world_size()
         invs: dict[int, Any] = {}
         for r in range(world):
@@ -1335,6 +1406,35 @@ class _Pulse:
         if len(digests) == 1:
             plan["topology_digest"] = digests.pop()
         return plan
+
+
+def _worker_exits(control: _Control, s: rs.RdzvState, culprits: set[str]) -> list[dict[str, Any]]:
+    """The ranks of generation `s` whose processes ended failing, as their agents saw them
+    (`_publish_exit`: the first on each node), each with `reported`: whether the job's own reports
+    name it already (a report naming a failed process marks it: `ControlChannel.name_failed`), and
+    `culprit`: whether its node is one the restart is for (`culprits`: the first node whose workers
+    failed; the others' were most often casualties of its end). Peers that die of the broken
+    collective report a rank killed mid-step, and a rank dying of an exception reports itself. A
+    rank that ends after the others left their loops (a kill in the last step, an exception in the
+    script's own saving after its loop) was seen by nobody: before, no fault report named it, only
+    the agent's log."""
+    from lm_resiliency.runtime.control import named_key
+
+    out = []
+    for node in s.slots:
+        doc = control.json_get(f"exits/g{s.generation}/{node}") if node is not None else None
+        if (
+            isinstance(doc, dict)
+            and isinstance(doc.get("rank"), int)
+            and isinstance(doc.get("exitcode"), int)
+        ):
+            out.append(doc)
+    if not out:
+        return out
+    for doc in out:
+        doc["reported"] = bool(control.store.check([control.key(named_key(s.generation, doc["rank"]))]))
+        doc["culprit"] = doc.get("node") in culprits
+    return sorted(out, key=lambda d: float(d.get("at", 0.0)))
 
 
 def _quarantines(verdict: dict[str, Any], replace_on: Iterable[str]) -> bool:

@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +34,12 @@ def finished_key(generation: int) -> str:
     """The key, under the run's prefix, that counts the sessions of `generation` closed at their
     script's end (ControlChannel.finish; the agents read it too)."""
     return f"finished/g{generation}"
+
+
+def named_key(generation: int, rank: int) -> str:
+    """The key, under the run's prefix, set when a fault report named `rank` a failed process in
+    `generation` (ControlChannel.name_failed; the leader reads it)."""
+    return f"named/g{generation}/r{rank}"
 
 
 log = logging.getLogger(__name__)
@@ -52,6 +58,7 @@ class ControlChannel:
         self._cond = threading.Condition()
         self._inventory: tuple[int, str] | None = None  # newest, not yet sent
         self._verdicts: deque[tuple[int, str]] = deque(maxlen=256)
+        self._named: set[str] = set()  # keys of ranks named failed, not yet sent (name_failed)
         self._sending = False  # the thread took values out and has not finished sending them
         self._closed = False
         self._warned = False
@@ -71,6 +78,13 @@ class ControlChannel:
     def post_verdict(self, generation: int, report: dict[str, Any]) -> None:
         with self._cond:
             self._verdicts.append((generation, json.dumps(report, sort_keys=True, default=str)))
+            self._cond.notify()
+
+    def name_failed(self, generation: int, ranks: Sequence[int]) -> None:
+        """A fault report of this rank named `ranks` failed processes in `generation`: the leader's
+        plan then knows the job's reports named them (`worker_exits`' `reported`)."""
+        with self._cond:
+            self._named.update(named_key(generation, r) for r in ranks)
             self._cond.notify()
 
     def beat(self, rank: int) -> None:
@@ -104,7 +118,10 @@ class ControlChannel:
         which a process that ends right after (a worker that drains, then dies) would cut short."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: self._inventory is None and not self._verdicts and not self._sending, timeout
+                lambda: (
+                    self._inventory is None and not self._verdicts and not self._named and not self._sending
+                ),
+                timeout,
             )
 
     def restart_culprits(self, generation: int) -> set[str] | None:
@@ -204,7 +221,7 @@ class ControlChannel:
             now = time.monotonic()
             if now >= self._muted_until:
                 beat = self._beat_rank is not None and now >= self._next_beat
-                if beat or self._inventory is not None or self._verdicts:
+                if beat or self._inventory is not None or self._verdicts or self._named:
                     return beat
                 wake = self._next_beat if self._beat_rank is not None else math.inf
             else:
@@ -220,6 +237,7 @@ class ControlChannel:
                     return
                 verdicts = list(self._verdicts)
                 self._verdicts.clear()
+                named, self._named = sorted(self._named), set()
                 inventory, self._inventory = self._inventory, None
                 rank = self._beat_rank
                 if beat:
@@ -230,6 +248,8 @@ class ControlChannel:
                 for generation, raw in verdicts:
                     i = int(store.add(f"{self.prefix}verdicts/g{generation}/n", 1)) - 1
                     store.set(f"{self.prefix}verdicts/g{generation}/{i}", raw)
+                for key in named:
+                    store.set(self.prefix + key, "1")
                 if inventory is not None:
                     store.set(f"{self.prefix}inv/{inventory[0]}", inventory[1])
                 if beat and rank is not None:

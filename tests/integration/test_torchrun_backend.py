@@ -634,19 +634,40 @@ def test_a_stopped_worker_whose_node_mate_dies_takes_torchruns_sigterm(processes
     assert gens[1]["start"] == ctx["checkpoint_step"] >= 10, (ctx, gens)
 
 
-def test_a_rank_that_fails_after_the_others_closed_their_sessions_is_restarted_bitwise(
-    processes, tmp_path, baseline
+@pytest.mark.parametrize("fault", ["late", "killlast"])
+def test_a_rank_that_fails_after_the_others_closed_their_sessions_is_restarted_bitwise_and_named(
+    processes, tmp_path, baseline, fault: str
 ) -> None:  # type: ignore[no-untyped-def]
-    """Rank 1 raises after its loop, once rank 0's worker has ended (or waits at its close). A
-    worker that ended at once left its agent in torch's exit barrier, where the restart never
-    reached it, and the run waited for that node for good. Closed sessions wait for every rank of
-    their generation, so the restart stops them, and the next generation ends the script again
-    from the last step's capture, bitwise."""
-    job = Job(processes, tmp_path, "late")
-    gens, ctx = _restarted_once(job, {"FAULT": "late", "FAULT_RANK": "1"})
+    """Rank 1 raises after its loop (late), or is killed there (killlast), once rank 0's worker
+    has ended (or waits at its close). A worker that ended at once left its agent in torch's exit
+    barrier, where the restart never reached it, and the run waited for that node for good. Closed
+    sessions wait for every rank of their generation, so the restart stops them, and the next
+    generation ends the script again from the last step's capture, bitwise.
+
+    Rank 1 is named once in the fault reports: the exception by rank 1 itself. The kill was seen by
+    no peer (their sessions were closed) and was in no report before; rank 0 of the restart now
+    reports it from what rank 1's agent saw (`worker_exits` in the restart context)."""
+    job = Job(processes, tmp_path, fault)
+    reports = tmp_path / "reports"
+    gens, ctx = _restarted_once(
+        job, {"FAULT": fault, "FAULT_RANK": "1", "LM_RESILIENCY_REPORT_DIR": str(reports)}
+    )
     assert ctx["failure_kind"] == "process_failure" and ctx["checkpoint_step"] == 24, ctx
+    exits = [(e["rank"], e["exitcode"], e["reported"], e["culprit"]) for e in ctx["worker_exits"]]
+    if fault == "late":  # (its report may start the restart before its agent sees the exit)
+        assert exits in ([], [(1, 1, True, True)]), ctx
+    else:
+        assert exits == [(1, -signal.SIGKILL, False, True)], ctx
     assert gens[1]["start"] == 24, gens
     assert _equal(job.final(), baseline)
+    named = [
+        (f.name, r["reason"])
+        for f in sorted(reports.glob("*.jsonl"))
+        for r in map(json.loads, f.read_text().splitlines())
+        if r["kind"] == "process_failure" and r["failed_ranks"] == [1]
+    ]
+    want = "uncaught_exception" if fault == "late" else "exited_unwatched"
+    assert named == [(f"reports-rank{0 if fault == 'killlast' else 1}.jsonl", want)], (named, job.logs())
 
 
 def test_a_rank_that_fails_after_the_others_ended_ends_the_run_failing_and_lets_them_exit(

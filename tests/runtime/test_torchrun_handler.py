@@ -1246,3 +1246,32 @@ def test_a_closed_session_ends_at_once_where_the_store_cannot_be_reached() -> No
         assert ch.finish(0, 2, 60.0) == -1
     finally:
         ch.close()
+
+
+def test_a_workers_exit_that_no_report_named_is_planned_to_be_reported(store: Any) -> None:
+    """The exits the agents saw go into the plan, `reported` where a report of the job named the
+    rank a failed process (a casualty's report of a kill mid-step, the rank's own of its exception;
+    `ControlChannel.name_failed`). A kill after the others left their loops was seen by nobody."""
+    from lm_resiliency.runtime.control import ControlChannel
+
+    control = tr._Control(store, "unit-run")
+    node = {n: rs.NodeInfo(n, i, "127.0.0.1", 2) for i, n in enumerate("ab")}
+    old = rs.RdzvState("nonce", 2, 3, generation=4, slots=("a", "b"), nodes=node)
+    assert tr._worker_exits(control, old, {"b"}) == []
+    kill = {"rank": 3, "local_rank": 1, "exitcode": -9, "pid": 7, "at": 2.0, "node": "b"}
+    store.set(control.key("exits/g4/b"), json.dumps(kill))
+    store.set(control.key("exits/g4/a"), json.dumps({"rank": "x"}))  # malformed: left out
+    store.set(control.key("exits/g3/a"), json.dumps({**kill, "rank": 0}))  # another generation's
+    assert tr._worker_exits(control, old, {"b"}) == [{**kill, "reported": False, "culprit": True}]
+    assert tr._worker_exits(control, old, {"a"}) == [{**kill, "reported": False, "culprit": False}]
+    channel = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
+    try:
+        channel.name_failed(3, [3])  # another generation's report
+        channel.name_failed(4, [2])  # another rank
+        assert channel.flush(timeout=10)
+        assert tr._worker_exits(control, old, {"b"})[0]["reported"] is False
+        channel.name_failed(4, [2, 3])
+        assert channel.flush(timeout=10)
+        assert tr._worker_exits(control, old, {"b"}) == [{**kill, "reported": True, "culprit": True}]
+    finally:
+        channel.close()

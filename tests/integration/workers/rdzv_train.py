@@ -20,6 +20,7 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
              capture of the step before is in place
   late    -- after the loop, once every other rank's worker has ended (or waits for the others at
              its session's close), rank FAULT_RANK fails (an exception in the script's own end)
+  killlast -- as late, and rank FAULT_RANK's worker dies (SIGKILL): no peer's session sees it go
   afterend -- as late, once every other rank's worker has ended (FINISH_S: how long their closed
              sessions wait for the others)
   hanglast -- after the loop, rank FAULT_RANK hangs for good (a wait on something that never comes)
@@ -249,15 +250,17 @@ def ended_or_waiting(r: int) -> bool:
     return store.add(f"lmr/{os.environ['TORCHELASTIC_RUN_ID']}/{finished_key(gen)}", 0) >= world - 1
 
 
-if fault in ("late", "afterend"):
+if fault in ("late", "killlast", "afterend"):
     with open(f"{os.environ['OUT']}.pid{rank}", "w") as f:
         f.write(str(os.getpid()))
     if rank == fault_rank:
         deadline = time.monotonic() + 60
-        done = ended_or_waiting if fault == "late" else ended
+        done = ended if fault == "afterend" else ended_or_waiting
         while not all(done(r) for r in range(world) if r != rank):
             assert time.monotonic() < deadline, "the other ranks never ended"
             time.sleep(0.05)  # polling the other workers' ends
+        if fault == "killlast":
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError("the script's own failure after its loop")
 if fault == "hanglast" and rank == fault_rank:
     threading.Event().wait()  # SCOUT must name it once the others closed their sessions
