@@ -13,6 +13,7 @@ __all__ = [
     "host_key",
     "pid_alive",
     "pid_exited",
+    "thread_sleep",
     "threads_cpu_s",
 ]
 
@@ -225,3 +226,39 @@ def threads_cpu_s(skip_ids: set[int], skip_names: tuple[bytes, ...] = ()) -> flo
             continue
         ticks += _cpu_ticks(stat, False)
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+# Syscalls a thread sleeps in for a set time (`time.sleep`: clock_nanosleep; Python 3.10's is a
+# select with no descriptors), by machine: a thread's syscall number is what the kernel shows where
+# its `wchan` is hidden.
+_SLEEPS = {"x86_64": {35, 230}, "aarch64": {101, 115}}
+_NO_FD_SELECTS = {"x86_64": {23, 270}, "aarch64": {72}}
+
+
+def thread_sleep(tid: int) -> tuple[bool, int] | None:
+    """(whether thread `tid` of this process sleeps for a set time now, as `time.sleep` does; its
+    voluntary context switches so far): one long sleep leaves the count as it was, a loop that
+    sleeps and looks again raises it. None where /proc cannot say."""
+    base = f"/proc/self/task/{tid}"
+    try:
+        with open(f"{base}/status", "rb") as f:
+            lines = f.read().splitlines()
+        switches = next(int(x.split()[1]) for x in lines if x.startswith(b"voluntary_ctxt_switches:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    try:
+        with open(f"{base}/wchan", "rb") as f:
+            wchan = f.read().strip()
+    except OSError:
+        wchan = b""
+    if wchan not in (b"", b"0"):
+        return b"nanosleep" in wchan, switches
+    machine = os.uname().machine
+    try:
+        with open(f"{base}/syscall", "rb") as f:
+            fields = f.read().split()
+        nr = int(fields[0])
+        nfds = int(fields[1], 16) if len(fields) > 1 else -1
+    except (OSError, ValueError, IndexError):  # ("running" where it runs: no number)
+        return False, switches
+    return nr in _SLEEPS.get(machine, ()) or (nr in _NO_FD_SELECTS.get(machine, ()) and nfds == 0), switches

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from lm_resiliency._proc import threads_cpu_s
+from lm_resiliency._proc import thread_sleep, threads_cpu_s
 from lm_resiliency.adapters.amp import mark_ours
 from lm_resiliency.adapters.base import (
     NUMERICS_KEYS,
@@ -392,6 +392,7 @@ class Scout:
         )
         self._stalls = StallDetector(phases)
         self._quiet = QuietClock()  # this process's CPU once every other rank closed its session
+        self._asleep: int | None = None  # the main thread's switch count in a sleep seen last tick
         # A peer declared dead stays silent one more heartbeat timeout before it is named cut off.
         self._silences = SilenceDetector(heartbeat_timeout_s)
         self._hold_s = heartbeat_timeout_s  # (at least: see _release_held)
@@ -1604,6 +1605,17 @@ class Scout:
         if cpu is None:
             return
         quiet = self._quiet.observe(now, cpu)
+        # A script's main thread in one sleep since the last look (`time.sleep(60)` after its loop,
+        # giving something of its own time) waits on purpose, for a time it set: not hung. Before,
+        # it was named and restarted. A loop that sleeps and looks again for something that never
+        # comes switches at each look, and is still named.
+        main = threading.main_thread().native_id
+        sleep = thread_sleep(main) if main is not None else None
+        asleep = sleep[1] if sleep is not None and sleep[0] else None
+        if asleep is not None and asleep == self._asleep:
+            self._quiet.reset()
+            quiet = 0.0
+        self._asleep = asleep
         mine = ProgressValue(
             own.step, own.collectives, own.in_collective_s, own.idle_s, own.phase, own.in_phase_s
         )

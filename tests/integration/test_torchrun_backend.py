@@ -705,14 +705,16 @@ def test_a_rank_that_hangs_after_its_loop_is_named_once_the_others_closed_and_re
     assert _equal(job.final(), baseline)
 
 
+@pytest.mark.parametrize("fault", ["busylast", "sleeplast"])
 def test_a_rank_at_work_after_its_loop_is_not_named_while_the_others_wait(
-    processes, tmp_path, baseline
+    processes, tmp_path, baseline, fault
 ) -> None:  # type: ignore[no-untyped-def]
     """Rank 1's main thread waits 3x the stall threshold after its loop for a thread of its own
     that computes (a save, an upload, an evaluation of its own): its process uses CPU, so it is
-    not the hang above. The run ends in its first generation."""
-    job = Job(processes, tmp_path, "busylast")
-    job.start({"FAULT": "busylast", "FAULT_RANK": "1", "HANG_S": "2", "BUSY_S": "6"})
+    not the hang above. Or it sleeps as long (`time.sleep`, a wait it chose: before, it was named
+    and restarted). The run ends in its first generation."""
+    job = Job(processes, tmp_path, fault)
+    job.start({"FAULT": fault, "FAULT_RANK": "1", "HANG_S": "2", "BUSY_S": "6"})
     job.wait()
     assert list(job.generations()) == [0], job.logs()
     assert "idle_after_peers_closed" not in job.logs(), job.logs()

@@ -6,8 +6,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -208,3 +210,48 @@ def test_threads_cpu_time_counts_the_programs_the_script_runs(spawned: list[subp
     ended = _proc.threads_cpu_s(set())
     assert before is not None and running is not None and ended is not None
     assert running - before >= 0.25 and ended >= running - 0.02
+
+
+def test_a_thread_in_one_sleep_is_told_from_one_that_waits_or_sleeps_and_looks_again() -> None:
+    """`thread_sleep`: a thread in `time.sleep` sleeps, with its switch count unchanged while the
+    sleep lasts; one that waits on an event does not sleep; a loop of short sleeps switches."""
+    seen: dict[str, Any] = {}
+    go, done = threading.Event(), threading.Event()
+
+    def sleeper() -> None:
+        go.wait()
+        time.sleep(2.0)  # (the sleep the test looks at, not a synchronisation)
+        done.wait()
+
+    def poller() -> None:
+        while not done.is_set():
+            time.sleep(0.01)
+
+    t = threading.Thread(target=sleeper)
+    p = threading.Thread(target=poller)
+    t.start()
+    p.start()
+    try:
+        deadline = time.monotonic() + 10
+        while (got := _proc.thread_sleep(t.native_id)) is None or got[0]:  # waits on `go`: no sleep
+            assert got is not None and time.monotonic() < deadline
+        seen["waiting"] = got
+        go.set()
+        while not (got := _proc.thread_sleep(t.native_id)) or not got[0]:
+            assert time.monotonic() < deadline
+        # (The count may still rise once as the thread goes to sleep: it switches out then.)
+        seen["looks"] = [_proc.thread_sleep(t.native_id) for _ in range(400)][200:]
+        first_poll = _proc.thread_sleep(p.native_id)
+        assert first_poll is not None
+        while (got := _proc.thread_sleep(p.native_id)) is None or got[1] == first_poll[1]:
+            assert time.monotonic() < deadline
+        seen["poll"] = (first_poll, got)
+    finally:
+        done.set()
+        t.join(5)
+        p.join(5)
+    assert seen["waiting"][0] is False
+    looks = seen["looks"]
+    assert looks[0][0] and all(x == looks[0] for x in looks)  # one sleep: the count stays
+    (_, before), (_, after) = seen["poll"]
+    assert after > before

@@ -26,6 +26,7 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
   hanglast -- after the loop, rank FAULT_RANK hangs for good (a wait on something that never comes)
   busylast -- after the loop, rank FAULT_RANK's main thread waits BUSY_S for a thread of its own
              that computes meanwhile (work after the loop, not a hang)
+  sleeplast -- after the loop, rank FAULT_RANK sleeps BUSY_S (time.sleep: a wait it chose, not a hang)
   mismatch -- rank FAULT_RANK all-reduces a tensor of its own before step FAULT_STEP's forward, where
              its peers all-reduce their gradients (gloo aborts some process on the sizes)
 TP=1: tensor parallel within each node (run with 2 ranks per node), DDP(device_mesh=) across them;
@@ -264,6 +265,8 @@ if fault in ("late", "killlast", "afterend"):
         raise RuntimeError("the script's own failure after its loop")
 if fault == "hanglast" and rank == fault_rank:
     threading.Event().wait()  # SCOUT must name it once the others closed their sessions
+if fault == "sleeplast" and rank == fault_rank:
+    time.sleep(float(os.environ["BUSY_S"]))
 if fault == "busylast" and rank == fault_rank:
 
     def work(until: float) -> None:
