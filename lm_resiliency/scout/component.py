@@ -42,6 +42,7 @@ from lm_resiliency.adapters.base import (
     zero_partition,
 )
 from lm_resiliency.adapters.canonical import ddp_parameters
+from lm_resiliency.adapters.megatron import ModelChunks
 from lm_resiliency.config import ReplayHarnessConfig, SCOUTFaultReport
 from lm_resiliency.core.messages import (
     AuditResult,
@@ -513,7 +514,7 @@ class Scout:
             # chunks, never the whole, so each is audited as a unit of its own, its output taken
             # after its DDP's forward. Before, the whole was recorded and its replay (of a module
             # that is not callable) failed: output faults went unseen, and the run ended off.
-            chunks: list[Any] = list(model.children()) if type(model).__name__ == "ModelChunks" else []
+            chunks: list[Any] = list(model.children()) if isinstance(model, ModelChunks) else []
             ddp_chunks = bool(chunks) and all(
                 isinstance(c, torch.nn.parallel.DistributedDataParallel) for c in chunks
             )
