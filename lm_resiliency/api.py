@@ -377,10 +377,6 @@ def _grad_scaler() -> Any:
     return found[0] if found else None
 
 
-# How long a fault report waits for `OrchestrationHooks.restart_destination` before it goes to
-# the leader without an answer.
-DESTINATION_WAIT_S = 2.0
-
 _OPEN: weakref.WeakSet[Session] = weakref.WeakSet()  # sessions started in this process
 _STARTED = [0]  # how many, closed ones included
 
@@ -1702,7 +1698,8 @@ class Session:
         file and to the torchrun backend's leader: the culprit's own node restarts it in place, a
         parked standby's id takes its slot (quarantining the culprit's node), None lets the policy
         decide. An answer that is not a string, or a hook that raises, is logged and left out; so is
-        one that takes longer than `DESTINATION_WAIT_S`: the report goes to the leader without it
+        one that takes longer than `RuntimeConfig.restart_destination_wait_s`: the report goes to the
+        leader without it
         (the fault is acted on now, not when an orchestrator answers)."""
         answers: list[Any] = []
 
@@ -1715,13 +1712,14 @@ class Session:
 
         asking = threading.Thread(target=call, name="lm-resiliency-destination-hook", daemon=True)
         asking.start()
-        asking.join(DESTINATION_WAIT_S)
+        wait = self._runtime_config.restart_destination_wait_s
+        asking.join(wait)
         if not answers:
             log.warning(
                 "rank %d: restart_destination did not answer within %.1f s; the %s report goes to the "
                 "leader without it (the policy decides)",
                 self.rank,
-                DESTINATION_WAIT_S,
+                wait,
                 report.get("kind"),
             )
         dest = answers[0] if answers else None

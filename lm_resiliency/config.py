@@ -259,11 +259,19 @@ class RuntimeConfig:
     # every rank of its generation to close its own (a restart still reaches it meanwhile: see
     # docs/torchrun.md, a fault after some ranks ended). 0: no wait.
     finish_wait_s: float = 120.0
+    # Ours: how long a report the torchrun backend's leader acts on waits for
+    # `OrchestrationHooks.restart_destination`'s answer before it goes without one (the fault is
+    # acted on then, not when an orchestrator's API answers). 0: not waited for.
+    restart_destination_wait_s: float = 2.0
 
     def __post_init__(self) -> None:
         _check_types(self, "runtime.")
         if not self.finish_wait_s >= 0:
             raise ConfigError("runtime.finish_wait_s", f"must be >= 0, got {self.finish_wait_s}")
+        if not self.restart_destination_wait_s >= 0:
+            raise ConfigError(
+                "runtime.restart_destination_wait_s", f"must be >= 0, got {self.restart_destination_wait_s}"
+            )
         if not self.telemetry_batch_s >= 0:
             raise ConfigError("runtime.telemetry_batch_s", f"must be >= 0, got {self.telemetry_batch_s}")
         _positive("runtime.heartbeat_interval_s", self.heartbeat_interval_s, allow_none=False)

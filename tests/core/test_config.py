@@ -66,6 +66,10 @@ def test_good_policy(tmp_path: Path) -> None:
         ("schema_version = 1\n[runtime]\npublish_coalesce_s = nan", "runtime.publish_coalesce_s"),
         ("schema_version = 1\n[runtime]\nheartbeat_timeout_s = 0.1", "runtime.heartbeat_timeout_s"),
         ("schema_version = 1\n[runtime]\nfinish_wait_s = -1", "runtime.finish_wait_s"),
+        (
+            "schema_version = 1\n[runtime]\nrestart_destination_wait_s = -1",
+            "runtime.restart_destination_wait_s",
+        ),
         ("schema_version = 1\ncheckpoint = 3", "checkpoint"),
         ("schema_version = 1\nrecovery_mode = 'newest'", "recovery_mode"),
         ("schema_version = 1\nadapter = 'nocolon'", "adapter"),

@@ -407,18 +407,19 @@ def test_optimizer_state_corrupted_before_the_schedulers_step_is_never_recovered
     With an orchestrator's `restart_destination` hook that answers the culprit's own node, the
     same restart is in place: no standby admitted (before, the hook was never called). With one
     that does not answer (an orchestrator's API call that hangs), the report goes to the leader
-    after 2 s without an answer and the policy decides: before, the restart waited for the hook,
-    and the corrupted replica trained on (outsider 57)."""
+    after 1 s (`RuntimeConfig.restart_destination_wait_s`) without an answer and the policy
+    decides: before, the restart waited for the hook, and the corrupted replica trained on
+    (outsider 57)."""
     job = Job(processes, tmp_path, "optstate")
     env = {"FAULT": "optstate", "FAULT_RANK": "1", "FAULT_STEP": "10", "LOADER": "plain"}
-    gens, ctx = _restarted_once(job, {**env, "DESTINATION": destination})
+    gens, ctx = _restarted_once(job, {**env, "DESTINATION": destination, "DESTINATION_WAIT_S": "1"})
     assert ctx["failure_kind"] == "sdc", ctx
     assert ctx["reason_code"] in ("optim_replay_mismatch", "state_changed_at_rest"), ctx
     assert len(ctx["culprits"]) == 1 and ctx["failure_kinds"] == ["sdc"], ctx
     assert ctx["recovery_mode"] == "recovery_verified", ctx
     assert len(ctx["admitted"]) == (0 if destination == "culprit" else 1), ctx
     if destination == "slow":
-        assert "restart_destination did not answer within 2.0 s" in job.logs(), job.logs()[-6000:]
+        assert "restart_destination did not answer within 1.0 s" in job.logs(), job.logs()[-6000:]
     if destination == "culprit":
         (culprit,) = ctx["culprits"]
         assert f"restart_destination asked about sdc: {culprit}" in job.logs(), job.logs()[-6000:]

@@ -34,6 +34,7 @@ every rank writes its parameters to OUT.rank<r>.
 LOADER=plain: the loop reads its batches without instrument_dataloader (captures are then taken
 at the scheduler's step). SCHED_EVERY=n: the scheduler steps after every n-th step only. AUG=1: the
 loop adds noise from the global torch RNG to each batch before the forward.
+FINISH_S, DESTINATION_WAIT_S: RuntimeConfig's finish_wait_s, restart_destination_wait_s.
 Rank 0 writes the final parameters to OUT and each generation's start to OUT.gen<g>.json.
 """
 
@@ -89,6 +90,8 @@ def _no_answer(report: dict) -> str | None:
 
 
 hooks = {"culprit": _same_node, "slow": _no_answer}.get(os.environ.get("DESTINATION", ""))
+settings = (("finish_wait_s", "FINISH_S"), ("restart_destination_wait_s", "DESTINATION_WAIT_S"))
+runtime = {key: float(os.environ[name]) for key, name in settings if os.environ.get(name)}
 session = enable_resiliency(
     model,
     opt,
@@ -100,9 +103,7 @@ session = enable_resiliency(
         hang_stall_threshold_s=float(os.environ.get("HANG_S", "30")),
         dataloader_latency_threshold_s=float(os.environ.get("LOADER_S", "10")),
     ),
-    runtime=RuntimeConfig(finish_wait_s=float(os.environ["FINISH_S"]))
-    if os.environ.get("FINISH_S")
-    else None,
+    runtime=RuntimeConfig(**runtime) if runtime else None,
 )
 start = session.step_count
 print(f"rank {rank} generation {gen} starts at step {start} (recovered {session.recovered_step})", flush=True)
