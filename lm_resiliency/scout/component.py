@@ -1268,10 +1268,16 @@ class Scout:
     def _replay_reduction(self, step: int, record: Any) -> tuple[bytes, str, bool]:
         bufs = pack_contributions(record)
         peers = sorted(set(self.group) - {self.rank})
-        if bufs:
-            for peer in peers:
-                fut = self.runtime.send_bulk(peer, f"replay/{step}", bufs, {"step": str(step)})
-                fut.add_done_callback(functools.partial(self._sent, peer))
+        if not bufs:
+            # Nothing recorded to reduce again (a sharded model reduces its own gradients, FSDP2/
+            # HSDP; a record over its size cap): so it is on every replica. Before, each waited for
+            # the others' contributions for the stall threshold (30 s by default) before saying
+            # so, while the job trained on with the divergent replica.
+            why = record.problem or "no contribution recorded (a sharded model reduces its own gradients)"
+            return b"", why, False
+        for peer in peers:
+            fut = self.runtime.send_bulk(peer, f"replay/{step}", bufs, {"step": str(step)})
+            fut.add_done_callback(functools.partial(self._sent, peer))
         deadline = time.monotonic() + self.config.hang_stall_threshold_s
         with self._replay_lock:
             while not self._closed and not set(peers) <= set(self._peer_contrib.get(step, {})):

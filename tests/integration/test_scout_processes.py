@@ -147,6 +147,28 @@ def test_bit_flip_in_a_gradient_after_reduction_is_named_sdc_and_not_certified(
     assert any(json.loads(line)["kind"] == "sdc" for line in lines)
 
 
+def test_a_gradient_flipped_on_one_of_two_hsdp_replicas_names_both_without_waiting(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """HSDP (FSDP2 over two nodes' replicas): rank 2 flips a bit of its reduced gradient shard at
+    step 6. The two replicas of that shard disagree; FSDP2 reduces its gradients itself, so no
+    contribution was recorded to reduce again, and neither can be told right: both are named at
+    once (ambiguous; the torchrun leader restarts them in place from a verified step). Before, each
+    replica waited for the other's contributions for the stall threshold before saying so (30 s
+    by default), while the job trained on with the divergent replica (an outsider's HSDP job)."""
+    results, _ = _run(processes, tmp_path, "sdc", steps=12, culprit=2, at=6, world=4, wrap="hsdp")
+    for res in results:
+        sdc = [f for f in res["faults"] if f["kind"].startswith("sdc")]
+        if res["rank"] not in (0, 2):
+            assert not sdc, res["faults"]
+            continue
+        assert [(f["failed_ranks"], f["steps"], f["reason"]) for f in sdc] == [
+            ([0, 2], [6], "grads_replay_inconclusive")
+        ], res["faults"]
+        assert "a sharded model reduces its own gradients" in sdc[0]["detail"], sdc
+        assert not res["certified"]["6"], res["certified"]
+
+
 @pytest.mark.parametrize("world", [4, 2], ids=["four", "two"])
 def test_compute_slowdown_is_named_a_compute_straggler_within_3_steps(
     processes, tmp_path: Path, world: int

@@ -337,6 +337,7 @@ def main() -> int:
         flip_grad = (scenario == "sdc" and step == at) or (scenario == "recurring" and step in (at, 2 * at))
         if flip_grad and rank == culprit:
             g = next(model.parameters()).grad
+            g = g.to_local() if hasattr(g, "to_local") else g  # (a DTensor's shard: FSDP2)
             g.view(-1).view(torch.int32)[7] ^= 1 << 3  # one bit, after the all-reduce
         if scenario == "drop" and rank == culprit and step == at:
             for p in model.parameters():  # every gradient dropped after the all-reduce (one bucket)
