@@ -87,6 +87,18 @@ BACKEND_ACTIONABLE = frozenset(
 )
 
 
+def unwatched_exit(e: Mapping[str, Any]) -> bool:
+    """Whether a restart reports the exit `e` (one of the restart context's `worker_exits`): no
+    report named the rank (`reported`), and its end was its own: its node's the restart is for
+    (`culprit`), or a signal other than gloo's abort (a kill, a SIGTERM sent to it alone while
+    another fault explained the group's stop). Another node's rank that ended of an exception or an
+    abort was most often a casualty of the culprit's end: a broken collective."""
+    rank, code = e.get("rank"), e.get("exitcode")
+    if not isinstance(rank, int) or not isinstance(code, int) or e.get("reported", True):
+        return False
+    return bool(e.get("culprit")) or (code < 0 and code != -signal.SIGABRT)
+
+
 def _actionable(report: dict[str, Any], also_on: frozenset[str] = frozenset()) -> bool:
     """Whether the torchrun backend's leader acts on `report` (it is posted to it): a failure kind,
     peers waiting on a rank, or a kind the job trains on through (a slow job, REPLACE_ONLY_FAILURES;
@@ -1017,9 +1029,8 @@ class Session:
         self._context = ctx
 
     def _report_unwatched_exits(self) -> None:
-        """Rank 0 of a restart reports the rank of the generation before whose process ended
-        failing unseen (the restart context's `worker_exits`, the restart's `culprit` and not
-        `reported`; the other nodes' exits were most often its casualties): it ended after the
+        """Rank 0 of a restart reports each rank of the generation before whose process ended
+        failing unseen (the restart context's `worker_exits`: `unwatched_exit`): it ended after the
         others closed their sessions (a kill in the last step, an exception in the script's own
         saving after its loop), so no peer named it, and a killed rank cannot. Its agent saw the exit
         (`adapters/torchrun._publish_exit`). Before, no fault report named it."""
@@ -1028,11 +1039,9 @@ class Session:
             return
         before = int(ctx.get("generation", self.env.generation)) - 1
         for e in ctx["worker_exits"]:
-            if not isinstance(e, dict) or e.get("reported", True) or not e.get("culprit"):
+            if not isinstance(e, dict) or not unwatched_exit(e):
                 continue
-            rank, code = e.get("rank"), e.get("exitcode")
-            if not isinstance(rank, int) or not isinstance(code, int):
-                continue
+            rank, code = int(e["rank"]), int(e["exitcode"])
             try:
                 how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             except ValueError:
@@ -1046,9 +1055,9 @@ class Session:
                 detection_latency_s=latency,
                 exit_code=str(code),
                 detail=(
-                    f"rank {rank}'s process of generation {before} ended ({how}) after other ranks had "
-                    f"closed their sessions, so no peer saw it go; its agent on node {e.get('node')} saw "
-                    "the exit and the run restarted"
+                    f"rank {rank}'s process of generation {before} ended ({how}) and no fault report "
+                    f"named it (its peers had left their loops, or another fault explained the stop); "
+                    f"its agent on node {e.get('node')} saw the exit"
                 )[:MAX_ERROR_TEXT],
             )
 

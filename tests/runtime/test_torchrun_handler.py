@@ -1275,3 +1275,24 @@ def test_a_workers_exit_that_no_report_named_is_planned_to_be_reported(store: An
         assert tr._worker_exits(control, old, {"b"}) == [{**kill, "reported": True, "culprit": True}]
     finally:
         channel.close()
+
+
+@pytest.mark.parametrize(
+    ("exit_", "reports"),
+    [
+        ({"rank": 1, "exitcode": -9, "reported": False, "culprit": True}, True),
+        ({"rank": 1, "exitcode": 1, "reported": False, "culprit": True}, True),  # after its close
+        ({"rank": 1, "exitcode": -9, "reported": True, "culprit": True}, False),  # named already
+        ({"rank": 1, "exitcode": -15, "reported": False, "culprit": False}, True),  # its own SIGTERM
+        ({"rank": 1, "exitcode": 1, "reported": False, "culprit": False}, False),  # a casualty
+        ({"rank": 1, "exitcode": -6, "reported": False, "culprit": False}, False),  # gloo's abort
+        ({"rank": "1", "exitcode": -9, "reported": False, "culprit": True}, False),  # malformed
+        ({"rank": 1, "exitcode": -9}, False),  # (no flags: an older leader's plan)
+    ],
+)
+def test_a_restart_reports_the_exits_no_report_named_that_were_no_casualties(
+    exit_: dict[str, Any], reports: bool
+) -> None:
+    from lm_resiliency.api import unwatched_exit
+
+    assert unwatched_exit(exit_) is reports
