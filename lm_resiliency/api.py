@@ -23,7 +23,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -97,6 +97,15 @@ def unwatched_exit(e: Mapping[str, Any]) -> bool:
     if not isinstance(rank, int) or not isinstance(code, int) or e.get("reported", True):
         return False
     return bool(e.get("culprit")) or (code < 0 and code != -signal.SIGABRT)
+
+
+def stopped_by_restart(
+    peers: Iterable[int], node_of: Callable[[int], str | None], culprits: set[str], first: Mapping[str, int]
+) -> set[int]:
+    """Of `peers` that went, those a restart stopped: ranks of nodes it is not for (`culprits`), and
+    of a culprit node the ranks its agent stopped after its first one ended (`first`: that rank by
+    node, where its agent said). Before, a culprit's node-mates were named `terminated` beside it."""
+    return {p for p in peers if node_of(p) not in culprits or first.get(str(node_of(p)), p) != p}
 
 
 def _actionable(report: dict[str, Any], also_on: frozenset[str] = frozenset()) -> bool:
@@ -1452,14 +1461,16 @@ class Session:
         """Under the torchrun backend, of `peers` that went: those the leader's restart stopped (it
         stops every worker group, for a fault another replica group reported that this rank never
         heard of, or a worker's exit), not the nodes whose workers' going it restarts for (see
-        `ControlChannel.restart_culprits`). Blocks on the store; never called on the loop."""
+        `ControlChannel.restart_culprits`) but their ranks their agents stopped after the first
+        one ended (`ControlChannel.first_exits`). Blocks on the store; never called on the loop."""
         control, topo = self._control, self._topology
         if control is None or topo is None:
             return set()
         culprits = control.restart_culprits(self.env.generation)
         if culprits is None:
             return set()
-        return {p for p in peers if topo.node_of(p) not in culprits}
+        first = control.first_exits(self.env.generation, culprits) if culprits else {}
+        return stopped_by_restart(peers, topo.node_of, culprits, first)
 
     def _report_left(self, error: str) -> None:
         """A collective failed under this rank mid-step: the peers whose scripts had closed their

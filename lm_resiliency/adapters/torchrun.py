@@ -65,6 +65,7 @@ from lm_resiliency.core.gemini.recovery import memory_checkpoint_id, plan_recove
 from lm_resiliency.core.rendezvous import state as rs  # noqa: E402
 from lm_resiliency.core.scout.replay import DROPPED  # noqa: E402
 from lm_resiliency.core.scout.verdicts import PEERS_WAIT, desync_in_trails  # noqa: E402
+from lm_resiliency.runtime.control import exits_key, finished_key, named_key  # noqa: E402
 from lm_resiliency.runtime.trail import read_trails  # noqa: E402
 
 __all__ = ["BACKEND", "LmResiliencyRendezvousHandler", "create_handler", "rendezvous_handler_creator"]
@@ -828,7 +829,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             "node": self.node_id,
         }
         try:
-            control.store.set(control.key(f"exits/g{generation}/{self.node_id}"), json.dumps(doc))
+            control.store.set(control.key(exits_key(generation, self.node_id)), json.dumps(doc))
         except Exception as exc:  # the restart goes on without it
             log.warning("node %s: could not publish its workers' exit: %s", self.node_id, exc)
 
@@ -1025,8 +1026,6 @@ class _Pulse:
         control, gen = self._control, self.h._generation
         if control is None or gen < 0:
             return False
-        from lm_resiliency.runtime.control import finished_key
-
         return int(control.store.add(control.key(finished_key(gen)), 0)) > 0
 
     def _tick(self, now: float) -> None:
@@ -1418,11 +1417,9 @@ def _worker_exits(control: _Control, s: rs.RdzvState, culprits: set[str]) -> lis
     rank that ends after the others left their loops (a kill in the last step, an exception in the
     script's own saving after its loop) was seen by nobody: before, no fault report named it, only
     the agent's log."""
-    from lm_resiliency.runtime.control import named_key
-
     out = []
     for node in s.slots:
-        doc = control.json_get(f"exits/g{s.generation}/{node}") if node is not None else None
+        doc = control.json_get(exits_key(s.generation, node)) if node is not None else None
         if (
             isinstance(doc, dict)
             and isinstance(doc.get("rank"), int)

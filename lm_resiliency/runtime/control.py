@@ -21,11 +21,11 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["BEAT_S", "ControlChannel", "finished_key"]
+__all__ = ["BEAT_S", "ControlChannel", "exits_key", "finished_key", "named_key"]
 
 BEAT_S = 1.0  # a beating rank's counter in the store goes up this often
 
@@ -34,6 +34,12 @@ def finished_key(generation: int) -> str:
     """The key, under the run's prefix, that counts the sessions of `generation` closed at their
     script's end (ControlChannel.finish; the agents read it too)."""
     return f"finished/g{generation}"
+
+
+def exits_key(generation: int, node: str) -> str:
+    """The key, under the run's prefix, where `node`'s agent puts the first of its workers of
+    `generation` to end failing, and how (`adapters/torchrun._publish_exit`)."""
+    return f"exits/g{generation}/{node}"
 
 
 def named_key(generation: int, rank: int) -> str:
@@ -155,6 +161,23 @@ class ControlChannel:
             return None
         kinds = {why.get("failure_kind"), *why.get("also", ())}
         return {str(n) for n in why.get("culprits", ())} if "process_failure" in kinds else set()
+
+    def first_exits(self, generation: int, nodes: Iterable[str]) -> dict[str, int]:
+        """The rank of each of `nodes` whose end its agent saw first in `generation` (the first of
+        its workers to fail: the agent stopped the others then), where it has said so: {} when the
+        store cannot say. Through a connection of its own, as `restart_culprits`."""
+        out: dict[str, int] = {}
+        try:
+            store = self._open(timedelta(seconds=2))
+            for node in nodes:
+                key = self.prefix + exits_key(generation, node)
+                if store.check([key]):
+                    doc = json.loads(store.get(key))
+                    if isinstance(doc, dict) and isinstance(doc.get("rank"), int):
+                        out[node] = doc["rank"]
+        except Exception as exc:  # advisory: a report too many, never a worker stopped by it
+            log.debug("control store %s unreadable: %s", self.where, exc)
+        return out
 
     def finish(
         self,

@@ -1296,3 +1296,25 @@ def test_a_restart_reports_the_exits_no_report_named_that_were_no_casualties(
     from lm_resiliency.api import unwatched_exit
 
     assert unwatched_exit(exit_) is reports
+
+
+def test_a_culprit_nodes_ranks_its_agent_stopped_are_no_culprits(store: Any) -> None:
+    """A worker that saw peers go asks which the restart stopped: those of nodes it is not for, and
+    of the culprit's node every rank but the one its agent saw end first (`first_exits`)."""
+    from lm_resiliency.api import stopped_by_restart
+    from lm_resiliency.runtime.control import ControlChannel, exits_key
+
+    nodes = {0: "a", 1: "a", 2: "b", 3: "b"}
+    channel = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
+    try:
+        assert channel.first_exits(5, {"a"}) == {}  # its agent has not said (yet)
+        assert stopped_by_restart([0, 1, 2], nodes.get, {"a"}, {}) == {2}
+        control = tr._Control(store, "unit-run")
+        store.set(control.key(exits_key(5, "a")), json.dumps({"rank": 0, "exitcode": -15}))
+        store.set(control.key(exits_key(5, "b")), "not json")
+        first = channel.first_exits(5, {"a", "b", "c"})
+        assert first == {"a": 0}
+        assert stopped_by_restart([0, 1, 2], nodes.get, {"a"}, first) == {1, 2}
+        assert stopped_by_restart([0, 1, 2, 3], nodes.get, {"a", "b"}, first) == {1}
+    finally:
+        channel.close()
