@@ -8,8 +8,9 @@
   DistributedDataParallel, or the outermost FullyShardedDataParallel or `fully_shard`ed module: the
   loop has begun; its optimizer and scheduler exist), the session is enabled with the policy's
   settings, which restores the recovered step before that forward runs. A restart whose loop has
-  no step left runs no forward: its script's first read of its state (a `state_dict()`, a
-  `torch.save`, an evaluation) restores the step first, from this node's copy (`gemini.local`).
+  no step left runs no forward: its script's first read of its state (a `state_dict()`, its
+  parameters, a `torch.save`, an evaluation) restores the step first, from this node's copy
+  (`gemini.local`).
   A script that calls `enable_resiliency` itself is left alone. `LM_RESILIENCY_AUTO_INSTRUMENT=0`
   turns it off.
 """
@@ -357,13 +358,16 @@ def auto_instrument(policy_path: str) -> None:
         step left runs no forward to restore it at: before, the script saved or evaluated the
         state it made (NOT RESTORED, below). Done before a loop's first forward, that forward's
         session restores the step again, as always."""
-        if not reads:
-            return
+        if not reads or state.get("busy"):
+            return  # (busy: its own reads while it looks, a parameters() among them)
+        state["busy"] = True
         try:
             restore_now(module)
         except Exception as exc:  # (a policy unreadable now, a copy that does not fit): said at exit
             disarm()
             state["unrestored"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            state["busy"] = False
 
     def restore_now(module: Any) -> None:
         from lm_resiliency.api import open_session
@@ -434,6 +438,10 @@ def auto_instrument(policy_path: str) -> None:
     if planned.isdigit() and int(planned) > 0:
         for owner, name in (
             (torch.nn.Module, "state_dict"),
+            # Its parameters read as they are (a save of each `to_local()` shard, or an evaluation
+            # of its own); `parameters()` reads through it. Once an optimizer exists: before, the
+            # read one made (the optimizer's own) restores nothing (restore_now).
+            (torch.nn.Module, "named_parameters"),
             (torch.optim.Optimizer, "state_dict"),
             (torch, "save"),
         ):

@@ -321,14 +321,17 @@ def test_an_unmodified_script_restarted_after_its_last_step_is_restored_when_it_
     Its `state_dict()` after the loop restores step 24 from this node's memory first: the final
     state is the uninterrupted run's, bitwise. Before, each worker saved the fresh model's state
     and said NOT RESTORED at exit (outsider 57, zero-import, an exception in the last step; outsider
-    58, a hang after the loop). The same for FSDP2, whose shards each rank restores."""
+    58, a hang after the loop). The same for FSDP2, whose shards each rank restores, with a script
+    that reads its parameters as they are, not its `state_dict()` (before, an outsider HSDP job
+    saved the fresh model's shards)."""
     policy = tmp_path / "policy.toml"
     policy.write_text("schema_version = 1\ninterval = 1\n")
     script = "tests/integration/workers/plain_ddp.py"
     base = Job(processes, tmp_path, "plain-end-base", nodes=2, worker=script)
     base.start({"WRAP": wrap}, policies=[str(policy)] * 2)
     job = Job(processes, tmp_path, "plain-end", nodes=2, nnodes="2:2", worker=script)
-    job.start({"FAULT": "raise", "FAULT_STEP": "24", "WRAP": wrap}, policies=[str(policy)] * 2)
+    read = "params" if wrap == "fsdp2" else ""
+    job.start({"FAULT": "raise", "FAULT_STEP": "24", "WRAP": wrap, "READ": read}, policies=[str(policy)] * 2)
     base.wait()
     job.wait()
     gens = job.generations()

@@ -4,6 +4,8 @@ backend with a worker policy it is instrumented automatically; it reads only the
 
 COMPILE=1 compiles the model whole (`torch.compile`, the aot_eager backend: no C++ compiler needed).
 
+READ=params: the final state is read from the parameters as they are, not from `state_dict()`.
+
 In generation 0, rank 1 raises an uncaught RuntimeError after step FAULT_STEP (10) when FAULT=raise."""
 
 import json
@@ -50,7 +52,8 @@ for step in range(start + 1, 25):
     if os.environ.get("FAULT") == "raise" and gen == 0 and rank == 1 and step == fault_step:
         raise RuntimeError(f"injected: the loss diverged at step {step}")
 # Whole tensors (an FSDP2 shard's full_tensor() is a collective: every rank takes part).
-final = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in held.state_dict().items()}
+state = held.named_parameters() if os.environ.get("READ") == "params" else held.state_dict().items()
+final = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone() for k, v in state}
 if rank == 0:
     torch.save(final, out)
     with open(f"{out}.gen{gen}.json", "w") as f:
