@@ -77,11 +77,11 @@ __all__ = ["ResiliencySession", "Session", "SessionComponent", "enable_resilienc
 
 log = logging.getLogger(__name__)
 
-# Verdicts the torchrun backend's leader acts on (restart in place, or replace the culprit's node),
-# and a data-loader or checkpoint-I/O stall once its peers wait on it (the job stopped).
 # The reason of the report a restart makes of a rank of the generation before that ended failing
 # where no peer saw it go (`Session._report_unwatched_exits`).
 EXITED_UNWATCHED = "exited_unwatched"
+# Verdicts the torchrun backend's leader acts on (restart in place, or replace the culprit's node),
+# and a data-loader or checkpoint-I/O stall once its peers wait on it (the job stopped).
 BACKEND_ACTIONABLE = frozenset(
     {"sdc", "stale_state", "hardware", "hang", "network_partition", "collective_desync"}
 )
@@ -1041,8 +1041,9 @@ class Session:
         """Rank 0 of a restart reports each rank of the generation before whose process ended
         failing unseen (the restart context's `worker_exits`: `unwatched_exit`): it ended after the
         others closed their sessions (a kill in the last step, an exception in the script's own
-        saving after its loop), so no peer named it, and a killed rank cannot. Its agent saw the exit
-        (`adapters/torchrun._publish_exit`). Before, no fault report named it."""
+        saving after its loop), or while another fault explained the group's stop, so no peer named
+        it, and a killed rank cannot. Its agent saw the exit (`adapters/torchrun._publish_exit`).
+        Before, no fault report named it."""
         ctx = self._context
         if self.rank != 0 or not isinstance(ctx, dict) or not isinstance(ctx.get("worker_exits"), list):
             return
