@@ -65,7 +65,7 @@ from lm_resiliency.core.gemini.recovery import memory_checkpoint_id, plan_recove
 from lm_resiliency.core.rendezvous import state as rs  # noqa: E402
 from lm_resiliency.core.scout.replay import DROPPED  # noqa: E402
 from lm_resiliency.core.scout.verdicts import PEERS_WAIT, desync_in_trails  # noqa: E402
-from lm_resiliency.runtime.control import exits_key, finished_key, named_key  # noqa: E402
+from lm_resiliency.runtime.control import exit_doc, exits_key, finished_key, named_key  # noqa: E402
 from lm_resiliency.runtime.trail import read_trails  # noqa: E402
 
 __all__ = ["BACKEND", "LmResiliencyRendezvousHandler", "create_handler", "rendezvous_handler_creator"]
@@ -1419,18 +1419,11 @@ def _worker_exits(control: _Control, s: rs.RdzvState, culprits: set[str]) -> lis
     the agent's log."""
     out = []
     for node in s.slots:
-        doc = control.json_get(exits_key(s.generation, node)) if node is not None else None
-        if (
-            isinstance(doc, dict)
-            and isinstance(doc.get("rank"), int)
-            and isinstance(doc.get("exitcode"), int)
-        ):
+        doc = exit_doc(control.json_get(exits_key(s.generation, node))) if node is not None else None
+        if doc is not None:
+            doc["reported"] = bool(control.store.check([control.key(named_key(s.generation, doc["rank"]))]))
+            doc["culprit"] = doc.get("node") in culprits
             out.append(doc)
-    if not out:
-        return out
-    for doc in out:
-        doc["reported"] = bool(control.store.check([control.key(named_key(s.generation, doc["rank"]))]))
-        doc["culprit"] = doc.get("node") in culprits
     return sorted(out, key=lambda d: float(d.get("at", 0.0)))
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["BEAT_S", "ControlChannel", "exits_key", "finished_key", "named_key"]
+__all__ = ["BEAT_S", "ControlChannel", "exit_doc", "exits_key", "finished_key", "named_key"]
 
 BEAT_S = 1.0  # a beating rank's counter in the store goes up this often
 
@@ -40,6 +40,16 @@ def exits_key(generation: int, node: str) -> str:
     """The key, under the run's prefix, where `node`'s agent puts the first of its workers of
     `generation` to end failing, and how (`adapters/torchrun._publish_exit`)."""
     return f"exits/g{generation}/{node}"
+
+
+def exit_doc(doc: Any) -> dict[str, Any] | None:
+    """An agent's exit document as read from the store (`exits_key`), or None where it is not one:
+    its `rank` and `exitcode` integers, its `at` a number."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("rank"), int):
+        return None
+    if not isinstance(doc.get("exitcode"), int) or not isinstance(doc.get("at", 0.0), (int, float)):
+        return None
+    return doc
 
 
 def named_key(generation: int, rank: int) -> str:
@@ -171,10 +181,9 @@ class ControlChannel:
             store = self._open(timedelta(seconds=2))
             for node in nodes:
                 key = self.prefix + exits_key(generation, node)
-                if store.check([key]):
-                    doc = json.loads(store.get(key))
-                    if isinstance(doc, dict) and isinstance(doc.get("rank"), int):
-                        out[node] = doc["rank"]
+                doc = exit_doc(json.loads(store.get(key))) if store.check([key]) else None
+                if doc is not None:
+                    out[node] = doc["rank"]
         except Exception as exc:  # advisory: a report too many, never a worker stopped by it
             log.debug("control store %s unreadable: %s", self.where, exc)
         return out

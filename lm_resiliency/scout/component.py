@@ -1269,10 +1269,10 @@ class Scout:
         bufs = pack_contributions(record)
         peers = sorted(set(self.group) - {self.rank})
         if not bufs:
-            # Nothing recorded to reduce again (a sharded model reduces its own gradients, FSDP2/
-            # HSDP; a record over its size cap): so it is on every replica. Before, each waited for
-            # the others' contributions for the stall threshold (30 s by default) before saying
-            # so, while the job trained on with the divergent replica.
+            # Nothing recorded to reduce again (a sharded model, FSDP2/HSDP, reduces its own
+            # gradients; a record with a problem: ZeRO, a chain), and so on every replica. Before,
+            # each waited for the others' contributions for the stall threshold (30 s by default)
+            # before saying so, while the job trained on with the divergent replica.
             why = record.problem or "no contribution recorded (a sharded model reduces its own gradients)"
             return b"", why, False
         for peer in peers:
