@@ -11,6 +11,7 @@ __all__ = [
     "children",
     "continue_stopped_children",
     "host_key",
+    "main_thread_id",
     "pid_alive",
     "pid_exited",
     "thread_sleep",
@@ -233,6 +234,20 @@ def threads_cpu_s(skip_ids: set[int], skip_names: tuple[bytes, ...] = ()) -> flo
 # its `wchan` is hidden.
 _SLEEPS = {"x86_64": {35, 230}, "aarch64": {101, 115}}
 _NO_FD_SELECTS = {"x86_64": {23, 270}, "aarch64": {72}}
+
+
+def main_thread_id() -> int | None:
+    """The kernel's id of this process's main thread (what `thread_sleep` takes). In a forked
+    process, Python before 3.12 keeps the parent's in `threading.main_thread().native_id`: a
+    training process forked by its launcher (a fork server, a zygote) would look at a thread that
+    is not its own. On Linux the main thread leads its thread group, its id the pid: when the
+    recorded one is no thread of this process, that is the one."""
+    import threading
+
+    recorded = threading.main_thread().native_id
+    if recorded is not None and (recorded == os.getpid() or os.path.isdir(f"/proc/self/task/{recorded}")):
+        return recorded
+    return os.getpid() if os.path.isdir("/proc/self/task") else recorded
 
 
 def thread_sleep(tid: int) -> tuple[bool, int] | None:

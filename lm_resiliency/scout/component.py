@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from lm_resiliency._proc import thread_sleep, threads_cpu_s
+from lm_resiliency._proc import main_thread_id, thread_sleep, threads_cpu_s
 from lm_resiliency.adapters.amp import mark_ours
 from lm_resiliency.adapters.base import (
     NUMERICS_KEYS,
@@ -1616,7 +1616,7 @@ class Scout:
         # giving something of its own time) waits on purpose, for a time it set: not hung. Before,
         # it was named and restarted. A loop that sleeps and looks again for something that never
         # comes switches at each look, and is still named.
-        main = threading.main_thread().native_id
+        main = main_thread_id()
         sleep = thread_sleep(main) if main is not None else None
         asleep = sleep[1] if sleep is not None and sleep[0] else None
         if asleep is not None and asleep == self._asleep:

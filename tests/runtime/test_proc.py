@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -255,3 +257,28 @@ def test_a_thread_in_one_sleep_is_told_from_one_that_waits_or_sleeps_and_looks_a
     assert looks[0][0] and all(x == looks[0] for x in looks)  # one sleep: the count stays
     (_, before), (_, after) = seen["poll"]
     assert after > before
+
+
+def test_a_forked_process_looks_at_its_own_main_thread() -> None:
+    """`main_thread_id` in a fork: Python 3.11 keeps the parent's id in `threading.main_thread()`
+    (a training process forked by its launcher then judged a thread that was not its own: its
+    sleep after the loop was not seen, and it was named hung)."""
+    r, w = os.pipe()
+    with warnings.catch_warnings():  # (Python 3.12 warns of a fork beside threads; this one execs nothing)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # (no pytest machinery here: write the facts and leave at once)
+        try:
+            got = _proc.main_thread_id()
+            sleep = _proc.thread_sleep(got) if got is not None else None
+            os.write(w, json.dumps([got, os.getpid(), sleep is not None]).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as f:
+            got, child, read = json.loads(f.read())
+    finally:
+        os.waitpid(pid, 0)
+    assert got == child and read
+    assert _proc.main_thread_id() == threading.main_thread().native_id
