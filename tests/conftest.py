@@ -17,6 +17,8 @@ from typing import IO, Any
 import pytest
 import torch
 
+from tests._zygote import AT_START
+
 ROOT = Path(__file__).resolve().parent.parent
 FRESH = os.environ.get("LM_RESILIENCY_TEST_FRESH") == "1"  # every worker a fresh interpreter
 
@@ -76,14 +78,26 @@ class Forked:
 
 class Zygote:
     """The test session's preloaded Python (`tests/_zygote.py`): started on first use, stopped when
-    the session ends. LM_RESILIENCY_TEST_FRESH=1 starts every worker as a fresh interpreter instead."""
+    the session ends. Its workers' environment names a stand-in Python (`tests/_zyshim.py`) as
+    torchrun's PYTHON_EXEC, so that the workers torchrun starts are forks of it too.
+    LM_RESILIENCY_TEST_FRESH=1 starts every worker as a fresh interpreter instead (in a torchrun
+    job's environment: its workers)."""
 
     _instance: Zygote | None = None
 
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="lmr-zygote-")
         self.path = os.path.join(self.dir, "sock")
-        env = worker_env({})
+        # torchrun starts its workers with PYTHON_EXEC: this stand-in has the zygote fork them.
+        shim = Path(self.dir) / "python"
+        shim.write_text(f"#!{sys.executable} -IS\n" + (ROOT / "tests" / "_zyshim.py").read_text())
+        shim.chmod(0o755)
+        self.extra = {
+            "PYTHON_EXEC": str(shim),
+            "LMR_TEST_PYTHON": sys.executable,
+            "LMR_TEST_ZYGOTE": self.path,
+        }
+        env = {**worker_env({}), **self.extra}
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "_zygote.py"), self.path],
             env=env,
@@ -120,15 +134,15 @@ class Zygote:
         and the same settings that act at interpreter start (PYTHON*, thread pools, the loader)."""
         if not args or (args[0].startswith("-") and (args[0] != "-m" or len(args) < 2)):
             return False
-        at_start = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC")
-        keys = {k for k in (*env, *self.env) if k.startswith(at_start)}
+        env = {**self.extra, **env}
+        keys = {k for k in (*env, *self.env) if k.startswith(AT_START)}
         return all(env.get(k) == self.env.get(k) for k in keys)
 
     def fork(self, args: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> Forked:
         log_path.write_bytes(b"")  # there on return, as Popen's would be
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.path)
-        request = {"argv": args, "env": env, "cwd": str(cwd), "log": str(log_path)}
+        request = {"argv": args, "env": {**self.extra, **env}, "cwd": str(cwd), "log": str(log_path)}
         conn.sendall(json.dumps(request).encode() + b"\n")
         return Forked(args, conn)
 

@@ -202,7 +202,9 @@ def test_a_killed_job_launched_again_resumes_from_the_memory_of_its_machines(
     holds, and the job resumes from step 10 in shared memory, bitwise. Before, slots went by
     arrival: each node ran the other's rank, found no copy of it, and the job started from step 0."""
     job = Job(processes, tmp_path, "relaunch", nodes=2, nnodes="2:2")
-    named = {"LM_RESILIENCY_RUN_ID": job.run_id}
+    # Fresh worker interpreters (not forks of the suite's zygote): their own parent-death signal
+    # ends them with their killed agents, as in a user's job.
+    named = {"LM_RESILIENCY_RUN_ID": job.run_id, "LM_RESILIENCY_TEST_FRESH": "1"}
 
     def start_in_order(env: dict[str, str], order: list[int]) -> None:
         job.procs, job.port = [], _free_port()
@@ -296,6 +298,8 @@ def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, t
     script = "tests/integration/workers/plain_ddp.py"
     base = Job(processes, tmp_path, "plain-base", nodes=2, worker=script)
     env = {"WRAP": wrap, "COMPILE": "1" if compiled else ""}
+    if wrap == "ddp":  # fresh worker interpreters: instrumented when the script imports torch
+        env["LM_RESILIENCY_TEST_FRESH"] = "1"
     base.start(env, policies=[str(policy)] * 2)
     job = Job(processes, tmp_path, "plain", worker=script)  # side by side: neither times anything
     job.start({"FAULT": "raise", **env}, policies=[str(policy)] * 3)
