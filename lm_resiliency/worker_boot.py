@@ -362,12 +362,35 @@ def auto_instrument(policy_path: str) -> None:
             return  # (busy: its own reads while it looks, a parameters() among them)
         state["busy"] = True
         try:
-            restore_now(module)
+            if state.get("later") is not None:
+                scheduler_made_later()
+            else:
+                restore_now(module)
         except Exception as exc:  # (a policy unreadable now, a copy that does not fit): said at exit
             disarm()
             state["unrestored"] = f"{type(exc).__name__}: {exc}"
         finally:
             state["busy"] = False
+
+    def scheduler_made_later() -> None:
+        """The step was restored before the script made its scheduler, whose constructor then set
+        the optimizer's learning rate to the schedule's first value: at the next read, once it
+        exists, it takes the step's scheduler state and the optimizer its restored learning rates.
+        Before, a restart with no step left saved the schedule's start. A session opened since
+        restored everything itself."""
+        from lm_resiliency.api import open_session
+
+        restored, opt = state["later"]
+        if state["done"] or open_session() is not None:
+            state["later"] = None
+            disarm()
+        elif state.get("scheduler_made") and restored.apply_later(opt):
+            state["later"] = None
+            disarm()
+            sys.stderr.write(
+                f"lm_resiliency: restored step {planned}'s learning-rate schedule into the "
+                "scheduler the script made after that step was restored\n"
+            )
 
     def restore_now(module: Any) -> None:
         from lm_resiliency.api import open_session
@@ -381,19 +404,19 @@ def auto_instrument(policy_path: str) -> None:
         held, opt, _ = held_parts(models[0], models[0], False)
         if opt is None:
             return  # (no optimizer yet: a later read)
-        disarm()
         from lm_resiliency.config import load_policy, read_environment
         from lm_resiliency.gemini.local import restore_planned
 
         policy = load_policy(policy_path)
         if not (policy.enable_checkpoint and policy.checkpoint.enable):
+            disarm()
             return
         rank, world = (
             (torch.distributed.get_rank(), torch.distributed.get_world_size())
             if torch.distributed.is_available() and torch.distributed.is_initialized()
             else (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
         )
-        tier = restore_planned(
+        restored = restore_planned(
             held,
             opt,
             int(planned),
@@ -404,10 +427,18 @@ def auto_instrument(policy_path: str) -> None:
             durable_folder=policy.durable.folder if policy.durable else None,
         )
         state["restored"] = True
+        if restored.scheduler_state is not None:  # (its reads stay armed for that: see there)
+            state["later"] = (restored, opt)
+            from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+            for kind in (LRScheduler, ReduceLROnPlateau):  # (the latter's __init__ is its own)
+                note_made(kind)
+        else:
+            disarm()
         sys.stderr.write(
             f"lm_resiliency: restored step {planned} (rank {rank}, from this node's "
-            f"{'memory' if tier == 'local' else 'durable copy'}) when the script read its state "
-            "before any forward of its model\n"
+            f"{'memory' if restored.tier == 'local' else 'durable copy'}) when the script read its "
+            "state before any forward of its model\n"
         )
 
     def held_modules(models: list[Any]) -> set[int]:
@@ -428,6 +459,19 @@ def auto_instrument(policy_path: str) -> None:
 
         setattr(owner, name, ours)
         reads.append((owner, name, original, ours))
+
+    def note_made(kind: Any) -> None:
+        """Note that a scheduler was made (`scheduler_made_later` looks for it only then: finding
+        it scans the collector's objects)."""
+        original = kind.__init__
+
+        @functools.wraps(original)
+        def ours(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            state["scheduler_made"] = True
+
+        kind.__init__ = ours
+        reads.append((kind, "__init__", original, ours))
 
     def disarm() -> None:
         for owner, name, original, ours in reads:

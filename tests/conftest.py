@@ -298,7 +298,7 @@ def lone_gemini(
         runtime=NoRuntime(),
         model=model,
         optimizer=opt,
-        scheduler=None,
+        scheduler=kwargs.pop("scheduler", None),
         extra_state_fn=None,
         load_extra_state_fn=None,
         config=InMemoryCkptConfig(pin_memory=pin_memory, verify_integrity=verify_integrity),

@@ -10,6 +10,7 @@ rank's inventory, so each rank's copy is known to exist; reading it needs no agr
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from lm_resiliency.gemini.durable import DurableError, DurableStore, path_name
 from lm_resiliency.gemini.state import apply_state, decode_payload, materialize
 from lm_resiliency.runtime.shm import HEADER_SIZE, CorruptSlot, SlotFile, SlotHeader, verify_image
 
-__all__ = ["restore_planned"]
+__all__ = ["Restored", "restore_planned"]
 
 
 def restore_planned(
@@ -33,11 +34,13 @@ def restore_planned(
     env: Environment,
     checkpoint: InMemoryCkptConfig,
     durable_folder: str | None,
-) -> str:
+) -> Restored:
     """Restore `step` of `rank` into `model`, `optimizer` (as a session holds them: see
     `api.captured_with`), its schedulers and GradScaler. Returns the tier it came from ("local" or
-    "disk"). Raises LookupError naming why each copy was skipped (missing, damaged, another run's
-    or topology's: nothing loaded), and what `apply_state` raises for a copy that does not fit."""
+    "disk"), and the step's scheduler state where the optimizer has no scheduler yet (the script
+    makes it later: `apply_later`). Raises LookupError naming why each copy was skipped (missing,
+    damaged, another run's or topology's: nothing loaded), and what `apply_state` raises for a
+    copy that does not fit."""
     from lm_resiliency.api import captured_with
 
     optimizer, scheduler, scaler = captured_with(optimizer)
@@ -60,8 +63,7 @@ def restore_planned(
                 continue
             expect.check(path.name, h)
             slot.verify(h)
-            _load(slot.payload(h), h, model, optimizer, scheduler, scaler)
-            return "local"
+            return Restored("local", *_load(slot.payload(h), h, model, optimizer, scheduler, scaler))
         except CorruptSlot as exc:
             why.append(str(exc))
         finally:
@@ -72,20 +74,49 @@ def restore_planned(
             image = memoryview(bytearray(store.read(step)))  # (writable: tensors view it)
             h = verify_image(str(store.path(step)), image)
             expect.check(str(store.path(step)), h)
-            _load(image[HEADER_SIZE : HEADER_SIZE + h.payload_len], h, model, optimizer, scheduler, scaler)
-            return "disk"
+            payload = image[HEADER_SIZE : HEADER_SIZE + h.payload_len]
+            return Restored("disk", *_load(payload, h, model, optimizer, scheduler, scaler))
         except (DurableError, CorruptSlot) as exc:
             why.append(str(exc))
     where = f"{folder}" + (f" or {durable_folder}" if durable_folder else "")
     raise LookupError("; ".join(why) or f"no copy of rank {rank} step {step} in {where}")
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What `restore_planned` restored: the tier, and what waits for a scheduler the script has not
+    made yet (the step's scheduler state, and the optimizer's hyperparameters as restored, which a
+    scheduler's constructor overwrites with its own first value)."""
+
+    tier: str
+    scheduler_state: Any = None
+    param_groups: list[dict[str, Any]] | None = None
+
+    def apply_later(self, optimizer: Any) -> bool:
+        """Load the waiting scheduler state into the scheduler now stepping `optimizer`, and give
+        the optimizer back its restored hyperparameters. False while it has none."""
+        from lm_resiliency.api import captured_with
+
+        held, scheduler, _ = captured_with(optimizer)
+        if scheduler is None or self.param_groups is None:
+            return False
+        scheduler.load_state_dict(self.scheduler_state)
+        for group, saved in zip(held.param_groups, self.param_groups, strict=True):
+            group.update(saved)
+        return True
+
+
 def _load(
     payload: memoryview, h: SlotHeader, model: Any, optimizer: Any, scheduler: Any, scaler: Any
-) -> None:
+) -> tuple[Any, list[dict[str, Any]] | None]:
     state = decode_payload(payload, h.index_len)
     materialize(state, model, optimizer)
     apply_state(state, model, optimizer, scheduler, None, scaler)
+    if scheduler is not None or "scheduler" not in state or optimizer is None:
+        return None, None
+    # (copies: a scheduler fills a tensor learning rate in place)
+    groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
+    return state["scheduler"], groups
 
 
 @dataclass(frozen=True)

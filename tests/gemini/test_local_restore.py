@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lm_resiliency.config import Environment, InMemoryCkptConfig
-from lm_resiliency.gemini.local import restore_planned
+from lm_resiliency.gemini.local import Restored, restore_planned
 from tests.conftest import lone_gemini
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,7 +47,7 @@ def _captured(tmp_path: Path, disk: bool = False) -> dict[str, Any]:
     return want
 
 
-def _restore(tmp_path: Path, step: int, model: Any, opt: Any, disk: bool = False) -> str:
+def _restore(tmp_path: Path, step: int, model: Any, opt: Any, disk: bool = False) -> Restored:
     mid = tmp_path / "machine-id"
     mid.write_text("n\n")  # (lone_gemini's node)
     env = Environment(run_id="r", shm_dir=str(tmp_path), machine_id_path=str(mid))
@@ -76,7 +76,7 @@ def _same(a: Any, b: Any) -> bool:
 def test_the_planned_step_is_restored_from_this_nodes_memory_bitwise(tmp_path: Path) -> None:
     want = _captured(tmp_path)
     model, opt = _trained(1)  # a fresh process's model and optimizer
-    assert _restore(tmp_path, 3, model, opt) == "local"
+    assert _restore(tmp_path, 3, model, opt).tier == "local"
     assert _same(model.state_dict(), want["model"]) and _same(opt.state_dict(), want["opt"])
 
 
@@ -102,7 +102,7 @@ def test_the_durable_copy_is_restored_when_this_nodes_memory_has_none(tmp_path: 
     want = _captured(tmp_path, disk=True)
     shutil.rmtree(tmp_path / "r")
     model, opt = _trained(1)
-    assert _restore(tmp_path, 3, model, opt, disk=True) == "disk"
+    assert _restore(tmp_path, 3, model, opt, disk=True).tier == "disk"
     assert _same(model.state_dict(), want["model"]) and _same(opt.state_dict(), want["opt"])
 
 
@@ -114,3 +114,48 @@ def _restore_step(path: Path) -> int:
         return slot.read_header().step
     finally:
         slot.close()
+
+
+def _warmup(opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=10)
+
+
+def test_a_scheduler_made_after_the_restore_takes_the_steps_schedule(tmp_path: Path) -> None:
+    """A script that reads its state before it makes its scheduler: the restore finds none, and the
+    scheduler's constructor then sets the learning rate to the schedule's start. `apply_later`
+    gives the scheduler the step's position and the optimizer its restored learning rate."""
+    model, opt = _trained(0)
+    sched = _warmup(opt)
+    gem = lone_gemini(tmp_path, model, opt, scheduler=sched)
+    try:
+        for k in (1, 2, 3):
+            _step(model, opt, k)
+            sched.step()
+            assert gem.capture(k) and gem.drain(10)
+        want = {"opt": copy.deepcopy(opt.state_dict()), "sched": copy.deepcopy(sched.state_dict())}
+    finally:
+        gem.close()
+    model, opt = _trained(1)
+    restored = _restore(tmp_path, 3, model, opt)
+    assert restored.scheduler_state is not None and not restored.apply_later(opt)  # none made yet
+    later = _warmup(opt)
+    assert opt.param_groups[0]["lr"] != want["opt"]["param_groups"][0]["lr"]  # the start's
+    assert restored.apply_later(opt)
+    assert _same(opt.state_dict(), want["opt"]) and _same(later.state_dict(), want["sched"])
+
+
+def test_a_scheduler_that_exists_at_the_restore_leaves_nothing_for_later(tmp_path: Path) -> None:
+    model, opt = _trained(0)
+    sched = _warmup(opt)
+    gem = lone_gemini(tmp_path, model, opt, scheduler=sched)
+    try:
+        _step(model, opt, 1)
+        sched.step()
+        assert gem.capture(1) and gem.drain(10)
+        want = copy.deepcopy(sched.state_dict())
+    finally:
+        gem.close()
+    model, opt = _trained(1)
+    sched = _warmup(opt)
+    assert _restore(tmp_path, 1, model, opt).scheduler_state is None
+    assert _same(sched.state_dict(), want)

@@ -316,7 +316,7 @@ def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, t
     assert _equal(job.final(), base.final()), job.logs()[-6000:]
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrap", ["ddp", "ddp-early", "fsdp2"])
 def test_an_unmodified_script_restarted_after_its_last_step_is_restored_when_it_reads_its_state(
     processes, tmp_path, wrap
 ) -> None:  # type: ignore[no-untyped-def]
@@ -327,20 +327,25 @@ def test_an_unmodified_script_restarted_after_its_last_step_is_restored_when_it_
     and said NOT RESTORED at exit (outsider 57, zero-import, an exception in the last step; outsider
     58, a hang after the loop). The same for FSDP2, whose shards each rank restores, with a script
     that reads its parameters as they are, not its `state_dict()` (before, an outsider HSDP job
-    saved the fresh model's shards)."""
+    saved the fresh model's shards). ddp-early: the script counts its parameters before it makes
+    its scheduler, so the step is restored before the scheduler exists, whose constructor then
+    sets the learning rate to the schedule's start: the scheduler takes the step's schedule at
+    the next read (before, the final learning rate and schedule were the start's)."""
+    wrap, _, early = wrap.partition("-")
     policy = tmp_path / "policy.toml"
     policy.write_text("schema_version = 1\ninterval = 1\n")
     script = "tests/integration/workers/plain_ddp.py"
     base = Job(processes, tmp_path, "plain-end-base", nodes=2, worker=script)
     base.start({"WRAP": wrap}, policies=[str(policy)] * 2)
     job = Job(processes, tmp_path, "plain-end", nodes=2, nnodes="2:2", worker=script)
-    read = "params" if wrap == "fsdp2" else ""
+    read = "params" if wrap == "fsdp2" else early
     job.start({"FAULT": "raise", "FAULT_STEP": "24", "WRAP": wrap, "READ": read}, policies=[str(policy)] * 2)
     base.wait()
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1] and gens[1]["start"] == 24, job.logs()
     assert job.logs().count("restored step 24 (rank") == 2, job.logs()
+    assert job.logs().count("restored step 24's learning-rate schedule") == (2 if early else 0)
     assert "NOT RESTORED" not in job.logs(), job.logs()
     assert _equal(job.final(), base.final()), job.logs()[-6000:]
 

@@ -5,6 +5,9 @@ backend with a worker policy it is instrumented automatically; it reads only the
 COMPILE=1 compiles the model whole (`torch.compile`, the aot_eager backend: no C++ compiler needed).
 
 READ=params: the final state is read from the parameters as they are, not from `state_dict()`.
+READ=early: the script counts its parameters after it makes its optimizer, before its scheduler.
+
+The final state holds the optimizer's learning rate and the schedule's position too.
 
 In generation 0, rank 1 raises an uncaught RuntimeError after step FAULT_STEP (10) when FAULT=raise."""
 
@@ -33,6 +36,8 @@ held = model
 if os.environ.get("COMPILE") == "1":
     model = torch.compile(model, backend="aot_eager")
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+if os.environ.get("READ") == "early":
+    print(f"rank {rank}: {sum(p.numel() for p in model.parameters())} parameters", flush=True)
 warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=3)
 decay = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.9)
 sched = torch.optim.lr_scheduler.SequentialLR(opt, [warm, decay], milestones=[3])
@@ -54,6 +59,8 @@ for step in range(start + 1, 25):
 # Whole tensors (an FSDP2 shard's full_tensor() is a collective: every rank takes part).
 state = held.named_parameters() if os.environ.get("READ") == "params" else held.state_dict().items()
 final = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone() for k, v in state}
+final["lr"] = torch.tensor(opt.param_groups[0]["lr"], dtype=torch.float64)
+final["schedule"] = torch.tensor(sched.last_epoch)
 if rank == 0:
     torch.save(final, out)
     with open(f"{out}.gen{gen}.json", "w") as f:
