@@ -26,6 +26,7 @@ stdin closes (the test session ended, however it ended).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import importlib.util
 import io
@@ -132,6 +133,7 @@ def _serve(path: str) -> dict[str, Any] | None:
     workers: dict[int, Worker] = {}
     pending: dict[socket.socket, tuple[bytes, list[int]]] = {}  # requests not read in full yet
     own = _process_view("self")
+    zygote = os.getpid()
     sys.stdout.write("ready\n")
     sys.stdout.flush()
 
@@ -233,6 +235,7 @@ def _serve(path: str) -> dict[str, Any] | None:
                         for fd in other:
                             os.close(fd)
                     request["fds"] = held
+                    request["zygote"] = zygote
                     return dict(request)
                 for fd in held:
                     os.close(fd)
@@ -280,6 +283,11 @@ def _sitecustomize(paths: list[str]) -> None:
 def _become(request: dict[str, Any]) -> tuple[str, str]:
     """Turn this fork into the requested worker, up to running its code."""
     os.setsid()
+    # Ends with the zygote (which ends with the test session): no worker outlives the suite, even
+    # one whose test or stand-in could not stop it.
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(request["zygote"]):
+        os._exit(1)
     fds = request.get("fds") or []
     if fds:
         for want, fd in enumerate(fds):

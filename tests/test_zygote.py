@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import textwrap
@@ -146,6 +147,8 @@ SHIMMED = textwrap.dedent(
     """
     import json, os, signal, sys, time
     mode = sys.argv[1]
+    if mode == "term":  # (before the facts: the test signals once it has read them)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
     facts = {
         "forked": "torch" in sys.modules, "argv": sys.argv, "cwd": os.getcwd(),
         "env": os.environ.get("PROBE_ENV"), "through": sys.stdout.write_through,
@@ -158,7 +161,6 @@ SHIMMED = textwrap.dedent(
     elif mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif mode == "term":
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
         signal.pause()
     elif mode == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -299,3 +301,19 @@ def test_a_backend_worker_runs_the_backends_sitecustomize_as_a_fresh_one_would(t
     finally:
         proc.wait()
         proc.stdout.close()  # type: ignore[union-attr]
+
+
+def test_a_worker_ends_with_its_zygote(probe: Path, tmp_path: Path) -> None:
+    """However its test or stand-in fared, no fork outlives the zygote (which ends with the session)."""
+    zygote = Zygote()  # (its own: the session's serves the other tests)
+    with zygote.proc:
+        try:
+            env = {**worker_env({}), "PROBE_OUT": str(tmp_path / "wait.json")}
+            worker = zygote.fork([str(probe), "wait"], env, tmp_path / "wait.log", tmp_path)
+            with worker._conn:
+                zygote.proc.kill()
+                zygote.proc.wait()
+                _until(lambda: _gone(worker.pid), "the fork ends with its zygote")
+        finally:
+            zygote.proc.kill()
+            shutil.rmtree(zygote.dir, ignore_errors=True)
