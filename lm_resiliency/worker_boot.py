@@ -384,12 +384,18 @@ def auto_instrument(policy_path: str) -> None:
         if state["done"] or open_session() is not None:
             state["later"] = None
             disarm()
-        elif state.get("scheduler_made") and restored.apply_later(opt):
+        elif state.get("scheduler_made"):
+            try:
+                if not restored.apply_later(opt):
+                    return
+            except Exception as exc:  # (another kind of scheduler than the step's)
+                said = f"could not restore step {planned}'s learning-rate schedule into it: {exc!r}"
+            else:
+                said = f"restored step {planned}'s learning-rate schedule into it"
             state["later"] = None
             disarm()
             sys.stderr.write(
-                f"lm_resiliency: restored step {planned}'s learning-rate schedule into the "
-                "scheduler the script made after that step was restored\n"
+                f"lm_resiliency: the script made its scheduler after step {planned} was restored; {said}\n"
             )
 
     def restore_now(module: Any) -> None:

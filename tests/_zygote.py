@@ -89,16 +89,27 @@ def _process_view(pid: int | str) -> dict[str, Any]:
     return view
 
 
+def script_or_module(argv: list[str]) -> bool:
+    """Whether `python argv...` runs a script or a module (what a fork can become)."""
+    return bool(argv) and (not argv[0].startswith("-") or (argv[0] == "-m" and len(argv) >= 2))
+
+
+def start_settings_differ(env: dict[str, str], own: dict[str, str], but: str = "") -> list[str]:
+    """The settings that act at interpreter start (`AT_START`) on which `env` and `own` differ,
+    `but` aside."""
+    keys = {k for k in (*env, *own) if k.startswith(AT_START) and k != but}
+    return sorted(k for k in keys if env.get(k) != own.get(k))
+
+
 def _why_fresh(request: dict[str, Any], peer: int, own: dict[str, Any]) -> str | None:
     """None where a fork is what `python ARGS` would be for the stand-in `peer`; else why not."""
     argv = request["argv"]
-    if not argv or (argv[0].startswith("-") and (argv[0] != "-m" or len(argv) < 2)):
+    if not script_or_module(argv):
         return f"not a script or a module: {argv[:2]}"
     if "sitecustomize" in sys.modules:
         return "this process ran a sitecustomize of its own"
     env = request["env"]
-    keys = {k for k in (*env, *os.environ) if k.startswith(AT_START) and k != "PYTHONPATH"}
-    differ = sorted(k for k in keys if env.get(k) != os.environ.get(k))
+    differ = start_settings_differ(env, dict(os.environ), but="PYTHONPATH")
     if differ:
         return f"start-up settings differ: {differ}"
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

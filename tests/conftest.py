@@ -17,7 +17,7 @@ from typing import IO, Any
 import pytest
 import torch
 
-from tests._zygote import AT_START
+from tests._zygote import script_or_module, start_settings_differ
 
 ROOT = Path(__file__).resolve().parent.parent
 FRESH = os.environ.get("LM_RESILIENCY_TEST_FRESH") == "1"  # every worker a fresh interpreter
@@ -132,11 +132,7 @@ class Zygote:
     def takes(self, args: list[str], env: dict[str, str]) -> bool:
         """Whether a fork is what `python args` with `env` would have been: a script or a module,
         and the same settings that act at interpreter start (PYTHON*, thread pools, the loader)."""
-        if not args or (args[0].startswith("-") and (args[0] != "-m" or len(args) < 2)):
-            return False
-        env = {**self.extra, **env}
-        keys = {k for k in (*env, *self.env) if k.startswith(AT_START)}
-        return all(env.get(k) == self.env.get(k) for k in keys)
+        return script_or_module(args) and not start_settings_differ({**self.extra, **env}, self.env)
 
     def fork(self, args: list[str], env: dict[str, str], log_path: Path, cwd: Path) -> Forked:
         log_path.write_bytes(b"")  # there on return, as Popen's would be

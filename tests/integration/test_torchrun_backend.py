@@ -345,7 +345,7 @@ def test_an_unmodified_script_restarted_after_its_last_step_is_restored_when_it_
     gens = job.generations()
     assert sorted(gens) == [0, 1] and gens[1]["start"] == 24, job.logs()
     assert job.logs().count("restored step 24 (rank") == 2, job.logs()
-    assert job.logs().count("restored step 24's learning-rate schedule") == (2 if early else 0)
+    assert job.logs().count("restored step 24's learning-rate schedule into it") == (2 if early else 0)
     assert "NOT RESTORED" not in job.logs(), job.logs()
     assert _equal(job.final(), base.final()), job.logs()[-6000:]
 
