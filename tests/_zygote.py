@@ -26,7 +26,6 @@ stdin closes (the test session ended, however it ended).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import importlib.util
 import io
@@ -40,6 +39,8 @@ import struct
 import sys
 from pathlib import Path
 from typing import Any
+
+from lm_resiliency.worker_boot import die_with_agent  # (the parent-death signal workers ask for)
 
 # What the workers import; torch._dynamo because DistributedDataParallel.__init__ imports it.
 PRELOAD = (
@@ -202,10 +203,11 @@ def _serve(path: str) -> dict[str, Any] | None:
                 pid = key.data[1]
                 close(conn)
                 if pid in workers:  # the stand-in died (SIGKILL, its agent's death): so does the worker
-                    with contextlib.suppress(ProcessLookupError):
+                    try:
                         os.killpg(pid, signal.SIGKILL)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:  # (not yet its own group)
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
             else:
                 conn = key.fileobj
                 assert isinstance(conn, socket.socket)
@@ -296,9 +298,7 @@ def _become(request: dict[str, Any]) -> tuple[str, str]:
     os.setsid()
     # Ends with the zygote (which ends with the test session): no worker outlives the suite, even
     # one whose test or stand-in could not stop it.
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != int(request["zygote"]):
-        os._exit(1)
+    die_with_agent(int(request["zygote"]))
     fds = request.get("fds") or []
     if fds:
         for want, fd in enumerate(fds):

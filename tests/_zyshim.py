@@ -11,9 +11,10 @@ torchrun's agent sees this process as its worker:
 - if it dies (SIGKILL, or with its agent: the parent-death signal a worker of the lm_resiliency
   backend asks for), the zygote SIGKILLs the fork's group.
 
-Run as `#!PYTHON -IS` (no site, no environment: stdlib only, about 15 ms) by the generated file
-`Zygote.shim`; the real interpreter's path is in LMR_TEST_PYTHON, the zygote's socket in
-LMR_TEST_ZYGOTE.
+Run as `#!PYTHON -IS` (no site, no environment: stdlib only, about 15 ms) from the copy the
+session's `Zygote` writes and names in PYTHON_EXEC; the real interpreter's path is in
+LMR_TEST_PYTHON, the zygote's socket in LMR_TEST_ZYGOTE. (Stdlib only: `_die_with_agent` is
+`lm_resiliency.worker_boot.die_with_agent` without the package's import.)
 """
 
 import contextlib
