@@ -111,7 +111,13 @@ class Job:
     def log(self, n: int) -> str:
         return (self.tmp / f"agent-{n}.log").read_text(errors="replace")
 
+    def text(self) -> str:
+        """Every agent's whole log: what a test searches (a tail could drop the line it looks for
+        behind a worker's long traceback)."""
+        return "\n".join(self.log(n) for n in range(self.nodes))
+
     def logs(self) -> str:
+        """The end of every agent's log, for an assertion's message."""
         return "\n".join(f"===== agent {n}\n{self.log(n)[-6000:]}" for n in range(self.nodes))
 
     def wait(self, timeout: float = 240.0, killed: tuple[int, ...] = ()) -> None:
@@ -169,7 +175,7 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor
         job.wait()
         gens = job.generations()
         assert list(gens) == [0], job.logs()
-        assert "parked as standby" in job.log(2) or "parked as standby" in job.logs()
+        assert "parked as standby" in job.log(2) or "parked as standby" in job.text()
         return job.final()
     finally:
         group.stop_all()
@@ -189,7 +195,7 @@ def test_node_sigkill_admits_the_standby_which_restores_from_a_peer(processes, t
     ctx = json.loads(Path(gens[1]["context"]).read_text())
     assert ctx["failure_kind"] == "node_lost" and ctx["checkpoint_step"] == 10
     assert ctx["culprits"] == [f"node-node-{lost}"] and len(ctx["admitted"]) == 1
-    assert "peer" in " ".join(job.logs().split("plan_reason")[1:2]) or "local+peer" in job.logs()
+    assert "peer" in " ".join(job.text().split("plan_reason")[1:2]) or "local+peer" in job.text()
     assert _equal(job.final(), baseline)
 
 
@@ -222,11 +228,11 @@ def test_a_killed_job_launched_again_resumes_from_the_memory_of_its_machines(
     assert job.generations()[0]["start"] == 0
     start_in_order(named, [1, 0])
     job.wait()
-    logs = job.logs()
-    assert "node relaunch-node-1 holds in-memory checkpoints of run" in logs, logs
-    assert "'relaunch-node-0', 'relaunch-node-1'" in logs, logs  # (slots: as the copies lie)
+    logs = job.text()
+    assert "node relaunch-node-1 holds in-memory checkpoints of run" in logs, job.logs()
+    assert "'relaunch-node-0', 'relaunch-node-1'" in logs, job.logs()  # (slots: as the copies lie)
     gens = job.generations()
-    assert sorted(gens) == [0] and gens[0]["start"] == 10, (gens, logs)
+    assert sorted(gens) == [0] and gens[0]["start"] == 10, (gens, job.logs())
     assert gens[0]["decision"]["reason"].startswith("local:"), gens
     assert _equal(job.final(), baseline)
 
@@ -239,7 +245,7 @@ def test_leader_agent_killed_new_leader_elected_and_run_completes(processes, tmp
         time.sleep(0.2)
     lost = next(n for n, p in enumerate(job.procs) if p.poll() is not None)
     job.wait(killed=(lost,))
-    assert "leads run" in job.log(lost) and "(term 2)" in job.logs(), job.logs()
+    assert "leads run" in job.log(lost) and "(term 2)" in job.text(), job.logs()
     assert sorted(job.generations()) == [0, 1]
     assert _equal(job.final(), baseline)
 
@@ -308,12 +314,12 @@ def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, t
     gens = job.generations()
     assert sorted(gens) == [0, 1] and gens[1]["instrumented"], job.logs()
     assert 0 < gens[1]["start"] <= 10, gens
-    assert "instrumented automatically" in job.logs() and "Dynamo does not know" not in job.logs()
+    assert "instrumented automatically" in job.text() and "Dynamo does not know" not in job.text()
     # The worker said why it died (its uncaught exception), and the restart context carries it.
     ctx = json.loads(Path(gens[1]["context"]).read_text())
     assert ctx["failure_kind"] == "process_failure" and ctx["reason_code"] == "uncaught_exception", ctx
     assert ctx["error"] == "RuntimeError: injected: the loss diverged at step 10", ctx
-    assert _equal(job.final(), base.final()), job.logs()[-6000:]
+    assert _equal(job.final(), base.final()), job.logs()
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "ddp-early", "fsdp2"])
@@ -344,10 +350,10 @@ def test_an_unmodified_script_restarted_after_its_last_step_is_restored_when_it_
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1] and gens[1]["start"] == 24, job.logs()
-    assert job.logs().count("restored step 24 (rank") == 2, job.logs()
-    assert job.logs().count("restored step 24's learning-rate schedule into it") == (2 if early else 0)
-    assert "NOT RESTORED" not in job.logs(), job.logs()
-    assert _equal(job.final(), base.final()), job.logs()[-6000:]
+    assert job.text().count("restored step 24 (rank") == 2, job.logs()
+    assert job.text().count("restored step 24's learning-rate schedule into it") == (2 if early else 0)
+    assert "NOT RESTORED" not in job.text(), job.logs()
+    assert _equal(job.final(), base.final()), job.logs()
 
 
 def _three_replicas_restarted_once(
@@ -381,7 +387,7 @@ def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(p
     decision = gens[1]["decision"]
     assert decision["failure_kind"] == "sdc" and decision["recovery_mode"] == "recovery_verified", decision
     assert decision["checkpoint_step"] == ctx["checkpoint_step"], decision
-    assert _equal(job.final(), base.final()), job.logs()[-6000:]
+    assert _equal(job.final(), base.final()), job.logs()
 
 
 def test_a_mismatched_collective_that_kills_a_peer_names_the_rank_that_issued_it(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -392,15 +398,15 @@ def test_a_mismatched_collective_that_kills_a_peer_names_the_rank_that_issued_it
     a collective desync, its node replaced by the standby, the job ends bitwise. Before, the exit
     named the process gloo aborted: a process failure of an innocent rank, restarted in place."""
     job, base, _, ctx = _three_replicas_restarted_once(processes, tmp_path, "mismatch", "2")
-    logs = "\n".join(job.log(n) for n in range(job.nodes))
+    logs = job.text()
     slots = json.loads(re.search(r"generation 0 published \(slots (\[.*?\])", logs)[1].replace("'", '"'))
-    assert ctx["failure_kind"] == "collective_desync", (ctx, job.logs()[-6000:])
+    assert ctx["failure_kind"] == "collective_desync", (ctx, job.logs())
     assert ctx["reason_code"] == "collective_sequence_minority" and ctx["culprits"] == [slots[2]], (
         ctx,
         slots,
     )
     assert [a["slot"] for a in ctx["admitted"]] == [2], ctx
-    assert _equal(job.final(), base.final()), job.logs()[-6000:]
+    assert _equal(job.final(), base.final()), job.logs()
 
 
 @pytest.mark.parametrize("destination", ["", "culprit", "slow"])
@@ -431,10 +437,10 @@ def test_optimizer_state_corrupted_before_the_schedulers_step_is_never_recovered
     assert ctx["recovery_mode"] == "recovery_verified", ctx
     assert len(ctx["admitted"]) == (0 if destination == "culprit" else 1), ctx
     if destination == "slow":
-        assert "restart_destination did not answer within 1.0 s" in job.logs(), job.logs()[-6000:]
+        assert "restart_destination did not answer within 1.0 s" in job.text(), job.logs()
     if destination == "culprit":
         (culprit,) = ctx["culprits"]
-        assert f"restart_destination asked about sdc: {culprit}" in job.logs(), job.logs()[-6000:]
+        assert f"restart_destination asked about sdc: {culprit}" in job.text(), job.logs()
     assert ctx["checkpoint_step"] == 9 and gens[1]["start"] == 9, (ctx, gens)
     assert _equal(job.final(), baseline)
 
@@ -549,7 +555,7 @@ def test_ddp_over_tensor_parallel_names_its_hang_and_its_sdc_and_resumes_bitwise
     last = {c["first_global_rank"]: c["node_id"] for c in contexts if c["generation"] == 2}
     assert {h for h, _ in hung} == {"3"} and {n for _, n in hung} == {last[2]}, (hung, contexts)
     assert flipped and flipped[0] not in last.values(), (flipped, contexts)  # replaced by the standby
-    assert "every rank waits in collective" not in job.logs() and "said it was terminated" not in job.logs()
+    assert "every rank waits in collective" not in job.text() and "said it was terminated" not in job.text()
     for r in range(4):
         got, want = torch.load(f"{job.out}.rank{r}"), torch.load(f"{base.out}.rank{r}")
         assert len(want) == 4 and _equal(got, want), f"rank {r} ended off the uninterrupted run"
@@ -623,13 +629,13 @@ def test_a_stopped_worker_is_continued_to_take_the_restarts_sigterm(processes, t
     The restart is in place, from the newest step both hold, bitwise."""
     job = Job(processes, tmp_path, "stop")
     gens, ctx = _restarted_once(job, {"FAULT": "stop", "FAULT_RANK": "1", "FAULT_STEP": "10", "HANG_S": "2"})
-    logs = job.logs()
+    logs = job.text()
     assert ctx["failure_kind"] in ("hang", "process_failure") and len(ctx["culprits"]) == 1, ctx
     # Continued, it may take one more step with its peer before both take the SIGTERM.
     assert ctx["admitted"] == [] and ctx["checkpoint_step"] in (10, 11), ctx
     assert gens[1]["start"] == ctx["checkpoint_step"], (ctx, gens)
-    assert "was stopped (SIGSTOP/SIGTSTP); continued it" in logs, logs
-    assert "forcefully exiting via 9" not in logs, logs
+    assert "was stopped (SIGSTOP/SIGTSTP); continued it" in logs, job.logs()
+    assert "forcefully exiting via 9" not in logs, job.logs()
     assert _equal(job.final(), baseline)
 
 
@@ -641,9 +647,9 @@ def test_a_stopped_worker_whose_node_mate_dies_takes_torchruns_sigterm(processes
     ended, so it exits on the SIGTERM and the restart waits for nothing."""
     job = Job(processes, tmp_path, "stopmate", nodes=2, nnodes="2:2", nproc=2)
     gens, ctx = _restarted_once(job, {"FAULT": "stopmate", "FAULT_RANK": "1", "FAULT_STEP": "10"})
-    logs = job.logs()
-    assert "was stopped (SIGSTOP/SIGTSTP); continued it" in logs, logs
-    assert "forcefully exiting via 9" not in logs, logs
+    logs = job.text()
+    assert "was stopped (SIGSTOP/SIGTSTP); continued it" in logs, job.logs()
+    assert "forcefully exiting via 9" not in logs, job.logs()
     assert gens[1]["start"] == ctx["checkpoint_step"] >= 10, (ctx, gens)
 
 
@@ -713,7 +719,7 @@ def test_a_rank_that_hangs_after_its_loop_is_named_once_the_others_closed_and_re
     job = Job(processes, tmp_path, "hanglast")
     gens, ctx = _restarted_once(job, {"FAULT": "hanglast", "FAULT_RANK": "1", "HANG_S": "2"})
     assert ctx["failure_kind"] == "hang" and ctx["checkpoint_step"] == 24, ctx
-    assert "idle_after_peers_closed" in job.logs(), job.logs()
+    assert "idle_after_peers_closed" in job.text(), job.logs()
     assert gens[1]["start"] == 24, gens
     assert _equal(job.final(), baseline)
 
@@ -730,7 +736,7 @@ def test_a_rank_at_work_after_its_loop_is_not_named_while_the_others_wait(
     job.start({"FAULT": fault, "FAULT_RANK": "1", "HANG_S": "2", "BUSY_S": "6"})
     job.wait()
     assert list(job.generations()) == [0], job.logs()
-    assert "idle_after_peers_closed" not in job.logs(), job.logs()
+    assert "idle_after_peers_closed" not in job.text(), job.logs()
     assert _equal(job.final(), baseline)
 
 
@@ -745,7 +751,7 @@ def test_a_worker_stopped_after_its_last_step_is_continued_to_end_with_the_job(
     job.start({"FAULT": "stop", "FAULT_RANK": "1", "FAULT_STEP": "24"})
     job.wait()
     assert list(job.generations()) == [0], job.logs()
-    assert "was stopped (SIGSTOP/SIGTSTP); continued it" in job.logs(), job.logs()
+    assert "was stopped (SIGSTOP/SIGTSTP); continued it" in job.text(), job.logs()
     assert _equal(job.final(), baseline)
 
 
