@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from examples.torchrun.resiliency_cycle.pressure import main as pressure
+from tests.conftest import FRESH, Zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
@@ -92,7 +93,10 @@ def _orchestrate(
         "--timeout-s",
         "200",
     ]
-    proc = processes.start(args, {}, tmp_path / "pressure.log")
+    # Its nodes' agents are forks of the session's zygote too, through the stand-in its workers
+    # run as (each would import torch afresh: five agents a campaign, a baseline's two among them).
+    agents = {} if FRESH else {"LM_RESILIENCY_EXAMPLES_PYTHON": Zygote.get().extra["PYTHON_EXEC"]}
+    proc = processes.start(args, agents, tmp_path / "pressure.log")
     code = proc.wait(timeout=280)
     log = (tmp_path / "pressure.log").read_text()
     assert (out / "summary.json").exists(), log[-4000:]

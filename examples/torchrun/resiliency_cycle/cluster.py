@@ -1,6 +1,11 @@
 """Synthetic nodes on one host: one torchrun agent per node (`--rdzv-backend=lm_resiliency`), each with
 its own machine-id file, running `examples.production_loops.<framework>`. Shared by the CPU demo and the
-pressure orchestrator."""
+pressure orchestrator.
+
+The agents run under this Python, or the one `LM_RESILIENCY_EXAMPLES_PYTHON` names (an interpreter
+or a wrapper that runs `python ARGS...` as its own process, signals and exit status included, as
+torchrun's `PYTHON_EXEC` does for workers: the test suite's stand-in that forks an interpreter with
+torch already imported)."""
 
 from __future__ import annotations
 
@@ -87,7 +92,7 @@ def launch(
             ]
         )
         cmd = [
-            sys.executable,
+            os.environ.get("LM_RESILIENCY_EXAMPLES_PYTHON") or sys.executable,
             "-m",
             "torch.distributed.run",
             f"--nnodes={min_nodes}:{nodes}",
