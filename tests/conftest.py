@@ -22,6 +22,14 @@ from tests._zygote import script_or_module, start_settings_differ
 ROOT = Path(__file__).resolve().parent.parent
 FRESH = os.environ.get("LM_RESILIENCY_TEST_FRESH") == "1"  # every worker a fresh interpreter
 
+# What the session's processes leave in the temporary folder goes with the session: torchrun makes a
+# log folder per agent (`torchelastic_*`, never removed), a process killed by its test leaves its
+# multiprocessing folder (`pymp-*`) and IPC sockets. This process keeps the usual folder (pytest's
+# own `tmp_path`s are kept for a failure's post-mortem): it read it before TMPDIR names the scratch.
+tempfile.gettempdir()
+SCRATCH = tempfile.mkdtemp(prefix="lmr-tests-")
+os.environ["TMPDIR"] = SCRATCH
+
 
 def worker_env(env: dict[str, str]) -> dict[str, str]:
     """A worker's environment: the test's, this checkout importable ahead of the caller's PYTHONPATH
@@ -145,6 +153,7 @@ class Zygote:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     Zygote.stop()
+    shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
 class ProcessGroup:
