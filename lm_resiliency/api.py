@@ -99,6 +99,75 @@ def unwatched_exit(e: Mapping[str, Any]) -> bool:
     return bool(e.get("culprit")) or (code < 0 and code != -signal.SIGABRT)
 
 
+def _unwatched_exits(ctx: Any, generation: int) -> list[tuple[int, Any, dict[str, Any]]]:
+    """(rank, the node whose agent saw it end, the report's details) of each exit of the generation
+    before that the restart context `ctx` holds and a restart reports (`unwatched_exit`)."""
+    if not isinstance(ctx, dict) or not isinstance(ctx.get("worker_exits"), list):
+        return []
+    before = int(ctx.get("generation", generation)) - 1
+    out = []
+    for e in ctx["worker_exits"]:
+        if not isinstance(e, dict) or not unwatched_exit(e):
+            continue
+        rank, code = int(e["rank"]), int(e["exitcode"])
+        try:
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        except ValueError:
+            how = f"exit code {code}"
+        at = e.get("at")
+        latency = max(0.0, time.time() - float(at)) if isinstance(at, (int, float)) else None
+        detail = (
+            f"rank {rank}'s process of generation {before} ended ({how}) and no fault report "
+            f"named it (its peers had left their loops, or another fault explained the stop); "
+            f"its agent on node {e.get('node')} saw the exit"
+        )[:MAX_ERROR_TEXT]
+        out.append(
+            (rank, e.get("node"), {"detection_latency_s": latency, "exit_code": str(code), "detail": detail})
+        )
+    return out
+
+
+def report_unwatched_exits(rank: int, report_dir: str | None) -> int:
+    """What rank 0 of a restart reports as its session starts (`Session._report_unwatched_exits`),
+    for a restart whose workers opened no session: a zero-import script with no step left to run
+    (the failure came after the last step's capture) makes no forward to open one, so a rank that
+    ended unseen in the generation before (SIGTERMed or killed in the last step) was named by no
+    report. Appended to `<report_dir>/reports-rank0.jsonl` (the policy's, else
+    LM_RESILIENCY_REPORT_DIR) as a session appends them, and logged; returns how many. Never
+    raises: called at the script's exit."""
+    try:
+        env = read_environment()
+        folder = report_dir or env.report_dir
+        if rank != 0 or not env.restart_context_path:
+            return 0
+        ctx = json.loads(Path(env.restart_context_path).read_text())
+        exits = _unwatched_exits(ctx, env.generation)
+        lines = []
+        for failed, node, details in exits:
+            report = SCOUTFaultReport(
+                kind="process_failure",
+                failed_ranks=(failed,),
+                sources=("agent",),
+                reason=EXITED_UNWATCHED,
+                node=node if isinstance(node, str) else None,
+                confidence=1.0,
+                detection_latency_s=details.pop("detection_latency_s"),
+            ).to_dict()
+            report.update(details)
+            log.warning("rank 0: fault report (no session opened): %s", report["detail"])
+            head = {"time": time.time(), "pid": os.getpid(), "generation": env.generation}
+            lines.append(json.dumps({**head, **report}, default=str))
+        if lines and folder:
+            path = Path(folder) / f"reports-rank{rank}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write("".join(line + "\n" for line in lines))
+        return len(lines)
+    except (OSError, ValueError, TypeError, KeyError, ConfigError) as exc:
+        log.error("rank %d: cannot report the generation before's unseen exits: %s", rank, exc)
+        return 0
+
+
 def stopped_by_restart(
     peers: Iterable[int], node_of: Callable[[int], str | None], culprits: set[str], first: Mapping[str, int]
 ) -> set[int]:
@@ -1044,32 +1113,10 @@ class Session:
         saving after its loop), or while another fault explained the group's stop, so no peer named
         it, and a killed rank cannot. Its agent saw the exit (`adapters/torchrun._publish_exit`).
         Before, no fault report named it."""
-        ctx = self._context
-        if self.rank != 0 or not isinstance(ctx, dict) or not isinstance(ctx.get("worker_exits"), list):
+        if self.rank != 0:
             return
-        before = int(ctx.get("generation", self.env.generation)) - 1
-        for e in ctx["worker_exits"]:
-            if not isinstance(e, dict) or not unwatched_exit(e):
-                continue
-            rank, code = int(e["rank"]), int(e["exitcode"])
-            try:
-                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            except ValueError:
-                how = f"exit code {code}"
-            at = e.get("at")
-            latency = max(0.0, time.time() - float(at)) if isinstance(at, (int, float)) else None
-            self._process_failure(
-                (rank,),
-                EXITED_UNWATCHED,
-                "agent",
-                detection_latency_s=latency,
-                exit_code=str(code),
-                detail=(
-                    f"rank {rank}'s process of generation {before} ended ({how}) and no fault report "
-                    f"named it (its peers had left their loops, or another fault explained the stop); "
-                    f"its agent on node {e.get('node')} saw the exit"
-                )[:MAX_ERROR_TEXT],
-            )
+        for rank, _node, details in _unwatched_exits(self._context, self.env.generation):
+            self._process_failure((rank,), EXITED_UNWATCHED, "agent", **details)
 
     def _connect_backend(self) -> None:
         """Under the torchrun backend: feed the leader inventories and actionable verdicts."""

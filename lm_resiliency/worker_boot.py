@@ -498,13 +498,17 @@ def auto_instrument(policy_path: str) -> None:
             read_restores(owner, name)
 
         def never_restored() -> None:
-            """A restart resumed at a step whose restore waits for the first forward, and none came
-            (the loop had no step left: the failure came after the last step's capture), and the
-            script read nothing a restore here could precede (above), or that restore failed.
-            What the script did after its loop holds the state it made, not the step's: say so,
-            loudly."""
-            from lm_resiliency.api import sessions_started
+            """At exit, where no session opened in this restart (the loop had no step left: the
+            failure came after the last step's capture, so no forward came to open one): rank 0
+            makes the reports a session's start makes of the generation before's ranks that ended
+            unseen (`api.report_unwatched_exits`; before, a rank SIGTERMed in the last step was
+            named by no report). And where the script read nothing a restore here could precede
+            (above), or that restore failed, what it did after its loop holds the state it made,
+            not the step's: say so, loudly."""
+            from lm_resiliency.api import report_unwatched_exits, sessions_started
 
+            if sessions_started() == 0:
+                report_unwatched_exits(int(os.environ.get("RANK", "0") or 0), _report_dir(policy_path))
             if state.get("restored") or state["done"] or sessions_started() > 0:
                 return  # (done: enabling was tried, said why)
             why = state.get("unrestored")
@@ -525,6 +529,17 @@ def auto_instrument(policy_path: str) -> None:
     ]
     state["warned"] = register_optimizer_step_pre_hook(first_step)
     _after_import(_PIPELINE, lambda schedules: _wrap_schedule_step(schedules, first_schedule_step))
+
+
+def _report_dir(policy_path: str) -> str | None:
+    """The worker policy's report folder (its replay settings'), None where it names none or cannot
+    be read now."""
+    from lm_resiliency.config import load_policy
+
+    try:
+        return load_policy(policy_path).replay.report_dir
+    except Exception:  # (read at start; changed since: the environment's folder, if any)
+        return None
 
 
 _PIPELINE = "torch.distributed.pipelining.schedules"

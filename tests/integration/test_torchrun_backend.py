@@ -356,6 +356,37 @@ def test_an_unmodified_script_restarted_after_its_last_step_is_restored_when_it_
     assert _equal(job.final(), base.final()), job.logs()
 
 
+def test_an_unmodified_script_whose_rank_is_terminated_after_its_last_step_is_named(
+    processes, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 of an unmodified DDP script is SIGTERMed after its last step (24). The restart resumes
+    at 24 with no step left, so no forward opens the session that reports the ranks of the
+    generation before that ended unseen. Before, no report named rank 1 (outsider fuzz, zero-import,
+    a SIGTERM in the last step); now rank 0 of the restart reports it at its exit
+    (`exited_unwatched`), where no report of the generation before named it already. Bitwise."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text("schema_version = 1\ninterval = 1\n")
+    script = "tests/integration/workers/plain_ddp.py"
+    base = Job(processes, tmp_path, "term-end-base", nodes=2, worker=script)
+    base.start({"WRAP": "ddp"}, policies=[str(policy)] * 2)
+    job = Job(processes, tmp_path, "term-end", nodes=2, nnodes="2:2", worker=script)
+    reports = tmp_path / "reports"
+    env = {"FAULT": "term", "FAULT_STEP": "24", "WRAP": "ddp", "LM_RESILIENCY_REPORT_DIR": str(reports)}
+    job.start(env, policies=[str(policy)] * 2)
+    base.wait()
+    job.wait()
+    gens = job.generations()
+    assert sorted(gens) == [0, 1] and gens[1]["start"] == 24, job.logs()
+    named = [
+        (r["generation"], r["reason"])
+        for f in sorted(reports.glob("*.jsonl"))
+        for r in map(json.loads, f.read_text().splitlines())
+        if r["kind"] == "process_failure" and r["failed_ranks"] == [1]
+    ]
+    assert named, job.logs()
+    assert _equal(job.final(), base.final()), job.logs()
+
+
 def _three_replicas_restarted_once(
     group: ProcessGroup, tmp: Path, fault: str, rank: str, step: str = "10"
 ) -> tuple[Job, Job, dict[int, dict], dict]:

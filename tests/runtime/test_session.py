@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import warnings
@@ -1033,3 +1034,41 @@ def test_an_error_of_load_extra_state_fn_says_it_came_from_there_and_what_it_was
             "raised by load_extra_state_fn, restoring step 2: it was given what extra_state_fn returned "
             "then (a dict with keys ['pos'])"
         ]
+
+
+def test_a_restart_that_opens_no_session_still_reports_the_ranks_that_ended_unseen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A zero-import restart with no step left opens no session: rank 0 reports at its exit what a
+    session's start reports of the generation before (`exited_unwatched`), into the report folder,
+    as a session would; an exit another report named, or another node's rank gloo aborted, is not
+    reported; a context it cannot read is logged, never raised."""
+    from lm_resiliency.api import EXITED_UNWATCHED, report_unwatched_exits
+
+    exits = [
+        {"rank": 1, "exitcode": -15, "reported": False, "culprit": True, "node": "n1", "at": time.time()},
+        {"rank": 2, "exitcode": 1, "reported": True, "culprit": True, "node": "n1"},
+        {"rank": 3, "exitcode": -6, "reported": False, "culprit": False, "node": "n2"},
+    ]
+    ctx = tmp_path / "ctx.json"
+    ctx.write_text(json.dumps({"schema_version": 1, "generation": 1, "worker_exits": exits}))
+    monkeypatch.setenv("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT", str(ctx))
+    monkeypatch.setenv("LM_RESILIENCY_GENERATION", "1")
+    reports = tmp_path / "reports"
+    assert report_unwatched_exits(1, str(reports)) == 0 and not reports.exists()  # (rank 0 only)
+    assert report_unwatched_exits(0, str(reports)) == 1
+    (line,) = (reports / "reports-rank0.jsonl").read_text().splitlines()
+    r = json.loads(line)
+    assert (r["kind"], r["failed_ranks"], r["reason"], r["node"]) == (
+        "process_failure",
+        [1],
+        EXITED_UNWATCHED,
+        "n1",
+    )
+    assert r["generation"] == 1 and r["exit_code"] == "-15" and "killed by SIGTERM" in r["detail"], r
+    monkeypatch.setenv("LM_RESILIENCY_REPORT_DIR", str(tmp_path / "env-reports"))
+    assert (
+        report_unwatched_exits(0, None) == 1 and (tmp_path / "env-reports" / "reports-rank0.jsonl").exists()
+    )
+    ctx.write_text("{not json")
+    assert report_unwatched_exits(0, str(reports)) == 0

@@ -9,10 +9,12 @@ READ=early: the script counts its parameters after it makes its optimizer, befor
 
 The final state holds the optimizer's learning rate and the schedule's position too.
 
-In generation 0, rank 1 raises an uncaught RuntimeError after step FAULT_STEP (10) when FAULT=raise."""
+In generation 0, rank 1 raises an uncaught RuntimeError after step FAULT_STEP (10) when FAULT=raise,
+or SIGTERMs itself there when FAULT=term."""
 
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -56,6 +58,9 @@ for step in range(start + 1, 25):
     sched.step()
     if os.environ.get("FAULT") == "raise" and gen == 0 and rank == 1 and step == fault_step:
         raise RuntimeError(f"injected: the loss diverged at step {step}")
+    if os.environ.get("FAULT") == "term" and gen == 0 and rank == 1 and step == fault_step:
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.sigwait([signal.SIGCONT])  # (ended by the handler: never continued)
 # Whole tensors (an FSDP2 shard's full_tensor() is a collective: every rank takes part).
 state = held.named_parameters() if os.environ.get("READ") == "params" else held.state_dict().items()
 final = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone() for k, v in state}
