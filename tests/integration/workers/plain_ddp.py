@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ for step in range(start + 1, 25):
         raise RuntimeError(f"injected: the loss diverged at step {step}")
     if os.environ.get("FAULT") == "term" and gen == 0 and rank == 1 and step == fault_step:
         os.kill(os.getpid(), signal.SIGTERM)
-        signal.sigwait([signal.SIGCONT])  # (ended by the handler: never continued)
+        threading.Event().wait()  # (the SIGTERM ends it)
 # Whole tensors (an FSDP2 shard's full_tensor() is a collective: every rank takes part).
 state = held.named_parameters() if os.environ.get("READ") == "params" else held.state_dict().items()
 final = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone() for k, v in state}
