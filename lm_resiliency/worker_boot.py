@@ -508,7 +508,8 @@ def auto_instrument(policy_path: str) -> None:
             from lm_resiliency.api import report_unwatched_exits, sessions_started
 
             if sessions_started() == 0:
-                report_unwatched_exits(int(os.environ.get("RANK", "0") or 0), _report_dir(policy_path))
+                rank = os.environ.get("RANK", "")  # (torchrun's; the process group may be gone)
+                report_unwatched_exits(int(rank) if rank.isdigit() else -1, _report_dir(policy_path))
             if state.get("restored") or state["done"] or sessions_started() > 0:
                 return  # (done: enabling was tried, said why)
             why = state.get("unrestored")
