@@ -127,6 +127,13 @@ def _unwatched_exits(ctx: Any, generation: int) -> list[tuple[int, Any, dict[str
     return out
 
 
+def _report_line(report: Mapping[str, Any], generation: int) -> str:
+    """A report as a report file holds it (one JSON line). The generation tells a restarted
+    worker's report from its predecessor's (scoring)."""
+    head = {"time": time.time(), "pid": os.getpid(), "generation": generation}
+    return json.dumps({**head, **report}, default=str)
+
+
 def report_unwatched_exits(rank: int, report_dir: str | None) -> int:
     """What rank 0 of a restart reports as its session starts (`Session._report_unwatched_exits`),
     for a restart whose workers opened no session: a zero-import script with no step left to run
@@ -155,8 +162,7 @@ def report_unwatched_exits(rank: int, report_dir: str | None) -> int:
             ).to_dict()
             report.update(details)
             log.warning("rank 0: fault report (no session opened): %s", report["detail"])
-            head = {"time": time.time(), "pid": os.getpid(), "generation": env.generation}
-            lines.append(json.dumps({**head, **report}, default=str))
+            lines.append(_report_line(report, env.generation))
         if lines and folder:
             path = Path(folder) / f"reports-rank{rank}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -2000,9 +2006,7 @@ class Session:
         if self._report_dir is None:
             return
         try:
-            # The generation tells a restarted worker's report from its predecessor's (scoring).
-            head = {"time": time.time(), "pid": os.getpid(), "generation": self.env.generation}
-            line = json.dumps({**head, **report}, default=str)
+            line = _report_line(report, self.env.generation)
             f = self._open_report_file()
             f.write(line + "\n")
             f.flush()
