@@ -24,11 +24,17 @@ FRESH = os.environ.get("LM_RESILIENCY_TEST_FRESH") == "1"  # every worker a fres
 
 # What the session's processes leave in the temporary folder goes with the session: torchrun makes a
 # log folder per agent (`torchelastic_*`, never removed), a process killed by its test leaves its
-# multiprocessing folder (`pymp-*`) and IPC sockets. This process keeps the usual folder (pytest's
-# own `tmp_path`s are kept for a failure's post-mortem): it read it before TMPDIR names the scratch.
-tempfile.gettempdir()
+# multiprocessing folder (`pymp-*`) and IPC sockets. The processes it starts read TMPDIR; this one
+# (and what it forks: a data loader's workers) takes the scratch once pytest made its own folders
+# (`_scratch_for_this_process`): pytest's `tmp_path`s are kept for a failure's post-mortem.
 SCRATCH = tempfile.mkdtemp(prefix="lmr-tests-")
 os.environ["TMPDIR"] = SCRATCH
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_for_this_process(tmp_path_factory: pytest.TempPathFactory) -> None:
+    tmp_path_factory.getbasetemp()  # (pytest's folders: where they always were)
+    tempfile.tempdir = SCRATCH
 
 
 def worker_env(env: dict[str, str]) -> dict[str, str]:

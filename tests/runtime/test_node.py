@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -194,7 +195,7 @@ def test_close_leaks_no_thread_socket_or_fd_and_is_quick() -> None:
 
 
 def _ipc_files() -> set[str]:
-    return {p for p in os.listdir("/tmp") if p.startswith(f"lmr-{os.getpid()}-")}
+    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith(f"lmr-{os.getpid()}-")}
 
 
 def test_hostile_messages_are_counted_and_never_acted_on() -> None:
