@@ -497,7 +497,7 @@ def auto_instrument(policy_path: str) -> None:
         ):
             read_restores(owner, name)
 
-        def never_restored() -> None:
+        def at_exit_without_session() -> None:
             """At exit, where no session opened in this restart (the loop had no step left: the
             failure came after the last step's capture, so no forward came to open one): rank 0
             makes the reports a session's start makes of the generation before's ranks that ended
@@ -507,10 +507,11 @@ def auto_instrument(policy_path: str) -> None:
             not the step's: say so, loudly."""
             from lm_resiliency.api import report_unwatched_exits, sessions_started
 
-            if sessions_started() == 0:
-                rank = os.environ.get("RANK", "")  # (torchrun's; the process group may be gone)
-                report_unwatched_exits(int(rank) if rank.isdigit() else -1, _report_dir(policy_path))
-            if state.get("restored") or state["done"] or sessions_started() > 0:
+            if sessions_started() > 0:
+                return
+            rank = os.environ.get("RANK", "")  # (torchrun's; the process group may be gone)
+            report_unwatched_exits(int(rank) if rank.isdigit() else -1, _report_dir(policy_path))
+            if state.get("restored") or state["done"]:
                 return  # (done: enabling was tried, said why)
             why = state.get("unrestored")
             sys.stderr.write(
@@ -523,7 +524,7 @@ def auto_instrument(policy_path: str) -> None:
                 "enable_resiliency yourself, before the loop: it restores at once.\n"
             )
 
-        atexit.register(never_restored)
+        atexit.register(at_exit_without_session)
     state["handles"] = [
         register_module_forward_pre_hook(first_forward),
         register_module_forward_hook(after_forward, always_call=True),
