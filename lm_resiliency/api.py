@@ -1130,7 +1130,7 @@ class Session:
             return
         from lm_resiliency.runtime.control import ControlChannel
 
-        channel = ControlChannel(self.env.control_store, self.env.run_id)
+        channel = ControlChannel(self.env.control_store, self.env.control_run_id())
         self._control = channel
         channel.beat(self.rank)  # peers that find this rank silent on our transport ask the store
         if self.scout is not None:

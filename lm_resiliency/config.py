@@ -590,6 +590,13 @@ class Environment:
     fault_ground_truth: str | None = None  # where the injector records what it did
     report_dir: str | None = None  # fault reports' folder when the replay settings name none
     trail_dir: str | None = None  # set by the torchrun backend: where this rank writes its collective trail
+    # torchrun's run id (its --rdzv-id): the backend's keys in the control store are under it, also
+    # where LM_RESILIENCY_RUN_ID names the run's checkpoints otherwise
+    rdzv_run_id: str | None = None
+
+    def control_run_id(self) -> str:
+        """The run id the torchrun backend's keys in the control store are under."""
+        return self.rdzv_run_id or self.run_id
 
     def node_id(self) -> str:
         """This machine's identity: the machine-id file's content, or the hostname if it has none."""
@@ -624,6 +631,7 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         report_dir=env.get("LM_RESILIENCY_REPORT_DIR") or None,
         trail_dir=env.get("LM_RESILIENCY_TRAIL_DIR") or None,
         run_id=env.get("LM_RESILIENCY_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or "default",
+        rdzv_run_id=env.get("TORCHELASTIC_RUN_ID") or None,
         restart_context_path=env.get("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT") or None,
         checkpoint_step=_env_int(env, "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", 0),
         machine_id_path=env.get("LM_RESILIENCY_MACHINE_ID_PATH") or "/etc/machine-id",

@@ -354,7 +354,8 @@ def auto_instrument(policy_path: str) -> None:
     def restore_before_read(module: Any = None) -> None:
         """The script reads its state (a `state_dict()`, a `torch.save`, a forward of a module
         its DDP model holds) before any session opened in a restart: restore the planned step
-        here, from this node's memory (else the durable tier), once, with no peer. A loop with no
+        here, from this node's memory (else another node's, else the durable tier), once, with no
+        session. A loop with no
         step left runs no forward to restore it at: before, the script saved or evaluated the
         state it made (NOT RESTORED, below). Done before a loop's first forward, that forward's
         session restores the step again, as always."""
@@ -442,9 +443,8 @@ def auto_instrument(policy_path: str) -> None:
         else:
             disarm()
         sys.stderr.write(
-            f"lm_resiliency: restored step {planned} (rank {rank}, from this node's "
-            f"{'memory' if restored.tier == 'local' else 'durable copy'}) when the script read its "
-            "state before any forward of its model\n"
+            f"lm_resiliency: restored step {planned} (rank {rank}, from {_TIERS[restored.tier]}) when "
+            "the script read its state before any forward of its model\n"
         )
 
     def held_modules(models: list[Any]) -> set[int]:
@@ -531,6 +531,9 @@ def auto_instrument(policy_path: str) -> None:
     ]
     state["warned"] = register_optimizer_step_pre_hook(first_step)
     _after_import(_PIPELINE, lambda schedules: _wrap_schedule_step(schedules, first_schedule_step))
+
+
+_TIERS = {"local": "this node's memory", "peer": "another node's memory", "disk": "the durable copy"}
 
 
 def _report_dir(policy_path: str) -> str | None:

@@ -423,6 +423,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         self._agent_store: Store | None = None
         self._ended_checked_at = float("-inf")  # when _end_if_others_ended last read the exit barrier
         self._closed = False
+        self._copies: Any = None  # this node's replicas served to other nodes (_serve_copies)
         self.timings: list[float] = []  # seconds spent in each next_rendezvous that returned
 
     # -- torchrun's interface -------------------------------------------------------------------
@@ -453,6 +454,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
                 raise RendezvousError(f"[{exc.code}] {exc}") from exc
             self._pulse = _Pulse(self)
             self._pulse.start()
+            self._serve_copies(control)
             log.info("node %s registered with run %s", self.node_id, self.run_id)
             # Trails of an earlier launch of the run (an agent that was killed leaves them) would
             # read as this one's where a worker starts no new one.
@@ -869,6 +871,23 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         except Exception:  # the leader then judges without them: never fail the restart over it
             log.exception("publishing the workers' collective trails failed")
 
+    def _serve_copies(self, control: _Control) -> None:
+        """Serve the replicas this node holds of the run to the workers of other nodes, for the
+        lifetime of this agent (`gemini/node_copies`: a worker that restores with no session, in a
+        node that replaced a lost one, finds its copy there). Never fails the agent: without it,
+        such a worker says it could not restore, as before."""
+        try:
+            from lm_resiliency.gemini.durable import path_name
+            from lm_resiliency.gemini.node_copies import NodeCopies, endpoint_key, key_name
+
+            shm_dir, run = self._memory_of_run()
+            key = control.store.compare_set(control.key(key_name()), "", os.urandom(32).hex())
+            folder = Path(shm_dir) / path_name(run) / path_name(self.node_id)
+            self._copies = NodeCopies(folder, bytes.fromhex(key.decode()), self.addr)
+            control.store.set(control.key(endpoint_key(self.node_id)), self._copies.endpoint)
+        except Exception:
+            log.exception("serving this node's in-memory replicas to the other nodes failed")
+
     def _held_rank(self) -> int:
         """The first rank whose in-memory checkpoints of this run this node holds (a relaunch of
         the run on the same machines), or -1: generation 0 gives the node those ranks again."""
@@ -909,6 +928,9 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             self._pulse.stop()
         self._release_node_id()
         self._close_worker_store()
+        copies, self._copies = self._copies, None
+        if copies is not None:
+            copies.close()
 
 
 def node_id_in_use(control: _Control, node: str, window_s: float) -> bool:

@@ -1,5 +1,6 @@
 """A restore with no session: this rank's copy of the step its restart planned, read from this node's
-memory (else the durable tier) and loaded into the live objects, with no peer involved.
+memory (else another node's, through its agent; else the durable tier) and loaded into the live
+objects, with no session of any peer involved.
 
 For a zero-import worker (`worker_boot`), whose session opens, and restores, at its model's first
 forward: a restart that resumes at the loop's last step (the failure came after that step's
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lm_resiliency.config import Environment, InMemoryCkptConfig
 from lm_resiliency.gemini.durable import DurableError, DurableStore, path_name
+from lm_resiliency.gemini.node_copies import fetch_replica
 from lm_resiliency.gemini.state import apply_state, decode_payload, materialize
 from lm_resiliency.runtime.shm import HEADER_SIZE, CorruptSlot, SlotFile, SlotHeader, verify_image
 
@@ -36,11 +39,12 @@ def restore_planned(
     durable_folder: str | None,
 ) -> Restored:
     """Restore `step` of `rank` into `model`, `optimizer` (as a session holds them: see
-    `api.captured_with`), its schedulers and GradScaler. Returns the tier it came from ("local" or
-    "disk"), and the step's scheduler state where the optimizer has no scheduler yet (the script
-    makes it later: `apply_later`). Raises LookupError naming why each copy was skipped (missing,
-    damaged, another run's or topology's: nothing loaded), and what `apply_state` raises for a
-    copy that does not fit."""
+    `api.captured_with`), its schedulers and GradScaler, from this node's memory, else a replica
+    another node's agent serves (`node_copies`: a node that replaced a lost one), else the durable
+    tier. Returns the tier it came from ("local", "peer" or "disk"), and the step's scheduler state
+    where the optimizer has no scheduler yet (the script makes it later: `apply_later`). Raises
+    LookupError naming why each copy was skipped (missing, damaged, another run's or topology's:
+    nothing loaded), and what `apply_state` raises for a copy that does not fit."""
     from lm_resiliency.api import captured_with
 
     optimizer, scheduler, scaler = captured_with(optimizer)
@@ -68,6 +72,21 @@ def restore_planned(
             why.append(str(exc))
         finally:
             slot.close()
+    if env.control_store:  # (under the torchrun backend) a replica another node holds
+        try:
+            fetched, h, _ = fetch_replica(
+                env.control_store,
+                f"lmr/{env.control_run_id()}/",
+                os.environ.get("LM_RESILIENCY_NODE_ID") or env.node_id(),
+                rank,
+                step,
+                expect.check,
+            )
+        except LookupError as exc:
+            why.append(f"from another node: {exc}")
+        else:
+            payload = memoryview(fetched)[HEADER_SIZE : HEADER_SIZE + h.payload_len]
+            return Restored("peer", *_load(payload, h, model, optimizer, scheduler, scaler))
     if durable_folder:
         store = DurableStore(durable_folder, run_id, rank)
         try:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["BEAT_S", "ControlChannel", "exit_doc", "exits_key", "finished_key", "named_key"]
+__all__ = ["BEAT_S", "ControlChannel", "exit_doc", "exits_key", "finished_key", "named_key", "open_store"]
 
 BEAT_S = 1.0  # a beating rank's counter in the store goes up this often
 
@@ -59,6 +59,19 @@ def named_key(generation: int, rank: int) -> str:
 
 
 log = logging.getLogger(__name__)
+
+
+def open_store(address: str, timeout: timedelta) -> Any:
+    """A client of the control store at `address` (tcp://HOST:PORT or file://PATH)."""
+    import torch.distributed as dist
+
+    scheme, sep, where = address.partition("://")
+    if scheme == "file" and where:
+        return dist.FileStore(where, -1)  # type: ignore[attr-defined]
+    host, _, port = where.rpartition(":")
+    if scheme != "tcp" or not sep or not host or not port.isdigit():
+        raise ValueError(f"LM_RESILIENCY_CONTROL_STORE={address!r}: expected tcp://HOST:PORT or file://PATH")
+    return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timeout)  # type: ignore[attr-defined]
 
 
 class ControlChannel:
@@ -181,7 +194,10 @@ class ControlChannel:
             store = self._open(timedelta(seconds=2))
             for node in nodes:
                 key = self.prefix + exits_key(generation, node)
-                doc = exit_doc(json.loads(store.get(key))) if store.check([key]) else None
+                try:
+                    doc = exit_doc(json.loads(store.get(key))) if store.check([key]) else None
+                except ValueError:  # (not JSON: that node's only; before, the nodes after it went too)
+                    doc = None
                 if doc is not None:
                     out[node] = doc["rank"]
         except Exception as exc:  # advisory: a report too many, never a worker stopped by it
@@ -232,14 +248,7 @@ class ControlChannel:
     # -- the channel's thread ------------------------------------------------------------------
 
     def _open(self, timeout: timedelta | None = None) -> Any:
-        import torch.distributed as dist
-
-        if self.scheme == "file":
-            return dist.FileStore(self.where, -1)  # type: ignore[attr-defined]
-        host, _, port = self.where.rpartition(":")
-        return dist.TCPStore(  # type: ignore[attr-defined]
-            host, int(port), is_master=False, wait_for_workers=False, timeout=timeout or self.timeout
-        )
+        return open_store(f"{self.scheme}://{self.where}", timeout or self.timeout)
 
     def _connect(self) -> Any:
         if self._store is None:

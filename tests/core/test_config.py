@@ -152,6 +152,12 @@ def test_environment(tmp_path: Path) -> None:
         }
     )
     assert env.generation == 3 and env.node_id() == "abc123" and env.run_id == "r1"
+    assert env.control_run_id() == "r1"
+    # A run id of the checkpoints' own: the torchrun backend's keys stay under its --rdzv-id (before,
+    # the workers published their inventories where its agents never looked).
+    named = read_environment({"TORCHELASTIC_RUN_ID": "r1", "LM_RESILIENCY_RUN_ID": "mine"})
+    assert named.run_id == "mine" and named.control_run_id() == "r1"
+    assert read_environment({"LM_RESILIENCY_RUN_ID": "mine"}).control_run_id() == "mine"
     with pytest.raises(ConfigError, match="LM_RESILIENCY_GENERATION"):
         read_environment({"LM_RESILIENCY_GENERATION": "x"})
 

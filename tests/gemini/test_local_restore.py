@@ -159,3 +159,142 @@ def test_a_scheduler_that_exists_at_the_restore_leaves_nothing_for_later(tmp_pat
     sched = _warmup(opt)
     assert _restore(tmp_path, 1, model, opt).scheduler_state is None
     assert _same(sched.state_dict(), want)
+
+
+# -- a replica another node's agent serves (gemini/node_copies) ------------------------------------
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Any:
+    """A control store naming a generation of nodes "n" (this one) and "a", "b", and a `serve(node)`
+    that starts that node's agent server on its folder of the run: (the store's address, serve)."""
+    import dataclasses
+    import os
+
+    import torch.distributed as dist
+
+    from lm_resiliency.core.rendezvous import state as rs
+    from lm_resiliency.gemini.node_copies import NodeCopies, endpoint_key, key_name
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    prefix = "lmr/job/"
+    s = dataclasses.replace(rs.RdzvState.new("x", 3, 3), slots=("n", "a", "b"))
+    store.set(prefix + "state", rs.encode(s))
+    key = os.urandom(32)
+    store.set(prefix + key_name(), key.hex())
+    servers: list[NodeCopies] = []
+
+    def serve(node: str) -> NodeCopies:
+        server = NodeCopies(tmp_path / "r" / node, key, "127.0.0.1", poll_ms=20)
+        servers.append(server)
+        store.set(prefix + endpoint_key(node), server.endpoint)
+        return server
+
+    yield f"tcp://127.0.0.1:{store.port}", serve
+    for server in servers:
+        server.close()
+
+
+def _held_by(tmp_path: Path, node: str, holder: int) -> list[Path]:
+    """This node's own copies of rank 0 moved to `node`'s folder, as `holder`'s replicas of them:
+    this node's memory is gone (it replaced a lost one)."""
+    to = tmp_path / "r" / node
+    to.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for own in sorted((tmp_path / "r" / "n").glob("own-r0-s*")):
+        moved.append(own.rename(to / f"replica-r0-h{holder}-{own.name.rsplit('-', 1)[1]}"))
+    return moved
+
+
+def _restore_via(tmp_path: Path, control: str, step: int, model: Any, opt: Any) -> Restored:
+    mid = tmp_path / "machine-id"
+    mid.write_text("n\n")
+    env = Environment(
+        run_id="r", shm_dir=str(tmp_path), machine_id_path=str(mid), control_store=control, rdzv_run_id="job"
+    )
+    return restore_planned(
+        model, opt, step, rank=0, world_size=1, env=env, checkpoint=InMemoryCkptConfig(), durable_folder=None
+    )
+
+
+def test_a_replica_another_nodes_agent_serves_is_restored_bitwise(tmp_path: Path, agents: Any) -> None:
+    """A node that replaced a lost one holds no copy of its ranks: the step comes from the replica a
+    peer node holds, which that node's agent serves (a zero-import restart with no step left, where
+    no session runs anywhere to pull it). Before, the script saved its fresh model (NOT RESTORED)."""
+    control, serve = agents
+    want = _captured(tmp_path)
+    _held_by(tmp_path, "b", 2)
+    serve("a")  # (holds nothing of it: asked first, says so)
+    serve("b")
+    model, opt = _trained(1)
+    assert _restore_via(tmp_path, control, 3, model, opt).tier == "peer"
+    assert _same(model.state_dict(), want["model"]) and _same(opt.state_dict(), want["opt"])
+
+
+def test_a_damaged_replica_is_refused_and_another_nodes_copy_is_taken(tmp_path: Path, agents: Any) -> None:
+    control, serve = agents
+    want = _captured(tmp_path)
+    b = _mkdir(tmp_path / "r" / "b")
+    for path in _held_by(tmp_path, "a", 1):  # node a's copy of step 3 damaged, b's intact
+        shutil.copy(path, b / path.name)
+        if _restore_step(path) == 3:
+            data = bytearray(path.read_bytes())
+            data[4096 + 100] ^= 0x01
+            path.write_bytes(bytes(data))
+    serve("a")
+    model, opt = _trained(1)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(
+        LookupError, match=r"node a's replica of rank 0 step 3: chunk 0 fails its checksum"
+    ) as err:
+        _restore_via(tmp_path, control, 3, model, opt)
+    assert "node b serves no copies" in str(err.value)
+    assert _same(model.state_dict(), before)
+    serve("b")
+    with pytest.raises(LookupError, match=r"no replica of rank 0 step 9 here"):
+        _restore_via(tmp_path, control, 9, model, opt)
+    assert _restore_via(tmp_path, control, 3, model, opt).tier == "peer"
+    assert _same(model.state_dict(), want["model"]) and _same(opt.state_dict(), want["opt"])
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True)
+    return path
+
+
+def test_an_agent_answers_only_its_runs_key_and_only_its_replica_files(tmp_path: Path) -> None:
+    import hashlib
+    import hmac
+    import json
+
+    from lm_resiliency.gemini.node_copies import NodeCopies
+
+    folder = _mkdir(tmp_path / "r" / "a")
+    (folder / "own-r0-s0").write_bytes(b"x" * 64)  # (its own copies are not served)
+    (tmp_path / "secret").write_bytes(b"y" * 64)
+    key = b"k" * 32
+    server = NodeCopies(folder, key, "127.0.0.1", poll_ms=20)
+    try:
+
+        def ask(req: Any, with_key: bytes = key) -> dict[str, Any]:
+            body = req if isinstance(req, bytes) else json.dumps(req).encode()
+            frames = server.answer([hmac.new(with_key, body, hashlib.sha256).digest(), body])
+            out: dict[str, Any] = json.loads(frames[0])
+            return out
+
+        assert ask({"op": "find", "owner": 0, "step": 1}, with_key=b"z" * 32)["why"] == (
+            "not authenticated with this run's key"
+        )
+        assert "not JSON" in ask(b"{")["why"]
+        assert "malformed request" in ask({"op": "find", "owner": "0", "step": 1})["why"]
+        assert "no replica of rank 0 step 1 here (none)" in ask({"op": "find", "owner": 0, "step": 1})["why"]
+        for name in ("own-r0-s0", "../secret", "replica-r0-h1-s0/../../../secret"):
+            said = ask({"op": "read", "name": name, "offset": 0, "length": 8})
+            assert not said["ok"] and said["why"].startswith("refused"), said
+        said = ask({"op": "read", "name": "replica-r0-h1-s0", "offset": 0, "length": 8})
+        assert not said["ok"] and "No such file" in said["why"], said
+        assert (
+            "malformed" in ask({"op": "read", "name": "replica-r0-h1-s0", "offset": 0, "length": True})["why"]
+        )
+    finally:
+        server.close()

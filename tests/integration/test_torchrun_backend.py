@@ -8,11 +8,13 @@ uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import socket
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -385,6 +387,47 @@ def test_an_unmodified_script_whose_rank_is_terminated_after_its_last_step_is_na
     ]
     assert named, job.logs()
     assert _equal(job.final(), base.final()), job.logs()
+
+
+def test_an_unmodified_script_whose_node_is_lost_after_its_last_step_restores_from_a_peer_node(
+    processes, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0's node of an unmodified DDP script dies after the last step (24), once its capture is
+    replicated: the standby takes its slot and the restart resumes at 24 with no step left, so no
+    forward opens a session anywhere. Rank 0, on the new node, holds no copy of step 24: when the
+    script reads its state, the replica rank 1's node holds comes through that node's agent
+    (`gemini/node_copies`). Before, it saved the fresh model's state and said NOT RESTORED.
+
+    The job names its checkpoints' run id (`LM_RESILIENCY_RUN_ID`), which is not its --rdzv-id:
+    before, its workers published their inventories under that id in the control store, where the
+    agents never looked, and the restart was planned from no step (-1)."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text("schema_version = 1\ninterval = 1\n")
+    script = "tests/integration/workers/plain_ddp.py"
+    base = Job(processes, tmp_path, "node-end-base", nodes=2, worker=script)
+    base.start({"WRAP": "ddp"}, policies=[str(policy)] * 2)
+    job = Job(processes, tmp_path, "node-end", worker=script)
+    named = {"LM_RESILIENCY_RUN_ID": f"checkpoints-of-{job.run_id}"}
+    job.start(
+        {"FAULT": "node", "FAULT_RANK": "0", "FAULT_STEP": "24", "WRAP": "ddp", **named}, [str(policy)] * 3
+    )
+    base.wait()
+    for p in job.procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=240)
+    lost = [n for n, p in enumerate(job.procs) if p.poll() == -signal.SIGKILL]
+    assert len(lost) == 1, job.logs()
+    job.wait(killed=(lost[0],))
+    gens = job.generations()
+    assert sorted(gens) == [0, 1] and gens[1]["start"] == 24, job.logs()
+    ctx = json.loads(Path(gens[1]["context"]).read_text())
+    assert ctx["failure_kind"] == "node_lost" and ctx["culprits"] == [f"node-end-node-{lost[0]}"], ctx
+    assert "restored step 24 (rank 0, from another node's memory)" in job.text(), job.logs()
+    assert "NOT RESTORED" not in job.text(), job.logs()
+    assert _equal(job.final(), base.final()), job.logs()
+    memory = job.tmp / "shm" / named["LM_RESILIENCY_RUN_ID"]  # (under the id it names: reclaimed at the end)
+    gone = f"node-end-node-{lost[0]}"  # (the lost node's: nobody is left there to reclaim them)
+    assert sorted(p.name for p in memory.iterdir()) == [gone, f"{gone}.trail"], job.logs()
 
 
 def _three_replicas_restarted_once(

@@ -9,8 +9,10 @@ READ=early: the script counts its parameters after it makes its optimizer, befor
 
 The final state holds the optimizer's learning rate and the schedule's position too.
 
-In generation 0, rank 1 raises an uncaught RuntimeError after step FAULT_STEP (10) when FAULT=raise,
-or SIGTERMs itself there when FAULT=term."""
+In generation 0, rank FAULT_RANK (1) raises an uncaught RuntimeError after step FAULT_STEP (10) when
+FAULT=raise, or SIGTERMs itself there when FAULT=term, or with FAULT=node its whole node dies there
+once every rank's capture of the step is replicated (its agent SIGKILLed; the parent-death signal
+ends it)."""
 
 import json
 import os
@@ -50,6 +52,7 @@ if rank == 0:
     with open(f"{out}.gen{gen}.json", "w") as f:
         json.dump({"generation": gen, "start": start}, f)
 fault_step = int(os.environ.get("FAULT_STEP", "10"))
+fault_rank = int(os.environ.get("FAULT_RANK", "1"))
 for step in range(start + 1, 25):
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank * 1000 + step))
     loss = (model(x) - x).pow(2).mean()
@@ -57,11 +60,23 @@ for step in range(start + 1, 25):
     loss.backward()
     opt.step()
     sched.step()
-    if os.environ.get("FAULT") == "raise" and gen == 0 and rank == 1 and step == fault_step:
+    if gen > 0 or step != fault_step:
+        continue
+    if os.environ.get("FAULT") == "node":  # once every rank's capture of the step is in place
+        from lm_resiliency.api import open_session  # (the fault's own: the script's state never is)
+
+        open_session().gemini.drain(10)  # type: ignore[union-attr]
+        dist.barrier()
+    if rank != fault_rank:
+        continue
+    if os.environ.get("FAULT") == "raise":
         raise RuntimeError(f"injected: the loss diverged at step {step}")
-    if os.environ.get("FAULT") == "term" and gen == 0 and rank == 1 and step == fault_step:
+    if os.environ.get("FAULT") == "term":
         os.kill(os.getpid(), signal.SIGTERM)
         threading.Event().wait()  # (the SIGTERM ends it)
+    if os.environ.get("FAULT") == "node":
+        os.kill(int(os.environ["LM_RESILIENCY_AGENT_PID"]), signal.SIGKILL)
+        signal.pause()
 # Whole tensors (an FSDP2 shard's full_tensor() is a collective: every rank takes part).
 state = held.named_parameters() if os.environ.get("READ") == "params" else held.state_dict().items()
 final = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone() for k, v in state}
