@@ -108,6 +108,9 @@ class Zygote:
         shim.chmod(0o755)
         self.extra = {
             "PYTHON_EXEC": str(shim),
+            # The torchrun backend's control-store host too (its agents start it): a fork, not a
+            # fresh interpreter importing torch for 2-3 s of every job's first rendezvous.
+            "LM_RESILIENCY_STORE_HOST_PYTHON": str(shim),
             "LMR_TEST_PYTHON": sys.executable,
             "LMR_TEST_ZYGOTE": self.path,
         }

@@ -322,8 +322,11 @@ def _spawn_store_host(host: str, port: int, run_id: str) -> None:
         for k, v in os.environ.items()
         if k not in ("LM_RESILIENCY_AGENT_PID", "LM_RESILIENCY_WORKER_CONFIG")
     }
+    # (LM_RESILIENCY_STORE_HOST_PYTHON: a launcher's own interpreter for it, one with torch imported
+    # already, say: the test suite's forks; else this agent's)
+    python = os.environ.get("LM_RESILIENCY_STORE_HOST_PYTHON") or sys.executable
     subprocess.Popen(
-        [sys.executable, "-m", "lm_resiliency.runtime.store_host", bind, str(port), run_id],
+        [python, "-m", "lm_resiliency.runtime.store_host", bind, str(port), run_id],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
