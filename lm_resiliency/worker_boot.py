@@ -355,10 +355,9 @@ def auto_instrument(policy_path: str) -> None:
         """The script reads its state (a `state_dict()`, a `torch.save`, a forward of a module
         its DDP model holds) before any session opened in a restart: restore the planned step
         here, from this node's memory (else another node's, else the durable tier), once, with no
-        session. A loop with no
-        step left runs no forward to restore it at: before, the script saved or evaluated the
-        state it made (NOT RESTORED, below). Done before a loop's first forward, that forward's
-        session restores the step again, as always."""
+        session. A loop with no step left runs no forward to restore it at: before, the script
+        saved or evaluated the state it made (NOT RESTORED, below). Done before a loop's first
+        forward, that forward's session restores the step again, as always."""
         if not reads or state.get("busy"):
             return  # (busy: its own reads while it looks, a parameters() among them)
         state["busy"] = True
