@@ -427,6 +427,7 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         self._ended_checked_at = float("-inf")  # when _end_if_others_ended last read the exit barrier
         self._closed = False
         self._copies: Any = None  # this node's replicas served to other nodes (_serve_copies)
+        self._stopped = False  # _stop ran
         self.timings: list[float] = []  # seconds spent in each next_rendezvous that returned
 
     # -- torchrun's interface -------------------------------------------------------------------
@@ -516,6 +517,8 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
         run: a standby takes its slot, or the run gives up with the reason. Otherwise only stop
         heart-beating (a signal: torchrun does not call this then)."""
         failed = sys.exc_info()[1]
+        if self._stopped:  # (it ended on its own: the run closed, gave up, or its store went)
+            return True
         try:
             s = self._safe_read()
             if s is None:
@@ -927,6 +930,11 @@ class LmResiliencyRendezvousHandler(RendezvousHandler):
             log.exception("reclaiming the run's shared memory failed")
 
     def _stop(self) -> None:
+        """This agent is done with the run (once): its pulse stops, and its node id is let go, which
+        tells the store host, once the run closed, that it may go (`runtime/store_host`)."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self._pulse is not None:
             self._pulse.stop()
         self._release_node_id()

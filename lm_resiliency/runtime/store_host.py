@@ -2,7 +2,8 @@
 
 `python -m lm_resiliency.runtime.store_host HOST PORT RUN_ID` serves a TCPStore on HOST:PORT. The
 first agent that finds no store starts it in a session of its own, so it outlives any one agent (the
-leader's agent may die; the store must not). It exits by itself: a few seconds after the run closed,
+leader's agent may die; the store must not). It exits by itself: once the run closed and every node
+still in it has let go of its node id (its agent's exit), or `--grace-s` after the close at most;
 or when no agent's heartbeat counter has moved for `--idle-s` (every agent is gone). If the port is
 taken (another agent already started one), it exits at once with status 3.
 """
@@ -15,6 +16,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,13 +48,33 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError:
                 doc = {}
             if doc.get("phase") == "closed":
-                time.sleep(args.grace_s)  # let every agent read the verdict
+                _until_every_node_left(store, prefix, doc, args.grace_s)
                 return 0
             total = sum(int(store.add(f"{prefix}hb/{n}", 0)) for n in doc.get("nodes", {}))
             if total != last_total:
                 last_total, last_change = total, now
         if now - last_change > args.idle_s:
             return 0
+
+
+def _until_every_node_left(store: Any, prefix: str, doc: dict[str, Any], grace_s: float) -> None:
+    """The run closed: serve on until every node still in it (a slot's, a standby's, a quarantined
+    one's) has let go of its node id, which its agent does last as it exits, at most `grace_s` (an
+    agent killed meanwhile never lets go). Before, the host always served `grace_s` more: 5 s of
+    every job's end (and of each torchrun test in the suite)."""
+    nodes: list[str] = []
+    for part in ("slots", "standbys", "excluded"):
+        got = doc.get(part) or []
+        nodes += [n for n in got if isinstance(n, str) and n]  # (excluded: a mapping's keys)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if all(_let_go(store, f"{prefix}owner/{n}") for n in nodes):
+            return
+        time.sleep(0.1)
+
+
+def _let_go(store: Any, key: str) -> bool:
+    return not store.check([key]) or bool(store.get(key) == b"")
 
 
 if __name__ == "__main__":

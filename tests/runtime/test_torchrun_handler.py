@@ -1318,3 +1318,29 @@ def test_a_culprit_nodes_ranks_its_agent_stopped_are_no_culprits(store: Any) -> 
         assert stopped_by_restart([0, 1, 2, 3], nodes.get, {"a", "b"}, first) == {1}
     finally:
         channel.close()
+
+
+def test_the_store_host_serves_a_closed_run_until_every_node_still_in_it_has_left(store: Any) -> None:
+    """Once the run closed, the store host goes as soon as each node still in it (a slot's, a
+    standby's, a quarantined one's) has let go of its node id, as its agent does last when it exits;
+    a node that never does (its agent killed) holds it `grace_s` at most. Before, it always served
+    5 s more: 5 s at the end of every job, and of each torchrun test of the suite."""
+    from lm_resiliency.runtime.store_host import _until_every_node_left
+
+    prefix = "lmr/unit-run/"
+    doc = {"slots": ["a", None, "b"], "standbys": ["c"], "excluded": {"q": "sdc"}, "nodes": {"gone": []}}
+    for n in "abcq":
+        store.set(f"{prefix}owner/{n}", "claim")
+    waiting = threading.Thread(target=_until_every_node_left, args=(store, prefix, doc, 120.0))
+    waiting.start()
+    for n in "abc":
+        store.set(f"{prefix}owner/{n}", "")
+    waiting.join(1.0)
+    assert waiting.is_alive()  # q still holds its id
+    store.delete_key(f"{prefix}owner/q")  # (as a node that never registered: no claim at all)
+    waiting.join(60.0)
+    assert not waiting.is_alive()
+    store.set(f"{prefix}owner/b", "claim")  # an agent killed before it let go: the grace ends the wait
+    t0 = time.monotonic()
+    _until_every_node_left(store, prefix, doc, 0.5)
+    assert time.monotonic() - t0 >= 0.5
