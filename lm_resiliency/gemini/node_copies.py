@@ -45,6 +45,7 @@ __all__ = ["NodeCopies", "endpoint_key", "fetch_replica", "key_name"]
 log = logging.getLogger(__name__)
 
 CHUNK = 16 << 20  # bytes per read request
+_REQUEST_MAX = 64 << 10  # bytes in a request's frame, at most
 _NAME = re.compile(r"replica-r(\d+)-h(\d+)-s[01]")
 
 
@@ -71,6 +72,7 @@ class NodeCopies:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
+        self._sock.maxmsgsize = _REQUEST_MAX  # (a larger request drops its connection: never held)
         try:
             if ":" in host:  # an IPv6 literal
                 self._sock.ipv6 = True

@@ -296,5 +296,22 @@ def test_an_agent_answers_only_its_runs_key_and_only_its_replica_files(tmp_path:
         assert (
             "malformed" in ask({"op": "read", "name": "replica-r0-h1-s0", "offset": 0, "length": True})["why"]
         )
+        # Over the socket: a request too large for any real one is dropped, and the server answers on.
+        import zmq
+
+        ctx = zmq.Context()
+        try:
+            big, ok = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+            for sock in (big, ok):
+                sock.linger = 0
+                sock.connect(server.endpoint)
+            big.send_multipart([b"x" * 32, b"y" * (1 << 20)])
+            body = json.dumps({"op": "find", "owner": 0, "step": 1}).encode()
+            ok.send_multipart([hmac.new(key, body, hashlib.sha256).digest(), body])
+            assert ok.poll(30_000), "the server stopped answering"
+            assert b"no replica of rank 0 step 1 here" in ok.recv_multipart()[0]
+            assert not big.poll(2000)  # (never answered: dropped, not held)
+        finally:
+            ctx.destroy(linger=0)
     finally:
         server.close()
