@@ -593,6 +593,8 @@ class Environment:
     # torchrun's run id (its --rdzv-id): the backend's keys in the control store are under it, also
     # where LM_RESILIENCY_RUN_ID names the run's checkpoints otherwise
     rdzv_run_id: str | None = None
+    # the torchrun backend's name for this node (its agent's id: the one its control-store keys use)
+    agent_node_id: str | None = None
 
     def control_run_id(self) -> str:
         """The run id the torchrun backend's keys in the control store are under."""
@@ -632,6 +634,7 @@ def read_environment(environ: Mapping[str, str] | None = None) -> Environment:
         trail_dir=env.get("LM_RESILIENCY_TRAIL_DIR") or None,
         run_id=env.get("LM_RESILIENCY_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or "default",
         rdzv_run_id=env.get("TORCHELASTIC_RUN_ID") or None,
+        agent_node_id=env.get("LM_RESILIENCY_NODE_ID") or None,
         restart_context_path=env.get("LM_RESILIENCY_TORCHRUN_RESTART_CONTEXT") or None,
         checkpoint_step=_env_int(env, "LM_RESILIENCY_TORCHRUN_CHECKPOINT_STEP", 0),
         machine_id_path=env.get("LM_RESILIENCY_MACHINE_ID_PATH") or "/etc/machine-id",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,7 +76,7 @@ def restore_planned(
             fetched, h, _ = fetch_replica(
                 env.control_store,
                 f"lmr/{env.control_run_id()}/",
-                os.environ.get("LM_RESILIENCY_NODE_ID") or env.node_id(),
+                env.agent_node_id or env.node_id(),
                 rank,
                 step,
                 expect.check,

@@ -152,7 +152,8 @@ def test_environment(tmp_path: Path) -> None:
         }
     )
     assert env.generation == 3 and env.node_id() == "abc123" and env.run_id == "r1"
-    assert env.control_run_id() == "r1"
+    assert env.control_run_id() == "r1" and env.agent_node_id is None
+    assert read_environment({"LM_RESILIENCY_NODE_ID": "n7"}).agent_node_id == "n7"
     # A run id of the checkpoints' own: the torchrun backend's keys stay under its --rdzv-id (before,
     # the workers published their inventories where its agents never looked).
     named = read_environment({"TORCHELASTIC_RUN_ID": "r1", "LM_RESILIENCY_RUN_ID": "mine"})
