@@ -435,7 +435,7 @@ def test_an_occurrence_a_recovery_undid_before_it_could_be_found_is_told_apart_f
     earlier incident (found at 20) then rolled back to step 19: with `retrigger: once` it is not
     injected again and nothing can find it. The summary names the generation that undid it; one
     a later generation never rolled back past stays a miss."""
-    from examples.torchrun.resiliency_cycle.pressure import _rolled_back
+    from examples.torchrun.resiliency_cycle.pressure import _rolled_back, _undone
     from lm_resiliency.faults.scoring import GroundTruth
 
     def truth(incident: str, iteration: int, generation: int) -> GroundTruth:
@@ -464,6 +464,12 @@ def test_an_occurrence_a_recovery_undid_before_it_could_be_found_is_told_apart_f
     assert _rolled_back(got, "kept", 30, gens) is None
     assert _rolled_back(got, "early", 6, gens) == 1
     assert _rolled_back(got, "never", 8, gens) is None
+    # One its own verdict found (with no culprit named: replicas split in halves) was not undone
+    # by an earlier incident's recovery: the generation that rolled it back was its own.
+    found = [{"detected": True, "localized": False}]
+    assert _undone(found, got, "early", 6, gens) is None
+    assert _undone([{"detected": False, "localized": False}], got, "early", 6, gens) == 1
+    assert _undone([], got, "early", 6, gens) == 1
 
 
 def test_the_policy_turns_on_what_a_campaigns_faults_need_to_be_seen(tmp_path: Path) -> None:

@@ -184,6 +184,18 @@ def _rolled_back(
     return min(g["generation"] for g in after) if after else None
 
 
+def _undone(
+    occ: list[dict[str, Any]], truth: list[Any], incident_id: str, iteration: int, gens: list[dict[str, Any]]
+) -> int | None:
+    """`_rolled_back` for an occurrence nothing reported (`occ`: its scored occurrences). One that
+    was detected was found, even where no verdict named its culprit (replicas split in halves, no
+    majority): the recovery that rolled it back was its own. Before, such an occurrence read
+    "rolled back by generation 1 before it could be found" of the generation its own verdict made."""
+    if any(o["localized"] or o["detected"] for o in occ):
+        return None
+    return _rolled_back(truth, incident_id, iteration, gens)
+
+
 def _action(
     truth: list[Any], incident_id: str, iteration: int, kinds: set[str], gens: list[dict[str, Any]]
 ) -> str:
@@ -277,9 +289,7 @@ def run_campaign(
                     gens,
                 ),
                 "expected_action": "replace" if "replace" in wanted else "restart",
-                "rolled_back_by_generation": None
-                if any(o["localized"] for o in occ)
-                else _rolled_back(truth, incident_id, iteration, gens),
+                "rolled_back_by_generation": _undone(occ, truth, incident_id, iteration, gens),
             }
         )
     finished = (val / "final.pt").exists()
