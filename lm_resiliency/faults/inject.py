@@ -233,6 +233,17 @@ class _Active:
     snapshot: list[torch.Tensor] = field(default_factory=list)
 
 
+def _draws(seed: int, a: _Active) -> random.Random:
+    """The random draws of one fault's occurrence (which elements, which bytes): the same in every
+    replay of the campaign. Each fault of an incident of several draws its own: two devices never
+    corrupt one element alike. Before, the faults of one incident on two ranks flipped the same bit
+    of the same element, so three replicas held two identical wrong values and the one right value
+    was the minority named (and the two of four split in halves with no majority). An incident of
+    one fault draws as it always did."""
+    occ = f"{seed}/{a.occurrence.occurrence_id}"
+    return random.Random(occ if len(a.incident.faults) == 1 else f"{occ}/{a.fault.fault_id}")
+
+
 class CampaignInjector:
     """Injects one rank's faults of a campaign at the points of the training step."""
 
@@ -593,7 +604,7 @@ class CampaignInjector:
         elif f.type == "delay":
             time.sleep(float(p.get("delay_ms", 200)) / 1000.0)
         elif f.type in _TENSOR_TYPES:
-            rng = random.Random(f"{self.campaign.seed}/{a.occurrence.occurrence_id}")
+            rng = _draws(self.campaign.seed, a)
             if f.target.surface == "output":
                 out = self._output
                 assert out is not None
@@ -642,9 +653,7 @@ class CampaignInjector:
         elif f.type == "collective_desync":
             self._desync(int(p.get("elements", 1)), what)
         elif f.type in _CHECKPOINT_TYPES:
-            self._damage_checkpoint(
-                f.type, what, random.Random(f"{self.campaign.seed}/{a.occurrence.occurrence_id}")
-            )
+            self._damage_checkpoint(f.type, what, _draws(self.campaign.seed, a))
         elif f.type == "stale_state" and f.target.surface == "output":
             out = self._output
             assert out is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import signal
 import time
 from pathlib import Path
@@ -158,6 +159,38 @@ def test_a_weight_bit_flip_hits_one_element_after_the_step_it_names(tmp_path: Pa
         2,
     )
     assert g.expected_kind == "sdc" and g.expected_ranks == (0,)
+
+
+def test_the_faults_of_one_incident_on_two_ranks_corrupt_each_its_own_element(tmp_path: Path) -> None:
+    """Two devices never corrupt alike: each fault of an incident draws its own element. Before,
+    both ranks flipped the same bit of the same element, and of three replicas the two corrupted
+    ones agreed: the healthy one was the minority named. An incident of one fault draws as it did."""
+    flip = {"operation": "single_bitflip", "magnitude": "catastrophic"}
+
+    def weights(campaign: dict[str, Any], rank: int) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+        truth = tmp_path / f"gt{len(list(tmp_path.iterdir()))}"  # (each a run of its own)
+        inj = CampaignInjector(parse_campaign(campaign), rank, truth, model, None, world_size=2)
+        s = _Session()
+        for _ in range(3):
+            s.step_count += 1
+            inj.on_step(s, None)
+        inj.close()
+        return model[1].weight.detach().clone()
+
+    torch.manual_seed(0)
+    clean = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))[1].weight.detach()
+    target = {"surface": "weight", "module_path": "1.weight"}
+    two = _campaign(
+        {"type": "tensor_corruption", "target": {**target, "rank": 0}, "parameters": flip},
+        {"type": "tensor_corruption", "target": {**target, "rank": 1}, "parameters": flip},
+    )
+    hit = [set((weights(two, r) != clean).view(-1).nonzero().view(-1).tolist()) for r in (0, 1)]
+    assert all(len(h) == 1 for h in hit) and hit[0] != hit[1]
+    one = _campaign({"type": "tensor_corruption", "target": {**target, "rank": 0}, "parameters": flip})
+    (only,) = set((weights(one, 0) != clean).view(-1).nonzero().view(-1).tolist())
+    assert only == random.Random("3/i@3").randrange(clean.numel())
 
 
 def test_a_gradient_corruption_lands_before_the_optimizer_of_its_iteration(tmp_path: Path) -> None:
