@@ -56,7 +56,7 @@ from lm_resiliency.config import (
 from lm_resiliency.core.gemini.recovery import memory_checkpoint_id
 from lm_resiliency.core.membership import EventKind, MembershipEvent
 from lm_resiliency.core.messages import StepTelemetry
-from lm_resiliency.core.scout.verdicts import LEFT, PEERS_WAIT
+from lm_resiliency.core.scout.verdicts import LEFT, PEERS_WAIT, final_steps_verdict
 from lm_resiliency.core.taxonomy import (
     CANONICAL_TYPES,
     CLOSED,
@@ -208,6 +208,10 @@ TERMINATION_EXPLAINED_S = 30.0
 # A loop that ends this soon after a fault this rank posted to the torchrun backend's leader waits
 # this long, at most, for the leader's restart before its session closes (see Session._settle).
 HOLD_S = 10.0
+# How long a rank at its loop's end waits for every peer's final step count (Session._settle). Its
+# peers end their loops together with it, in lockstep; one that does not within this long (its own
+# work after the loop, before it closes the session) is left out of the comparison.
+FINALS_WAIT_S = 3.0
 
 # Options each framework's adapter cannot take: the framework object owns them.
 _FORBIDDEN_OPTIONS = {
@@ -2130,11 +2134,24 @@ class Session:
         scout = self.scout
         if scout is None or self._steps == 0:
             return
+        # Under the torchrun backend, the step counts the ranks end at are compared too (published
+        # first: a peer's settle may take its whole wait).
+        control = self._control
+        compare = (
+            control is not None
+            and self.world_size >= 2
+            and self._uneven_from is None
+            and not self._detection_paused
+            and control.publish_final(self.env.generation, self.rank, self.step_count)
+        )
         try:
             gem = self.gemini
             if gem is not None:  # (its capture of the last step, and SCOUT's evidence of it with it)
                 gem.take_deferred()
             scout.settle(self.step_count)
+            if compare:
+                assert control is not None
+                self._compare_final_steps(scout, control)
         except Exception:  # closing goes on whatever the wait met
             log.exception("rank %d: waiting for the last step's judgment failed", self.rank)
         since = time.monotonic() - self._last_posted
@@ -2149,6 +2166,34 @@ class Session:
         )
         if not self._sigterm_seen.wait(HOLD_S):
             log.warning("rank %d: no restart came in %.0f s; closing", self.rank, HOLD_S)
+
+    def _compare_final_steps(self, scout: Any, control: Any) -> None:
+        """The step counts every rank ended its loop at: one for all in a synchronous job. A rank
+        that stepped its optimizer once more than its peers after the last step they compared
+        (twice in its last iteration, with no collective to pair it: nothing is compared after it),
+        or once less, ended apart: voted `stale_state` (`final_steps_verdict`), so the leader
+        restarts the run from the newest certified step before the workers end. Before, such a
+        rank's extra update stayed in the final weights and the run ended with exit code 0. Not
+        voted again in a generation restarted for it: a script that ends its ranks apart on
+        purpose is told so, not restarted for good."""
+        finals = control.finals(
+            self.env.generation, range(self.world_size), FINALS_WAIT_S, self._sigterm_seen.is_set
+        )
+        v = final_steps_verdict(finals)
+        if v is None:
+            return
+        ctx = self._context or {}
+        if str(ctx.get("reason_code", "")).startswith("final_steps_differ"):
+            log.warning(
+                "rank %d: %s, again after a restart for it: the script ends its ranks apart; "
+                "not restarted again",
+                self.rank,
+                v.detail,
+            )
+            return
+        log.warning("rank %d: %s", self.rank, v.detail)
+        scout.vote(v)
+        scout.settle(self.step_count)  # (until its verdict is acted on: a few seconds at most)
 
     def __enter__(self) -> Session:
         return self

@@ -36,6 +36,12 @@ def finished_key(generation: int) -> str:
     return f"finished/g{generation}"
 
 
+def final_key(generation: int, rank: int) -> str:
+    """The key, under the run's prefix, holding the step count `rank` ended its loop of `generation`
+    at (ControlChannel.publish_final; its peers compare them: final_steps_verdict)."""
+    return f"final/g{generation}/r{rank}"
+
+
 def exits_key(generation: int, node: str) -> str:
     """The key, under the run's prefix, where `node`'s agent puts the first of its workers of
     `generation` to end failing, and how (`adapters/torchrun._publish_exit`)."""
@@ -201,6 +207,53 @@ class ControlChannel:
                 if doc is not None:
                     out[node] = doc["rank"]
         except Exception as exc:  # advisory: a report too many, never a worker stopped by it
+            log.debug("control store %s unreadable: %s", self.where, exc)
+        return out
+
+    def publish_final(self, generation: int, rank: int, step: int) -> bool:
+        """Put the step count this rank ended its loop of `generation` at where its peers read it
+        (`finals`), at once (not through the channel's thread). False when the store could not
+        take it."""
+        try:
+            store = self._open(timedelta(seconds=2))
+            store.set(self.prefix + final_key(generation, rank), str(step))
+            return True
+        except Exception as exc:  # advisory: the comparison goes without this rank
+            log.debug("control store %s unreadable: %s", self.where, exc)
+            return False
+
+    def finals(
+        self,
+        generation: int,
+        ranks: Sequence[int],
+        timeout_s: float,
+        stop: Callable[[], bool] = lambda: False,
+        poll_s: tuple[float, float] = (0.02, 0.2),
+    ) -> dict[int, int]:
+        """The step counts `ranks` ended their loops of `generation` at (`publish_final`), waiting up
+        to `timeout_s` (or until `stop()`) for all of them: those published by then. A value that is
+        not an integer is left out, with a warning."""
+        out: dict[int, int] = {}
+        try:
+            store = self._open(timedelta(seconds=2))
+            keys = {r: self.prefix + final_key(generation, r) for r in ranks}
+            deadline = time.monotonic() + timeout_s
+            wait = poll_s[0]
+            while not store.check(list(keys.values())) and not stop():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                time.sleep(min(wait, left))
+                wait = min(2 * wait, poll_s[1])
+            for r, key in keys.items():
+                if not store.check([key]):
+                    continue
+                raw = store.get(key).decode(errors="replace")
+                try:
+                    out[r] = int(raw)
+                except ValueError:
+                    log.warning("control store: rank %d's final step %r is not an integer: left out", r, raw)
+        except Exception as exc:  # advisory: compared among those read
             log.debug("control store %s unreadable: %s", self.where, exc)
         return out
 

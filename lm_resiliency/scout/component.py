@@ -1899,6 +1899,13 @@ class Scout:
                 self._judged.wait(min(left, 0.05))  # (woken by a certificate or an action; polled too)
         return True
 
+    def vote(self, v: Verdict) -> None:
+        """Vote for `v`, a verdict this rank reached outside the per-step evidence (the final steps
+        compared at the loop's end, see Session._settle): acted on once a majority of the group
+        votes for it, as any other."""
+        if not self._closed:
+            self._report(v)
+
     def _judging(self, step: int) -> bool:
         """Whether a judgment of `step` may still come: its certificate, a verdict on a disagreement
         found in it (or in the check before it) not yet acted on, this rank's vote about one not

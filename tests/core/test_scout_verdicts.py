@@ -21,6 +21,7 @@ from lm_resiliency.core.scout.verdicts import (
     closed_peers_verdict,
     desync_in_trails,
     desync_verdict,
+    final_steps_verdict,
     fingerprint_verdict,
     hang_verdict,
     in_checkpoint_io,
@@ -31,6 +32,26 @@ from lm_resiliency.core.scout.verdicts import (
 )
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def test_final_steps_agree_or_name_the_ranks_that_ended_apart() -> None:
+    assert final_steps_verdict({0: 40, 1: 40, 2: 40}) is None
+    assert final_steps_verdict({0: 7}) is None and final_steps_verdict({}) is None
+    v = final_steps_verdict({0: 41, 1: 40, 2: 40, 3: 40})
+    assert v is not None and (v.kind, v.ranks, v.step, v.reason) == (
+        "stale_state",
+        (0,),
+        41,
+        "final_steps_differ",
+    )
+    assert "at 40: [1, 2, 3]; at 41: [0]" in v.detail
+    behind = final_steps_verdict({0: 40, 1: 39, 2: 40})  # one step skipped: as apart
+    assert behind is not None and behind.ranks == (1,) and behind.step == 40
+    # Two ranks, or a split with no strict majority: every rank is named.
+    for finals in ({0: 25, 1: 24}, {0: 5, 1: 5, 2: 6, 3: 6}):
+        v = final_steps_verdict(finals)
+        assert v is not None and v.ranks == tuple(sorted(finals))
+        assert v.reason == "final_steps_differ_no_majority" and v.step == max(finals.values())
 
 
 def test_fingerprints_agree_minority_and_ambiguous() -> None:

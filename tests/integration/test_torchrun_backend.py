@@ -389,6 +389,41 @@ def test_an_unmodified_script_whose_rank_is_terminated_after_its_last_step_is_na
     assert _equal(job.final(), base.final()), job.logs()
 
 
+def test_a_rank_that_steps_its_optimizer_once_more_in_the_last_step_is_named_and_undone(
+    processes, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0 of an unmodified DDP script steps its optimizer twice in its last step (24): no
+    collective pairs the second step with its peer, and no step after it compares them. The ranks
+    publish the step counts they ended at; they differ (24 and 25), so both vote `stale_state`
+    (two replicas: no majority names one), and the leader restarts the run from the newest
+    certified step, 24, before the workers end. Before, rank 0's extra update stayed in its final
+    weights and the run ended with exit code 0 (outsider fuzz: a duplicated step at the last one)."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text("schema_version = 1\ninterval = 1\n")
+    script = "tests/integration/workers/plain_ddp.py"
+    base = Job(processes, tmp_path, "twice-base", nodes=2, worker=script)
+    base.start({"WRAP": "ddp"}, policies=[str(policy)] * 2)
+    job = Job(processes, tmp_path, "twice", nodes=2, nnodes="2:2", worker=script)
+    reports = tmp_path / "reports"
+    env = {"FAULT": "twice", "FAULT_RANK": "0", "FAULT_STEP": "24", "WRAP": "ddp"}
+    job.start({**env, "LM_RESILIENCY_REPORT_DIR": str(reports)}, policies=[str(policy)] * 2)
+    base.wait()
+    job.wait()
+    gens = job.generations()
+    assert sorted(gens) == [0, 1] and gens[1]["start"] == 24, job.logs()
+    ctx = json.loads(Path(gens[1]["context"]).read_text())
+    assert ctx["failure_kind"] == "stale_state", ctx
+    assert ctx["reason_code"] == "final_steps_differ_no_majority", ctx
+    named = {
+        tuple(r["failed_ranks"])
+        for f in sorted(reports.glob("*.jsonl"))
+        for r in map(json.loads, f.read_text().splitlines())
+        if r["kind"] == "stale_state"
+    }
+    assert named == {(0, 1)}, job.logs()
+    assert _equal(job.final(), base.final()), job.logs()
+
+
 def test_an_unmodified_script_whose_node_is_lost_after_its_last_step_restores_from_a_peer_node(
     processes, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]

@@ -65,6 +65,7 @@ __all__ = [
     "closed_peers_verdict",
     "desync_in_trails",
     "desync_verdict",
+    "final_steps_verdict",
     "fingerprint_verdict",
     "hang_verdict",
     "in_checkpoint_io",
@@ -237,6 +238,32 @@ def rest_verdict(step: int, changed: Mapping[int, bool], replicas: bool = False)
     if replicas or (len(changed) >= 3 and 2 * len(moved) < len(changed)):
         return Verdict("sdc", moved, step, "state_changed_at_rest", what)
     return Verdict("sdc_ambiguous", moved, step, "state_changed_at_rest_no_majority", what)
+
+
+def final_steps_verdict(finals: Mapping[int, int]) -> Verdict | None:
+    """Compare the step counts the ranks of one job ended their loops at (`finals`: rank -> its
+    session's step count when the script closed it). Every rank of a synchronous job takes one
+    optimizer step per iteration (data-parallel replicas, tensor and pipeline stages, shards alike),
+    so they end at one count. A rank that took a step of its own (an optimizer stepped twice on it,
+    with no collective to pair it with its peers), or skipped one, ends elsewhere, and in its last
+    step nobody compared it any more: no peer took that step. With three or more ranks, a strict
+    majority names the others; without one, every rank is named. None when all agree."""
+    counts = Counter(finals.values())
+    if len(counts) <= 1:
+        return None
+    members = sorted(finals)
+    top, top_n = counts.most_common(1)[0]
+    majority = len(members) >= 3 and top_n * 2 > len(members)
+    odd = tuple(r for r in members if finals[r] != top) if majority else tuple(members)
+    ends = "; ".join(f"at {s}: {[r for r in members if finals[r] == s]}" for s in sorted(counts))
+    return Verdict(
+        "stale_state",
+        odd,
+        max(finals.values()),
+        "final_steps_differ" if majority else "final_steps_differ_no_majority",
+        f"the ranks ended their loops at different optimizer steps ({ends})"
+        + ("" if majority else ", with no majority: each is named"),
+    )
 
 
 @dataclass(frozen=True)

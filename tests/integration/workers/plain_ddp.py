@@ -12,7 +12,8 @@ The final state holds the optimizer's learning rate and the schedule's position 
 In generation 0, rank FAULT_RANK (1) raises an uncaught RuntimeError after step FAULT_STEP (10) when
 FAULT=raise, or SIGTERMs itself there when FAULT=term, or with FAULT=node its whole node dies there
 once every rank's capture of the step is replicated (its agent SIGKILLed; the parent-death signal
-ends it)."""
+ends it). FAULT=twice: the rank steps its optimizer once more there (no collective pairs it with
+its peers: in the last step, nothing compares it after)."""
 
 import json
 import os
@@ -77,6 +78,8 @@ for step in range(start + 1, 25):
     if os.environ.get("FAULT") == "node":
         os.kill(int(os.environ["LM_RESILIENCY_AGENT_PID"]), signal.SIGKILL)
         signal.pause()
+    if os.environ.get("FAULT") == "twice":
+        opt.step()
 # Whole tensors (an FSDP2 shard's full_tensor() is a collective: every rank takes part).
 state = held.named_parameters() if os.environ.get("READ") == "params" else held.state_dict().items()
 final = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone() for k, v in state}
