@@ -2177,7 +2177,7 @@ class Session:
         voted again in a generation restarted for it: a script that ends its ranks apart on
         purpose is told so, not restarted for good."""
         finals = control.finals(
-            self.env.generation, range(self.world_size), FINALS_WAIT_S, self._sigterm_seen.is_set
+            self.env.generation, self.world_size, FINALS_WAIT_S, self._sigterm_seen.is_set
         )
         v = final_steps_verdict(finals)
         if v is None:

@@ -36,10 +36,12 @@ def finished_key(generation: int) -> str:
     return f"finished/g{generation}"
 
 
-def final_key(generation: int, rank: int) -> str:
-    """The key, under the run's prefix, holding the step count `rank` ended its loop of `generation`
-    at (ControlChannel.publish_final; its peers compare them: final_steps_verdict)."""
-    return f"final/g{generation}/r{rank}"
+def final_key(generation: int) -> str:
+    """The keys, under the run's prefix, of the step counts the ranks ended their loops of
+    `generation` at (ControlChannel.publish_final; compared by final_steps_verdict): `/r<rank>`
+    each rank's, `/first` the first published, `/apart` set when one differs from it, `/n` how
+    many published."""
+    return f"final/g{generation}"
 
 
 def exits_key(generation: int, node: str) -> str:
@@ -212,11 +214,18 @@ class ControlChannel:
 
     def publish_final(self, generation: int, rank: int, step: int) -> bool:
         """Put the step count this rank ended its loop of `generation` at where its peers read it
-        (`finals`), at once (not through the channel's thread). False when the store could not
-        take it."""
+        (`finals`), at once (not through the channel's thread). The first count published is kept
+        apart; a rank that ends at another marks the generation's counts as differing, so that a job
+        whose ranks agree (every one, all but never) reads three keys at its end, not one per rank.
+        False when the store could not take it."""
         try:
             store = self._open(timedelta(seconds=2))
-            store.set(self.prefix + final_key(generation, rank), str(step))
+            base = self.prefix + final_key(generation)
+            store.set(f"{base}/r{rank}", str(step))
+            first = store.compare_set(f"{base}/first", "", str(step)).decode(errors="replace")
+            if first != str(step):
+                store.set(f"{base}/apart", "1")
+            store.add(f"{base}/n", 1)  # (last: once counted, its mark is in)
             return True
         except Exception as exc:  # advisory: the comparison goes without this rank
             log.debug("control store %s unreadable: %s", self.where, exc)
@@ -225,27 +234,31 @@ class ControlChannel:
     def finals(
         self,
         generation: int,
-        ranks: Sequence[int],
+        world_size: int,
         timeout_s: float,
         stop: Callable[[], bool] = lambda: False,
         poll_s: tuple[float, float] = (0.02, 0.2),
     ) -> dict[int, int]:
-        """The step counts `ranks` ended their loops of `generation` at (`publish_final`), waiting up
-        to `timeout_s` (or until `stop()`) for all of them: those published by then. A value that is
-        not an integer is left out, with a warning."""
+        """The step counts the ranks ended their loops of `generation` at (`publish_final`), once
+        all `world_size` published them, or when `timeout_s` ran out or `stop()` (those published
+        by then): empty when they all agree, else rank -> count. A count that is not an integer is
+        left out, with a warning."""
         out: dict[int, int] = {}
         try:
             store = self._open(timedelta(seconds=2))
-            keys = {r: self.prefix + final_key(generation, r) for r in ranks}
+            base = self.prefix + final_key(generation)
             deadline = time.monotonic() + timeout_s
             wait = poll_s[0]
-            while not store.check(list(keys.values())) and not stop():
+            while int(store.add(f"{base}/n", 0)) < world_size and not stop():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 time.sleep(min(wait, left))
                 wait = min(2 * wait, poll_s[1])
-            for r, key in keys.items():
+            if not store.check([f"{base}/apart"]):
+                return out
+            for r in range(world_size):
+                key = f"{base}/r{r}"
                 if not store.check([key]):
                     continue
                 raw = store.get(key).decode(errors="replace")

@@ -1347,19 +1347,24 @@ def test_the_store_host_serves_a_closed_run_until_every_node_still_in_it_has_lef
 
 
 def test_the_step_counts_the_ranks_end_at_are_published_and_read_back(store: Any) -> None:
-    """`publish_final` / `finals` (Session._settle compares them): what each rank published, read
-    once all are there or when the wait ends; a value that is not an integer is left out."""
+    """`publish_final` / `finals` (Session._settle compares them): nothing to read when every rank
+    ended at one count; where one differs, each rank's count, read once all are there or when the
+    wait ends; a count that is not an integer is left out."""
     from lm_resiliency.runtime.control import ControlChannel
 
     ch = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
     try:
+        assert ch.publish_final(2, 0, 24) and ch.publish_final(2, 1, 24)
+        assert ch.finals(2, 2, timeout_s=30.0) == {}  # (agreed)
         assert ch.publish_final(3, 0, 24) and ch.publish_final(3, 1, 25)
         t0 = time.monotonic()
-        assert ch.finals(3, [0, 1], timeout_s=30.0) == {0: 24, 1: 25}
+        assert ch.finals(3, 2, timeout_s=30.0) == {0: 24, 1: 25}
         assert time.monotonic() - t0 < 10.0  # (all there: no wait for the deadline)
         store.set("lmr/unit-run/final/g3/r2", "not a step")
-        assert ch.finals(3, range(4), timeout_s=0.3) == {0: 24, 1: 25}  # (r3: never published)
-        assert ch.finals(4, [0, 1], timeout_s=0.1) == {}  # another generation's
-        assert ch.finals(3, [0, 3], timeout_s=30.0, stop=lambda: True) == {0: 24}
+        store.add("lmr/unit-run/final/g3/n", 1)
+        assert ch.finals(3, 4, timeout_s=0.3) == {0: 24, 1: 25}  # (rank 3: never published)
+        assert ch.finals(4, 2, timeout_s=0.1) == {}  # another generation's: none
+        assert ch.publish_final(5, 0, 7) and ch.publish_final(5, 2, 8)
+        assert ch.finals(5, 3, timeout_s=30.0, stop=lambda: True) == {0: 7, 2: 8}
     finally:
         ch.close()
