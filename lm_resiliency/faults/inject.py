@@ -231,6 +231,11 @@ class _Active:
     calls: int = 0
     recorded: bool = False
     snapshot: list[torch.Tensor] = field(default_factory=list)
+    since: int | None = None  # a held fault applied late: its lifetime counts from this iteration
+
+    def active(self, iteration: int) -> bool:
+        start = self.occurrence.iteration if self.since is None else self.since
+        return self.incident.lifetime.active(start, iteration, self.calls)
 
 
 def _draws(seed: int, a: _Active) -> random.Random:
@@ -275,6 +280,7 @@ class CampaignInjector:
         self.folder = Path(ground_truth_dir)
         self.folder.mkdir(parents=True, exist_ok=True)
         self._file = self.folder / f"ground-truth-rank{rank}.jsonl"
+        self._held_file = self.folder / f"held-rank{rank}.jsonl"
         history = read_ground_truth(self.folder)
         # What fired before: in earlier generations (every rank's records: a rank on a standby
         # replays the campaign as the one it replaces would have), and this rank's own (a process
@@ -335,6 +341,23 @@ class CampaignInjector:
                     if f.fault_id == g.fault_id:
                         occ = Occurrence(g.incident_id, g.iteration, g.attempt)
                         self._active.append(_Active(occ, inc, f, _point(f), recorded=True))
+        # Faults held back by an earlier generation of this rank while its leader restarted it
+        # (`_run`): where this generation resumed past their iteration, it never comes again, so
+        # they are applied at this generation's first iteration (their occurrence ids kept).
+        # Before, the restart resumed past a fault held at 21 (a hardware fault found at 18, the
+        # job at 22 when it stopped): it was never injected, and the campaign failed.
+        recorded = {(g.occurrence_id, g.fault_id) for g in history if g.rank == rank}
+        self._late: list[_Active] = []
+        for occ, fault_id, held_in in self._held():
+            if (
+                _earlier(held_in, generation)
+                and occ.iteration <= step
+                and (occ.occurrence_id, fault_id) not in recorded
+            ):
+                inc = campaign.incident(occ.incident_id)
+                held = next((x for x in self._mine.get(occ.incident_id, ()) if x.fault_id == fault_id), None)
+                if held is not None and all(a.occurrence != occ or a.fault != held for a in self._late):
+                    self._late.append(_Active(occ, inc, held, _point(held), since=step + 1))
         names = {n for n, _ in _named_parameters(model)} | {
             n.removeprefix("module.") for n, _ in _named_parameters(model)
         }
@@ -428,13 +451,17 @@ class CampaignInjector:
     def _run(self, iteration: int, point: str, module: str | None = None) -> None:
         if iteration != self._iteration:
             self._iteration = iteration
+            late, self._late = self._late, []
+            for a in late:
+                a.since = iteration
+                self._active.append(a)
             for occ in self._schedule.due(iteration):
                 inc = self.campaign.incident(occ.incident_id)
                 for f in self._mine.get(occ.incident_id, ()):
                     self._active.append(_Active(occ, inc, f, _point(f)))
         fresh = self._keep_fresh(iteration, point, module) if self._reused else {}
         for a in list(self._active):
-            if not a.incident.lifetime.active(a.occurrence.iteration, iteration, a.calls):
+            if not a.active(iteration):
                 self._active.remove(a)
                 continue
             stale = a.fault.type == "stale_state"
@@ -481,6 +508,7 @@ class CampaignInjector:
                     a.fault.type,
                     iteration,
                 )
+                self._hold(a)
                 self._active.remove(a)
                 continue
             a.calls += 1
@@ -488,6 +516,43 @@ class CampaignInjector:
                 a.recorded = True
                 self._record(a)
             self._apply(a, iteration)
+
+    def _hold(self, a: _Active) -> None:
+        """Note a fault held back from a generation being restarted (see `_run`), synced: the next
+        generation injects it at its first iteration if it resumes past this one."""
+        doc = {
+            "occurrence_id": a.occurrence.occurrence_id,
+            "fault_id": a.fault.fault_id,
+            "generation": self.generation,
+        }
+        try:
+            with open(self._held_file, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(doc, sort_keys=True) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            log.warning("campaign %s: could not note the fault held back: %s", self.campaign.name, exc)
+
+    def _held(self) -> list[tuple[Occurrence, str, int | None]]:
+        """The faults this rank held back in earlier processes (`_hold`): occurrence, fault id,
+        generation. A torn or foreign line is skipped."""
+        out: list[tuple[Occurrence, str, int | None]] = []
+        if not self._held_file.exists():
+            return out
+        for _, line, _ in jsonl_lines(self._held_file):
+            try:
+                doc = json.loads(line)
+                gen = doc.get("generation")
+                out.append(
+                    (
+                        Occurrence.parse(str(doc["occurrence_id"])),
+                        str(doc["fault_id"]),
+                        None if gen is None else int(gen),
+                    )
+                )
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue
+        return out
 
     def _being_replaced(self) -> bool:
         """Whether the torchrun leader has begun restarting this generation (a fault found a moment

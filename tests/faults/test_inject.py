@@ -945,3 +945,67 @@ def test_a_fault_due_while_the_leader_restarts_the_generation_waits_for_the_next
         assert (g.iteration, g.generation) == (2, 1) and float(model[1].weight.detach().abs().max()) > 1e30
     finally:
         channel.close()
+
+
+def test_a_fault_held_back_from_a_restarted_generation_comes_at_once_where_the_next_resumes_past_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As above, but the restart resumes past the held fault's iteration (the job trained on to a
+    newer certified step before its workers stopped: a hardware fault found at 18, the job at 22,
+    the held fault due at 21): its iteration never comes again. Before, it was never injected and
+    the campaign failed; now it is injected at the next generation's first iteration, its
+    occurrence id kept."""
+    from datetime import timedelta
+
+    from lm_resiliency.adapters import torchrun as tr
+    from lm_resiliency.core.rendezvous import state as rs
+    from lm_resiliency.runtime.control import ControlChannel
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+    control = tr._Control(store, "unit-run")
+    control.init(dataclasses.replace(rs.RdzvState.new("nonce", 1, 2), generation=0, phase=rs.RUNNING))
+    why = {"failure_kind": "hardware", "culprits": ["n1"]}
+    control.update(lambda s: dataclasses.replace(s, phase=rs.RESTARTING, pending=why))
+    channel = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
+    flip = {
+        "type": "tensor_corruption",
+        "target": {"surface": "weight", "rank": 0, "module_path": "1.weight"},
+        "parameters": {"operation": "single_bitflip", "magnitude": "catastrophic"},
+    }
+    c = parse_campaign(_campaign(flip, at=2, lifetime={"iterations": 1}))
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 2))
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        inj = CampaignInjector(c, 0, tmp_path, model, opt, node="n0", generation=0, control=channel)
+        _drive(inj, model, opt, 3)
+        inj.close()
+        assert read_ground_truth(tmp_path) == [] and float(model[1].weight.detach().abs().max()) < 1e30
+        control.update(
+            lambda s: dataclasses.replace(
+                s, generation=1, phase=rs.RUNNING, history=({**why, "generation": 1},)
+            )
+        )
+        inj = CampaignInjector(c, 0, tmp_path, model, opt, node="n0", generation=1, step=3, control=channel)
+        s = _Session()
+        s.step_count = 3
+        sizes = []
+        for _ in range(2):  # iterations 4 and 5
+            opt.zero_grad()
+            model(torch.randn(4, 6)).square().mean().backward()
+            opt.step()
+            s.step_count += 1
+            inj.on_step(s, None)
+            sizes.append(float(model[1].weight.detach().abs().max()))
+        inj.close()
+        (g,) = read_ground_truth(tmp_path)
+        assert (g.occurrence_id, g.iteration, g.generation) == ("i@2", 2, 1)
+        assert sizes[0] > 1e30, sizes  # at iteration 4, the first of generation 1
+        # A third generation resumed past it again has it on record: not again.
+        inj = CampaignInjector(c, 0, tmp_path, model, opt, node="n0", generation=2, step=5, control=channel)
+        assert inj._late == []
+        inj.close()
+    finally:
+        channel.close()
