@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import xxhash
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from lm_resiliency.adapters.base import is_dtensor, parameters_of, zero_partition
 from lm_resiliency.gemini.state import load_optimizer_state
@@ -119,54 +118,17 @@ def _local(t: Any) -> Any:
     return t.to_local() if is_dtensor(t) else t
 
 
-class _HostBuffers:
-    """Host tensors of records let go of, by shape, strides and dtype, for the next records to copy
-    into. A checked step of a two-replica group copies its parameters, gradients, contributions and
-    optimizer state to the host (about five times the parameters for Adam): into fresh allocations,
-    each copy also paid the kernel's page faults of memory just mapped (a 8 MiB record: 2.3 ms
-    against 1.3 ms into buffers already touched). Copies keep the source's layout, as
-    `.to("cpu", copy=True)` does. Thread-safe: contributions may come from autograd's device thread."""
+def _host(t: torch.Tensor) -> torch.Tensor:
+    local: torch.Tensor = _local(t)
+    return local.detach().to("cpu", copy=True)
 
-    def __init__(self) -> None:
-        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
 
-    @staticmethod
-    def _key(t: torch.Tensor) -> tuple[Any, ...] | None:
-        if t.layout != torch.strided:  # (a sparse gradient: copied as it is, never kept)
-            return None
-        return (tuple(t.shape), t.stride(), t.dtype)
-
-    def copy(self, t: torch.Tensor) -> torch.Tensor:
-        src: torch.Tensor = _local(t).detach()
-        key = self._key(src)
-        buf = None
-        if key is not None:
-            with self._lock:
-                free = self._free.get(key)
-                buf = free.pop() if free else None
-        if buf is None:
-            return src.to("cpu", copy=True)
-        return buf.copy_(src)
-
-    def give(self, tensors: Iterable[Any]) -> None:
-        """Take back tensors nobody reads any more (a record let go of, never one a replay holds)."""
-        with self._lock:
-            for t in tensors:
-                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                    key = self._key(t)
-                    if key is not None:
-                        self._free.setdefault(key, []).append(t)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
+def _host_tree(obj: Any) -> Any:
+    return tree_map(lambda v: _host(v) if isinstance(v, torch.Tensor) else v, obj)
 
 
 class ReplayRecorder:
-    """Keeps the records of the last few checked steps (training thread writes, replay reads).
-    A record handed to a replay (`get`) is never reused: its tensors go with it. The others' host
-    tensors, once a newer record takes their place, are copied into by the next ones."""
+    """Keeps the records of the last few checked steps (training thread writes, replay reads)."""
 
     KEEP = 3
 
@@ -176,9 +138,6 @@ class ReplayRecorder:
         self._armed_step: int | None = None
         self._contrib: dict[int, torch.Tensor] = {}  # id(param) -> contribution, for the armed step
         self._records: dict[int, ReplayRecord] = {}
-        self._buffers = _HostBuffers()
-        self._lock = threading.Lock()  # the records and their leases (`get` comes from another thread)
-        self._leased: set[int] = set()  # steps whose records a replay holds
 
     def arm(self, step: int) -> None:
         """Record step `step` (called before its backward; contributions arrive during it)."""
@@ -204,7 +163,7 @@ class ReplayRecorder:
             return
         for p, g in zip(params, grads, strict=True):
             if not (first and id(p) in self._contrib):
-                self._contrib[id(p)] = self._buffers.copy(g)
+                self._contrib[id(p)] = _host(g)
 
     def capture(self, step: int) -> ReplayRecord | None:
         """Just before the optimizer step of `step`: keep what a replay of it needs."""
@@ -227,50 +186,29 @@ class ReplayRecorder:
             problem = "ZeroRedundancyOptimizer shards the optimizer state over the replicas: not replayed"
         elif any(id(p) not in where for p in oparams):
             problem = "the optimizer holds parameters that are not the model's"
-        self._let_go(keep=self.KEEP - 1)  # (before the copies: theirs are copied into)
-        host = self._buffers.copy
         record = ReplayRecord(
             step=step,
             device=mparams[0].device if mparams else torch.device("cpu"),
-            model_params=[] if problem else [host(p) for p in mparams],
+            model_params=[] if problem else [_host(p) for p in mparams],
             opt_index=[] if problem else [where[id(p)] for p in oparams],
-            grads=[] if problem else [None if p.grad is None else host(p.grad) for p in oparams],
+            grads=[] if problem else [None if p.grad is None else _host(p.grad) for p in oparams],
             contributions={}
             if problem
             else {i: self._contrib[id(p)] for i, p in enumerate(oparams) if id(p) in self._contrib},
             optimizer_cls=type(opt),
             hyper=[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
             group_sizes=[len(g["params"]) for g in opt.param_groups],
-            state={}
-            if problem
-            else tree_map(lambda v: host(v) if isinstance(v, torch.Tensor) else v, opt.state_dict()),
+            state={} if problem else _host_tree(opt.state_dict()),
             problem=problem,
         )
-        with self._lock:
-            self._records[step] = record
-        self._let_go(keep=self.KEEP)
+        self._records[step] = record
+        for old in sorted(self._records)[: -self.KEEP]:
+            del self._records[old]
         self.disarm()
         return record
 
-    def _let_go(self, keep: int) -> None:
-        """Keep the `keep` newest records; the tensors of the others not leased to a replay are
-        copied into by the next records."""
-        with self._lock:
-            old = sorted(self._records)[: max(0, len(self._records) - keep)]
-            gone = [self._records.pop(s) for s in old]
-            free = [r for s, r in zip(old, gone, strict=True) if s not in self._leased]
-            self._leased -= set(old)
-        for r in free:
-            self._buffers.give([*r.model_params, *r.grads, *r.contributions.values(), *tree_leaves(r.state)])
-
     def get(self, step: int) -> ReplayRecord | None:
-        """The record of `step`, leased: its tensors are never copied into again (a replay reads
-        them on a thread of its own, for as long as its exchange takes)."""
-        with self._lock:
-            record = self._records.get(step)
-            if record is not None:
-                self._leased.add(step)
-            return record
+        return self._records.get(step)
 
 
 @contextlib.contextmanager
