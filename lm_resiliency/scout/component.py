@@ -1598,11 +1598,20 @@ class Scout:
             await anyio.sleep(self._heartbeat_s)
 
     def _judge_alone(self, now: float, own: Progress, closed: set[int]) -> None:
-        """Once every other rank of the job has closed its session: whether this one hangs after
-        its loop (closed_peers_verdict), by this process's CPU time outside the library's threads."""
-        if len(closed - {self.rank}) < self.topology.world_size - 1 or self.topology.world_size < 2:
+        """Once the other ranks of the job have closed their sessions (those that have not, alive,
+        as idle after the same step as this one: `closed_peers_verdict`'s `still`): whether this
+        one hangs after its loop, by this process's CPU time outside the library's threads."""
+        world = self.topology.world_size
+        others = set(range(world)) - {self.rank}
+        open_ = others - closed
+        live = self.runtime.live()
+        if world < 2 or not (others & closed) or not open_ <= live or not open_ <= set(self._progress):
             self._quiet.reset()
             return
+        still = {
+            r: ProgressValue(p.step, p.collectives, p.in_collective_s, p.idle_s, p.phase, p.in_phase_s)
+            for r, p in ((r, self._progress[r]) for r in open_)
+        }
         ours = {
             t.native_id
             for t in threading.enumerate()
@@ -1626,7 +1635,7 @@ class Scout:
         mine = ProgressValue(
             own.step, own.collectives, own.in_collective_s, own.idle_s, own.phase, own.in_phase_s
         )
-        v = closed_peers_verdict(self.rank, mine, quiet, self.config.hang_stall_threshold_s)
+        v = closed_peers_verdict(self.rank, mine, quiet, self.config.hang_stall_threshold_s, still)
         if v is not None:
             self._report(v, among_peers=True)
 

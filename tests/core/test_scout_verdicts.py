@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -690,6 +691,32 @@ def test_desync_in_the_trails_of_stopped_ranks_names_the_minority_of_its_replica
     both = {**two, 4: (g2, other), 5: (g2, other), 6: (g2, [(16, b"yy")])}
     v = desync_in_trails(both)
     assert v is not None and v.kind == "collective_desync" and v.ranks == (6,)
+
+
+def test_ranks_hung_after_their_loops_together_name_each_other_once_the_rest_closed() -> None:
+    """Two ranks hang after the last step: neither ever sees every other rank closed. Each, quiet
+    itself, names both when the other is idle after the same step too (one verdict, one key: the
+    two votes make its quorum). Not while the other is in a collective, in a phase, at another
+    step, or not idle for the threshold yet."""
+    idle = Progress(step=24, collectives=50, in_collective_s=0.0, idle_s=31.0)
+    v = closed_peers_verdict(0, idle, 30.5, 30.0, {3: Progress(24, 50, 0.0, idle_s=33.0)})
+    assert v is not None and (v.kind, v.ranks, v.step, v.reason) == (
+        "hang",
+        (0, 3),
+        25,
+        IDLE_AFTER_PEERS_CLOSED,
+    )
+    assert "every rank but [0, 3] closed" in v.detail
+    assert closed_peers_verdict(3, idle, 30.5, 30.0, {0: idle}) == dataclasses.replace(
+        v, detail=v.detail.replace("rank 0 made", "rank 3 made")
+    )
+    for other in (
+        Progress(24, 51, 12.0, idle_s=40.0),  # waiting in a collective: hang_verdict's
+        Progress(24, 50, 0.0, idle_s=40.0, phase="checkpoint_io", in_phase_s=40.0),
+        Progress(23, 48, 0.0, idle_s=40.0),  # another step
+        Progress(24, 50, 0.0, idle_s=5.0),  # progress lately
+    ):
+        assert closed_peers_verdict(0, idle, 30.5, 30.0, {3: other}) is None, other
 
 
 def test_a_rank_idle_and_quiet_once_its_peers_closed_is_named_hung_after_its_loop() -> None:

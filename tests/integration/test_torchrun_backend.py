@@ -833,6 +833,28 @@ def test_a_rank_that_hangs_after_its_loop_is_named_once_the_others_closed_and_re
     assert _equal(job.final(), baseline)
 
 
+def test_two_ranks_that_hang_after_their_loops_are_named_together_once_the_rest_closed(
+    processes, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Three ranks; ranks 1 and 2 hang after the loop. Neither ever sees every other rank closed:
+    before, nobody was named and the job never ended (outsider fuzz: FSDP2, ranks 0 and 3 hung
+    after the last step). Each, quiet itself, names both once rank 0 closed and the other is idle
+    after the same step; the run restarts from the last step, bitwise."""
+    base = Job(processes, tmp_path, "hang2-base", nodes=3, nnodes="3:3")
+    base.start()
+    job = Job(processes, tmp_path, "hang2", nodes=3, nnodes="3:3")
+    gens, ctx = _restarted_once(
+        job, {"FAULT": "hanglast", "FAULT_RANK": "1", "ALSO_RANKS": "2", "HANG_S": "2"}
+    )
+    base.wait()
+    assert ctx["failure_kind"] == "hang" and ctx["checkpoint_step"] == 24, ctx
+    assert "idle_after_peers_closed" in job.text() and "every rank but [1, 2] closed" in job.text(), (
+        job.logs()
+    )
+    assert gens[1]["start"] == 24, gens
+    assert _equal(job.final(), base.final())
+
+
 @pytest.mark.parametrize("fault", ["busylast", "sleeplast"])
 def test_a_rank_at_work_after_its_loop_is_not_named_while_the_others_wait(
     processes, tmp_path, baseline, fault

@@ -589,12 +589,25 @@ class HangDetector:
 IDLE_AFTER_PEERS_CLOSED = "idle_after_peers_closed"
 
 
-def closed_peers_verdict(rank: int, own: Progress, quiet_s: float, threshold_s: float) -> Verdict | None:
-    """Called while every other rank of the job has closed its session (their loops ended) and
+def closed_peers_verdict(
+    rank: int,
+    own: Progress,
+    quiet_s: float,
+    threshold_s: float,
+    still: Mapping[int, Progress] | None = None,
+) -> Verdict | None:
+    """Called while the other ranks of the job have closed their sessions (their loops ended) and
     this one has not. Its training thread in no collective and no phase, with no progress for
     `threshold_s`, and its process (the library's threads aside) using no CPU for as long
     (`quiet_s`, see QuietClock): hung after its last step (a lock, an event never set, a wait on
     something that never comes), a hang of `rank`.
+
+    `still`: the other ranks that have not closed either, as their runtimes last said. Each must
+    be as this one is (after the same step, in no collective and no phase, no progress for
+    `threshold_s`): they are named with it, and each votes for that alone if its own process is
+    quiet, so the verdict needs every one of them hung. Before, two ranks hung after their loops
+    never saw every other rank closed: nobody was named and the job never ended (outsider fuzz,
+    FSDP2, hangs on ranks 0 and 3 after the last step).
 
     Nobody waits for it in a collective, so `hang_verdict` never names it; its peers' workers wait
     for it at their close for a while, and the job never ended (outsider 57: a hang right after the
@@ -604,12 +617,22 @@ def closed_peers_verdict(rank: int, own: Progress, quiet_s: float, threshold_s: 
         return None  # a collective's peers (hang_verdict) or its phase's threshold (StallDetector)
     if own.idle_s < threshold_s or quiet_s < threshold_s:
         return None
+    still = still or {}
+    for p in still.values():
+        if p.step != own.step or p.in_collective_s > 0 or p.phase or p.idle_s < threshold_s:
+            return None
+    ranks = tuple(sorted({rank, *still}))
+    who = (
+        "every other rank closed its session"
+        if not still
+        else f"every rank but {list(ranks)} closed its session, those all idle after step {own.step}"
+    )
     return Verdict(
         "hang",
-        (rank,),
+        ranks,
         own.step + 1,
         IDLE_AFTER_PEERS_CLOSED,
-        f"every other rank closed its session; rank {rank} made no progress after step {own.step} "
+        f"{who}; rank {rank} made no progress after step {own.step} "
         f"for {own.idle_s:.1f}s, its process using no CPU for {quiet_s:.1f}s (hung after its loop)",
         stall_duration_s=min(own.idle_s, quiet_s),
     )

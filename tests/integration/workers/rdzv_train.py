@@ -23,7 +23,8 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
   killlast -- as late, and rank FAULT_RANK's worker dies (SIGKILL): no peer's session sees it go
   afterend -- as late, once every other rank's worker has ended (FINISH_S: how long their closed
              sessions wait for the others)
-  hanglast -- after the loop, rank FAULT_RANK hangs for good (a wait on something that never comes)
+  hanglast -- after the loop, rank FAULT_RANK (and ALSO_RANKS) hangs for good (a wait on something
+             that never comes)
   busylast -- after the loop, rank FAULT_RANK's main thread waits BUSY_S for a thread of its own
              that computes meanwhile (work after the loop, not a hang)
   sleeplast -- after the loop, rank FAULT_RANK sleeps BUSY_S (time.sleep: a wait it chose, not a hang)
@@ -264,7 +265,8 @@ if fault in ("late", "killlast", "afterend"):
         if fault == "killlast":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError("the script's own failure after its loop")
-if fault == "hanglast" and rank == fault_rank:
+also = {int(r) for r in os.environ.get("ALSO_RANKS", "").split(",") if r}  # (hanglast: more ranks)
+if fault == "hanglast" and (rank == fault_rank or rank in also):
     threading.Event().wait()  # SCOUT must name it once the others closed their sessions
 if fault == "sleeplast" and rank == fault_rank:
     time.sleep(float(os.environ["BUSY_S"]))
