@@ -842,11 +842,11 @@ def test_two_ranks_that_hang_after_their_loops_are_named_together_once_the_rest_
     after the same step; the run restarts from the last step, bitwise."""
     base = Job(processes, tmp_path, "hang2-base", nodes=3, nnodes="3:3")
     base.start()
+    base.wait()  # (first: two jobs of three agents starting at once crowd this 2-core host)
     job = Job(processes, tmp_path, "hang2", nodes=3, nnodes="3:3")
     gens, ctx = _restarted_once(
         job, {"FAULT": "hanglast", "FAULT_RANK": "1", "ALSO_RANKS": "2", "HANG_S": "2"}
     )
-    base.wait()
     assert ctx["failure_kind"] == "hang" and ctx["checkpoint_step"] == 24, ctx
     assert "idle_after_peers_closed" in job.text() and "every rank but [1, 2] closed" in job.text(), (
         job.logs()
