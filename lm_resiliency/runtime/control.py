@@ -82,6 +82,30 @@ def open_store(address: str, timeout: timedelta) -> Any:
     return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timeout)  # type: ignore[attr-defined]
 
 
+def _count_until(
+    store: Any,
+    key: str,
+    count: int,
+    target: int,
+    timeout_s: float,
+    stop: Callable[[], bool],
+    poll_s: tuple[float, float],
+) -> int:
+    """Read the counter `key` (now at `count`) until it reaches `target`, `timeout_s` ran out or
+    `stop()`: its last value. Sleeps between reads (`poll_s`: first, then doubling up to at most),
+    so a signal's handler runs on the waiting thread at once."""
+    deadline = time.monotonic() + timeout_s
+    wait = poll_s[0]
+    while count < target and not stop():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        time.sleep(min(wait, left))
+        wait = min(2 * wait, poll_s[1])
+        count = int(store.add(key, 0))
+    return count
+
+
 class ControlChannel:
     def __init__(self, address: str, run_id: str, timeout_s: float = 10.0) -> None:
         scheme, sep, rest = address.partition("://")
@@ -247,14 +271,9 @@ class ControlChannel:
         try:
             store = self._open(timedelta(seconds=2))
             base = self.prefix + final_key(generation)
-            deadline = time.monotonic() + timeout_s
-            wait = poll_s[0]
-            while int(store.add(f"{base}/n", 0)) < world_size and not stop():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                time.sleep(min(wait, left))
-                wait = min(2 * wait, poll_s[1])
+            _count_until(
+                store, f"{base}/n", int(store.add(f"{base}/n", 0)), world_size, timeout_s, stop, poll_s
+            )
             if not store.check([f"{base}/apart"]):
                 return out
             for r in range(world_size):
@@ -289,17 +308,7 @@ class ControlChannel:
         try:
             store = self._open(timedelta(seconds=2))
             key = self.prefix + finished_key(generation)
-            count = int(store.add(key, 1))
-            deadline = time.monotonic() + timeout_s
-            wait = poll_s[0]
-            while count < world_size and not stop():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                time.sleep(min(wait, left))
-                wait = min(2 * wait, poll_s[1])
-                count = int(store.add(key, 0))
-            return count
+            return _count_until(store, key, int(store.add(key, 1)), world_size, timeout_s, stop, poll_s)
         except Exception as exc:  # advisory: the worker ends as it did without it
             log.debug("control store %s unreadable: %s", self.where, exc)
             return -1

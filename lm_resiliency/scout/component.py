@@ -1602,10 +1602,11 @@ class Scout:
         as idle after the same step as this one: `closed_peers_verdict`'s `still`): whether this
         one hangs after its loop, by this process's CPU time outside the library's threads."""
         world = self.topology.world_size
-        others = set(range(world)) - {self.rank}
-        open_ = others - closed
-        live = self.runtime.live()
-        if world < 2 or not (others & closed) or not open_ <= live or not open_ <= set(self._progress):
+        if world < 2 or not closed - {self.rank}:  # (every heartbeat while the job trains: cheap)
+            self._quiet.reset()
+            return
+        open_ = set(range(world)) - closed - {self.rank}
+        if not open_ <= self.runtime.live() or not open_ <= self._progress.keys():
             self._quiet.reset()
             return
         still = {
