@@ -894,13 +894,9 @@ def test_replicas_that_get_no_answer_pause_instead_of_stalling_every_capture(
     assert max(held.get("0", [-1])) >= 1150, held
 
 
-def test_a_fault_due_while_the_leader_restarts_the_generation_waits_for_the_next(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Generation 0 is being restarted (another fault was found a moment before; its workers are
-    about to be stopped) when a weight flip is due: neither injected nor recorded there (before:
-    injected into the generation being stopped, never seen: a kill 75 ms after an SDC's verdict
-    had no report and no restart of its own), and injected at its iteration in generation 1."""
+def _restarting(kind: str) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    """A control store whose generation 0 the leader is restarting for `kind` (on node n1): its
+    rendezvous state, a worker's channel to it, the restart's reason, and a weight flip to hold."""
     from datetime import timedelta
 
     from lm_resiliency.adapters import torchrun as tr
@@ -912,7 +908,7 @@ def test_a_fault_due_while_the_leader_restarts_the_generation_waits_for_the_next
     )
     control = tr._Control(store, "unit-run")
     control.init(dataclasses.replace(rs.RdzvState.new("nonce", 1, 2), generation=0, phase=rs.RUNNING))
-    why = {"failure_kind": "sdc", "culprits": ["n1"]}
+    why = {"failure_kind": kind, "culprits": ["n1"]}
     control.update(lambda s: dataclasses.replace(s, phase=rs.RESTARTING, pending=why))
     channel = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
     flip = {
@@ -920,6 +916,19 @@ def test_a_fault_due_while_the_leader_restarts_the_generation_waits_for_the_next
         "target": {"surface": "weight", "rank": 0, "module_path": "1.weight"},
         "parameters": {"operation": "single_bitflip", "magnitude": "catastrophic"},
     }
+    return control, channel, why, flip
+
+
+def test_a_fault_due_while_the_leader_restarts_the_generation_waits_for_the_next(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Generation 0 is being restarted (another fault was found a moment before; its workers are
+    about to be stopped) when a weight flip is due: neither injected nor recorded there (before:
+    injected into the generation being stopped, never seen: a kill 75 ms after an SDC's verdict
+    had no report and no restart of its own), and injected at its iteration in generation 1."""
+    from lm_resiliency.core.rendezvous import state as rs
+
+    control, channel, why, flip = _restarting("sdc")
     c = parse_campaign(_campaign(flip, at=2))
     try:
         for generation in (0, 1):
@@ -955,25 +964,9 @@ def test_a_fault_held_back_from_a_restarted_generation_comes_at_once_where_the_n
     the held fault due at 21): its iteration never comes again. Before, it was never injected and
     the campaign failed; now it is injected at the next generation's first iteration, its
     occurrence id kept."""
-    from datetime import timedelta
-
-    from lm_resiliency.adapters import torchrun as tr
     from lm_resiliency.core.rendezvous import state as rs
-    from lm_resiliency.runtime.control import ControlChannel
 
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
-    )
-    control = tr._Control(store, "unit-run")
-    control.init(dataclasses.replace(rs.RdzvState.new("nonce", 1, 2), generation=0, phase=rs.RUNNING))
-    why = {"failure_kind": "hardware", "culprits": ["n1"]}
-    control.update(lambda s: dataclasses.replace(s, phase=rs.RESTARTING, pending=why))
-    channel = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
-    flip = {
-        "type": "tensor_corruption",
-        "target": {"surface": "weight", "rank": 0, "module_path": "1.weight"},
-        "parameters": {"operation": "single_bitflip", "magnitude": "catastrophic"},
-    }
+    control, channel, why, flip = _restarting("hardware")
     c = parse_campaign(_campaign(flip, at=2, lifetime={"iterations": 1}))
     try:
         torch.manual_seed(0)
