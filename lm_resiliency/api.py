@@ -2142,7 +2142,9 @@ class Session:
             and self.world_size >= 2
             and self._uneven_from is None
             and not self._detection_paused
-            and control.publish_final(self.env.generation, self.rank, self.step_count)
+            and control.publish_final(
+                self.env.generation, self.rank, self.step_count, self._final_digest(scout)
+            )
         )
         try:
             gem = self.gemini
@@ -2167,6 +2169,14 @@ class Session:
         if not self._sigterm_seen.wait(HOLD_S):
             log.warning("rank %d: no restart came in %.0f s; closing", self.rank, HOLD_S)
 
+    def _final_digest(self, scout: Any) -> bytes:
+        """SCOUT's digest of this rank's final state (`final_digest`), b"" where it cannot be had."""
+        try:
+            return bytes(scout.final_digest())
+        except Exception:  # advisory: published without it, compared among the others
+            log.exception("rank %d: the digest of the final state failed", self.rank)
+            return b""
+
     def _compare_final_steps(self, scout: Any, control: Any) -> None:
         """The step counts every rank ended its loop at: one for all in a synchronous job. A rank
         that stepped its optimizer once more than its peers after the last step they compared
@@ -2175,15 +2185,30 @@ class Session:
         restarts the run from the newest certified step before the workers end. Before, such a
         rank's extra update stayed in the final weights and the run ended with exit code 0. Not
         voted again in a generation restarted for it: a script that ends its ranks apart on
-        purpose is told so, not restarted for good."""
+        purpose is told so, not restarted for good.
+
+        Where they agree and SCOUT did not judge the last checked step with every replica's
+        evidence (`compare_at_end`), the replicas' final states are compared here instead
+        (`final_state_verdict`): a state that differs is voted SDC, and undone the same way."""
         finals = control.finals(
             self.env.generation, self.world_size, FINALS_WAIT_S, self._sigterm_seen.is_set
         )
         v = final_steps_verdict(finals)
+        if v is None and scout.compare_at_end(self.step_count):
+            # The last step was not compared (a replica's evidence missing): the states are, here.
+            digests = control.final_digests(self.env.generation, scout.group)
+            v = scout.final_state_verdict(self.step_count, digests)
+            if v is None:
+                log.info(
+                    "rank %d: the last step went unjudged, but ranks %s agree on the state they ended at",
+                    self.rank,
+                    sorted(digests),
+                )
         if v is None:
             return
         ctx = self._context or {}
-        if str(ctx.get("reason_code", "")).startswith("final_steps_differ"):
+        again = str(ctx.get("reason_code", "")).startswith("final_steps_differ")
+        if again and v.reason.startswith("final_steps_differ"):
             log.warning(
                 "rank %d: %s, again after a restart for it: the script ends its ranks apart; "
                 "not restarted again",

@@ -40,7 +40,7 @@ def final_key(generation: int) -> str:
     """The keys, under the run's prefix, of the step counts the ranks ended their loops of
     `generation` at (ControlChannel.publish_final; compared by final_steps_verdict): `/r<rank>`
     each rank's, `/first` the first published, `/apart` set when one differs from it, `/n` how
-    many published."""
+    many published; `/d<rank>` each rank's final-state digest (hex)."""
     return f"final/g{generation}"
 
 
@@ -236,15 +236,18 @@ class ControlChannel:
             log.debug("control store %s unreadable: %s", self.where, exc)
         return out
 
-    def publish_final(self, generation: int, rank: int, step: int) -> bool:
+    def publish_final(self, generation: int, rank: int, step: int, digest: bytes = b"") -> bool:
         """Put the step count this rank ended its loop of `generation` at where its peers read it
-        (`finals`), at once (not through the channel's thread). The first count published is kept
-        apart; a rank that ends at another marks the generation's counts as differing, so that a job
-        whose ranks agree (every one, all but never) reads three keys at its end, not one per rank.
-        False when the store could not take it."""
+        (`finals`), at once (not through the channel's thread), and the digest of its final state
+        (`final_digests`: read only by a rank whose last step was not compared). The first count
+        published is kept apart; a rank that ends at another marks the generation's counts as
+        differing, so that a job whose ranks agree (every one, all but never) reads three keys at
+        its end, not one per rank. False when the store could not take it."""
         try:
             store = self._open(timedelta(seconds=2))
             base = self.prefix + final_key(generation)
+            if digest:
+                store.set(f"{base}/d{rank}", digest.hex())
             store.set(f"{base}/r{rank}", str(step))
             first = store.compare_set(f"{base}/first", "", str(step)).decode(errors="replace")
             if first != str(step):
@@ -285,6 +288,27 @@ class ControlChannel:
                     out[r] = int(raw)
                 except ValueError:
                     log.warning("control store: rank %d's final step %r is not an integer: left out", r, raw)
+        except Exception as exc:  # advisory: compared among those read
+            log.debug("control store %s unreadable: %s", self.where, exc)
+        return out
+
+    def final_digests(self, generation: int, ranks: Iterable[int]) -> dict[int, bytes]:
+        """The final-state digests `ranks` published with their step counts of `generation` (read
+        after `finals`, which waits for them): rank -> digest, those present. One that is not hex
+        is left out, with a warning."""
+        out: dict[int, bytes] = {}
+        try:
+            store = self._open(timedelta(seconds=2))
+            base = self.prefix + final_key(generation)
+            for r in ranks:
+                key = f"{base}/d{r}"
+                if not store.check([key]):
+                    continue
+                raw = store.get(key).decode(errors="replace")
+                try:
+                    out[r] = bytes.fromhex(raw)
+                except ValueError:
+                    log.warning("control store: rank %d's final digest %r is not hex: left out", r, raw[:40])
         except Exception as exc:  # advisory: compared among those read
             log.debug("control store %s unreadable: %s", self.where, exc)
         return out

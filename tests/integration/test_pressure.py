@@ -336,6 +336,43 @@ def test_a_node_cut_off_while_it_trains_is_replaced_then_a_lost_rank_resumes_fro
 
 
 @pytest.mark.multiprocess
+def test_a_gradient_flipped_on_a_rank_cut_off_near_the_end_is_found_in_the_final_states(
+    processes, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 2's node is cut off at iteration 10 and its gradient flips at 11; the job ends at 26,
+    before the silence is named (its hold). Its peers judged the steps after 10 without its
+    evidence, so nothing compared the flip: before, the run ended with exit code 0 and rank 2's
+    weights corrupted (campaign fuzz c21_32). Now the ranks, whose last step went unjudged, compare
+    their final states through the control store: rank 2's is the minority, named SDC, its node
+    replaced, and the run resumes from the step certified before the cut and ends bitwise."""
+    cut = {
+        "incident_id": "01-cut",
+        "trigger": {"at": [10]},
+        "faults": [
+            {
+                "fault_id": "cut",
+                "type": "network_partition",
+                "target": {"surface": "process", "rank": 2},
+                "parameters": {"duration_s": 60},
+            }
+        ],
+    }
+    flip = {**SDC, "trigger": {"at": [11]}}
+    flip["faults"] = [{**SDC["faults"][0], "target": {**SDC["faults"][0]["target"], "rank": 2}}]
+    c = _orchestrate(processes, tmp_path, _campaign([cut, flip], total_steps=26, standby_nodes=1), nodes=4)
+    assert c["finished"] and c["final_state_bitwise_equal_to_baseline"] and c["passed"], c["log"]
+    gens = c["generations"]
+    assert [(g["failure_kind"], g["reason_code"]) for g in gens[1:]] == [
+        ("sdc", "final_state_fingerprint_minority")
+    ], gens
+    assert gens[1]["admitted"] and gens[1]["resumed_at_step"] <= 10, gens[1]
+    flipped = [i for i in c["incidents"] if i["occurrence"].startswith("02-sdc")]
+    assert [(i["localized"], i["kind_match"], i["action"]) for i in flipped] == [(True, True, "replace")], (
+        flipped
+    )
+
+
+@pytest.mark.multiprocess
 def test_a_rank_that_issues_a_collective_alone_is_replaced_and_the_job_ends_bitwise(
     processes, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]

@@ -1349,7 +1349,8 @@ def test_the_store_host_serves_a_closed_run_until_every_node_still_in_it_has_lef
 def test_the_step_counts_the_ranks_end_at_are_published_and_read_back(store: Any) -> None:
     """`publish_final` / `finals` (Session._settle compares them): nothing to read when every rank
     ended at one count; where one differs, each rank's count, read once all are there or when the
-    wait ends; a count that is not an integer is left out."""
+    wait ends; a count that is not an integer is left out; the final-state digests beside them, a
+    malformed one left out."""
     from lm_resiliency.runtime.control import ControlChannel
 
     ch = ControlChannel(f"tcp://127.0.0.1:{store.port}", "unit-run")
@@ -1366,5 +1367,12 @@ def test_the_step_counts_the_ranks_end_at_are_published_and_read_back(store: Any
         assert ch.finals(4, 2, timeout_s=0.1) == {}  # another generation's: none
         assert ch.publish_final(5, 0, 7) and ch.publish_final(5, 2, 8)
         assert ch.finals(5, 3, timeout_s=30.0, stop=lambda: True) == {0: 7, 2: 8}
+        # The final-state digests, published with the counts (none where a rank gave none).
+        assert ch.publish_final(6, 0, 9, b"\x01\x02") and ch.publish_final(6, 1, 9, b"\x01\x03")
+        assert ch.publish_final(6, 2, 9)
+        store.set("lmr/unit-run/final/g6/d3", "zz")
+        assert ch.finals(6, 4, timeout_s=0.3) == {}
+        assert ch.final_digests(6, [0, 1, 2, 3]) == {0: b"\x01\x02", 1: b"\x01\x03"}
+        assert ch.final_digests(7, [0, 1]) == {}
     finally:
         ch.close()

@@ -156,7 +156,12 @@ PHASE_NAMES = {
 
 
 # What a fingerprint covers, as a verdict's detail names it (its reason code keeps the short key).
-STATE_NAMES = {"grads": "gradients", "params": "parameters", "optim": "optimizer state"}
+STATE_NAMES = {
+    "grads": "gradients",
+    "params": "parameters",
+    "optim": "optimizer state",
+    "final_state": "parameters and optimizer state at the loop's end",
+}
 
 
 @dataclass(frozen=True)
