@@ -309,9 +309,9 @@ def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, t
     if wrap == "ddp":  # fresh worker interpreters: instrumented when the script imports torch
         env["LM_RESILIENCY_TEST_FRESH"] = "1"
     base.start(env, policies=[str(policy)] * 2)
-    job = Job(processes, tmp_path, "plain", worker=script)  # side by side: neither times anything
+    base.wait()  # (first: two jobs starting at once crowd this 2-core host)
+    job = Job(processes, tmp_path, "plain", worker=script)
     job.start({"FAULT": "raise", **env}, policies=[str(policy)] * 3)
-    base.wait()
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1] and gens[1]["instrumented"], job.logs()
@@ -345,10 +345,10 @@ def test_an_unmodified_script_restarted_after_its_last_step_is_restored_when_it_
     script = "tests/integration/workers/plain_ddp.py"
     base = Job(processes, tmp_path, "plain-end-base", nodes=2, worker=script)
     base.start({"WRAP": wrap}, policies=[str(policy)] * 2)
+    base.wait()  # (first: two jobs starting at once crowd this 2-core host)
     job = Job(processes, tmp_path, "plain-end", nodes=2, nnodes="2:2", worker=script)
     read = "params" if wrap == "fsdp2" else early
     job.start({"FAULT": "raise", "FAULT_STEP": "24", "WRAP": wrap, "READ": read}, policies=[str(policy)] * 2)
-    base.wait()
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1] and gens[1]["start"] == 24, job.logs()
@@ -371,11 +371,11 @@ def test_an_unmodified_script_whose_rank_is_terminated_after_its_last_step_is_na
     script = "tests/integration/workers/plain_ddp.py"
     base = Job(processes, tmp_path, "term-end-base", nodes=2, worker=script)
     base.start({"WRAP": "ddp"}, policies=[str(policy)] * 2)
+    base.wait()  # (first: two jobs starting at once crowd this 2-core host)
     job = Job(processes, tmp_path, "term-end", nodes=2, nnodes="2:2", worker=script)
     reports = tmp_path / "reports"
     env = {"FAULT": "term", "FAULT_STEP": "24", "WRAP": "ddp", "LM_RESILIENCY_REPORT_DIR": str(reports)}
     job.start(env, policies=[str(policy)] * 2)
-    base.wait()
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1] and gens[1]["start"] == 24, job.logs()
@@ -403,11 +403,11 @@ def test_a_rank_that_steps_its_optimizer_once_more_in_the_last_step_is_named_and
     script = "tests/integration/workers/plain_ddp.py"
     base = Job(processes, tmp_path, "twice-base", nodes=2, worker=script)
     base.start({"WRAP": "ddp"}, policies=[str(policy)] * 2)
+    base.wait()  # (first: two jobs starting at once crowd this 2-core host)
     job = Job(processes, tmp_path, "twice", nodes=2, nnodes="2:2", worker=script)
     reports = tmp_path / "reports"
     env = {"FAULT": "twice", "FAULT_RANK": "0", "FAULT_STEP": "24", "WRAP": "ddp"}
     job.start({**env, "LM_RESILIENCY_REPORT_DIR": str(reports)}, policies=[str(policy)] * 2)
-    base.wait()
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1] and gens[1]["start"] == 24, job.logs()
@@ -441,12 +441,12 @@ def test_an_unmodified_script_whose_node_is_lost_after_its_last_step_restores_fr
     script = "tests/integration/workers/plain_ddp.py"
     base = Job(processes, tmp_path, "node-end-base", nodes=2, worker=script)
     base.start({"WRAP": "ddp"}, policies=[str(policy)] * 2)
+    base.wait()  # (first: two jobs starting at once crowd this 2-core host)
     job = Job(processes, tmp_path, "node-end", worker=script)
     named = {"LM_RESILIENCY_RUN_ID": f"checkpoints-of-{job.run_id}"}
     job.start(
         {"FAULT": "node", "FAULT_RANK": "0", "FAULT_STEP": "24", "WRAP": "ddp", **named}, [str(policy)] * 3
     )
-    base.wait()
     for p in job.procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=240)
@@ -468,14 +468,14 @@ def test_an_unmodified_script_whose_node_is_lost_after_its_last_step_restores_fr
 def _three_replicas_restarted_once(
     group: ProcessGroup, tmp: Path, fault: str, rank: str, step: str = "10"
 ) -> tuple[Job, Job, dict[int, dict], dict]:
-    """`fault` at `step` (of 24) on `rank` of 3 active nodes + 1 standby, beside an uninterrupted run of 3
-    (side by side: nothing timed); the faulted run must end after one restart: (the faulted job,
+    """`fault` at `step` (of 24) on `rank` of 3 active nodes + 1 standby, after an uninterrupted run of 3
+    (first: two jobs at once crowd this 2-core host); the faulted run must end after one restart: (the faulted job,
     the uninterrupted one, generations, the restart's context)."""
     base = Job(group, tmp, f"{fault}-base", nodes=3, nnodes="3:4")
     base.start()
+    base.wait()  # (first: two jobs starting at once crowd this 2-core host)
     job = Job(group, tmp, fault, nodes=4, nnodes="3:4")
     job.start({"FAULT": fault, "FAULT_RANK": rank, "FAULT_STEP": step})
-    base.wait()
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1], job.logs()
