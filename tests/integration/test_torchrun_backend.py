@@ -468,9 +468,9 @@ def test_an_unmodified_script_whose_node_is_lost_after_its_last_step_restores_fr
 def _three_replicas_restarted_once(
     group: ProcessGroup, tmp: Path, fault: str, rank: str, step: str = "10"
 ) -> tuple[Job, Job, dict[int, dict], dict]:
-    """`fault` at `step` (of 24) on `rank` of 3 active nodes + 1 standby, after an uninterrupted run of 3
-    (first: two jobs at once crowd this 2-core host); the faulted run must end after one restart: (the faulted job,
-    the uninterrupted one, generations, the restart's context)."""
+    """`fault` at `step` (of 24) on `rank` of 3 active nodes + 1 standby, after an uninterrupted run
+    of 3 (first: two jobs at once crowd this 2-core host); the faulted run must end after one
+    restart: (the faulted job, the uninterrupted one, generations, the restart's context)."""
     base = Job(group, tmp, f"{fault}-base", nodes=3, nnodes="3:4")
     base.start()
     base.wait()  # (first: two jobs starting at once crowd this 2-core host)
