@@ -228,6 +228,9 @@ class Progress(Message):
     recent: tuple[tuple[int, bytes], ...] = ()
     # the torch settings its numerics depend on, their values joined by "," (adapters.base.numerics_settings)
     settings: str = ""
+    # how long its process (the library's threads aside) has used no CPU while its training thread
+    # sat idle in no collective and no phase (0 otherwise): hung, not at work (waiting_peers_verdict)
+    quiet_s: float = 0.0
 
 
 @register

@@ -83,6 +83,7 @@ from lm_resiliency.core.scout.verdicts import (
     rest_verdict,
     settings_verdict,
     unmarked_phase,
+    waiting_peers_verdict,
 )
 from lm_resiliency.core.scout.verdicts import Progress as ProgressValue
 from lm_resiliency.core.taxonomy import CLOSED
@@ -1511,18 +1512,49 @@ class Scout:
             phase = self._unmarked_phase(now)
         else:
             self._unmarked = None
+        idle = now - max(float(getattr(a, "last_progress", now)), self._unmarked_left)
         return Progress(
             self.rank,
             self._session_step(),
             int(count),
             0.0 if since is None else now - since,
-            now - max(float(getattr(a, "last_progress", now)), self._unmarked_left),
+            idle,
             bytes(chain),
             phase[0] if phase else "",
             now - phase[1] if phase else 0.0,
             tuple(getattr(a, "collective_recent", ())),
             numerics_settings(),
+            self._quiet_for(now, idle if since is None and phase is None else 0.0),
         )
+
+    def _quiet_for(self, now: float, idle: float) -> float:
+        """How long this process, the library's threads aside, has used no CPU while its training
+        thread sat idle (`idle`: 0 when in a collective or a phase), measured only once it has sat
+        so for 2 s (or half the hang threshold; every heartbeat while the job trains: nothing read). A
+        script's main thread in one sleep since the last look (`time.sleep(60)` after its loop,
+        giving something of its own time) waits on purpose, for a time it set: not quiet. A loop
+        that sleeps and looks again for something that never comes switches at each look, and is."""
+        if idle < min(2.0, self.config.hang_stall_threshold_s / 2) or self.topology.world_size < 2:
+            self._quiet.reset()
+            self._asleep = None
+            return 0.0
+        ours = {
+            t.native_id
+            for t in threading.enumerate()
+            if t.native_id is not None and t.name.startswith(LIBRARY_THREADS)
+        }
+        cpu = threads_cpu_s(ours, (b"ZMQbg",))  # (pyzmq's I/O threads are ours too)
+        if cpu is None:
+            return 0.0
+        quiet = self._quiet.observe(now, cpu)
+        main = main_thread_id()
+        sleep = thread_sleep(main) if main is not None else None
+        asleep = sleep[1] if sleep is not None and sleep[0] else None
+        if asleep is not None and asleep == self._asleep:
+            self._quiet.reset()
+            quiet = 0.0
+        self._asleep = asleep
+        return quiet
 
     def _unmarked_phase(self, now: float) -> tuple[str, float] | None:
         """(phase, since) by the training thread's stack when the script marked none (see
@@ -1584,6 +1616,11 @@ class Scout:
                     self._report(v, among_peers=True)
                 for stall in self._stalls.observe(own.step, ours):
                     self._report(stall, among_peers=True)
+                if not self._jobwide and len(ours) > 1:
+                    quiet = {r: self._progress[r].quiet_s for r in ours}
+                    w = waiting_peers_verdict(ours, quiet, self.config.hang_stall_threshold_s)
+                    if w is not None:
+                        self._report(w, among_peers=True)
                 said = {r: self._progress[r].settings for r in live if r in self._progress}
                 drift = self._drifts.observe(now, own.step, said)
                 if drift is not None:
@@ -1603,36 +1640,17 @@ class Scout:
         one hangs after its loop, by this process's CPU time outside the library's threads."""
         world = self.topology.world_size
         if world < 2 or not closed - {self.rank}:  # (every heartbeat while the job trains: cheap)
-            self._quiet.reset()
             return
         open_ = set(range(world)) - closed - {self.rank}
         if not open_ <= self.runtime.live() or not open_ <= self._progress.keys():
-            self._quiet.reset()
             return
         still = {
             r: ProgressValue(p.step, p.collectives, p.in_collective_s, p.idle_s, p.phase, p.in_phase_s)
             for r, p in ((r, self._progress[r]) for r in open_)
         }
-        ours = {
-            t.native_id
-            for t in threading.enumerate()
-            if t.native_id is not None and t.name.startswith(LIBRARY_THREADS)
-        }
-        cpu = threads_cpu_s(ours, (b"ZMQbg",))  # (pyzmq's I/O threads are ours too)
-        if cpu is None:
-            return
-        quiet = self._quiet.observe(now, cpu)
-        # A script's main thread in one sleep since the last look (`time.sleep(60)` after its loop,
-        # giving something of its own time) waits on purpose, for a time it set: not hung. Before,
-        # it was named and restarted. A loop that sleeps and looks again for something that never
-        # comes switches at each look, and is still named.
-        main = main_thread_id()
-        sleep = thread_sleep(main) if main is not None else None
-        asleep = sleep[1] if sleep is not None and sleep[0] else None
-        if asleep is not None and asleep == self._asleep:
-            self._quiet.reset()
-            quiet = 0.0
-        self._asleep = asleep
+        # (`own.quiet_s`: a main thread in one sleep it chose is not quiet, see _quiet_for; before,
+        # such a rank was named and restarted)
+        quiet = own.quiet_s
         mine = ProgressValue(
             own.step, own.collectives, own.in_collective_s, own.idle_s, own.phase, own.in_phase_s
         )

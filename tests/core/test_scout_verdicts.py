@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from lm_resiliency.core.scout.verdicts import (
     IDLE_AFTER_PEERS_CLOSED,
+    IDLE_WHILE_PEERS_WAIT,
     PEERS_WAIT,
     DriftDetector,
     HangDetector,
@@ -30,6 +31,7 @@ from lm_resiliency.core.scout.verdicts import (
     rest_verdict,
     settings_verdict,
     unmarked_phase,
+    waiting_peers_verdict,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -742,3 +744,42 @@ def test_the_quiet_clock_runs_while_cpu_time_stands_and_restarts_on_work() -> No
     assert q.observe(140.0, 5.0) == 0.0  # a thread that ended took its time out: a change too
     q.reset()
     assert q.observe(150.0, 5.0) == 0.0
+
+
+def test_a_rank_hung_between_steps_while_its_peers_wait_in_a_barrier_is_named() -> None:
+    """Ranks 0 and 2 entered collective 51 between steps (a barrier after the loop: never counted
+    as a wait) and made no progress since; rank 1, idle in no collective and its process quiet,
+    never entered it."""
+    waiting = Progress(step=30, collectives=51, in_collective_s=0.0, idle_s=40.0)
+    hung = Progress(step=30, collectives=50, in_collective_s=0.0, idle_s=45.0)
+    quiet = {0: 39.0, 1: 31.0, 2: 39.0}  # (those waiting blocked: quiet as well)
+    v = waiting_peers_verdict({0: waiting, 1: hung, 2: waiting}, quiet, 30.0)
+    assert v is not None and (v.kind, v.ranks, v.step, v.reason) == ("hang", (1,), 31, IDLE_WHILE_PEERS_WAIT)
+    assert "ranks [0, 2] entered collective #51" in v.detail and v.stall_duration_s == 31.0
+    # Two hung together are named together.
+    assert waiting_peers_verdict({0: waiting, 1: hung, 2: hung}, {1: 31.0, 2: 33.0}, 30.0).ranks == (1, 2)  # type: ignore[union-attr]
+    for why, progress, q in (
+        ("its process uses CPU (saving, uploading)", {0: waiting, 1: hung}, {1: 3.0}),
+        ("not idle that long yet", {0: waiting, 1: dataclasses.replace(hung, idle_s=20.0)}, {1: 31.0}),
+        (
+            "in a phase (torch.save)",
+            {0: waiting, 1: dataclasses.replace(hung, phase="checkpoint_io")},
+            {1: 31.0},
+        ),
+        (
+            "in a collective itself",
+            {0: waiting, 1: dataclasses.replace(hung, in_collective_s=40.0)},
+            {1: 31.0},
+        ),
+        ("not behind its peers", {0: waiting, 1: dataclasses.replace(hung, collectives=51)}, {1: 31.0}),
+        ("a peer progressed lately", {0: dataclasses.replace(waiting, idle_s=5.0), 1: hung}, {1: 31.0}),
+        ("a peer in a phase", {0: dataclasses.replace(waiting, phase="evaluation"), 1: hung}, {1: 31.0}),
+        ("every rank idle: no one waits", {0: hung, 1: hung}, {0: 31.0, 1: 31.0}),
+        (
+            "a wait counted, in a step",
+            {0: dataclasses.replace(waiting, in_collective_s=40.0), 1: hung},
+            {1: 31.0},
+        ),
+        ("one behind not hung", {0: waiting, 1: hung, 2: dataclasses.replace(hung, idle_s=3.0)}, {1: 31.0}),
+    ):
+        assert waiting_peers_verdict(progress, q, 30.0) is None, why

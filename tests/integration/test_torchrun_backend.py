@@ -855,19 +855,41 @@ def test_two_ranks_that_hang_after_their_loops_are_named_together_once_the_rest_
     assert _equal(job.final(), base.final())
 
 
-@pytest.mark.parametrize("fault", ["busylast", "sleeplast"])
+def test_a_rank_that_hangs_after_its_loop_while_the_others_wait_in_a_barrier_is_named(
+    processes, tmp_path, baseline
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 hangs after its loop; the others enter `dist.barrier()` and wait for it there. A
+    collective between steps is never counted as a wait (rank 0 saving while the others wait is
+    no hang), and nobody closed: before, nobody was named, and the job waited for the process
+    group's timeout (outsider fuzz). Now its peers, having entered a collective it never entered
+    and waited the threshold, and it, idle with its process quiet as long, name it; the run
+    restarts and the next generation ends from the last step's capture, bitwise."""
+    job = Job(processes, tmp_path, "hangbarrier")
+    gens, ctx = _restarted_once(job, {"FAULT": "hanglast", "FAULT_RANK": "1", "HANG_S": "2", "BARRIER": "1"})
+    assert ctx["failure_kind"] == "hang" and ctx["checkpoint_step"] == 24, ctx
+    assert "idle_while_peers_wait" in job.text(), job.logs()
+    assert gens[1]["start"] == 24, gens
+    assert _equal(job.final(), baseline)
+
+
+@pytest.mark.parametrize("fault", ["busylast", "sleeplast", "busylast-barrier", "sleeplast-barrier"])
 def test_a_rank_at_work_after_its_loop_is_not_named_while_the_others_wait(
     processes, tmp_path, baseline, fault
 ) -> None:  # type: ignore[no-untyped-def]
     """Rank 1's main thread waits 3x the stall threshold after its loop for a thread of its own
     that computes (a save, an upload, an evaluation of its own): its process uses CPU, so it is
     not the hang above. Or it sleeps as long (`time.sleep`, a wait it chose: before, it was named
-    and restarted). The run ends in its first generation."""
+    and restarted). The others close their sessions, or (`-barrier`) wait for it in a barrier.
+    The run ends in its first generation."""
+    fault, _, barrier = fault.partition("-")
     job = Job(processes, tmp_path, fault)
-    job.start({"FAULT": fault, "FAULT_RANK": "1", "HANG_S": "2", "BUSY_S": "6"})
+    env = {"FAULT": fault, "FAULT_RANK": "1", "HANG_S": "2", "BUSY_S": "6", "BARRIER": "1" if barrier else ""}
+    job.start(env)
     job.wait()
     assert list(job.generations()) == [0], job.logs()
-    assert "idle_after_peers_closed" not in job.text(), job.logs()
+    assert "idle_after_peers_closed" not in job.text() and "idle_while_peers_wait" not in job.text(), (
+        job.logs()
+    )
     assert _equal(job.final(), baseline)
 
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 __all__ = [
     "CHECKPOINT_IO_CODE",
     "IDLE_AFTER_PEERS_CLOSED",
+    "IDLE_WHILE_PEERS_WAIT",
     "LEFT",
     "MODULE_CODE",
     "PEERS_WAIT",
@@ -73,6 +74,7 @@ __all__ = [
     "rest_verdict",
     "settings_verdict",
     "unmarked_phase",
+    "waiting_peers_verdict",
 ]
 
 PHASES = ("input", "compute", "communication")
@@ -640,6 +642,55 @@ def closed_peers_verdict(
         f"{who}; rank {rank} made no progress after step {own.step} "
         f"for {own.idle_s:.1f}s, its process using no CPU for {quiet_s:.1f}s (hung after its loop)",
         stall_duration_s=min(own.idle_s, quiet_s),
+    )
+
+
+# The reason of a rank hung between steps (after its loop) while its peers wait for it in a
+# collective issued between steps (a barrier after the loop), which is never counted as a wait.
+IDLE_WHILE_PEERS_WAIT = "idle_while_peers_wait"
+
+
+def waiting_peers_verdict(
+    progress: Mapping[int, Progress], quiet_s: Mapping[int, float], threshold_s: float
+) -> Verdict | None:
+    """`progress`: a peer group's ranks (replicas: they issue the same collectives), `quiet_s`: how
+    long each one's process has used no CPU while its training thread sat idle in no collective
+    and no phase (as its runtime said). The ranks so idle and quiet for `threshold_s`, whose every
+    other peer has entered more collectives than they have and made no progress since for as long
+    (in no phase): those wait for them in a collective they never entered, issued between steps.
+
+    A collective between steps is never counted as a wait (`hang_verdict` does not see it): rank 0
+    saving its checkpoint after the loop while the others wait in a barrier is no hang. But a rank
+    hung after its loop (an event never set, a lock) while its peers wait in their barrier was
+    never named, and the job waited for the process group's timeout (outsider fuzz: rank 1 hung
+    after its last step, the others in `dist.barrier()`). A rank at work (saving, uploading,
+    evaluating) uses CPU or is in a phase, and is not named."""
+    if not progress:
+        return None
+    k = max(p.collectives for p in progress.values())
+    others = {r: p for r, p in progress.items() if p.collectives == k}  # (in it: quiet too, blocked)
+    behind = {r: p for r, p in progress.items() if p.collectives < k}
+    if not behind:
+        return None
+    for r, p in behind.items():
+        if p.in_collective_s > 0 or p.phase or min(p.idle_s, quiet_s.get(r, 0.0)) < threshold_s:
+            return None  # on its way, at work, or waiting in a collective of its own (hang_verdict's)
+    if any(p.phase or p.idle_s < threshold_s for p in others.values()):
+        return None  # a peer at work, or progressing: not (yet) waiting for them
+    if any(p.in_collective_s > 0 for p in others.values()):
+        return None  # a wait counted (in a step): hang_verdict's
+    ranks = tuple(sorted(behind))
+    idle = min(progress[r].idle_s for r in ranks)
+    quiet = min(quiet_s[r] for r in ranks)
+    return Verdict(
+        "hang",
+        ranks,
+        max(p.step for p in progress.values()) + 1,
+        IDLE_WHILE_PEERS_WAIT,
+        f"ranks {sorted(others)} entered collective #{k} and wait in it; ranks {list(ranks)} never "
+        f"entered it, made no progress for {idle:.1f}s, their processes using no CPU for {quiet:.1f}s "
+        "(hung between steps)",
+        stall_duration_s=min(idle, quiet),
     )
 
 

@@ -35,6 +35,8 @@ every rank writes its parameters to OUT.rank<r>.
 LOADER=plain: the loop reads its batches without instrument_dataloader (captures are then taken
 at the scheduler's step). SCHED_EVERY=n: the scheduler steps after every n-th step only. AUG=1: the
 loop adds noise from the global torch RNG to each batch before the forward.
+BARRIER=1: after the loop (and after hanglast's, sleeplast's or busylast's fault), every rank
+enters dist.barrier(): the others wait there for the faulted rank, in a collective between steps.
 FINISH_S, DESTINATION_WAIT_S: RuntimeConfig's finish_wait_s, restart_destination_wait_s.
 Rank 0 writes the final parameters to OUT and each generation's start to OUT.gen<g>.json.
 """
@@ -280,6 +282,8 @@ if fault == "busylast" and rank == fault_rank:
     worker = threading.Thread(target=work, args=(time.monotonic() + float(os.environ["BUSY_S"]),))
     worker.start()
     worker.join()
+if os.environ.get("BARRIER") == "1":  # (every rank, every generation; the faulted one after its fault)
+    dist.barrier()
 if TP:  # each rank its shards (the model's state_dict lacks them under DDP + TP: DDP's list has all)
     held = {str(i): p.detach().clone() for i, p in enumerate(model._module_parameters)}
     torch.save(held, f"{os.environ['OUT']}.rank{rank}")
