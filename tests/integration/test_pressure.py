@@ -73,6 +73,23 @@ def _pace(ranks: int, delay_ms: int, iterations: int) -> dict[str, Any]:
     }
 
 
+def _cut_off(incident: str, kind: str, rank: int, at: int) -> dict[str, Any]:
+    """An incident that cuts `rank` off (`kind`: network_partition or message_drop) at iteration
+    `at` for 60 s, while its training goes on."""
+    return {
+        "incident_id": incident,
+        "trigger": {"at": [at]},
+        "faults": [
+            {
+                "fault_id": "cut",
+                "type": kind,
+                "target": {"surface": "process", "rank": rank},
+                "parameters": {"duration_s": 60},
+            }
+        ],
+    }
+
+
 def _orchestrate(
     processes, tmp_path: Path, campaign: dict[str, Any], framework: str = "pytorch", nodes: int = 3
 ) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -291,18 +308,7 @@ def test_a_node_cut_off_while_it_trains_is_replaced_then_a_lost_rank_resumes_fro
     cut-off came first; once they no longer held it up, the loss came first, and one restart
     covered both.)"""
     pace = _pace(ranks=3, delay_ms=600, iterations=39)
-    mute = {
-        "incident_id": "01-silent",
-        "trigger": {"at": [3]},
-        "faults": [
-            {
-                "fault_id": "mute",
-                "type": cut,
-                "target": {"surface": "process", "rank": 0},
-                "parameters": {"duration_s": 60},
-            }
-        ],
-    }
+    mute = _cut_off("01-silent", cut, rank=0, at=3)
     lost = {
         "incident_id": "02-damaged-then-killed",
         "trigger": {"at": [36]},
@@ -345,18 +351,7 @@ def test_a_gradient_flipped_on_a_rank_cut_off_near_the_end_is_found_in_the_final
     weights corrupted (campaign fuzz c21_32). Now the ranks, whose last step went unjudged, compare
     their final states through the control store: rank 2's is the minority, named SDC, its node
     replaced, and the run resumes from the step certified before the cut and ends bitwise."""
-    cut = {
-        "incident_id": "01-cut",
-        "trigger": {"at": [10]},
-        "faults": [
-            {
-                "fault_id": "cut",
-                "type": "network_partition",
-                "target": {"surface": "process", "rank": 2},
-                "parameters": {"duration_s": 60},
-            }
-        ],
-    }
+    cut = _cut_off("01-cut", "network_partition", rank=2, at=10)
     flip = {**SDC, "trigger": {"at": [11]}}
     flip["faults"] = [{**SDC["faults"][0], "target": {**SDC["faults"][0]["target"], "rank": 2}}]
     c = _orchestrate(processes, tmp_path, _campaign([cut, flip], total_steps=26, standby_nodes=1), nodes=4)

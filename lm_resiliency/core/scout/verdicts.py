@@ -675,10 +675,8 @@ def waiting_peers_verdict(
     for r, p in behind.items():
         if p.in_collective_s > 0 or p.phase or min(p.idle_s, quiet_s.get(r, 0.0)) < threshold_s:
             return None  # on its way, at work, or waiting in a collective of its own (hang_verdict's)
-    if any(p.phase or p.idle_s < threshold_s for p in others.values()):
-        return None  # a peer at work, or progressing: not (yet) waiting for them
-    if any(p.in_collective_s > 0 for p in others.values()):
-        return None  # a wait counted (in a step): hang_verdict's
+    if any(p.phase or p.idle_s < threshold_s or p.in_collective_s > 0 for p in others.values()):
+        return None  # a peer at work or progressing (not yet waiting), or a wait counted: hang_verdict's
     ranks = tuple(sorted(behind))
     idle = min(progress[r].idle_s for r in ranks)
     quiet = min(quiet_s[r] for r in ranks)
