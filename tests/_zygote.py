@@ -26,6 +26,7 @@ stdin closes (the test session ended, however it ended).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib
 import importlib.util
 import io
@@ -319,6 +320,9 @@ def _become(request: dict[str, Any]) -> tuple[str, str]:
     os.environ.clear()
     os.environ.update(request["env"])
     _std_streams(bool(request.get("unbuffered")))
+    # A worker that dies of a native crash (SIGSEGV, SIGABRT) leaves every thread's Python stack in
+    # its log, for the test that saw it die (its exit status is the signal's, as before).
+    faulthandler.enable(all_threads=True)
     argv = list(request["argv"])
     pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base = [p for p in sys.path[1:] if p not in pythonpath]

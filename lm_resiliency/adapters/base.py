@@ -61,13 +61,23 @@ def thread_stack_files(ident: int | None, limit: int = 256) -> list[str]:
     for that lock, while this thread waits for the GIL: both stop for good. A session's close()
     hung once so under heavy load: its worker thread ending, stuck on that lock with the GIL, and
     the runtime thread in a tensor's deallocation, waiting for the GIL. With the collector paused,
-    no collection starts inside the call."""
+    no collection starts inside the call.
+
+    The walk up the stack stays inside the pause too: each `f_back` makes the frame object of a
+    frame still running on the other thread, and a collection started by that allocation may run
+    a finalizer that releases the GIL. The other thread may then return from that very frame while
+    its object is being made, which is then left pointing into the other thread's freed stack: the
+    process's memory is corrupted (a rank's progress task once read a list where the frame was,
+    and the worker died of SIGSEGV moments later). Paused, nothing runs Python code inside the
+    walk's allocations, and between its bytecodes the other thread may return only from frames
+    whose objects are complete, which the interpreter handles."""
+    files: list[str] = []
     with collector_paused():
         frame = sys._current_frames().get(ident) if ident is not None else None
-    files: list[str] = []
-    while frame is not None and len(files) < limit:
-        files.append(frame.f_code.co_filename)
-        frame = frame.f_back
+        while frame is not None and len(files) < limit:
+            files.append(frame.f_code.co_filename)
+            frame = frame.f_back
+        del frame
     return files
 
 

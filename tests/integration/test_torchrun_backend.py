@@ -17,6 +17,7 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,48 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor
         group.stop_all()
 
 
+@pytest.fixture(scope="module")
+def plain_baseline(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[str], dict[str, torch.Tensor]]]:
+    """The uninterrupted runs of `plain_ddp.py` on 2 nodes (policy: a capture every step), one per
+    `WRAP`, each run once for the module (first: two jobs starting at once crowd this 2-core host)."""
+    group, runs = ProcessGroup(), {}
+
+    def get(setting: str) -> dict[str, torch.Tensor]:
+        """`setting`: "ddp", "fsdp2" or "fsdp2-compiled"."""
+        if setting not in runs:
+            wrap, _, compiled = setting.partition("-")
+            tmp = tmp_path_factory.mktemp(f"plain-{setting}")
+            policy = tmp / "policy.toml"
+            policy.write_text("schema_version = 1\ninterval = 1\n")
+            base = Job(
+                group, tmp, f"plain-{setting}-base", nodes=2, worker="tests/integration/workers/plain_ddp.py"
+            )
+            base.start({"WRAP": wrap, "COMPILE": "1" if compiled else ""}, policies=[str(policy)] * 2)
+            base.wait()
+            runs[setting] = base.final()
+        return runs[setting]
+
+    try:
+        yield get
+    finally:
+        group.stop_all()
+
+
+@pytest.fixture(scope="module")
+def three_baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """An uninterrupted run of 3 active nodes (the replicas of the tests that need a majority)."""
+    group = ProcessGroup()
+    try:
+        base = Job(group, tmp_path_factory.mktemp("rdzv-three"), "three-base", nodes=3, nnodes="3:3")
+        base.start()
+        base.wait()
+        return base.final()
+    finally:
+        group.stop_all()
+
+
 def test_node_sigkill_admits_the_standby_which_restores_from_a_peer(processes, tmp_path, baseline) -> None:  # type: ignore[no-untyped-def]
     job = Job(processes, tmp_path, "node")
     job.start({"FAULT": "node", "FAULT_RANK": "1", "FAULT_STEP": "10"})
@@ -295,7 +338,9 @@ def test_a_node_with_a_different_policy_is_refused(processes, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp2", "fsdp2-compiled"])
-def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, tmp_path, wrap: str) -> None:  # type: ignore[no-untyped-def]
+def test_an_unmodified_script_is_instrumented_from_the_policy_alone(
+    processes, tmp_path, plain_baseline, wrap: str
+) -> None:  # type: ignore[no-untyped-def]
     """DDP, or FSDP2 (`fully_shard`); its SequentialLR, which it never names to us, is restored too.
     FSDP2 compiled whole (`torch.compile(model)`): before, the first-forward hook ran inside the
     compiled region, where the sharded root was no longer the outermost module called: the job was
@@ -304,12 +349,9 @@ def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, t
     policy = tmp_path / "policy.toml"
     policy.write_text("schema_version = 1\ninterval = 1\n[checkpoint]\ndisk_flush_interval = 1000\n")
     script = "tests/integration/workers/plain_ddp.py"
-    base = Job(processes, tmp_path, "plain-base", nodes=2, worker=script)
     env = {"WRAP": wrap, "COMPILE": "1" if compiled else ""}
     if wrap == "ddp":  # fresh worker interpreters: instrumented when the script imports torch
         env["LM_RESILIENCY_TEST_FRESH"] = "1"
-    base.start(env, policies=[str(policy)] * 2)
-    base.wait()  # (first: two jobs starting at once crowd this 2-core host)
     job = Job(processes, tmp_path, "plain", worker=script)
     job.start({"FAULT": "raise", **env}, policies=[str(policy)] * 3)
     job.wait()
@@ -321,12 +363,12 @@ def test_an_unmodified_script_is_instrumented_from_the_policy_alone(processes, t
     ctx = json.loads(Path(gens[1]["context"]).read_text())
     assert ctx["failure_kind"] == "process_failure" and ctx["reason_code"] == "uncaught_exception", ctx
     assert ctx["error"] == "RuntimeError: injected: the loss diverged at step 10", ctx
-    assert _equal(job.final(), base.final()), job.logs()
+    assert _equal(job.final(), plain_baseline(wrap + ("-compiled" if compiled else ""))), job.logs()
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "ddp-early", "fsdp2"])
 def test_an_unmodified_script_restarted_after_its_last_step_is_restored_when_it_reads_its_state(
-    processes, tmp_path, wrap
+    processes, tmp_path, plain_baseline, wrap
 ) -> None:  # type: ignore[no-untyped-def]
     """Rank 1 raises after the last step (24), its capture taken: the restart resumes at step 24,
     and the loop has no step left, so no forward comes to open the session that would restore it.
@@ -343,9 +385,6 @@ def test_an_unmodified_script_restarted_after_its_last_step_is_restored_when_it_
     policy = tmp_path / "policy.toml"
     policy.write_text("schema_version = 1\ninterval = 1\n")
     script = "tests/integration/workers/plain_ddp.py"
-    base = Job(processes, tmp_path, "plain-end-base", nodes=2, worker=script)
-    base.start({"WRAP": wrap}, policies=[str(policy)] * 2)
-    base.wait()  # (first: two jobs starting at once crowd this 2-core host)
     job = Job(processes, tmp_path, "plain-end", nodes=2, nnodes="2:2", worker=script)
     read = "params" if wrap == "fsdp2" else early
     job.start({"FAULT": "raise", "FAULT_STEP": "24", "WRAP": wrap, "READ": read}, policies=[str(policy)] * 2)
@@ -355,11 +394,11 @@ def test_an_unmodified_script_restarted_after_its_last_step_is_restored_when_it_
     assert job.text().count("restored step 24 (rank") == 2, job.logs()
     assert job.text().count("restored step 24's learning-rate schedule into it") == (2 if early else 0)
     assert "NOT RESTORED" not in job.text(), job.logs()
-    assert _equal(job.final(), base.final()), job.logs()
+    assert _equal(job.final(), plain_baseline(wrap)), job.logs()
 
 
 def test_an_unmodified_script_whose_rank_is_terminated_after_its_last_step_is_named(
-    processes, tmp_path
+    processes, tmp_path, plain_baseline
 ) -> None:  # type: ignore[no-untyped-def]
     """Rank 1 of an unmodified DDP script is SIGTERMed after its last step (24). The restart resumes
     at 24 with no step left, so no forward opens the session that reports the ranks of the
@@ -369,9 +408,6 @@ def test_an_unmodified_script_whose_rank_is_terminated_after_its_last_step_is_na
     policy = tmp_path / "policy.toml"
     policy.write_text("schema_version = 1\ninterval = 1\n")
     script = "tests/integration/workers/plain_ddp.py"
-    base = Job(processes, tmp_path, "term-end-base", nodes=2, worker=script)
-    base.start({"WRAP": "ddp"}, policies=[str(policy)] * 2)
-    base.wait()  # (first: two jobs starting at once crowd this 2-core host)
     job = Job(processes, tmp_path, "term-end", nodes=2, nnodes="2:2", worker=script)
     reports = tmp_path / "reports"
     env = {"FAULT": "term", "FAULT_STEP": "24", "WRAP": "ddp", "LM_RESILIENCY_REPORT_DIR": str(reports)}
@@ -386,11 +422,11 @@ def test_an_unmodified_script_whose_rank_is_terminated_after_its_last_step_is_na
         if r["kind"] == "process_failure" and r["failed_ranks"] == [1]
     ]
     assert named, job.logs()
-    assert _equal(job.final(), base.final()), job.logs()
+    assert _equal(job.final(), plain_baseline("ddp")), job.logs()
 
 
 def test_a_rank_that_steps_its_optimizer_once_more_in_the_last_step_is_named_and_undone(
-    processes, tmp_path
+    processes, tmp_path, plain_baseline
 ) -> None:  # type: ignore[no-untyped-def]
     """Rank 0 of an unmodified DDP script steps its optimizer twice in its last step (24): no
     collective pairs the second step with its peer, and no step after it compares them. The ranks
@@ -401,9 +437,6 @@ def test_a_rank_that_steps_its_optimizer_once_more_in_the_last_step_is_named_and
     policy = tmp_path / "policy.toml"
     policy.write_text("schema_version = 1\ninterval = 1\n")
     script = "tests/integration/workers/plain_ddp.py"
-    base = Job(processes, tmp_path, "twice-base", nodes=2, worker=script)
-    base.start({"WRAP": "ddp"}, policies=[str(policy)] * 2)
-    base.wait()  # (first: two jobs starting at once crowd this 2-core host)
     job = Job(processes, tmp_path, "twice", nodes=2, nnodes="2:2", worker=script)
     reports = tmp_path / "reports"
     env = {"FAULT": "twice", "FAULT_RANK": "0", "FAULT_STEP": "24", "WRAP": "ddp"}
@@ -421,11 +454,11 @@ def test_a_rank_that_steps_its_optimizer_once_more_in_the_last_step_is_named_and
         if r["kind"] == "stale_state"
     }
     assert named == {(0, 1)}, job.logs()
-    assert _equal(job.final(), base.final()), job.logs()
+    assert _equal(job.final(), plain_baseline("ddp")), job.logs()
 
 
 def test_an_unmodified_script_whose_node_is_lost_after_its_last_step_restores_from_a_peer_node(
-    processes, tmp_path
+    processes, tmp_path, plain_baseline
 ) -> None:  # type: ignore[no-untyped-def]
     """Rank 0's node of an unmodified DDP script dies after the last step (24), once its capture is
     replicated: the standby takes its slot and the restart resumes at 24 with no step left, so no
@@ -439,9 +472,6 @@ def test_an_unmodified_script_whose_node_is_lost_after_its_last_step_restores_fr
     policy = tmp_path / "policy.toml"
     policy.write_text("schema_version = 1\ninterval = 1\n")
     script = "tests/integration/workers/plain_ddp.py"
-    base = Job(processes, tmp_path, "node-end-base", nodes=2, worker=script)
-    base.start({"WRAP": "ddp"}, policies=[str(policy)] * 2)
-    base.wait()  # (first: two jobs starting at once crowd this 2-core host)
     job = Job(processes, tmp_path, "node-end", worker=script)
     named = {"LM_RESILIENCY_RUN_ID": f"checkpoints-of-{job.run_id}"}
     job.start(
@@ -459,7 +489,7 @@ def test_an_unmodified_script_whose_node_is_lost_after_its_last_step_restores_fr
     assert ctx["failure_kind"] == "node_lost" and ctx["culprits"] == [f"node-end-node-{lost[0]}"], ctx
     assert "restored step 24 (rank 0, from another node's memory)" in job.text(), job.logs()
     assert "NOT RESTORED" not in job.text(), job.logs()
-    assert _equal(job.final(), base.final()), job.logs()
+    assert _equal(job.final(), plain_baseline("ddp")), job.logs()
     memory = job.tmp / "shm" / named["LM_RESILIENCY_RUN_ID"]  # (under the id it names: reclaimed at the end)
     gone = f"node-end-node-{lost[0]}"  # (the lost node's: nobody is left there to reclaim them)
     assert sorted(p.name for p in memory.iterdir()) == [gone, f"{gone}.trail"], job.logs()
@@ -467,28 +497,27 @@ def test_an_unmodified_script_whose_node_is_lost_after_its_last_step_restores_fr
 
 def _three_replicas_restarted_once(
     group: ProcessGroup, tmp: Path, fault: str, rank: str, step: str = "10"
-) -> tuple[Job, Job, dict[int, dict], dict]:
-    """`fault` at `step` (of 24) on `rank` of 3 active nodes + 1 standby, after an uninterrupted run
-    of 3 (first: two jobs at once crowd this 2-core host); the faulted run must end after one
-    restart: (the faulted job, the uninterrupted one, generations, the restart's context)."""
-    base = Job(group, tmp, f"{fault}-base", nodes=3, nnodes="3:4")
-    base.start()
-    base.wait()  # (first: two jobs starting at once crowd this 2-core host)
+) -> tuple[Job, dict[int, dict], dict]:
+    """`fault` at `step` (of 24) on `rank` of 3 active nodes + 1 standby (`three_baseline` is its
+    uninterrupted run); the run must end after one restart: (the job, generations, the restart's
+    context)."""
     job = Job(group, tmp, fault, nodes=4, nnodes="3:4")
     job.start({"FAULT": fault, "FAULT_RANK": rank, "FAULT_STEP": step})
     job.wait()
     gens = job.generations()
     assert sorted(gens) == [0, 1], job.logs()
-    return job, base, gens, json.loads(Path(gens[1]["context"]).read_text())
+    return job, gens, json.loads(Path(gens[1]["context"]).read_text())
 
 
-def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(
+    processes, tmp_path, three_baseline
+) -> None:  # type: ignore[no-untyped-def]
     """Three replicas are needed to out-vote one corrupted copy: 3 active nodes + 1 standby. The
     gradient flips in the last step (24): the workers' sessions close only once it is judged,
     and wait for the leader's restart, which does the last step again from step 23. Before, the
     verdict came as the workers ended, and the restart began again from step 0 (their copies
     reclaimed: checkpoint source none)."""
-    job, base, gens, ctx = _three_replicas_restarted_once(processes, tmp_path, "sdc", "1", step="24")
+    job, gens, ctx = _three_replicas_restarted_once(processes, tmp_path, "sdc", "1", step="24")
     assert ctx["failure_kind"] == "sdc" and ctx["recovery_mode"] == "recovery_verified", ctx
     assert len(ctx["culprits"]) == 1 and len(ctx["admitted"]) == 1, ctx
     assert 0 < ctx["checkpoint_step"] < 24 and gens[1]["start"] == ctx["checkpoint_step"], (ctx, gens)
@@ -496,17 +525,19 @@ def test_sdc_named_by_scout_replaces_the_node_and_resumes_from_a_verified_step(p
     decision = gens[1]["decision"]
     assert decision["failure_kind"] == "sdc" and decision["recovery_mode"] == "recovery_verified", decision
     assert decision["checkpoint_step"] == ctx["checkpoint_step"], decision
-    assert _equal(job.final(), base.final()), job.logs()
+    assert _equal(job.final(), three_baseline), job.logs()
 
 
-def test_a_mismatched_collective_that_kills_a_peer_names_the_rank_that_issued_it(processes, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_mismatched_collective_that_kills_a_peer_names_the_rank_that_issued_it(
+    processes, tmp_path, three_baseline
+) -> None:  # type: ignore[no-untyped-def]
     """Rank 2's script all-reduces a tensor of its own where its replicas all-reduce their gradients.
     Gloo aborts on the sizes in milliseconds, in a peer's process (SIGABRT), and the others die of
     the broken collective before SCOUT compares their hash chains. The agents publish each worker's
     last collective states (its trail) as they restart, and the leader finds rank 2 the minority:
     a collective desync, its node replaced by the standby, the job ends bitwise. Before, the exit
     named the process gloo aborted: a process failure of an innocent rank, restarted in place."""
-    job, base, _, ctx = _three_replicas_restarted_once(processes, tmp_path, "mismatch", "2")
+    job, _, ctx = _three_replicas_restarted_once(processes, tmp_path, "mismatch", "2")
     logs = job.text()
     slots = json.loads(re.search(r"generation 0 published \(slots (\[.*?\])", logs)[1].replace("'", '"'))
     assert ctx["failure_kind"] == "collective_desync", (ctx, job.logs())
@@ -515,7 +546,7 @@ def test_a_mismatched_collective_that_kills_a_peer_names_the_rank_that_issued_it
         slots,
     )
     assert [a["slot"] for a in ctx["admitted"]] == [2], ctx
-    assert _equal(job.final(), base.final()), job.logs()
+    assert _equal(job.final(), three_baseline), job.logs()
 
 
 @pytest.mark.parametrize("destination", ["", "culprit", "slow"])
@@ -834,15 +865,12 @@ def test_a_rank_that_hangs_after_its_loop_is_named_once_the_others_closed_and_re
 
 
 def test_two_ranks_that_hang_after_their_loops_are_named_together_once_the_rest_closed(
-    processes, tmp_path
+    processes, tmp_path, three_baseline
 ) -> None:  # type: ignore[no-untyped-def]
     """Three ranks; ranks 1 and 2 hang after the loop. Neither ever sees every other rank closed:
     before, nobody was named and the job never ended (outsider fuzz: FSDP2, ranks 0 and 3 hung
     after the last step). Each, quiet itself, names both once rank 0 closed and the other is idle
     after the same step; the run restarts from the last step, bitwise."""
-    base = Job(processes, tmp_path, "hang2-base", nodes=3, nnodes="3:3")
-    base.start()
-    base.wait()  # (first: two jobs of three agents starting at once crowd this 2-core host)
     job = Job(processes, tmp_path, "hang2", nodes=3, nnodes="3:3")
     gens, ctx = _restarted_once(
         job, {"FAULT": "hanglast", "FAULT_RANK": "1", "ALSO_RANKS": "2", "HANG_S": "2"}
@@ -852,7 +880,7 @@ def test_two_ranks_that_hang_after_their_loops_are_named_together_once_the_rest_
         job.logs()
     )
     assert gens[1]["start"] == 24, gens
-    assert _equal(job.final(), base.final())
+    assert _equal(job.final(), three_baseline)
 
 
 def test_a_rank_that_hangs_after_its_loop_while_the_others_wait_in_a_barrier_is_named(
