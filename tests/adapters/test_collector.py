@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +58,18 @@ def test_pauses_overlap_across_threads_and_keep_a_disabled_collector_off() -> No
         assert not gc.isenabled()  # it was off before: it stays off
     finally:
         gc.enable()
+
+
+def test_a_collection_inside_the_walk_cannot_leave_a_frame_pointing_at_a_returned_one() -> None:
+    """Each `f_back` of another thread's running frame makes its frame object; a collection started
+    by that allocation may run a finalizer that releases the GIL, and the other thread may return
+    from that very frame meanwhile. Before, the walk ran with the collector on: the object was
+    left pointing into freed stack, and the walk read a dict or a list where the frame was (a
+    worker's progress task did, then died of SIGSEGV). In a process of its own: the corruption it
+    guards against may crash it."""
+    script = Path(__file__).with_name("frame_walk_race.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=25, check=False
+    )
+    assert done.returncode == 0 and done.stdout.startswith("walked "), done.stdout + done.stderr
