@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from lm_resiliency.core.scout.verdicts import (
     IDLE_AFTER_PEERS_CLOSED,
     IDLE_WHILE_PEERS_WAIT,
+    LEFT_WAIT_S,
     PEERS_WAIT,
     DriftDetector,
     HangDetector,
@@ -376,6 +377,35 @@ def test_a_rank_that_left_before_the_collective_is_the_hang_when_every_live_peer
     assert v is not None and v.ranks == (3,)
     # Leaving with nobody waiting (the job's end) is no hang.
     assert hang_verdict(9, {r: Progress(9, 40, 0.0) for r in range(3)}, 30.0, left={3: 36}) is None
+
+
+def test_a_rank_that_left_is_named_once_every_live_peer_waited_a_moment_not_the_threshold() -> None:
+    """A closed session enters no counted collective again: once every live rank of the group has
+    waited `LEFT_WAIT_S` in the same collective, none silent, the rank that left before it is named
+    (before, only at the hang threshold: a script that exited mid-run, `sys.exit(3)`, waited in its
+    close for peers that waited for it, and the restart came 30 s late)."""
+    early = {r: Progress(9, 40, LEFT_WAIT_S) for r in range(3)}
+    v = hang_verdict(9, early, 30.0, left={3: 36})
+    assert v is not None and (v.kind, v.ranks, v.reason, v.step) == (
+        "hang",
+        (3,),
+        "left_while_peers_wait",
+        10,
+    )
+    assert hang_verdict(9, early, 30.0, left={3: -1}).ranks == (3,)  # type: ignore[union-attr]  # never heard
+    # Not yet waited long enough; a threshold below it is the threshold.
+    assert (
+        hang_verdict(9, {r: Progress(9, 40, LEFT_WAIT_S - 0.5) for r in range(3)}, 30.0, left={3: 36}) is None
+    )
+    assert hang_verdict(9, {r: Progress(9, 40, 2.0) for r in range(3)}, 2.0, left={3: 36}) is not None
+    # Another could be why they wait: a live rank outside the collective (not named yet: it is
+    # named at the threshold), one in another collective, a silent one; or the closed one entered it.
+    assert hang_verdict(9, {**early, 2: Progress(9, 39, 0.0)}, 30.0, left={3: 36}) is None
+    assert hang_verdict(9, {**early, 2: Progress(9, 39, LEFT_WAIT_S)}, 30.0, left={3: 36}) is None
+    assert hang_verdict(9, early, 30.0, frozenset({4}), left={3: 36}) is None
+    assert hang_verdict(9, early, 30.0, left={3: 40}) is None
+    # Ranks judged across the whole job count other groups' collectives: the threshold, as before.
+    assert hang_verdict(9, early, 30.0, left={3: 36}, jobwide=True) is None
 
 
 def test_a_rank_being_stopped_is_never_named_for_a_hang() -> None:

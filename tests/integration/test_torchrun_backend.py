@@ -623,6 +623,31 @@ def test_stale_or_dropped_state_named_by_scout_restarts_in_place_from_a_verified
     assert _equal(job.final(), baseline)
 
 
+def test_a_script_that_exits_mid_run_is_named_as_soon_as_its_peers_wait_for_it(
+    processes, tmp_path, baseline
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1's script exits with status 3 after step 10 (`sys.exit`). Its session closes at the
+    interpreter's exit and waits there for the rest of its generation, which wait for it in step
+    11's all-reduce: torchrun sees no exit. A closed session never enters a collective again, so
+    once its peers have waited a moment (`LEFT_WAIT_S`, not the hang threshold, 120 s here) it is
+    named and the run restarts from step 10, bitwise. Before, only at the threshold (outsider fuzz:
+    30 s late, where torchrun alone would have restarted at once)."""
+    job = Job(processes, tmp_path, "exit")
+    reports = tmp_path / "reports"
+    env = {"FAULT": "exit", "FAULT_RANK": "1", "FAULT_STEP": "10", "HANG_S": "120"}
+    gens, ctx = _restarted_once(job, {**env, "LM_RESILIENCY_REPORT_DIR": str(reports)})
+    assert ctx["failure_kind"] == "hang" and ctx["reason_code"] == "left_while_peers_wait", ctx
+    assert ctx["checkpoint_step"] == 10 and gens[1]["start"] == 10, (ctx, gens)
+    named = [
+        r["detection_latency_s"]
+        for f in sorted(reports.glob("*.jsonl"))
+        for r in map(json.loads, f.read_text().splitlines())
+        if r["kind"] == "hang" and r["failed_ranks"] == [1]
+    ]
+    assert named and max(named) < 120, (named, job.logs())
+    assert _equal(job.final(), baseline)
+
+
 def test_a_hang_named_by_scout_is_recovered_and_the_run_completes_bitwise(
     processes, tmp_path, baseline
 ) -> None:  # type: ignore[no-untyped-def]

@@ -49,6 +49,7 @@ __all__ = [
     "IDLE_AFTER_PEERS_CLOSED",
     "IDLE_WHILE_PEERS_WAIT",
     "LEFT",
+    "LEFT_WAIT_S",
     "MODULE_CODE",
     "PEERS_WAIT",
     "PHASES",
@@ -96,6 +97,12 @@ STALL_KINDS = {
 PEERS_WAIT = "_peers_wait"
 # The reason of a hang whose culprits closed their sessions and left while their peers wait.
 LEFT = f"left_while{PEERS_WAIT}"
+# How long every live peer waits in a collective a rank that closed its session never entered
+# before it is named (at most the hang threshold): a closed session enters no counted collective
+# again, so the wait says nothing more after a moment. (Before, the threshold: a worker whose
+# script exited mid-run, `sys.exit(3)`, waited in its close for peers that waited for it, and the
+# restart that torchrun alone would have started at once came 30 s later.)
+LEFT_WAIT_S = 5.0
 # Where a training thread's stack is inside checkpoint I/O it did not mark (session.checkpoint_io):
 # torch.save / torch.load, torch.distributed.checkpoint, safetensors. Rank 0 writing a checkpoint of
 # its own while its peers wait in the next collective is not a hang.
@@ -396,7 +403,7 @@ def hang_verdict(
     that has not progressed for the threshold while others wait (a hang, or a stall of its phase)."""
     waiting = {r: p for r, p in progress.items() if p.in_collective_s >= stall_threshold_s}
     if not waiting:
-        return None
+        return _left_early(progress, stall_threshold_s, silent, left, jobwide)
     at = max(p.step for p in waiting.values()) + 1
     k = max(p.collectives for p in waiting.values())
     # A rank that made progress within the threshold (it just got its batch, or ended its checkpoint
@@ -495,6 +502,41 @@ def hang_verdict(
             stall_duration_s=stall,
         )
     return None
+
+
+def _left_early(
+    progress: Mapping[int, Progress],
+    stall_threshold_s: float,
+    silent: frozenset[int],
+    left: Mapping[int, int] | None,
+    jobwide: bool,
+) -> Verdict | None:
+    """`hang_verdict`'s LEFT before the threshold: every live rank of the group has waited
+    `LEFT_WAIT_S` in the same collective, none is silent, and a rank that closed its session never
+    entered it. Nobody else can be the culprit (a live rank outside the collective, one that went
+    silent), and the closed one will not enter it. Not for a job judged whole (`jobwide`: the
+    counts of other groups' collectives say nothing)."""
+    soon = min(stall_threshold_s, LEFT_WAIT_S)
+    if jobwide or not left or silent or not progress:
+        return None
+    if any(p.in_collective_s < soon for p in progress.values()):
+        return None
+    k = max(p.collectives for p in progress.values())
+    if any(p.collectives != k for p in progress.values()):
+        return None
+    went = tuple(sorted(r for r, entered in left.items() if r not in progress and entered < k))
+    if not went:
+        return None
+    stall = max(p.in_collective_s for p in progress.values())
+    return Verdict(
+        "hang",
+        went,
+        max(p.step for p in progress.values()) + 1,
+        LEFT,
+        f"ranks {sorted(progress)} wait in collective #{k} for up to {stall:.1f}s; ranks {list(went)} "
+        "closed their sessions and left before entering it (a loop that ended early?)",
+        stall_duration_s=stall,
+    )
 
 
 def desync_verdict(now_step: int, chains: Mapping[int, Sequence[tuple[int, bytes]]]) -> Verdict | None:

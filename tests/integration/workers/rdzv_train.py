@@ -28,6 +28,8 @@ FAULT (generation 0 only) picks the fault the test injects, at step FAULT_STEP:
   busylast -- after the loop, rank FAULT_RANK's main thread waits BUSY_S for a thread of its own
              that computes meanwhile (work after the loop, not a hang)
   sleeplast -- after the loop, rank FAULT_RANK sleeps BUSY_S (time.sleep: a wait it chose, not a hang)
+  exit    -- rank FAULT_RANK's script exits (status 3) after step FAULT_STEP, its capture in place:
+             its session closes at exit, its peers wait in the next step's all-reduce
   mismatch -- rank FAULT_RANK all-reduces a tensor of its own before step FAULT_STEP's forward, where
              its peers all-reduce their gradients (gloo aborts some process on the sizes)
 TP=1: tensor parallel within each node (run with 2 ranks per node), DDP(device_mesh=) across them;
@@ -44,6 +46,7 @@ Rank 0 writes the final parameters to OUT and each generation's start to OUT.gen
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -219,6 +222,9 @@ for step, x in batches() if os.environ.get("LOADER") == "plain" else session.ins
             os.kill(os.getpid(), signal.SIGSTOP)  # continued only by the agent, to be stopped
         else:
             kill_my_node()
+    if step == fault_step and fault == "exit" and rank == fault_rank:
+        session.gemini.drain(10)
+        sys.exit(3)
     if step == fault_step and fault == "job":
         session.gemini.drain(10)
         dist.barrier()
