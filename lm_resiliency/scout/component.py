@@ -1654,7 +1654,10 @@ class Scout:
         mine = ProgressValue(
             own.step, own.collectives, own.in_collective_s, own.idle_s, own.phase, own.in_phase_s
         )
-        v = closed_peers_verdict(self.rank, mine, quiet, self.config.hang_stall_threshold_s, still)
+        # Replicas that closed, with the collectives each had entered at its close (its last progress,
+        # sent right before its goodbye: see close).
+        left = {r: self._progress[r].collectives for r in closed & self._group_set if r in self._progress}
+        v = closed_peers_verdict(self.rank, mine, quiet, self.config.hang_stall_threshold_s, still, left)
         if v is not None:
             self._report(v, among_peers=True)
 
@@ -2007,6 +2010,26 @@ class Scout:
         if self._closed:
             return
         self._closed = True
+        # The collectives this rank entered, as it leaves: the runtime sends it before its goodbye,
+        # so its peers judge its departure by its count at its close, not one a heartbeat old
+        # (closed_peers_verdict's `left`).
+        count, chain = getattr(self.adapter, "collective_state", (0, b""))
+        with contextlib.suppress(RuntimeError):  # (the runtime closed already)
+            self.runtime.submit(
+                Progress(
+                    self.rank,
+                    self._session_step(),
+                    int(count),
+                    0.0,
+                    0.0,
+                    bytes(chain),
+                    "",
+                    0.0,
+                    tuple(getattr(self.adapter, "collective_recent", ())),
+                    numerics_settings(),
+                    0.0,
+                )
+            )
         for h in self._handles:
             h.remove()
         for a in self._auditors.values():

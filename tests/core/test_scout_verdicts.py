@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from lm_resiliency.core.scout.verdicts import (
     IDLE_AFTER_PEERS_CLOSED,
     IDLE_WHILE_PEERS_WAIT,
+    LEFT,
     LEFT_WAIT_S,
     PEERS_WAIT,
     DriftDetector,
@@ -749,6 +750,24 @@ def test_ranks_hung_after_their_loops_together_name_each_other_once_the_rest_clo
         Progress(24, 50, 0.0, idle_s=5.0),  # progress lately
     ):
         assert closed_peers_verdict(0, idle, 30.5, 30.0, {3: other}) is None, other
+
+
+def test_ranks_waiting_in_a_barrier_a_replica_left_without_entering_name_that_replica() -> None:
+    """Rank 1's script exits after its last step (`sys.exit(0)`) while ranks 0 and 2 wait for it in
+    their final barrier (a collective between steps: never counted as a wait). They are idle and
+    quiet, as hung ranks are, but each entered one collective more than rank 1 at its close: rank
+    1 is named, `left_while_peers_wait` (before, ranks 0 and 2 were named hung after their loops)."""
+    waiting = Progress(step=30, collectives=61, in_collective_s=0.0, idle_s=31.0)
+    v = closed_peers_verdict(0, waiting, 30.5, 30.0, {2: waiting}, left={1: 60})
+    assert v is not None and (v.kind, v.ranks, v.step, v.reason) == ("hang", (1,), 31, LEFT), v
+    assert "ranks [0, 2] entered collective #61" in v.detail and v.stall_duration_s == 30.5
+    assert closed_peers_verdict(2, waiting, 30.5, 30.0, {0: waiting}, left={1: 60}).ranks == (1,)  # type: ignore[union-attr]
+    # A replica that closed having entered as many (or its count unknown): this rank is hung itself.
+    for entered in (61, -1):
+        v = closed_peers_verdict(0, waiting, 30.5, 30.0, {2: waiting}, left={1: entered})
+        assert v is not None and (v.ranks, v.reason) == ((0, 2), IDLE_AFTER_PEERS_CLOSED), v
+    # Not before the threshold, nor while it is at work: as before.
+    assert closed_peers_verdict(0, waiting, 12.0, 30.0, left={1: 60}) is None
 
 
 def test_a_rank_idle_and_quiet_once_its_peers_closed_is_named_hung_after_its_loop() -> None:

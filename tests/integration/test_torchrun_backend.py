@@ -648,6 +648,31 @@ def test_a_script_that_exits_mid_run_is_named_as_soon_as_its_peers_wait_for_it(
     assert _equal(job.final(), baseline)
 
 
+def test_a_script_that_exits_after_its_last_step_while_the_others_wait_in_a_barrier_is_named(
+    processes, tmp_path, baseline
+) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1's script exits (status 3) after the last step (24), its capture in place, while the
+    other enters `dist.barrier()` and waits for it there (between steps: never counted as a wait).
+    Rank 0 is idle and quiet as a rank hung after its loop is, but it entered one collective more
+    than rank 1 had at its close (its last progress, sent before its goodbye): rank 1 is named
+    (`left_while_peers_wait`), not rank 0 (before: rank 0 was named hung after its loop, outsider
+    fuzz). The restart resumes at 24, bitwise."""
+    job = Job(processes, tmp_path, "exitlast")
+    reports = tmp_path / "reports"
+    env = {"FAULT": "exit", "FAULT_RANK": "1", "FAULT_STEP": "24", "HANG_S": "2", "BARRIER": "1"}
+    gens, ctx = _restarted_once(job, {**env, "LM_RESILIENCY_REPORT_DIR": str(reports)})
+    assert ctx["failure_kind"] == "hang" and ctx["reason_code"] == "left_while_peers_wait", ctx
+    assert ctx["checkpoint_step"] == 24 and gens[1]["start"] == 24, (ctx, gens)
+    hangs = {
+        tuple(r["failed_ranks"])
+        for f in sorted(reports.glob("*.jsonl"))
+        for r in map(json.loads, f.read_text().splitlines())
+        if r["kind"] == "hang"
+    }
+    assert hangs == {(1,)}, (hangs, job.logs())
+    assert _equal(job.final(), baseline)
+
+
 def test_a_hang_named_by_scout_is_recovered_and_the_run_completes_bitwise(
     processes, tmp_path, baseline
 ) -> None:  # type: ignore[no-untyped-def]

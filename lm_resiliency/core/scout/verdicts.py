@@ -644,6 +644,7 @@ def closed_peers_verdict(
     quiet_s: float,
     threshold_s: float,
     still: Mapping[int, Progress] | None = None,
+    left: Mapping[int, int] | None = None,
 ) -> Verdict | None:
     """Called while the other ranks of the job have closed their sessions (their loops ended) and
     this one has not. Its training thread in no collective and no phase, with no progress for
@@ -661,7 +662,14 @@ def closed_peers_verdict(
     Nobody waits for it in a collective, so `hang_verdict` never names it; its peers' workers wait
     for it at their close for a while, and the job never ended (outsider 57: a hang right after the
     last step). A rank busy with work of its own after its loop (saving, uploading, evaluating)
-    uses CPU, and is not named."""
+    uses CPU, and is not named.
+
+    `left`: the replicas of this rank that closed their sessions (they issue the same collectives),
+    each with the collectives it had entered at its close. Where this rank entered more than one of
+    them, it waits in a collective between steps (a barrier after the loop, never counted as a
+    wait) that the replica left without entering: those replicas are named (`LEFT`), not this one
+    and its like. Before, a script that exited after its last step (`sys.exit(0)`) while the others
+    waited in their final barrier had the waiting ranks named hung (outsider fuzz)."""
     if own.in_collective_s > 0 or own.phase:
         return None  # a collective's peers (hang_verdict) or its phase's threshold (StallDetector)
     if own.idle_s < threshold_s or quiet_s < threshold_s:
@@ -670,6 +678,18 @@ def closed_peers_verdict(
     for p in still.values():
         if p.step != own.step or p.in_collective_s > 0 or p.phase or p.idle_s < threshold_s:
             return None
+    went = tuple(sorted(r for r, entered in (left or {}).items() if 0 <= entered < own.collectives))
+    if went:
+        return Verdict(
+            "hang",
+            went,
+            own.step + 1,
+            LEFT,
+            f"ranks {sorted({rank, *still})} entered collective #{own.collectives} after step {own.step} "
+            f"and wait in it, idle for {own.idle_s:.1f}s; ranks {list(went)} closed their sessions and "
+            "left before entering it (a script that ended early?)",
+            stall_duration_s=min(own.idle_s, quiet_s),
+        )
     ranks = tuple(sorted({rank, *still}))
     who = (
         "every other rank closed its session"
