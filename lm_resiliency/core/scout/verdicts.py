@@ -473,15 +473,7 @@ def hang_verdict(
         sorted(r for r, entered in (left or {}).items() if r not in progress and (jobwide or entered < k))
     )
     if went:
-        return Verdict(
-            "hang",
-            went,
-            at,
-            LEFT,
-            f"ranks {in_k} for up to {stall:.1f}s; ranks {list(went)} "
-            "closed their sessions and left before entering it (a loop that ended early?)",
-            stall_duration_s=stall,
-        )
+        return _left(went, at, in_k, stall)
     gone = tuple(sorted(silent - set(progress)))
     if gone:
         return Verdict(
@@ -527,13 +519,23 @@ def _left_early(
     went = tuple(sorted(r for r, entered in left.items() if r not in progress and entered < k))
     if not went:
         return None
-    stall = max(p.in_collective_s for p in progress.values())
+    at = max(p.step for p in progress.values()) + 1
+    return _left(
+        went,
+        at,
+        f"{sorted(progress)} wait in collective #{k}",
+        max(p.in_collective_s for p in progress.values()),
+    )
+
+
+def _left(went: tuple[int, ...], at: int, in_k: str, stall: float) -> Verdict:
+    """The hang of ranks that closed their sessions before the collective the ranks `in_k` wait in."""
     return Verdict(
         "hang",
         went,
-        max(p.step for p in progress.values()) + 1,
+        at,
         LEFT,
-        f"ranks {sorted(progress)} wait in collective #{k} for up to {stall:.1f}s; ranks {list(went)} "
+        f"ranks {in_k} for up to {stall:.1f}s; ranks {list(went)} "
         "closed their sessions and left before entering it (a loop that ended early?)",
         stall_duration_s=stall,
     )
